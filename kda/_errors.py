@@ -1,0 +1,17 @@
+"""Exceptions raised for bad input."""
+
+from __future__ import annotations
+
+__all__ = ["InvalidInputError", "InvalidTypeError", "KdaError"]
+
+
+class KdaError(Exception):
+    """Base class of every error that ``kda`` raises for bad input."""
+
+
+class InvalidInputError(KdaError, ValueError):
+    """A shape, size or value is not what the function accepts."""
+
+
+class InvalidTypeError(KdaError, TypeError):
+    """An argument has the wrong dtype, array type or Python type."""

@@ -1,0 +1,37 @@
+"""The array-API reference backend: every primitive, written with ``array_namespace``.
+
+It serves NumPy and any other namespace that follows the array API standard
+(array-api-strict, PyTorch on CPU through array-api-compat, ...).
+"""
+
+from ._chunk import (
+    ChunkFactors,
+    chunk_factors,
+    chunk_gate_gradient,
+    chunk_pairs,
+    chunk_pairs_backward,
+    chunk_state_grad_pass,
+    chunk_state_pass,
+    from_chunks,
+    to_chunks,
+    unit_lower_inverse,
+)
+from ._recurrent import recurrent_backward, recurrent_forward
+
+NAME = "reference"
+
+__all__ = [
+    "NAME",
+    "ChunkFactors",
+    "chunk_factors",
+    "chunk_gate_gradient",
+    "chunk_pairs",
+    "chunk_pairs_backward",
+    "chunk_state_grad_pass",
+    "chunk_state_pass",
+    "from_chunks",
+    "recurrent_backward",
+    "recurrent_forward",
+    "to_chunks",
+    "unit_lower_inverse",
+]

@@ -1,0 +1,141 @@
+"""The step-by-step KDA recurrence and its hand-written backward: the oracle.
+
+Per batch and head, with state ``S: [K, V]`` and for each step ``t``::
+
+    S'  = diag(exp(g_t)) S_{t-1}
+    u_t = beta_t * (v_t - S'^T k_t)
+    S_t = S' + k_t u_t^T
+    o_t = scale * S_t^T q_t
+
+All arrays are vectorised over ``[B, H]``; the loop runs over ``T``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from array_api_compat import array_namespace
+
+__all__ = ["recurrent_backward", "recurrent_forward"]
+
+
+def _vecmat(xp: Any, x: Any, M: Any) -> Any:
+    """``x^T M`` for ``x: [..., K]`` and ``M: [..., K, V]`` -> ``[..., V]``."""
+    return xp.matmul(x[..., None, :], M)[..., 0, :]
+
+
+def _matvec(xp: Any, M: Any, y: Any) -> Any:
+    """``M y`` for ``M: [..., K, V]`` and ``y: [..., V]`` -> ``[..., K]``."""
+    return xp.matmul(M, y[..., :, None])[..., 0]
+
+
+def _decay(xp: Any, g_t: Any, S: Any) -> Any:
+    return xp.exp(g_t)[..., :, None] * S
+
+
+def _step(xp: Any, S: Any, q_t: Any, k_t: Any, v_t: Any, g_t: Any, b_t: Any, scale: float):
+    S = _decay(xp, g_t, S)
+    u = b_t[..., None] * (v_t - _vecmat(xp, k_t, S))
+    S = S + k_t[..., :, None] * u[..., None, :]
+    return S, scale * _vecmat(xp, q_t, S)
+
+
+def recurrent_forward(
+    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any
+) -> tuple[Any, Any]:
+    """Run the recurrence.
+
+    Parameters
+    ----------
+    q, k, g : ``[B, H, T, K]``; v : ``[B, H, T, V]``; beta : ``[B, H, T]``;
+    state : ``[B, H, K, V]``, the state before the first step. All in one floating dtype.
+
+    Returns
+    -------
+    output : ``[B, H, T, V]``; final_state : ``[B, H, K, V]``.
+    """
+    xp = array_namespace(q, k, v, g, beta, state)
+    B, H, T, _ = q.shape
+    S = state
+    outs = []
+    for t in range(T):
+        S, o = _step(xp, S, q[:, :, t], k[:, :, t], v[:, :, t], g[:, :, t], beta[:, :, t], scale)
+        outs.append(o)
+    if T == 0:
+        return xp.zeros((B, H, 0, v.shape[-1]), dtype=v.dtype, device=v.device), S
+    return xp.stack(outs, axis=2), S
+
+
+def recurrent_backward(
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    scale: float,
+    state: Any,
+    grad_output: Any,
+    grad_state: Any,
+) -> tuple[Any, Any, Any, Any, Any, Any]:
+    """Gradients of the recurrence, stepping backwards through time.
+
+    States are kept at every ``ceil(sqrt(T))``-th step and the ones between are recomputed,
+    so memory grows as ``sqrt(T)`` states rather than ``T``.
+
+    Parameters
+    ----------
+    q, k, v, g, beta, scale, state : as for :func:`recurrent_forward`.
+    grad_output : ``[B, H, T, V]``; grad_state : ``[B, H, K, V]``, gradient of the final state.
+
+    Returns
+    -------
+    dq, dk, dv, dg, dbeta, dstate : gradients with the shapes of ``q, k, v, g, beta, state``.
+    """
+    xp = array_namespace(q, k, v, g, beta, state, grad_output, grad_state)
+    T = q.shape[2]
+    stride = max(1, math.isqrt(max(T - 1, 0)) + 1)
+    checkpoints = {}
+    S = state
+    for t in range(T):
+        if t % stride == 0:
+            checkpoints[t] = S
+        S, _ = _step(xp, S, q[:, :, t], k[:, :, t], v[:, :, t], g[:, :, t], beta[:, :, t], scale)
+
+    grads: list[list[Any]] = [[] for _ in range(5)]  # dq, dk, dv, dg, dbeta, last step first
+    dS = grad_state
+    for start in reversed(range(0, T, stride)):
+        stop = min(start + stride, T)
+        previous = [checkpoints[start]]  # previous[i]: the state before step start + i
+        for t in range(start, stop - 1):
+            S, _ = _step(xp, previous[-1], q[:, :, t], k[:, :, t], v[:, :, t], g[:, :, t],
+                         beta[:, :, t], scale)
+            previous.append(S)
+        for t in reversed(range(start, stop)):
+            q_t, k_t, v_t, g_t, b_t = q[:, :, t], k[:, :, t], v[:, :, t], g[:, :, t], beta[:, :, t]
+            do_t = grad_output[:, :, t]
+            Sd = _decay(xp, g_t, previous[t - start])  # S'
+            r = v_t - _vecmat(xp, k_t, Sd)  # residual
+            u = b_t[..., None] * r
+            S_t = Sd + k_t[..., :, None] * u[..., None, :]
+            # o_t = scale S_t^T q_t
+            dq_t = scale * _matvec(xp, S_t, do_t)
+            dS = dS + scale * q_t[..., :, None] * do_t[..., None, :]
+            # S_t = S' + k u^T
+            du = _vecmat(xp, k_t, dS)
+            dk_t = _matvec(xp, dS, u)
+            # u = beta (v - S'^T k)
+            db_t = xp.sum(du * r, axis=-1)
+            dr = b_t[..., None] * du
+            dk_t = dk_t - _matvec(xp, Sd, dr)
+            dSd = dS - k_t[..., :, None] * dr[..., None, :]
+            # S' = diag(exp(g)) S_{t-1}
+            dg_t = xp.sum(dSd * Sd, axis=-1)
+            dS = xp.exp(g_t)[..., :, None] * dSd
+            for acc, x in zip(grads, (dq_t, dk_t, dr, dg_t, db_t)):
+                acc.append(x)
+    if T == 0:
+        empty = [xp.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v, g, beta)]
+        return (*empty, dS)
+    dq, dk, dv, dg, dbeta = (xp.stack(acc[::-1], axis=2) for acc in grads)
+    return dq, dk, dv, dg, dbeta, dS
