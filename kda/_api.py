@@ -86,9 +86,7 @@ def _grad_state(p: Problem, grad_final_state: Any) -> Any:
 
 def _check_grad_output(p: Problem, grad_output: Any) -> Any:
     shape = (p.B, p.H, p.T, p.V)
-    return check_array(
-        "grad_output", grad_output, p, shape, "B, H, T, V", p.dtype, "the dtype of q"
-    )
+    return check_array("grad_output", grad_output, p, shape, "B, H, T, V", p.dtype, "the dtype of q")
 
 
 def _outputs(p: Problem, o: Any, final: Any, boundaries: Any) -> KdaOutput:
@@ -192,17 +190,13 @@ def chunk_kda_backward(
     state = _state_or_zeros(p, check_state("initial_state", initial_state, p))
     if boundaries is not None:
         shape = (p.num_chunks(chunk_size), p.B, p.H, p.K, p.V)
-        check_array(
-            "boundaries", boundaries, p, shape, "NT, B, H, K, V", p.compute_dtype, STATE_DTYPE_RULE
-        )
+        check_array("boundaries", boundaries, p, shape, "NT, B, H, K, V", p.compute_dtype, STATE_DTYPE_RULE)
     do = _check_grad_output(p, grad_output)
     dstate = _grad_state(p, grad_final_state)
     ops = get_backend(p.xp, backend)
     args = _compute_inputs(p, q, k, v, g, beta)
     (do,) = _compute_inputs(p, do)
-    grads = chunk_backward(
-        ops, p.xp, *args, p.scale, state, boundaries, do, dstate, chunk_size
-    )
+    grads = chunk_backward(ops, p.xp, *args, p.scale, state, boundaries, do, dstate, chunk_size)
     return _gradients(p, grads)
 
 

@@ -53,8 +53,8 @@ def _prepare(ops: Any, xp: Any, q, k, v, g, beta, scale: float, chunk_size: int)
     qc, kc, gc, vc = (ops.to_chunks(x, C, Cp) for x in (q, k, g, v))
     bc = ops.to_chunks(beta[..., None], C, Cp)
     f = ops.chunk_factors(qc, kc, gc, scale)
-    A, L, L_levels = ops.chunk_pairs(qc, kc, f, scale)
-    Tinv = ops.unit_lower_inverse(bc[..., 0], L_levels)
+    A, L = ops.chunk_pairs(qc, kc, f, scale)
+    Tinv = ops.unit_lower_inverse(bc[..., 0], L)
     kgv = xp.concat([f.kg, vc], axis=-1)
     kv = bc * kgv
     wu = xp.matmul(Tinv, kv)
@@ -150,4 +150,3 @@ def chunk_backward(
 
     grads = [ops.from_chunks(x, C, T) for x in (dq, dk, dv, dg)]
     return (*grads, ops.from_chunks(dbeta[..., None], C, T)[..., 0], dstate)
-

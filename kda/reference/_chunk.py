@@ -53,22 +53,24 @@ class ChunkFactors:
     prefix : ``[..., Cp, K]``, ``prod(exp(g[l]) for l <= i)``: decay from the chunk start to ``i``.
     suffix : ``[..., Cp, K]``, ``prod(exp(g[l]) for l > j)``: decay from ``j`` to the chunk end.
     total : ``[..., K]``, decay over the whole chunk (``prefix[..., -1, :]``).
-    rows, cols : one ``[..., nb, h, K]`` array per halving level (finest first): for the block
-        split after step ``p``, ``rows[i] = prod(exp(g[l]) for p < l <= i)`` over the second half
-        and ``cols[j] = prod(exp(g[l]) for j < l <= p)`` over the first half.
     qg : ``[..., Cp, K]``, ``scale * q * prefix``.
     kg : ``[..., Cp, K]``, ``k * prefix``.
     kt : ``[..., Cp, K]``, ``k * suffix``.
+    private : whatever else the backend keeps for its own :func:`chunk_pairs` and
+        :func:`chunk_pairs_backward`; the chunked algorithm never reads it. Here: the factors of
+        each halving level, finest first, as ``(rows, cols)`` with one ``[..., nb, h, K]`` array
+        per level: for the block split after step ``p``,
+        ``rows[i] = prod(exp(g[l]) for p < l <= i)`` over its second half and
+        ``cols[j] = prod(exp(g[l]) for j < l <= p)`` over its first half.
     """
 
     prefix: Any
     suffix: Any
     total: Any
-    rows: list[Any]
-    cols: list[Any]
     qg: Any
     kg: Any
     kt: Any
+    private: Any = None
 
 
 def to_chunks(x: Any, chunk_size: int, padded_size: int) -> Any:
@@ -108,15 +110,14 @@ def chunk_factors(q: Any, k: Any, g: Any, scale: float) -> ChunkFactors:
         prefix=prefix,
         suffix=suffix,
         total=prefix[..., -1, :],
-        rows=rows,
-        cols=cols,
         qg=scale * q * prefix,
         kg=k * prefix,
         kt=k * suffix,
+        private=(rows, cols),
     )
 
 
-def chunk_pairs(q: Any, k: Any, f: ChunkFactors, scale: float) -> tuple[Any, Any, list[Any]]:
+def chunk_pairs(q: Any, k: Any, f: ChunkFactors, scale: float) -> tuple[Any, Any]:
     """Decayed pairwise products of every chunk.
 
     ``A[i, j] = scale * sum_d q[i, d] k[j, d] prod(exp(g[l, d]) for j < l <= i)`` for ``j <= i``,
@@ -126,12 +127,11 @@ def chunk_pairs(q: Any, k: Any, f: ChunkFactors, scale: float) -> tuple[Any, Any
     -------
     A : ``[..., Cp, Cp]`` lower triangular, diagonal included.
     L : ``[..., Cp, Cp]`` strictly lower triangular.
-    L_levels : the off-diagonal blocks of ``L`` per level, finest first (see :mod:`._blocks`).
     """
     xp = array_namespace(q, k)
     qk = xp.stack([q, k], axis=-3)  # [..., 2, Cp, K]: row side of A and of L
     A_levels, L_levels = [], []
-    for h, rowf, colf in zip(half_sizes(q.shape[-2]), f.rows, f.cols):
+    for h, rowf, colf in zip(half_sizes(q.shape[-2]), *f.private):
         _, rows = split_halves(xp, qk, h)  # [..., 2, nb, h, K]
         k_first, _ = split_halves(xp, k, h)  # [..., nb, h, K]
         rows = rows * rowf[..., None, :, :, :]
@@ -141,17 +141,18 @@ def chunk_pairs(q: Any, k: Any, f: ChunkFactors, scale: float) -> tuple[Any, Any
         L_levels.append(blocks[..., 1, :, :, :])
     A = scale * assemble_lower(xp, xp.sum(q * k, axis=-1), A_levels)
     L = assemble_lower(xp, xp.zeros_like(q[..., 0]), L_levels)
-    return A, L, L_levels
+    return A, L
 
 
-def unit_lower_inverse(beta: Any, L_levels: list[Any]) -> Any:
+def unit_lower_inverse(beta: Any, L: Any) -> Any:
     """``(I + diag(beta) L)^-1`` for every chunk, by recursive block inversion.
 
-    ``beta: [..., Cp]``; ``L_levels`` as returned by :func:`chunk_pairs`. Returns ``[..., Cp, Cp]``,
-    lower triangular with a unit diagonal: ``inv([[X11, 0], [X21, X22]]) =
-    [[T11, 0], [-T22 X21 T11, T22]]``.
+    ``beta: [..., Cp]``; ``L: [..., Cp, Cp]`` strictly lower triangular (only that triangle is
+    read). Returns ``[..., Cp, Cp]``, lower triangular with a unit diagonal:
+    ``inv([[X11, 0], [X21, X22]]) = [[T11, 0], [-T22 X21 T11, T22]]``.
     """
-    xp = array_namespace(beta)
+    xp = array_namespace(beta, L)
+    _, L_levels = split_lower(xp, L)
     blocks = xp.ones_like(beta)[..., None, None]  # [..., Cp, 1, 1]
     for h, L_off in zip(half_sizes(beta.shape[-1]), L_levels):
         _, beta_rows = split_halves(xp, beta[..., None], h)  # [..., nb, h, 1]
@@ -219,9 +220,7 @@ def chunk_state_grad_pass(
         ends.append(dS)
         dU = du_local[:, :, n] + xp.matmul(kt[:, :, n], dS)
         dus.append(dU)
-        dS = total[:, :, n, :, None] * dS + ds_local[:, :, n] - xp.matmul(
-            xp.matrix_transpose(w[:, :, n]), dU
-        )
+        dS = total[:, :, n, :, None] * dS + ds_local[:, :, n] - xp.matmul(xp.matrix_transpose(w[:, :, n]), dU)
     ends.reverse()
     dus.reverse()
     return xp.stack(ends, axis=0), xp.stack(dus, axis=2), dS
@@ -243,7 +242,7 @@ def chunk_pairs_backward(
     dq, dk = d * k, d * q
     dg = xp.zeros_like(q)
     qk = xp.stack([q, k], axis=-3)
-    levels = zip(half_sizes(q.shape[-2]), f.rows, f.cols, dA_levels, dL_levels)
+    levels = zip(half_sizes(q.shape[-2]), *f.private, dA_levels, dL_levels)
     for h, rowf, colf, dA_off, dL_off in levels:
         _, x_rows = split_halves(xp, qk, h)  # [..., 2, nb, h, K]
         k_first, _ = split_halves(xp, k, h)  # [..., nb, h, K]
@@ -265,9 +264,7 @@ def chunk_pairs_backward(
     return dq, dk, dg
 
 
-def chunk_gate_gradient(
-    prefix_terms: Any, suffix_terms: Any, total_terms: Any, pair_terms: Any
-) -> Any:
+def chunk_gate_gradient(prefix_terms: Any, suffix_terms: Any, total_terms: Any, pair_terms: Any) -> Any:
     """Gradient of ``g`` from the gradients of the decay factors.
 
     Parameters

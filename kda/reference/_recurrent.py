@@ -41,9 +41,7 @@ def _step(xp: Any, S: Any, q_t: Any, k_t: Any, v_t: Any, g_t: Any, b_t: Any, sca
     return S, scale * _vecmat(xp, q_t, S)
 
 
-def recurrent_forward(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any
-) -> tuple[Any, Any]:
+def recurrent_forward(q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any) -> tuple[Any, Any]:
     """Run the recurrence.
 
     Parameters
@@ -108,8 +106,9 @@ def recurrent_backward(
         stop = min(start + stride, T)
         previous = [checkpoints[start]]  # previous[i]: the state before step start + i
         for t in range(start, stop - 1):
-            S, _ = _step(xp, previous[-1], q[:, :, t], k[:, :, t], v[:, :, t], g[:, :, t],
-                         beta[:, :, t], scale)
+            S, _ = _step(
+                xp, previous[-1], q[:, :, t], k[:, :, t], v[:, :, t], g[:, :, t], beta[:, :, t], scale
+            )
             previous.append(S)
         for t in reversed(range(start, stop)):
             q_t, k_t, v_t, g_t, b_t = q[:, :, t], k[:, :, t], v[:, :, t], g[:, :, t], beta[:, :, t]
