@@ -1,0 +1,41 @@
+"""The Numba-CUDA backend: the primitive interface of :mod:`kda.reference`, run by CUDA kernels.
+
+The backend-neutral algorithm of :mod:`kda._chunked` drives it unchanged. Arrays are CuPy
+arrays on a GPU (kernels run on CuPy's current stream), or NumPy arrays under Numba's CUDA
+simulator (``NUMBA_ENABLE_CUDASIM=1``). Kernels are compiled on first use, once per dtype
+(float32, float64). Launches per call do not depend on the sequence length: one kernel per
+primitive (``kda.cuda._launch.LAUNCHES`` counts them).
+"""
+
+from ..reference._chunk import ChunkFactors
+from ._launch import (
+    chunk_factors,
+    chunk_gate_gradient,
+    chunk_pairs,
+    chunk_pairs_backward,
+    chunk_state_grad_pass,
+    chunk_state_pass,
+    from_chunks,
+    recurrent_backward,
+    recurrent_forward,
+    to_chunks,
+    unit_lower_inverse,
+)
+
+NAME = "cuda"
+
+__all__ = [
+    "NAME",
+    "ChunkFactors",
+    "chunk_factors",
+    "chunk_gate_gradient",
+    "chunk_pairs",
+    "chunk_pairs_backward",
+    "chunk_state_grad_pass",
+    "chunk_state_pass",
+    "from_chunks",
+    "recurrent_backward",
+    "recurrent_forward",
+    "to_chunks",
+    "unit_lower_inverse",
+]
