@@ -62,9 +62,14 @@ def check_shape(name: str, x: Any, expected: tuple[int, ...], letters: str) -> N
         raise InvalidInputError(msg)
 
 
+def dtype_name(dtype: Any) -> str:
+    """``float32`` for NumPy's scalar type, the library's own spelling otherwise."""
+    return getattr(dtype, "__name__", None) or str(dtype)
+
+
 def check_dtype(name: str, x: Any, expected: Any, why: str) -> None:
     if x.dtype != expected:
-        msg = f"{name} must have dtype {expected} ({why}); got {x.dtype}"
+        msg = f"{name} must have dtype {dtype_name(expected)} ({why}); got {dtype_name(x.dtype)}"
         raise InvalidTypeError(msg)
 
 
@@ -130,7 +135,7 @@ def validate_problem(q: Any, k: Any, v: Any, g: Any, beta: Any, scale: Any) -> P
         msg = f"K and V must be >= 1; got K={K}, V={V}"
         raise InvalidInputError(msg)
     if not _is_float(xp, q.dtype):
-        msg = f"q must have a real floating dtype (float16, bfloat16, float32, float64); got {q.dtype}"
+        msg = f"q must have a real floating dtype (float16, bfloat16, float32, float64); got {dtype_name(q.dtype)}"
         raise InvalidTypeError(msg)
     for name, x in zip(names[1:], arrays[1:]):
         check_dtype(name, x, q.dtype, "the dtype of q")

@@ -186,9 +186,9 @@ def chunk_state_pass(w: Any, u0: Any, kt: Any, total: Any, state: Any) -> tuple[
     S = state
     for n in range(w.shape[2]):
         starts.append(S)
-        U = u0[:, :, n] - xp.matmul(w[:, :, n], S)
+        U = u0[:, :, n, ...] - xp.matmul(w[:, :, n, ...], S)
         us.append(U)
-        S = total[:, :, n, :, None] * S + xp.matmul(xp.matrix_transpose(kt[:, :, n]), U)
+        S = total[:, :, n, :, None] * S + xp.matmul(xp.matrix_transpose(kt[:, :, n, ...]), U)
     return xp.stack(starts, axis=0), xp.stack(us, axis=2), S
 
 
@@ -218,9 +218,13 @@ def chunk_state_grad_pass(
     dS = dstate
     for n in reversed(range(w.shape[2])):
         ends.append(dS)
-        dU = du_local[:, :, n] + xp.matmul(kt[:, :, n], dS)
+        dU = du_local[:, :, n, ...] + xp.matmul(kt[:, :, n, ...], dS)
         dus.append(dU)
-        dS = total[:, :, n, :, None] * dS + ds_local[:, :, n] - xp.matmul(xp.matrix_transpose(w[:, :, n]), dU)
+        dS = (
+            total[:, :, n, :, None] * dS
+            + ds_local[:, :, n, ...]
+            - xp.matmul(xp.matrix_transpose(w[:, :, n, ...]), dU)
+        )
     ends.reverse()
     dus.reverse()
     return xp.stack(ends, axis=0), xp.stack(dus, axis=2), dS

@@ -58,7 +58,16 @@ def recurrent_forward(q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, s
     S = state
     outs = []
     for t in range(T):
-        S, o = _step(xp, S, q[:, :, t], k[:, :, t], v[:, :, t], g[:, :, t], beta[:, :, t], scale)
+        S, o = _step(
+            xp,
+            S,
+            q[:, :, t, ...],
+            k[:, :, t, ...],
+            v[:, :, t, ...],
+            g[:, :, t, ...],
+            beta[:, :, t, ...],
+            scale,
+        )
         outs.append(o)
     if T == 0:
         return xp.zeros((B, H, 0, v.shape[-1]), dtype=v.dtype, device=v.device), S
@@ -98,7 +107,16 @@ def recurrent_backward(
     for t in range(T):
         if t % stride == 0:
             checkpoints[t] = S
-        S, _ = _step(xp, S, q[:, :, t], k[:, :, t], v[:, :, t], g[:, :, t], beta[:, :, t], scale)
+        S, _ = _step(
+            xp,
+            S,
+            q[:, :, t, ...],
+            k[:, :, t, ...],
+            v[:, :, t, ...],
+            g[:, :, t, ...],
+            beta[:, :, t, ...],
+            scale,
+        )
 
     grads: list[list[Any]] = [[] for _ in range(5)]  # dq, dk, dv, dg, dbeta, last step first
     dS = grad_state
@@ -107,12 +125,25 @@ def recurrent_backward(
         previous = [checkpoints[start]]  # previous[i]: the state before step start + i
         for t in range(start, stop - 1):
             S, _ = _step(
-                xp, previous[-1], q[:, :, t], k[:, :, t], v[:, :, t], g[:, :, t], beta[:, :, t], scale
+                xp,
+                previous[-1],
+                q[:, :, t, ...],
+                k[:, :, t, ...],
+                v[:, :, t, ...],
+                g[:, :, t, ...],
+                beta[:, :, t, ...],
+                scale,
             )
             previous.append(S)
         for t in reversed(range(start, stop)):
-            q_t, k_t, v_t, g_t, b_t = q[:, :, t], k[:, :, t], v[:, :, t], g[:, :, t], beta[:, :, t]
-            do_t = grad_output[:, :, t]
+            q_t, k_t, v_t, g_t, b_t = (
+                q[:, :, t, ...],
+                k[:, :, t, ...],
+                v[:, :, t, ...],
+                g[:, :, t, ...],
+                beta[:, :, t, ...],
+            )
+            do_t = grad_output[:, :, t, ...]
             Sd = _decay(xp, g_t, previous[t - start])  # S'
             r = v_t - _vecmat(xp, k_t, Sd)  # residual
             u = b_t[..., None] * r

@@ -1,0 +1,722 @@
+"""``python -m kda bench``: time the chunked KDA against the step recurrence and fla's reference.
+
+For each sequence length ``T`` it times the forward and the forward+backward of
+
+* ``chunk``: :func:`kda.chunk_kda` on NumPy (forward+backward = ``chunk_kda(save_boundaries=True)``
+  then :func:`kda.chunk_kda_backward` with those boundaries),
+* ``recurrent``: :func:`kda.recurrent_kda` / :func:`kda.recurrent_kda_backward` (the step loop),
+* ``fla_naive_chunk`` / ``fla_naive_recurrent``: ``naive_chunk_kda`` / ``naive_recurrent_kda``
+  from flash-linear-attention (``pip install fla-core``), PyTorch on CPU, gradients by autograd,
+
+next to this machine's float32 GEMM rate, prints a table, and writes ``bench.json`` and
+``bench.png`` to ``--out``. A separate pass measures the peak memory of the chunked forward+backward
+with :mod:`tracemalloc`. Nothing here is imported by :mod:`kda` itself; tqdm, matplotlib, torch
+and fla are optional (``pip install kda[bench]``).
+
+FLOP counts (per batch and head, ``d = K = V``, ``C`` the chunk size): the forward is counted as in
+the Kimi Linear report, ``6 T d^2 + 3 T C d + T C^2``; the backward as twice that, so a
+forward+backward is three times the forward count. The same counts are used for every method, so
+GFLOP/s is an "effective" rate that compares run times, not the work each method really does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib
+import importlib.util
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["main"]
+
+METHODS = ("chunk", "recurrent", "fla_naive_chunk", "fla_naive_recurrent")
+BACKEND_CHOICES = ("chunk", "recurrent", "fla_naive")
+PASSES = ("fwd", "fwd+bwd")
+DEFAULT_T = (256, 1024, 4096, 16384)
+MEMORY_TARGET = 1.5
+
+FLA_CONVENTIONS = (
+    "fla.ops.kda.naive: time-major q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H]; g is the "
+    "per-step log decay (S <- exp(g) * S before the delta update), beta multiplies the delta-rule "
+    "update, scale defaults to K**-0.5 and multiplies q; no L2 normalisation of q or k inside "
+    "(the naive functions take no use_qk_l2norm_in_kernel argument); computes in float32 and "
+    "returns v's dtype; naive_chunk_kda needs T % chunk_size == 0. The same definition as kda: "
+    "inputs are passed as x.transpose(1, 2)."
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m kda bench",
+        description="Time kda's chunked forward/backward against the step recurrence and fla's "
+        "CPU reference; print a table, write JSON and a PNG plot.",
+    )
+    p.add_argument("--B", type=int, default=1, help="batch size (default 1)")
+    p.add_argument("--H", type=int, default=16, help="heads (default 16)")
+    p.add_argument("--K", type=int, default=128, help="key dimension (default 128)")
+    p.add_argument("--V", type=int, default=128, help="value dimension (default 128)")
+    p.add_argument(
+        "--T", type=int, nargs="+", default=list(DEFAULT_T), help="sequence lengths (default %(default)s)"
+    )
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument("--chunk-size", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per entry, median reported")
+    p.add_argument(
+        "--slow-seconds",
+        type=float,
+        default=5.0,
+        help="entries whose warm-up takes longer than this are timed once (default 5)",
+    )
+    p.add_argument(
+        "--backends",
+        nargs="+",
+        choices=BACKEND_CHOICES,
+        default=list(BACKEND_CHOICES),
+        help="methods to run (fla_naive = fla's naive_chunk_kda and naive_recurrent_kda)",
+    )
+    p.add_argument("--recurrent-max-T", type=int, default=4096, help="cap for kda.recurrent_kda")
+    p.add_argument("--fla-max-T", type=int, default=4096, help="cap for fla's naive_chunk_kda")
+    p.add_argument(
+        "--fla-recurrent-max-T",
+        type=int,
+        default=2048,
+        help="cap for fla's naive_recurrent_kda (autograd keeps several [B,H,K,V] tensors per step)",
+    )
+    p.add_argument("--gemm-n", type=int, default=2048, help="size of the square GEMM (default 2048)")
+    p.add_argument(
+        "--memory-T",
+        type=int,
+        nargs="*",
+        default=None,
+        help="lengths for the tracemalloc pass of the chunked path (default: every --T; none: skip)",
+    )
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory pass")
+    p.add_argument("--out", type=Path, default=Path("benchmarks") / "results", help="output directory")
+    p.add_argument("--name", default="bench", help="file stem of the JSON and PNG (default bench)")
+    p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+# ----------------------------------------------------------------------------------------------
+# Progress
+
+
+class _Progress:
+    """tqdm when installed, else one rewritten line on stderr."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.n, self.enabled, self._bar = total, 0, enabled, None
+        if enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                pass
+            else:
+                self._bar = tqdm(total=total, desc="kda bench", unit="run", file=sys.stderr, leave=False)
+
+    def describe(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.set_postfix_str(text)
+        else:
+            sys.stderr.write(f"\r[{self.n}/{self.total}] {text:<60.60}")
+            sys.stderr.flush()
+
+    def step(self) -> None:
+        self.n += 1
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.close()
+        else:
+            sys.stderr.write("\r" + " " * 80 + "\r")
+            sys.stderr.flush()
+
+
+# ----------------------------------------------------------------------------------------------
+# Machine description
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _machine() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "cpu_model": _cpu_model(),
+        "logical_cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "numpy": np.__version__,
+        "env": {
+            k: v
+            for k, v in os.environ.items()
+            if k.startswith(("OPENBLAS_", "OMP_", "MKL_", "BLIS_", "GOTO_", "VECLIB_"))
+        },
+    }
+    if hasattr(os, "sched_getaffinity"):
+        info["usable_cores"] = len(os.sched_getaffinity(0))
+    try:
+        from threadpoolctl import threadpool_info
+
+        info["blas"] = [
+            {k: d.get(k) for k in ("user_api", "internal_api", "version", "num_threads", "architecture")}
+            for d in threadpool_info()
+        ]
+    except ImportError:
+        info["blas"] = "threadpoolctl not installed"
+    try:
+        import kda
+
+        info["kda"] = kda.__version__
+    except (ImportError, AttributeError):
+        pass
+    return info
+
+
+# ----------------------------------------------------------------------------------------------
+# FLOPs and timing
+
+
+def forward_flops(B: int, H: int, T: int, d: int, C: int) -> float:
+    """Kimi Linear report's count for the chunked forward: ``B H (6 T d^2 + 3 T C d + T C^2)``."""
+    return float(B * H * (6 * T * d * d + 3 * T * C * d + T * C * C))
+
+
+def pass_flops(pass_: str, B: int, H: int, T: int, d: int, C: int) -> float:
+    """The forward count, or three times it for forward+backward (backward = 2x forward)."""
+    f = forward_flops(B, H, T, d, C)
+    return f if pass_ == "fwd" else 3.0 * f
+
+
+def _clock(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _time(fn: Callable[[], Any], repeats: int, slow: float, warm_up: bool) -> dict[str, Any]:
+    """Warm-up run (unless the method is already warm and slow), then the median of the repeats;
+    an entry whose first run exceeds ``slow`` seconds is timed once."""
+    warmup_s = _clock(fn) if warm_up else None
+    first = warmup_s if warmup_s is not None else math.inf
+    n = 1 if first > slow or not warm_up else max(1, repeats)
+    times = [_clock(fn) for _ in range(n)]
+    return {"time_s": statistics.median(times), "times_s": times, "warmup_s": warmup_s, "repeats": n}
+
+
+def _gemm(n: int, batch: int, C: int, K: int, V: int, dtype: Any, rng: np.random.Generator):
+    """This machine's matrix-product rate: ``n^3`` and the chunk's batched shapes."""
+    rows = []
+    shapes = [
+        (f"{n}x{n} @ {n}x{n}", (n, n), (n, n)),
+        (f"[{batch},{C},{K}] @ [{batch},{K},{V}]", (batch, C, K), (batch, K, V)),
+        (f"[{batch},{C},{K}] @ [{batch},{K},{C}]", (batch, C, K), (batch, K, C)),
+    ]
+    for name, sa, sb in shapes:
+        a = rng.standard_normal(sa).astype(dtype)
+        b = rng.standard_normal(sb).astype(dtype)
+        flops = 2.0 * math.prod(sa) * sb[-1]
+        np.matmul(a, b)  # warm-up
+        reps = 5
+        t = statistics.median(_clock(lambda a=a, b=b: np.matmul(a, b)) for _ in range(reps))
+        rows.append({"name": name, "flops": flops, "time_s": t, "gflops": flops / t / 1e9, "repeats": reps})
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs and methods
+
+
+def _inputs(B: int, H: int, T: int, K: int, V: int, dtype: Any, seed: int) -> dict[str, np.ndarray]:
+    """KDA-like inputs: L2-normalised q and k, log decays in about [-0.2, 0), beta in (0, 1)."""
+    rng = np.random.default_rng(seed)
+
+    def unit(shape):
+        x = rng.standard_normal(shape, dtype=np.float32)
+        return (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(dtype)
+
+    q, k = unit((B, H, T, K)), unit((B, H, T, K))
+    v = rng.standard_normal((B, H, T, V), dtype=np.float32).astype(dtype)
+    g = (-0.2 * rng.random((B, H, T, K), dtype=np.float32) - 1e-3).astype(dtype)
+    beta = (1.0 / (1.0 + np.exp(-rng.standard_normal((B, H, T), dtype=np.float32)))).astype(dtype)
+    do = rng.standard_normal((B, H, T, V), dtype=np.float32).astype(dtype)
+    return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "do": do}
+
+
+def _load_fla_naive() -> tuple[Any, str]:
+    """``fla.ops.kda.naive`` or the reason it is unavailable.
+
+    ``import fla.ops`` needs triton; the naive reference needs only torch and einops, so when the
+    package import fails the file itself is loaded.
+    """
+    try:
+        import einops  # noqa: F401
+        import torch  # noqa: F401
+    except ImportError as err:
+        return None, f"fla reference not run: {err} (pip install torch einops fla-core)"
+    try:
+        return importlib.import_module("fla.ops.kda.naive"), ""
+    except ImportError:
+        pass
+    spec = importlib.util.find_spec("fla")
+    if spec is None or not spec.submodule_search_locations:
+        return None, "fla reference not run: fla-core is not installed (pip install --no-deps fla-core)"
+    path = Path(next(iter(spec.submodule_search_locations))) / "ops" / "kda" / "naive.py"
+    if not path.is_file():
+        return None, f"fla reference not run: {path} not found in the installed fla"
+    mod_spec = importlib.util.spec_from_file_location("_kda_bench_fla_naive", path)
+    module = importlib.util.module_from_spec(mod_spec)
+    try:
+        mod_spec.loader.exec_module(module)
+    except Exception as err:
+        return None, f"fla reference not run: loading {path} failed: {err!r}"
+    return module, ""
+
+
+def _fla_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("fla-core")
+    except Exception:
+        return None
+
+
+def _torch_view(x: np.ndarray, grad: bool) -> Any:
+    """Head-first NumPy -> time-major torch tensor (a copy, contiguous)."""
+    import torch
+
+    t = torch.from_numpy(np.ascontiguousarray(np.swapaxes(x, 1, 2)))
+    return t.requires_grad_(grad)
+
+
+def _kda_fns(name: str, x: dict[str, np.ndarray], C: int) -> dict[str, Callable[[], Any]]:
+    import kda
+
+    q, k, v, g, beta, do = (x[n] for n in ("q", "k", "v", "g", "beta", "do"))
+    if name == "chunk":
+
+        def fwd():
+            return kda.chunk_kda(q, k, v, g, beta, chunk_size=C)
+
+        def fwd_bwd():
+            out = kda.chunk_kda(q, k, v, g, beta, chunk_size=C, save_boundaries=True)
+            return kda.chunk_kda_backward(q, k, v, g, beta, out.boundaries, do, chunk_size=C)
+
+    else:
+
+        def fwd():
+            return kda.recurrent_kda(q, k, v, g, beta)
+
+        def fwd_bwd():
+            kda.recurrent_kda(q, k, v, g, beta)
+            return kda.recurrent_kda_backward(q, k, v, g, beta, do)
+
+    return {"fwd": fwd, "fwd+bwd": fwd_bwd}
+
+
+def _fla_fns(fn: Any, x: dict[str, np.ndarray], C: int, chunked: bool) -> dict[str, Callable[[], Any]]:
+    import torch
+
+    names = ("q", "k", "v", "g", "beta")
+    plain = [_torch_view(x[n], False) for n in names]
+    do = _torch_view(x["do"], False)
+    kw = {"chunk_size": C} if chunked else {}
+
+    def fwd():
+        with torch.no_grad():
+            return fn(*plain, **kw)
+
+    def fwd_bwd():
+        leaves = [t.detach().requires_grad_(True) for t in plain]
+        o, _ = fn(*leaves, **kw)
+        o.backward(do)
+        return [t.grad for t in leaves]
+
+    return {"fwd": fwd, "fwd+bwd": fwd_bwd}
+
+
+def _verify_fla(fla: Any, K: int, V: int, C: int, seed: int) -> dict[str, Any]:
+    """fla's naive forward and autograd gradients against kda.recurrent_kda(_backward), float64."""
+    import kda
+
+    B, H, T = 1, 2, 2 * C
+    x = _inputs(B, H, T, K, V, np.float64, seed + 1)
+    q, k, v, g, beta, do = (x[n] for n in ("q", "k", "v", "g", "beta", "do"))
+    ref = kda.recurrent_kda(q, k, v, g, beta)
+    gref = kda.recurrent_kda_backward(q, k, v, g, beta, do)
+    chunk = kda.chunk_kda(q, k, v, g, beta, chunk_size=C)
+
+    def rel(a: np.ndarray, b: np.ndarray) -> float:
+        return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-300))
+
+    report: dict[str, Any] = {
+        "problem": {"B": B, "H": H, "T": T, "K": K, "V": V, "dtype": "float64", "chunk_size": C},
+        "oracle": "kda.recurrent_kda / kda.recurrent_kda_backward",
+        "max_rel_error": {"kda.chunk_kda output": rel(chunk.output, ref.output)},
+    }
+    names = ("q", "k", "v", "g", "beta")
+    for label, fn, kw in (
+        ("naive_chunk_kda", fla.naive_chunk_kda, {"chunk_size": C}),
+        ("naive_recurrent_kda", fla.naive_recurrent_kda, {}),
+    ):
+        leaves = [_torch_view(x[n], True) for n in names]
+        # fla computes in float32 internally (x.to(torch.float)) and returns v's dtype
+        o, s = fn(*leaves, output_final_state=True, **kw)
+        o.backward(_torch_view(do, False))
+        o_np = np.swapaxes(o.detach().numpy(), 1, 2)
+        errs = {"output": rel(o_np, ref.output), "final_state": rel(s.detach().numpy(), ref.final_state)}
+        for n, t in zip(names, leaves):
+            errs[f"grad_{n}"] = rel(np.swapaxes(t.grad.numpy(), 1, 2), getattr(gref, n))
+        report["max_rel_error"][label] = errs
+    report["note"] = "fla's naive functions compute in float32 even for float64 inputs"
+    return report
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory
+
+
+def _nbytes(xs: Iterable[Any]) -> int:
+    return int(sum(getattr(a, "nbytes", 0) for a in xs if a is not None))
+
+
+def _memory(B: int, H: int, T: int, K: int, V: int, dtype: Any, C: int, seed: int) -> dict[str, Any]:
+    """Peak traced bytes during chunk_kda(save_boundaries=True) + chunk_kda_backward.
+
+    The inputs (q, k, v, g, beta and grad_output) are allocated under tracemalloc, the peak is reset,
+    and the peak then covers inputs + everything live during the two calls. It is compared with
+    inputs + outputs (output, final_state) + boundaries + gradients (dq, dk, dv, dg, dbeta,
+    d initial_state): the bytes a caller must hold anyway.
+    """
+    import kda
+
+    tracemalloc.start()
+    try:
+        x = _inputs(B, H, T, K, V, dtype, seed)
+        q, k, v, g, beta, do = (x[n] for n in ("q", "k", "v", "g", "beta", "do"))
+        tracemalloc.reset_peak()
+        start, _ = tracemalloc.get_traced_memory()
+        out = kda.chunk_kda(q, k, v, g, beta, chunk_size=C, save_boundaries=True)
+        grads = kda.chunk_kda_backward(q, k, v, g, beta, out.boundaries, do, chunk_size=C)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    parts = {
+        "inputs": _nbytes([q, k, v, g, beta, do]),
+        "outputs": _nbytes([out.output, out.final_state]),
+        "boundaries": _nbytes([out.boundaries]),
+        "gradients": _nbytes(grads),
+    }
+    essential = sum(parts.values())
+    return {
+        "T": T,
+        "peak_bytes": int(peak),
+        "traced_at_start_bytes": int(start),
+        "essential_bytes": essential,
+        "essential_breakdown": parts,
+        "ratio": peak / essential,
+        "target_ratio": MEMORY_TARGET,
+        "within_target": bool(peak <= MEMORY_TARGET * essential),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Report
+
+
+def _fmt_time(t: float) -> str:
+    return f"{t:.3g}" if t < 1000 else f"{t:.0f}"
+
+
+def _table(results: list[dict[str, Any]]) -> str:
+    head = ("method", "pass", "T", "time s", "GFLOP/s", "% GEMM", "x recurrent", "x fla chunk")
+    rows = [head]
+    for r in results:
+        if r["status"] != "ok":
+            rows.append((r["method"], r["pass"], str(r["T"]), r["reason"], "", "", "", ""))
+            continue
+
+        def ratio(key: str, r=r) -> str:
+            val = r.get(key)
+            return f"{val:.2f}" if val is not None else "-"
+
+        rows.append(
+            (
+                r["method"],
+                r["pass"],
+                str(r["T"]),
+                _fmt_time(r["time_s"]),
+                f"{r['gflops']:.2f}",
+                f"{r['pct_gemm']:.1f}",
+                ratio("speedup_vs_recurrent"),
+                ratio("speedup_vs_fla_naive_chunk"),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows if row[4] or i < 3) for i in range(len(head))]
+    lines = []
+    for n, row in enumerate(rows):
+        if n and not row[4]:  # skipped: reason spans the numeric columns
+            lines.append("  ".join(c.ljust(w) for c, w in zip(row[:3], widths)) + "  " + row[3])
+        else:
+            lines.append(
+                "  ".join(c.rjust(w) if i >= 2 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+            )
+        if n == 0:
+            lines.append("-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def _plot(results: list[dict[str, Any]], path: Path, title: str) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib not installed: no plot"
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for method in METHODS:
+        for pass_, style in zip(PASSES, ("-o", "--s")):
+            pts = [(r["T"], r["time_s"]) for r in results if r["method"] == method and r["pass"] == pass_]
+            pts = [(t, s) for t, s in pts if s is not None]
+            if pts:
+                ts, ss = zip(*pts)
+                ax.plot(ts, ss, style, label=f"{method} {pass_}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("T (sequence length)")
+    ax.set_ylabel("time (s), median")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Driver
+
+
+def _cap(method: str, args: argparse.Namespace) -> int | None:
+    return {
+        "recurrent": args.recurrent_max_T,
+        "fla_naive_chunk": args.fla_max_T,
+        "fla_naive_recurrent": args.fla_recurrent_max_T,
+    }.get(method)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; returns the process exit status."""
+    args = _parser().parse_args(argv)
+    for name in ("B", "H", "K", "V", "chunk_size", "repeats", "gemm_n"):
+        if getattr(args, name) < 1:
+            print(f"kda bench: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return 2
+    if any(t < 1 for t in args.T):
+        print("kda bench: every --T must be >= 1", file=sys.stderr)
+        return 2
+    dtype = np.dtype(args.dtype).type
+    B, H, K, V, C = args.B, args.H, args.K, args.V, args.chunk_size
+    Ts = sorted(set(args.T))
+    d = K if K == V else math.sqrt(K * V)  # the report's count assumes d = K = V
+
+    methods = []
+    if "chunk" in args.backends:
+        methods.append("chunk")
+    if "recurrent" in args.backends:
+        methods.append("recurrent")
+    fla, fla_reason, fla_info = None, "", {"requested": "fla_naive" in args.backends}
+    if "fla_naive" in args.backends:
+        fla, fla_reason = _load_fla_naive()
+        fla_info.update(available=fla is not None, version=_fla_version(), conventions=FLA_CONVENTIONS)
+        if fla is None:
+            fla_info["reason"] = fla_reason
+            print(f"kda bench: {fla_reason}; skipping it", file=sys.stderr)
+        else:
+            methods += ["fla_naive_chunk", "fla_naive_recurrent"]
+            import torch
+
+            fla_info.update(torch=torch.__version__, torch_threads=torch.get_num_threads())
+
+    machine = _machine()
+    progress = _Progress(3 + 2 * len(methods) * len(Ts), enabled=not args.no_progress)
+    rng = np.random.default_rng(args.seed)
+    try:
+        # GEMM rate first, in the same process and run as the timings.
+        progress.describe("GEMM rate")
+        batch = min(B * H * max(1, math.ceil(max(Ts) / C)), 1024)
+        gemm = _gemm(args.gemm_n, batch, C, K, V, dtype, rng)
+        gemm_rate = gemm[0]["gflops"]
+        progress.step()
+
+        if fla is not None:
+            progress.describe("fla agreement check")
+            fla_info["agreement"] = _verify_fla(fla, K, V, C, args.seed)
+        progress.step()
+
+        results: list[dict[str, Any]] = []
+        for T in Ts:
+            x = _inputs(B, H, T, K, V, dtype, args.seed)
+            for method in methods:
+                cap = _cap(method, args)
+                if method == "chunk" or method == "recurrent":
+                    fns = _kda_fns(method, x, C)
+                else:
+                    fns = None
+                for pass_ in PASSES:
+                    progress.describe(f"{method} {pass_} T={T}")
+                    entry: dict[str, Any] = {"method": method, "pass": pass_, "T": T}
+                    flops = pass_flops(pass_, B, H, T, d, C)
+                    if cap is not None and T > cap:
+                        entry.update(status="skipped", reason=f"skipped (T > cap {cap})")
+                    elif method == "fla_naive_chunk" and T % C:
+                        entry.update(status="skipped", reason=f"skipped (fla needs T % {C} == 0)")
+                    else:
+                        if fns is None:
+                            chunked = method == "fla_naive_chunk"
+                            fn = fla.naive_chunk_kda if chunked else fla.naive_recurrent_kda
+                            fns = _fla_fns(fn, x, C, chunked)
+                        prev = [r for r in results if r["method"] == method and r["pass"] == pass_]
+                        warm = not (prev and prev[-1].get("time_s", 0) > args.slow_seconds)
+                        entry.update(status="ok", **_time(fns[pass_], args.repeats, args.slow_seconds, warm))
+                        entry.update(flops=flops, gflops=flops / entry["time_s"] / 1e9)
+                        entry["pct_gemm"] = 100.0 * entry["gflops"] / gemm_rate
+                    results.append(entry)
+                    progress.step()
+            del x
+
+        # Ratios from this run: time of the other method / time of this one (same T and pass).
+        by_key = {(r["method"], r["pass"], r["T"]): r for r in results}
+        for r in results:
+            if r["status"] != "ok":
+                r.setdefault("time_s", None)
+                continue
+            for other in ("recurrent", "fla_naive_chunk", "fla_naive_recurrent", "chunk"):
+                o = by_key.get((other, r["pass"], r["T"]))
+                ok = o is not None and o["status"] == "ok"
+                r[f"speedup_vs_{other}"] = o["time_s"] / r["time_s"] if ok else None
+
+        memory = []
+        if not args.no_memory:
+            mem_T = Ts if args.memory_T is None else sorted(set(args.memory_T))
+            for T in mem_T:
+                progress.describe(f"memory T={T}")
+                memory.append(_memory(B, H, T, K, V, dtype, C, args.seed))
+        progress.step()
+    finally:
+        progress.close()
+
+    # Report
+    config = {
+        "B": B,
+        "H": H,
+        "K": K,
+        "V": V,
+        "T": Ts,
+        "dtype": args.dtype,
+        "chunk_size": C,
+        "repeats": args.repeats,
+        "slow_seconds": args.slow_seconds,
+        "backends": args.backends,
+        "caps": {m: _cap(m, args) for m in METHODS if _cap(m, args) is not None},
+        "seed": args.seed,
+        "inputs": "q, k L2-normalised per step; v, grad_output standard normal; g uniform in "
+        "[-0.201, -0.001]; beta = sigmoid(normal)",
+    }
+    flop_count = {
+        "forward": "B*H*(6*T*d^2 + 3*T*C*d + T*C^2), d = K = V (Kimi Linear report)",
+        "backward": "2 x forward",
+        "fwd+bwd": "3 x forward",
+        "note": "the same count for every method (effective rate); GEMM = 2*m*n*k",
+    }
+    title = f"KDA B={B} H={H} K={K} V={V} {args.dtype} C={C} | {machine['cpu_model']}"
+    out_dir = args.out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / f"{args.name}.json"
+    png_path = out_dir / f"{args.name}.png"
+
+    lines = [
+        f"kda bench: {title}",
+        f"machine: {machine['logical_cores']} logical cores, numpy {np.__version__}",
+    ]
+    for row in gemm:
+        lines.append(f"GEMM {row['name']}: {row['time_s'] * 1e3:.1f} ms, {row['gflops']:.1f} GFLOP/s")
+    if fla is None and fla_info["requested"]:
+        lines.append(fla_reason + "; skipped")
+    elif fla is not None:
+        agree = fla_info["agreement"]["max_rel_error"]
+        worst = {name: max(errs.values()) for name, errs in agree.items() if isinstance(errs, dict)}
+        lines.append(
+            f"fla {fla_info.get('version')} naive reference vs kda.recurrent_kda (max rel. error over "
+            "output, final state and gradients): " + ", ".join(f"{n} {e:.1e}" for n, e in worst.items())
+        )
+    lines.append("")
+    lines.append(_table(results))
+    lines.append("")
+    lines.append(
+        "GFLOP/s: forward B*H*(6*T*d^2 + 3*T*C*d + T*C^2), fwd+bwd 3x that; "
+        f"% GEMM: of the {args.gemm_n}^3 rate; x: other method's time / this one's."
+    )
+    for m in memory:
+        lines.append(
+            f"peak memory chunk fwd+bwd T={m['T']}: {m['peak_bytes'] / 2**20:.1f} MiB = {m['ratio']:.2f} x "
+            f"(inputs + outputs + boundaries + gradients = {m['essential_bytes'] / 2**20:.1f} MiB); "
+            f"target <= {MEMORY_TARGET}: {'yes' if m['within_target'] else 'NO'}"
+        )
+    plot_note = None
+    if not args.no_plot:
+        plot_note = _plot(results, png_path, title)
+        lines.append(f"plot: {plot_note}" if plot_note else f"plot: {png_path}")
+    lines.append(f"json: {json_path}")
+
+    report = {
+        "schema": "kda-bench/1",
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "argv": list(argv) if argv is not None else sys.argv[1:],
+        "config": config,
+        "machine": machine,
+        "flop_count": flop_count,
+        "gemm": gemm,
+        "gemm_rate_gflops": gemm_rate,
+        "fla": fla_info,
+        "results": results,
+        "memory": memory,
+        "files": {"json": str(json_path), "png": None if args.no_plot or plot_note else str(png_path)},
+    }
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    print("\n".join(lines))
+    return 0

@@ -1,0 +1,89 @@
+"""``python -m kda bench`` on a tiny problem: it runs, prints the table, writes the JSON (and plot)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from kda import _bench
+
+TINY = ["--H", "2", "--K", "16", "--V", "16", "--T", "64", "128", "--repeats", "1", "--gemm-n", "128"]
+HAS_MPL = importlib.util.find_spec("matplotlib") is not None
+
+
+def _run(tmp_path, capsys, *extra: str) -> tuple[dict, str]:
+    assert _bench.main([*TINY, "--out", str(tmp_path), "--no-progress", *extra]) == 0
+    out = capsys.readouterr().out
+    return json.loads((tmp_path / "bench.json").read_text()), out
+
+
+def test_bench_tiny_no_plot(tmp_path, capsys):
+    report, out = _run(tmp_path, capsys, "--no-plot", "--backends", "chunk", "recurrent")
+    for key in ("config", "machine", "flop_count", "gemm", "gemm_rate_gflops", "fla", "results", "memory"):
+        assert key in report
+    for key in ("cpu_model", "logical_cores", "numpy", "python", "blas", "env"):
+        assert key in report["machine"]
+    assert report["gemm_rate_gflops"] > 0
+    assert all(row["time_s"] > 0 and row["gflops"] > 0 for row in report["gemm"])
+
+    got = {(r["method"], r["pass"], r["T"]) for r in report["results"]}
+    want = {(m, p, t) for m in ("chunk", "recurrent") for p in ("fwd", "fwd+bwd") for t in (64, 128)}
+    assert got == want
+    for r in report["results"]:
+        assert r["status"] == "ok"
+        assert r["time_s"] > 0 and all(t > 0 for t in r["times_s"])
+        assert r["gflops"] > 0 and r["pct_gemm"] > 0
+        assert r["speedup_vs_recurrent"] > 0 and r["speedup_vs_chunk"] > 0
+        assert r["speedup_vs_fla_naive_chunk"] is None
+
+    assert [m["T"] for m in report["memory"]] == [64, 128]
+    for m in report["memory"]:
+        assert m["peak_bytes"] > 0 and m["essential_bytes"] > 0 and m["ratio"] > 0
+        assert set(m["essential_breakdown"]) == {"inputs", "outputs", "boundaries", "gradients"}
+
+    assert "x recurrent" in out and "GFLOP/s" in out and "peak memory" in out
+    assert "chunk" in out and "recurrent" in out
+    assert not (tmp_path / "bench.png").exists()
+    assert report["files"]["png"] is None
+
+
+def test_bench_caps_and_skips(tmp_path, capsys):
+    report, out = _run(
+        tmp_path, capsys, "--no-plot", "--no-memory", "--backends", "recurrent", "--recurrent-max-T", "64"
+    )
+    rows = {(r["pass"], r["T"]): r for r in report["results"]}
+    assert rows["fwd", 64]["status"] == "ok"
+    assert rows["fwd", 128]["status"] == "skipped" and rows["fwd", 128]["time_s"] is None
+    assert "skipped (T > cap 64)" in out
+    assert report["memory"] == []
+
+
+@pytest.mark.skipif(not HAS_MPL, reason="matplotlib not installed")
+def test_bench_tiny_plot(tmp_path, capsys):
+    report, out = _run(tmp_path, capsys, "--backends", "chunk", "--no-memory")
+    png = tmp_path / "bench.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report["files"]["png"] == str(png)
+    assert str(png) in out
+
+
+def test_bench_fla_reference(tmp_path, capsys):
+    fla, reason = _bench._load_fla_naive()
+    if fla is None:
+        pytest.skip(reason)
+    report, out = _run(tmp_path, capsys, "--no-plot", "--no-memory", "--T", "64", "--backends", "fla_naive")
+    assert report["fla"]["available"]
+    errs = report["fla"]["agreement"]["max_rel_error"]
+    for name in ("naive_chunk_kda", "naive_recurrent_kda"):
+        assert set(errs[name]) >= {"output", "final_state", "grad_q", "grad_g", "grad_beta"}
+        assert max(errs[name].values()) < 1e-4  # fla computes in float32
+    methods = {r["method"] for r in report["results"] if r["status"] == "ok"}
+    assert methods == {"fla_naive_chunk", "fla_naive_recurrent"}
+    assert "fla" in out
+
+
+def test_bench_bad_arguments(tmp_path, capsys):
+    assert _bench.main(["--H", "0", "--out", str(tmp_path)]) == 2
+    assert "--H" in capsys.readouterr().err

@@ -1,0 +1,484 @@
+"""The Numba-CUDA backend (``kda.cuda``) against the float64 reference.
+
+Without a GPU the kernels run under Numba's CUDA simulator on NumPy arrays (tiny shapes: the
+simulator costs ~0.2 ms per thread); with one (``/dev/nvidiactl``) they run on CuPy arrays.
+The simulator must be switched on before numba is first imported, hence the top of this file.
+The PTX test compiles every kernel for compute capability 9.0 in a subprocess without the
+simulator.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+HAS_GPU = os.path.exists("/dev/nvidiactl")
+if not HAS_GPU:
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba.cuda", reason="numba-cuda is not installed (pip install kda[cuda])")
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import kda  # noqa: E402
+import kda.reference as ref  # noqa: E402
+
+kc = pytest.importorskip("kda.cuda")
+from kda.cuda._launch import LAUNCHES  # noqa: E402
+
+if HAS_GPU:
+    cupy = pytest.importorskip("cupy", reason="a GPU is present but CuPy is not installed")
+    xp_dev = cupy
+else:
+    xp_dev = np
+
+TOL = {np.float32: 1e-5, np.float64: 1e-10}
+REGIMES = ("zero", "mild", "strong", "extreme", "reset")
+# worst relative error seen per (check, regime, dtype), printed at the end of the module
+WORST: dict = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fast_simulator_barriers():
+    """The simulator's syncthreads is ~4x cheaper with a short thread switch interval."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    yield
+    sys.setswitchinterval(old)
+    if WORST:
+        print("\nkda.cuda worst relative errors:")
+        for key in sorted(WORST):
+            print(f"  {key}: {WORST[key]:.2e}")
+
+
+def to_dev(x):
+    return xp_dev.asarray(x)
+
+
+def to_np(x):
+    if HAS_GPU and isinstance(x, cupy.ndarray):
+        return cupy.asnumpy(x)
+    return np.asarray(x)
+
+
+def rel_err(got, want) -> float:
+    got = to_np(got).astype(np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape
+    assert np.all(np.isfinite(got))
+    scale = np.max(np.abs(want)) if want.size else 0.0
+    err = np.max(np.abs(got - want)) if want.size else 0.0
+    return float(err / scale) if scale > 0 else float(err)
+
+
+def check(name, got, want, dtype, regime="-"):
+    err = rel_err(got, want)
+    key = (name, regime, np.dtype(dtype).name)
+    WORST[key] = max(WORST.get(key, 0.0), err)
+    assert err <= TOL[dtype], f"{name} ({regime}, {np.dtype(dtype).name}): relative error {err:.2e}"
+
+
+def gates(rng, shape, regime):
+    """Log decays: zero, mild (-1e-3..-1), strong (some -1e3), extreme (some -1e4), reset (some -inf)."""
+    if regime == "zero":
+        return np.zeros(shape)
+    g = -np.exp(rng.uniform(np.log(1e-3), 0.0, shape))
+    hit = rng.uniform(size=shape) < 0.25
+    if regime == "strong":
+        g = np.where(hit, -rng.uniform(1.0, 1e3, shape), g)
+    elif regime == "extreme":
+        g = np.where(hit, -1e4, g)
+    elif regime == "reset":
+        g = np.where(hit, -np.inf, g)
+    return g
+
+
+def problem(rng, B, H, T, K, V, regime):
+    """float64 inputs of one KDA problem (keys L2-normalised per step, as in KDA models)."""
+    q = rng.standard_normal((B, H, T, K))
+    k = rng.standard_normal((B, H, T, K))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((B, H, T, V))
+    g = gates(rng, (B, H, T, K), regime)
+    beta = rng.uniform(0.0, 1.0, (B, H, T))
+    state = rng.standard_normal((B, H, K, V))
+    do = rng.standard_normal((B, H, T, V))
+    dstate = rng.standard_normal((B, H, K, V))
+    return q, k, v, g, beta, state, do, dstate
+
+
+def run_chunked(arrays, dtype, chunk_size):
+    """Forward and backward of ``chunk_kda`` with ``backend="cuda"`` in ``dtype``."""
+    q, k, v, g, beta, state, do, dstate = (to_dev(x.astype(dtype)) for x in arrays)
+    out = kda.chunk_kda(
+        q, k, v, g, beta, initial_state=state, chunk_size=chunk_size, save_boundaries=True, backend="cuda"
+    )
+    grads = kda.chunk_kda_backward(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        out.boundaries,
+        do,
+        dstate,
+        initial_state=state,
+        chunk_size=chunk_size,
+        backend="cuda",
+    )
+    return out, grads
+
+
+def oracle(arrays):
+    """The float64 reference recurrence and its backward."""
+    q, k, v, g, beta, state, do, dstate = arrays
+    out = kda.recurrent_kda(q, k, v, g, beta, initial_state=state, backend="reference")
+    grads = kda.recurrent_kda_backward(q, k, v, g, beta, do, dstate, initial_state=state, backend="reference")
+    return out, grads
+
+
+GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dstate")
+
+
+def compare(prefix, got_out, got_grads, want_out, want_grads, dtype, regime):
+    check(f"{prefix} output", got_out.output, want_out.output, dtype, regime)
+    check(f"{prefix} final_state", got_out.final_state, want_out.final_state, dtype, regime)
+    for name, got, want in zip(GRAD_NAMES, got_grads, want_grads):
+        check(f"{prefix} {name}", got, want, dtype, regime)
+
+
+# ---------------------------------------------------------------- the public functions
+
+
+def test_exports():
+    assert kc.NAME == "cuda"
+    assert sorted(kc.__all__) == sorted(ref.__all__)
+    for name in kc.__all__:
+        assert hasattr(kc, name)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("regime", REGIMES)
+def test_regimes(regime, dtype):
+    """Chunked and recurrent forward and backward in every gate regime (T spans 3 chunks)."""
+    rng = np.random.default_rng(REGIMES.index(regime))
+    arrays = problem(rng, 2, 2, 19, 8, 8, regime)
+    want_out, want_grads = oracle(arrays)
+    out, grads = run_chunked(arrays, dtype, 7)
+    compare("chunk", out, grads, want_out, want_grads, dtype, regime)
+    q, k, v, g, beta, state, do, dstate = (to_dev(x.astype(dtype)) for x in arrays)
+    rout = kda.recurrent_kda(q, k, v, g, beta, initial_state=state, backend="cuda")
+    rgrads = kda.recurrent_kda_backward(q, k, v, g, beta, do, dstate, initial_state=state, backend="cuda")
+    compare("recurrent", rout, rgrads, want_out, want_grads, dtype, regime)
+
+
+shapes = st.tuples(
+    st.integers(1, 2),  # B
+    st.integers(1, 2),  # H
+    st.integers(1, 20),  # T
+    st.integers(1, 8),  # K
+    st.integers(1, 8),  # V
+)
+
+
+@settings(max_examples=14, deadline=None, derandomize=True)
+@given(
+    shape=shapes,
+    chunk_size=st.integers(1, 8),
+    regime=st.sampled_from(REGIMES),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_chunked_property(shape, chunk_size, regime, dtype, seed):
+    arrays = problem(np.random.default_rng(seed), *shape, regime)
+    want_out, want_grads = oracle(arrays)
+    out, grads = run_chunked(arrays, dtype, chunk_size)
+    compare("chunk", out, grads, want_out, want_grads, dtype, regime)
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(
+    shape=shapes,
+    regime=st.sampled_from(REGIMES),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_recurrent_property(shape, regime, dtype, seed):
+    arrays = problem(np.random.default_rng(seed), *shape, regime)
+    want_out, want_grads = oracle(arrays)
+    q, k, v, g, beta, state, do, dstate = (to_dev(x.astype(dtype)) for x in arrays)
+    out = kda.recurrent_kda(q, k, v, g, beta, initial_state=state, backend="cuda")
+    grads = kda.recurrent_kda_backward(q, k, v, g, beta, do, dstate, initial_state=state, backend="cuda")
+    compare("recurrent", out, grads, want_out, want_grads, dtype, regime)
+
+
+def test_empty_sequence():
+    arrays = problem(np.random.default_rng(0), 1, 2, 0, 3, 4, "mild")
+    want_out, want_grads = oracle(arrays)
+    for dtype in (np.float32, np.float64):
+        out, grads = run_chunked(arrays, dtype, 4)
+        compare("chunk", out, grads, want_out, want_grads, dtype, "T=0")
+
+
+def test_launches_do_not_grow_with_length():
+    """One kernel per primitive: the counts per call are the same for 2 and 9 chunks."""
+    counts = []
+    for T in (4, 18):
+        arrays = problem(np.random.default_rng(T), 1, 1, T, 2, 2, "mild")
+        LAUNCHES.clear()
+        out, _ = run_chunked(arrays, np.float32, 2)
+        q, k, v, g, beta, state, do, dstate = (to_dev(x.astype(np.float32)) for x in arrays)
+        forward = dict(LAUNCHES)
+        LAUNCHES.clear()
+        kda.chunk_kda_backward(
+            q, k, v, g, beta, None, do, dstate, initial_state=state, chunk_size=2, backend="cuda"
+        )
+        recompute = dict(LAUNCHES)
+        LAUNCHES.clear()
+        kda.recurrent_kda(q, k, v, g, beta, initial_state=state, backend="cuda")
+        kda.recurrent_kda_backward(q, k, v, g, beta, do, dstate, initial_state=state, backend="cuda")
+        counts.append((forward, recompute, dict(LAUNCHES)))
+    assert counts[0] == counts[1]
+    forward, recompute, recurrent = counts[0]
+    assert sum(forward.values()) == 4
+    assert sum(recompute.values()) == 7
+    assert recurrent == {"recurrent_forward": 1, "recurrent_backward": 1}
+
+
+# ---------------------------------------------------------------- each primitive
+
+
+def chunked_inputs(rng, regime, B=2, H=1, NT=3, Cp=8, K=5):
+    q = rng.standard_normal((B, H, NT, Cp, K))
+    k = rng.standard_normal((B, H, NT, Cp, K)) / np.sqrt(K)
+    g = gates(rng, (B, H, NT, Cp, K), regime)
+    return q, k, g
+
+
+def both(dtype, *arrays):
+    """The arrays in ``dtype``, for the reference (NumPy) and for the cuda backend."""
+    host = [np.asarray(x, dtype=dtype) for x in arrays]
+    return host, [to_dev(x) for x in host]
+
+
+def check_primitive(name, got_ref, got_cuda, want, dtype, regime="-"):
+    """Both backends against the same float64 oracle (the reference primitive in float64)."""
+    check(f"reference {name}", got_ref, want, dtype, regime)
+    check(f"cuda {name}", got_cuda, want, dtype, regime)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("regime", ["mild", "strong", "reset"])
+@pytest.mark.parametrize("Cp", [1, 8])
+def test_factors_pairs_and_their_backward(Cp, regime, dtype):
+    rng = np.random.default_rng(Cp)
+    q, k, g = chunked_inputs(rng, regime, Cp=Cp)
+    scale = 0.7
+    f64 = ref.chunk_factors(q, k, g, scale)
+    (hq, hk, hg), (dq_, dk_, dg_) = both(dtype, q, k, g)
+    fr = ref.chunk_factors(hq, hk, hg, scale)
+    fc = kc.chunk_factors(dq_, dk_, dg_, scale)
+    for field in ("prefix", "suffix", "total", "qg", "kg", "kt"):
+        check_primitive(
+            f"chunk_factors.{field}",
+            getattr(fr, field),
+            getattr(fc, field),
+            getattr(f64, field),
+            dtype,
+            regime,
+        )
+    A64, L64 = ref.chunk_pairs(q, k, f64, scale)
+    Ar, Lr = ref.chunk_pairs(hq, hk, fr, scale)
+    Ac, Lc = kc.chunk_pairs(dq_, dk_, fc, scale)
+    check_primitive("chunk_pairs.A", Ar, Ac, A64, dtype, regime)
+    check_primitive("chunk_pairs.L", Lr, Lc, L64, dtype, regime)
+    # full random dA, dL: only their lower (strictly lower) triangles may be read
+    dA = rng.standard_normal(A64.shape)
+    dL = rng.standard_normal(L64.shape)
+    want = ref.chunk_pairs_backward(dA, dL, q, k, f64, scale)
+    (hdA, hdL), (ddA, ddL) = both(dtype, dA, dL)
+    got_r = ref.chunk_pairs_backward(hdA, hdL, hq, hk, fr, scale)
+    got_c = kc.chunk_pairs_backward(ddA, ddL, dq_, dk_, fc, scale)
+    for name, r, c, w in zip(("dq", "dk", "dg"), got_r, got_c, want):
+        check_primitive(f"chunk_pairs_backward.{name}", r, c, w, dtype, regime)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_unit_lower_inverse(dtype):
+    rng = np.random.default_rng(1)
+    beta = rng.uniform(0, 1, (2, 1, 3, 8))
+    L = rng.standard_normal((2, 1, 3, 8, 8)) * 0.3  # the upper triangle must be ignored
+    want = ref.unit_lower_inverse(beta, L)
+    (hb, hL), (db, dL) = both(dtype, beta, L)
+    check_primitive(
+        "unit_lower_inverse", ref.unit_lower_inverse(hb, hL), kc.unit_lower_inverse(db, dL), want, dtype
+    )
+    X = np.eye(8) + beta[..., :, None] * np.tril(L, -1)
+    assert np.allclose(to_np(kc.unit_lower_inverse(db, dL)) @ X, np.eye(8), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_state_passes(dtype):
+    rng = np.random.default_rng(2)
+    B, H, NT, Cp, K, V = 2, 1, 4, 4, 3, 5
+    w = rng.standard_normal((B, H, NT, Cp, K)) * 0.3
+    u0 = rng.standard_normal((B, H, NT, Cp, V))
+    kt = rng.standard_normal((B, H, NT, Cp, K)) * 0.3
+    total = rng.uniform(0, 1, (B, H, NT, K))
+    state = rng.standard_normal((B, H, K, V))
+    want = ref.chunk_state_pass(w, u0, kt, total, state)
+    host, dev = both(dtype, w, u0, kt, total, state)
+    for name, r, c, x in zip(
+        ("boundaries", "u", "final"), ref.chunk_state_pass(*host), kc.chunk_state_pass(*dev), want
+    ):
+        check_primitive(f"chunk_state_pass.{name}", r, c, x, dtype)
+    du = rng.standard_normal((B, H, NT, Cp, V))
+    ds = rng.standard_normal((B, H, NT, K, V))
+    dstate = rng.standard_normal((B, H, K, V))
+    args = (w, kt, total, du, ds, dstate)
+    want = ref.chunk_state_grad_pass(*args)
+    host, dev = both(dtype, *args)
+    got_r, got_c = ref.chunk_state_grad_pass(*host), kc.chunk_state_grad_pass(*dev)
+    for name, r, c, x in zip(("dends", "du", "dinitial"), got_r, got_c, want):
+        check_primitive(f"chunk_state_grad_pass.{name}", r, c, x, dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gate_gradient_and_layout(dtype):
+    rng = np.random.default_rng(3)
+    shape = (2, 1, 3, 8, 4)
+    args = [
+        rng.standard_normal(shape),
+        rng.standard_normal(shape),
+        rng.standard_normal(shape[:3] + shape[4:]),
+    ]
+    args.append(rng.standard_normal(shape))
+    want = ref.chunk_gate_gradient(*args)
+    host, dev = both(dtype, *args)
+    check_primitive(
+        "chunk_gate_gradient", ref.chunk_gate_gradient(*host), kc.chunk_gate_gradient(*dev), want, dtype
+    )
+    x = rng.standard_normal((2, 1, 11, 3))
+    (hx,), (dx,) = both(dtype, x)
+    chunks = kc.to_chunks(dx, 3, 4)
+    check_primitive("to_chunks", ref.to_chunks(hx, 3, 4), chunks, ref.to_chunks(x, 3, 4), dtype)
+    check_primitive(
+        "from_chunks",
+        ref.from_chunks(ref.to_chunks(hx, 3, 4), 3, 11),
+        kc.from_chunks(chunks, 3, 11),
+        x,
+        dtype,
+    )
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("regime", ["mild", "reset"])
+def test_recurrent_primitives(regime, dtype):
+    rng = np.random.default_rng(4)
+    q, k, v, g, beta, state, do, dstate = problem(rng, 1, 2, 10, 3, 4, regime)
+    scale = 0.5
+    want_o = ref.recurrent_forward(q, k, v, g, beta, scale, state)
+    want_g = ref.recurrent_backward(q, k, v, g, beta, scale, state, do, dstate)
+    host, dev = both(dtype, q, k, v, g, beta, state, do, dstate)
+    hq, hk, hv, hg, hb, hs, hdo, hds = host
+    dq_, dk_, dv_, dg_, db_, ds_, ddo, dds = dev
+    got_r = ref.recurrent_forward(hq, hk, hv, hg, hb, scale, hs)
+    got_c = kc.recurrent_forward(dq_, dk_, dv_, dg_, db_, scale, ds_)
+    for name, r, c, w in zip(("output", "final"), got_r, got_c, want_o):
+        check_primitive(f"recurrent_forward.{name}", r, c, w, dtype, regime)
+    got_r = ref.recurrent_backward(hq, hk, hv, hg, hb, scale, hs, hdo, hds)
+    got_c = kc.recurrent_backward(dq_, dk_, dv_, dg_, db_, scale, ds_, ddo, dds)
+    for name, r, c, w in zip(GRAD_NAMES, got_r, got_c, want_g):
+        check_primitive(f"recurrent_backward.{name}", r, c, w, dtype, regime)
+
+
+def test_wrapper_errors():
+    rng = np.random.default_rng(5)
+    q, k, g = (to_dev(x.astype(np.float32)) for x in chunked_inputs(rng, "mild", Cp=4))
+    with pytest.raises(TypeError, match="float32 or float64"):
+        half = to_dev(np.zeros((1, 1, 1, 4, 2), np.float16))
+        kc.chunk_factors(half, half, half, 1.0)
+    with pytest.raises(TypeError, match="share one dtype"):
+        kc.chunk_factors(q, k, xp_dev.astype(g, xp_dev.float64), 1.0)
+    with pytest.raises(ValueError, match="shape"):
+        kc.chunk_factors(q, k[..., :1], g, 1.0)
+    with pytest.raises(ValueError, match="power of two"):
+        kc.chunk_factors(q[..., :3, :], k[..., :3, :], g[..., :3, :], 1.0)
+    with pytest.raises(ValueError, match="chunk_factors"):
+        kc.chunk_pairs(q, k, ref.chunk_factors(q, k, g, 1.0), 1.0)
+
+
+# ---------------------------------------------------------------- PTX for a real GPU
+
+PTX_SCRIPT = """
+import json, re, sys
+from numba import cuda
+from kda.cuda._kernels import DTYPES, SIGNATURES, build_kernels, signature
+report = {}
+for dtype in DTYPES:
+    funcs = build_kernels(dtype)
+    for name in SIGNATURES:
+        ptx, _ = cuda.compile_ptx(funcs[name], signature(name, dtype), cc=(9, 0))
+        report[f"{name}/{dtype}"] = {"bytes": len(ptx), "f64": len(re.findall(r"\\.f64", ptx)),
+                                     "entry": ".entry" in ptx}
+print(json.dumps(report))
+"""
+
+
+def test_ptx_compiles_for_cc90():
+    """Every kernel compiles to PTX for cc 9.0 in both dtypes; float32 kernels use no float64."""
+    import json
+
+    env = {name: value for name, value in os.environ.items() if name != "NUMBA_ENABLE_CUDASIM"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    done = subprocess.run(
+        [sys.executable, "-c", PTX_SCRIPT], env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(report) == 2 * len(kc._kernels.SIGNATURES)
+    for key, info in report.items():
+        assert info["entry"], key
+        if key.endswith("float32"):
+            assert info["f64"] == 0, f"{key} uses float64 arithmetic"
+
+
+# ---------------------------------------------------------------- CuPy arrays on a GPU
+
+
+def _cupy_or_skip():
+    cp = pytest.importorskip("cupy")
+    try:
+        cp.zeros(1)
+    except Exception as err:  # no GPU, no driver: CuPy cannot make an array here
+        pytest.skip(f"CuPy cannot create an array here: {type(err).__name__}")
+    return cp
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+def test_cupy_arrays_choose_cuda(dtype):
+    cp = _cupy_or_skip()
+    arrays = problem(np.random.default_rng(6), 2, 2, 37, 16, 8, "strong")
+    want_out, want_grads = oracle([x.astype(dtype).astype(np.float64) for x in arrays])
+    q, k, v, g, beta, _, do, _ = (cp.asarray(x.astype(dtype)) for x in arrays)
+    sdtype = "float64" if dtype == "float64" else "float32"
+    state, dstate = (cp.asarray(arrays[i].astype(dtype).astype(sdtype)) for i in (5, 7))
+    out = kda.chunk_kda(q, k, v, g, beta, initial_state=state, chunk_size=16, save_boundaries=True)
+    grads = kda.chunk_kda_backward(
+        q, k, v, g, beta, out.boundaries, do, dstate, initial_state=state, chunk_size=16
+    )
+    assert isinstance(out.output, cp.ndarray) and out.output.dtype == cp.dtype(dtype)
+    tol = {"float32": 1e-5, "float64": 1e-10, "float16": 2e-3}[dtype]
+    for name, got, want in [
+        ("output", out.output, want_out.output),
+        ("final", out.final_state, want_out.final_state),
+    ]:
+        assert rel_err(cp.asnumpy(got), want) <= tol, name
+    for name, got, want in zip(GRAD_NAMES, grads, want_grads):
+        assert rel_err(cp.asnumpy(got), want) <= (tol if dtype != "float16" else 5e-3), name
