@@ -135,7 +135,8 @@ def validate_problem(q: Any, k: Any, v: Any, g: Any, beta: Any, scale: Any) -> P
         msg = f"K and V must be >= 1; got K={K}, V={V}"
         raise InvalidInputError(msg)
     if not _is_float(xp, q.dtype):
-        msg = f"q must have a real floating dtype (float16, bfloat16, float32, float64); got {dtype_name(q.dtype)}"
+        allowed = "float16, bfloat16, float32, float64"
+        msg = f"q must have a real floating dtype ({allowed}); got {dtype_name(q.dtype)}"
         raise InvalidTypeError(msg)
     for name, x in zip(names[1:], arrays[1:]):
         check_dtype(name, x, q.dtype, "the dtype of q")

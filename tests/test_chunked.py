@@ -154,7 +154,7 @@ def test_boundaries_are_the_chunk_start_states():
 
 def test_saved_and_recomputed_boundaries_agree():
     p = make_problem(5, 2, 2, 70, 8, 8, "strong")
-    out, saved = run_chunked(p, 16, saved=True)
+    _, saved = run_chunked(p, 16, saved=True)
     _, recomputed = run_chunked(p, 16, saved=False)
     for name, a, b in zip(GRAD_NAMES, saved, recomputed, strict=True):
         assert_close(a, b, tol=1e-13, name=name)
