@@ -17,8 +17,8 @@ HAS_GPU = os.path.exists("/dev/nvidiactl")
 if not HAS_GPU:
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
-import numpy as np
-import pytest
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 pytest.importorskip("numba.cuda", reason="numba-cuda is not installed (pip install kda[cuda])")
 
@@ -186,7 +186,7 @@ shapes = st.tuples(
 )
 
 
-@settings(max_examples=14, deadline=None, derandomize=True)
+@settings(max_examples=30, deadline=None, derandomize=True)
 @given(
     shape=shapes,
     chunk_size=st.integers(1, 8),
@@ -201,7 +201,7 @@ def test_chunked_property(shape, chunk_size, regime, dtype, seed):
     compare("chunk", out, grads, want_out, want_grads, dtype, regime)
 
 
-@settings(max_examples=10, deadline=None, derandomize=True)
+@settings(max_examples=20, deadline=None, derandomize=True)
 @given(
     shape=shapes,
     regime=st.sampled_from(REGIMES),
@@ -230,9 +230,9 @@ def test_launches_do_not_grow_with_length():
     counts = []
     for T in (4, 18):
         arrays = problem(np.random.default_rng(T), 1, 1, T, 2, 2, "mild")
-        LAUNCHES.clear()
-        out, _ = run_chunked(arrays, np.float32, 2)
         q, k, v, g, beta, state, do, dstate = (to_dev(x.astype(np.float32)) for x in arrays)
+        LAUNCHES.clear()
+        kda.chunk_kda(q, k, v, g, beta, initial_state=state, chunk_size=2, backend="cuda")
         forward = dict(LAUNCHES)
         LAUNCHES.clear()
         kda.chunk_kda_backward(
@@ -246,7 +246,7 @@ def test_launches_do_not_grow_with_length():
     assert counts[0] == counts[1]
     forward, recompute, recurrent = counts[0]
     assert sum(forward.values()) == 4
-    assert sum(recompute.values()) == 7
+    assert sum(recompute.values()) == 7  # the backward without boundaries re-runs the state pass
     assert recurrent == {"recurrent_forward": 1, "recurrent_backward": 1}
 
 

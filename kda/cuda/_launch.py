@@ -157,7 +157,6 @@ def chunk_pairs(q: Any, k: Any, f: ChunkFactors, scale: float) -> tuple[Any, Any
     """Decayed pairwise products ``A`` (lower, diagonal included) and ``L`` (strictly lower)."""
     name = "chunk_pairs"
     xp = array_namespace(q, k)
-    dtype = _dtype_name(name, q, k, f.private)
     _check_ndim(name, "q", q, 5)
     _check_shape(name, "k", k, q.shape)
     B, H, NT, Cp, K = q.shape
@@ -165,6 +164,7 @@ def chunk_pairs(q: Any, k: Any, f: ChunkFactors, scale: float) -> tuple[Any, Any
     if not _factors_match(f, N, Cp, K):
         msg = f"{name}: f must come from kda.cuda.chunk_factors of the same chunks"
         raise ValueError(msg)
+    dtype = _dtype_name(name, q, k, f.private)
     A = _empty(xp, q, (N, Cp, Cp))
     L = _empty(xp, q, (N, Cp, Cp))
     args = (_flat(xp, q, 3), _flat(xp, k, 3), f.private, q.dtype.type(scale), A, L)
@@ -256,7 +256,6 @@ def chunk_pairs_backward(
     """Gradients through :func:`chunk_pairs`: ``dq, dk, dg``, each ``[..., Cp, K]``."""
     name = "chunk_pairs_backward"
     xp = array_namespace(dA, dL, q, k)
-    dtype = _dtype_name(name, dA, dL, q, k, f.private)
     _check_ndim(name, "q", q, 5)
     B, H, NT, Cp, K = q.shape
     N = B * H * NT
@@ -266,6 +265,7 @@ def chunk_pairs_backward(
     if not _factors_match(f, N, Cp, K):
         msg = f"{name}: f must come from kda.cuda.chunk_factors of the same chunks"
         raise ValueError(msg)
+    dtype = _dtype_name(name, dA, dL, q, k, f.private)
     outs = [_empty(xp, q, (N, Cp, K)) for _ in range(3)]
     args = [_flat(xp, x, 3) for x in (dA, dL, q, k)]
     _launch(name, dtype, _grid(N * K), THREADS_PER_BLOCK, *args, f.private, q.dtype.type(scale), *outs)
