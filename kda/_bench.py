@@ -186,6 +186,8 @@ def _machine() -> dict[str, Any]:
     }
     if hasattr(os, "sched_getaffinity"):
         info["usable_cores"] = len(os.sched_getaffinity(0))
+    if hasattr(os, "getloadavg"):
+        info["loadavg_at_start"] = list(os.getloadavg())
     try:
         from threadpoolctl import threadpool_info
 
@@ -507,13 +509,13 @@ def _plot(results: list[dict[str, Any]], path: Path, title: str) -> str | None:
     except ImportError:
         return "matplotlib not installed: no plot"
     fig, ax = plt.subplots(figsize=(7, 5))
-    for method in METHODS:
+    for n, method in enumerate(METHODS):
         for pass_, style in zip(PASSES, ("-o", "--s")):
             pts = [(r["T"], r["time_s"]) for r in results if r["method"] == method and r["pass"] == pass_]
             pts = [(t, s) for t, s in pts if s is not None]
             if pts:
                 ts, ss = zip(*pts)
-                ax.plot(ts, ss, style, label=f"{method} {pass_}")
+                ax.plot(ts, ss, style, color=f"C{n}", label=f"{method} {pass_}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("T (sequence length)")
@@ -611,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
                             fn = fla.naive_chunk_kda if chunked else fla.naive_recurrent_kda
                             fns = _fla_fns(fn, x, C, chunked)
                         prev = [r for r in results if r["method"] == method and r["pass"] == pass_]
-                        warm = not (prev and prev[-1].get("time_s", 0) > args.slow_seconds)
+                        warm = not (prev and (prev[-1].get("time_s") or 0) > args.slow_seconds)
                         entry.update(status="ok", **_time(fns[pass_], args.repeats, args.slow_seconds, warm))
                         entry.update(flops=flops, gflops=flops / entry["time_s"] / 1e9)
                         entry["pct_gemm"] = 100.0 * entry["gflops"] / gemm_rate
@@ -641,6 +643,8 @@ def main(argv: list[str] | None = None) -> int:
         progress.close()
 
     # Report
+    if hasattr(os, "getloadavg"):  # other work on the machine skews timings: record it
+        machine["loadavg_at_end"] = list(os.getloadavg())
     config = {
         "B": B,
         "H": H,
@@ -673,6 +677,9 @@ def main(argv: list[str] | None = None) -> int:
         f"kda bench: {title}",
         f"machine: {machine['logical_cores']} logical cores, numpy {np.__version__}",
     ]
+    if "loadavg_at_start" in machine:
+        la = (machine["loadavg_at_start"][0], machine["loadavg_at_end"][0])
+        lines[-1] += f", 1-min load average {la[0]:.2f} at start, {la[1]:.2f} at end"
     for row in gemm:
         lines.append(f"GEMM {row['name']}: {row['time_s'] * 1e3:.1f} ms, {row['gflops']:.1f} GFLOP/s")
     if fla is None and fla_info["requested"]:
