@@ -217,6 +217,16 @@ def test_recurrent_property(shape, regime, dtype, seed):
     compare("recurrent", out, grads, want_out, want_grads, dtype, regime)
 
 
+@pytest.mark.parametrize(("chunk_size", "regime"), [(16, "strong"), (33, "reset")])
+def test_long_chunks(chunk_size, regime):
+    """Padded chunks of 16 and 64 steps: four and six halving levels."""
+    arrays = problem(np.random.default_rng(chunk_size), 1, 1, 40, 3, 2, regime)
+    want_out, want_grads = oracle(arrays)
+    for dtype in (np.float32, np.float64):
+        out, grads = run_chunked(arrays, dtype, chunk_size)
+        compare("chunk", out, grads, want_out, want_grads, dtype, regime)
+
+
 def test_empty_sequence():
     arrays = problem(np.random.default_rng(0), 1, 2, 0, 3, 4, "mild")
     want_out, want_grads = oracle(arrays)
@@ -404,7 +414,7 @@ def test_wrapper_errors():
         half = to_dev(np.zeros((1, 1, 1, 4, 2), np.float16))
         kc.chunk_factors(half, half, half, 1.0)
     with pytest.raises(TypeError, match="share one dtype"):
-        kc.chunk_factors(q, k, xp_dev.astype(g, xp_dev.float64), 1.0)
+        kc.chunk_factors(q, k, g.astype(np.float64), 1.0)
     with pytest.raises(ValueError, match="shape"):
         kc.chunk_factors(q, k[..., :1], g, 1.0)
     with pytest.raises(ValueError, match="power of two"):

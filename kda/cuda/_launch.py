@@ -96,7 +96,8 @@ def _launch(name: str, dtype: str, grid: int, block: Any, *args: Any) -> None:
     if any(is_cupy_array(a) for a in args):
         import cupy
 
-        stream = cuda.external_stream(cupy.cuda.get_current_stream().ptr)
+        ptr = cupy.cuda.get_current_stream().ptr
+        stream = cuda.external_stream(ptr) if ptr else cuda.default_stream()
         args = tuple(cuda.as_cuda_array(a) if is_cupy_array(a) else a for a in args)
     else:
         # host arrays (the simulator) travel as one contiguous buffer; outputs already are one
