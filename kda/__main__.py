@@ -52,7 +52,7 @@ def available_backends() -> dict[str, Any]:
         import kda.cuda  # noqa: F401
 
         backends["cuda"] = cupy.asarray
-    except Exception:  # noqa: BLE001 - any failure means the backend is not usable here
+    except Exception:
         pass
     return backends
 
@@ -106,7 +106,10 @@ def check(args: argparse.Namespace) -> int:
         )
         _numpy(grads.q)
         t_bwd = time.perf_counter() - t0
-        fwd_err = {"output": _rel(out.output, ref.output), "final_state": _rel(out.final_state, ref.final_state)}
+        fwd_err = {
+            "output": _rel(out.output, ref.output),
+            "final_state": _rel(out.final_state, ref.final_state),
+        }
         bwd_err = {f"d{n}": _rel(a, b) for n, a, b in zip(GRADIENTS, grads, ref_grads, strict=True)}
         for pass_name, t, errs in (("forward", t_fwd, fwd_err), ("backward", t_bwd, bwd_err)):
             worst = max(errs, key=errs.get)

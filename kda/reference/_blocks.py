@@ -7,30 +7,32 @@ A chunk of ``Cp = 2**m`` steps is halved recursively. At the level with half-siz
 strictly-lower entry of a ``[Cp, Cp]`` matrix lies in exactly one such block, so a
 lower-triangular matrix is its diagonal plus one ``[..., nb, h, h]`` array per level.
 
-These helpers only move data: split a ``[..., Cp, D]`` array into halves, assemble a
-lower-triangular matrix from its levels, and split one back into levels.
+These helpers only move data. Each is written with the array API; for NumPy arrays the
+block views are strided views and accumulations are in place, which saves a copy of the
+data per level (the results are the same bit for bit).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import array_api_compat
+
 __all__ = [
+    "add_halves",
     "assemble_lower",
     "exclusive_cumsum",
-    "exclusive_suffix_prod",
     "half_sizes",
     "join_blocks",
     "join_halves",
+    "level_blocks",
     "reverse_cumsum",
-    "small_product",
     "split_halves",
     "split_lower",
 ]
 
-# Products of ``[h, K] x [K, h]`` blocks with ``h`` at most this are formed element-wise:
-# a batched BLAS call per tiny block costs more than the arithmetic.
-SMALL_BLOCK = 4
+def _is_numpy(xp: Any) -> bool:
+    return array_api_compat.is_numpy_namespace(xp)
 
 
 def half_sizes(Cp: int) -> list[int]:
@@ -56,6 +58,39 @@ def join_halves(xp: Any, first: Any, second: Any) -> Any:
     return xp.reshape(xp.stack([first, second], axis=-3), (*lead, nb * 2 * h, D))
 
 
+def add_halves(xp: Any, acc: Any, first: Any | None, second: Any | None) -> Any:
+    """``acc + join_halves(first, second)`` (``None``: zeros); in place for NumPy arrays."""
+    ref = first if first is not None else second
+    *_, nb, h, D = ref.shape
+    if _is_numpy(xp):
+        view = acc.reshape((*acc.shape[:-2], nb, 2, h, D))
+        for i, part in enumerate((first, second)):
+            if part is not None:
+                view[..., i, :, :] += part
+        return acc
+    first = xp.zeros_like(second) if first is None else first
+    second = xp.zeros_like(first) if second is None else second
+    return acc + join_halves(xp, first, second)
+
+
+def level_blocks(xp: Any, M: Any, h: int) -> Any:
+    """The off-diagonal ``[..., nb, h, h]`` blocks of level ``h`` of ``M: [..., Cp, Cp]``.
+
+    A strided view for contiguous NumPy arrays (writable when ``M`` is), a copy otherwise.
+    """
+    *lead, Cp, _ = M.shape
+    nb = Cp // (2 * h)
+    if _is_numpy(xp) and M.flags.c_contiguous:
+        import numpy as np
+
+        sr, sc = M.strides[-2:]
+        return np.lib.stride_tricks.as_strided(
+            M[..., h:, :], shape=(*lead, nb, h, h), strides=(*M.strides[:-2], 2 * h * (sr + sc), sr, sc)
+        )
+    blocks = xp.reshape(M, (*lead, nb, 2 * h, nb, 2 * h))
+    return xp.stack([blocks[..., b, h:, b, :h] for b in range(nb)], axis=-3)
+
+
 def join_blocks(xp: Any, blocks: Any, off: Any) -> Any:
     """Pair diagonal blocks ``[..., 2 nb, h, h]`` with lower-left blocks ``off`` ``[..., nb, h, h]``.
 
@@ -71,6 +106,15 @@ def join_blocks(xp: Any, blocks: Any, off: Any) -> Any:
 
 def assemble_lower(xp: Any, diagonal: Any, offs: list[Any]) -> Any:
     """Lower-triangular ``[..., Cp, Cp]`` from its diagonal ``[..., Cp]`` and levels (finest first)."""
+    if _is_numpy(xp):
+        import numpy as np
+
+        Cp = diagonal.shape[-1]
+        M = np.zeros((*diagonal.shape, Cp), dtype=diagonal.dtype)
+        np.einsum("...ii->...i", M)[...] = diagonal
+        for h, off in zip(half_sizes(Cp), offs):
+            level_blocks(xp, M, h)[...] = off
+        return M
     blocks = diagonal[..., None, None]
     for off in offs:
         blocks = join_blocks(xp, blocks, off)
@@ -79,7 +123,13 @@ def assemble_lower(xp: Any, diagonal: Any, offs: list[Any]) -> Any:
 
 def split_lower(xp: Any, M: Any) -> tuple[Any, list[Any]]:
     """Diagonal ``[..., Cp]`` and levels (finest first) of the lower triangle of ``M``."""
-    *lead, Cp, _ = M.shape
+    Cp = M.shape[-1]
+    if _is_numpy(xp):
+        import numpy as np
+
+        M = np.ascontiguousarray(M)
+        return np.diagonal(M, axis1=-2, axis2=-1), [level_blocks(xp, M, h) for h in half_sizes(Cp)]
+    *lead, _, _ = M.shape
     blocks = M[..., None, :, :]
     offs = []
     h = Cp // 2
@@ -91,19 +141,6 @@ def split_lower(xp: Any, M: Any) -> tuple[Any, list[Any]]:
         h //= 2
     offs.reverse()
     return blocks[..., 0, 0], offs
-
-
-def small_product(xp: Any, a: Any, b: Any) -> Any:
-    """``a @ b`` for ``a: [..., m, n]``, ``b: [..., n, p]``; element-wise when the blocks are tiny."""
-    if a.shape[-2] <= SMALL_BLOCK and b.shape[-1] <= SMALL_BLOCK:
-        return xp.sum(a[..., :, :, None] * b[..., None, :, :], axis=-2)
-    return xp.matmul(a, b)
-
-
-def exclusive_suffix_prod(xp: Any, e: Any) -> Any:
-    """``out[..., j, :] = prod(e[..., l, :] for l > j)`` along axis -2 (1 for the last row)."""
-    shifted = xp.concat([e[..., 1:, :], xp.ones_like(e[..., :1, :])], axis=-2)
-    return xp.flip(xp.cumulative_prod(xp.flip(shifted, axis=-2), axis=-2), axis=-2)
 
 
 def reverse_cumsum(xp: Any, x: Any) -> Any:

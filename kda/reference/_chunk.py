@@ -15,17 +15,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import array_api_compat
 from array_api_compat import array_namespace
 
 from ._blocks import (
+    add_halves,
     assemble_lower,
     exclusive_cumsum,
-    exclusive_suffix_prod,
     half_sizes,
     join_blocks,
     join_halves,
     reverse_cumsum,
-    small_product,
     split_halves,
     split_lower,
 )
@@ -95,17 +95,32 @@ def from_chunks(x: Any, chunk_size: int, length: int) -> Any:
     return x[:, :, :length, :]
 
 
+def _decay_tree(xp: Any, e: Any) -> tuple[Any, Any, list[Any], list[Any]]:
+    """Products of ``e = exp(g)`` within aligned blocks, built level by level.
+
+    With ``I_h[i]`` the product over the steps of ``i``'s aligned block of ``h`` steps up to and
+    including ``i`` and ``E_h[j]`` the product over the steps after ``j`` in its block:
+    ``I_2h = [I_h, I_h * (whole first half)]`` and ``E_2h = [E_h * (whole second half), E_h]``,
+    so each factor is a product over exactly the steps it spans. Returns
+    ``prefix = I_Cp``, ``suffix = E_Cp`` and, per level, ``rows`` (``I_h`` on second halves) and
+    ``cols`` (``E_h`` on first halves).
+    """
+    I, E = e, xp.ones_like(e)
+    rows, cols = [], []
+    for h in half_sizes(e.shape[-2]):
+        I_first, I_second = split_halves(xp, I, h)
+        E_first, E_second = split_halves(xp, E, h)
+        rows.append(I_second)
+        cols.append(E_first)
+        I = join_halves(xp, I_first, I_second * I_first[..., -1:, :])
+        E = join_halves(xp, E_first * I_second[..., -1:, :], E_second)
+    return I, E, rows, cols
+
+
 def chunk_factors(q: Any, k: Any, g: Any, scale: float) -> ChunkFactors:
     """Decay factors and gated queries and keys of every chunk (``q, k, g: [..., Cp, K]``)."""
     xp = array_namespace(q, k, g)
-    e = xp.exp(g)
-    prefix = xp.cumulative_prod(e, axis=-2)
-    suffix = exclusive_suffix_prod(xp, e)
-    rows, cols = [], []
-    for h in half_sizes(g.shape[-2]):
-        first, second = split_halves(xp, e, h)
-        rows.append(xp.cumulative_prod(second, axis=-2))
-        cols.append(exclusive_suffix_prod(xp, first))
+    prefix, suffix, rows, cols = _decay_tree(xp, xp.exp(g))
     return ChunkFactors(
         prefix=prefix,
         suffix=suffix,
@@ -129,19 +144,17 @@ def chunk_pairs(q: Any, k: Any, f: ChunkFactors, scale: float) -> tuple[Any, Any
     L : ``[..., Cp, Cp]`` strictly lower triangular.
     """
     xp = array_namespace(q, k)
-    qk = xp.stack([q, k], axis=-3)  # [..., 2, Cp, K]: row side of A and of L
-    A_levels, L_levels = [], []
+    qk = xp.stack([scale * q, k], axis=-3)  # [..., 2, Cp, K]: the row sides of A and of L
+    levels = []
     for h, rowf, colf in zip(half_sizes(q.shape[-2]), *f.private):
         _, rows = split_halves(xp, qk, h)  # [..., 2, nb, h, K]
         k_first, _ = split_halves(xp, k, h)  # [..., nb, h, K]
         rows = rows * rowf[..., None, :, :, :]
         cols = xp.matrix_transpose(k_first * colf)[..., None, :, :, :]
-        blocks = small_product(xp, rows, cols)  # [..., 2, nb, h, h]
-        A_levels.append(blocks[..., 0, :, :, :])
-        L_levels.append(blocks[..., 1, :, :, :])
-    A = scale * assemble_lower(xp, xp.sum(q * k, axis=-1), A_levels)
-    L = assemble_lower(xp, xp.zeros_like(q[..., 0]), L_levels)
-    return A, L
+        levels.append(xp.matmul(rows, cols))  # [..., 2, nb, h, h]
+    diagonal = xp.stack([scale * xp.sum(q * k, axis=-1), xp.zeros_like(q[..., 0])], axis=-2)
+    AL = assemble_lower(xp, diagonal, levels)  # [..., 2, Cp, Cp]
+    return AL[..., 0, :, :], AL[..., 1, :, :]
 
 
 def unit_lower_inverse(beta: Any, L: Any) -> Any:
@@ -159,7 +172,7 @@ def unit_lower_inverse(beta: Any, L: Any) -> Any:
         *lead, m, _, _ = blocks.shape
         pairs = xp.reshape(blocks, (*lead, m // 2, 2, h, h))
         t11, t22 = pairs[..., 0, :, :], pairs[..., 1, :, :]
-        off = -small_product(xp, small_product(xp, t22, beta_rows * L_off), t11)
+        off = -xp.matmul(xp.matmul(t22, beta_rows * L_off), t11)
         blocks = join_blocks(xp, blocks, off)
     return blocks[..., 0, :, :]
 
@@ -236,36 +249,37 @@ def chunk_pairs_backward(
     """Gradients through :func:`chunk_pairs`.
 
     ``dA, dL: [..., Cp, Cp]`` (only the lower / strictly lower triangles are read). Returns
-    ``dq, dk, dg``, each ``[..., Cp, K]``. The gate gradient of each off-diagonal block is taken
-    inside that block, over the steps its factors span, so nothing cancels.
+    ``dq, dk, dg``, each ``[..., Cp, K]``.
+
+    The gate gradient: with ``P[i, j, d]`` the term of pair ``j < i`` in channel ``d`` times its
+    upstream gradient, ``dg[l] = sum_{i >= l} sum_{j < l} P[i, j]``, which is the reverse
+    cumulative sum of (row sums of ``P``) - (column sums of ``P``). The diagonal (no decay, no
+    ``g``) enters neither, so the two sums do not carry a large common term.
     """
     xp = array_namespace(dA, dL, q, k)
-    dA_diag, dA_levels = split_lower(xp, dA)
-    _, dL_levels = split_lower(xp, dL)
-    d = scale * dA_diag[..., None]
-    dq, dk = d * k, d * q
-    dg = xp.zeros_like(q)
+    dY_levels = split_lower(xp, xp.stack([scale * dA, dL], axis=-3))[1]  # [..., 2, nb, h, h] each
     qk = xp.stack([q, k], axis=-3)
-    levels = zip(half_sizes(q.shape[-2]), *f.private, dA_levels, dL_levels)
-    for h, rowf, colf, dA_off, dL_off in levels:
+    dq_rows, dk_rows, dk_cols = xp.zeros_like(q), xp.zeros_like(q), xp.zeros_like(q)
+    for h, rowf, colf, dY in zip(half_sizes(q.shape[-2]), *f.private, dY_levels):
         _, x_rows = split_halves(xp, qk, h)  # [..., 2, nb, h, K]
         k_first, _ = split_halves(xp, k, h)  # [..., nb, h, K]
         rowf = rowf[..., None, :, :, :]
-        rows = x_rows * rowf
         cols = k_first * colf
-        dY = xp.stack([scale * dA_off, dL_off], axis=-4)  # [..., 2, nb, h, h]
-        d_rows = small_product(xp, dY, cols[..., None, :, :, :])  # [..., 2, nb, h, K]
-        d_cols = xp.sum(small_product(xp, xp.matrix_transpose(dY), rows), axis=-4)
-        dx_rows = d_rows * rowf  # gradient of the q and k rows
-        dk_cols = d_cols * colf
-        zero = xp.zeros_like(dk_cols)
-        dq = dq + join_halves(xp, zero, dx_rows[..., 0, :, :, :])
-        dk = dk + join_halves(xp, dk_cols, dx_rows[..., 1, :, :, :])
-        # sum_j P[i, j] over the row side, sum_i P[i, j] over the column side
-        row_terms = xp.sum(rows * d_rows, axis=-4)
-        col_terms = cols * d_cols
-        dg = dg + join_halves(xp, exclusive_cumsum(xp, col_terms), reverse_cumsum(xp, row_terms))
-    return dq, dk, dg
+        d_rows = xp.matmul(dY, cols[..., None, :, :, :]) * rowf  # gradient of the q, k rows
+        d_cols = xp.sum(xp.matmul(xp.matrix_transpose(dY), x_rows * rowf), axis=-4) * colf
+        dq_rows = add_halves(xp, dq_rows, None, d_rows[..., 0, :, :, :])
+        dk_rows = add_halves(xp, dk_rows, None, d_rows[..., 1, :, :, :])
+        dk_cols = add_halves(xp, dk_cols, d_cols, None)
+    dg = reverse_cumsum(xp, q * dq_rows + k * (dk_rows - dk_cols))
+    d = scale * _diagonal(xp, dA)[..., None]
+    return dq_rows + d * k, dk_rows + dk_cols + d * q, dg
+
+
+def _diagonal(xp: Any, M: Any) -> Any:
+    """The diagonal ``[..., Cp]`` of ``M: [..., Cp, Cp]``."""
+    if array_api_compat.is_numpy_namespace(xp):
+        return xp.diagonal(M, axis1=-2, axis2=-1)
+    return xp.sum(M * xp.eye(M.shape[-1], dtype=M.dtype, device=M.device), axis=-1)
 
 
 def chunk_gate_gradient(prefix_terms: Any, suffix_terms: Any, total_terms: Any, pair_terms: Any) -> Any:
