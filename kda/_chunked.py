@@ -21,7 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["chunk_backward", "chunk_forward", "padded_chunk_size"]
+__all__ = ["SLAB_ELEMENTS", "chunk_backward", "chunk_forward", "padded_chunk_size", "slabs"]
+
+# Elements of one ``[B, H, chunks, Cp, max(K, V)]`` array of a slab (see :func:`slabs`).
+SLAB_ELEMENTS = 1 << 22
 
 
 def padded_chunk_size(chunk_size: int) -> int:
@@ -66,6 +69,21 @@ def _by_head(xp: Any, states: Any) -> Any:
     return xp.permute_dims(states, (1, 2, 0, 3, 4))
 
 
+def slabs(shape: tuple[int, ...], chunk_size: int, width: int) -> list[tuple[int, int]]:
+    """Ranges ``[n0, n1)`` of chunks processed together: the state-free work of one slab holds
+    arrays of about ``SLAB_ELEMENTS`` elements, so memory stays bounded as ``T`` grows while the
+    number of primitive calls grows only with ``T / slab``, not with the number of chunks."""
+    B, H, T = shape[:3]
+    NT = -(-T // chunk_size)
+    per_chunk = max(1, B * H * padded_chunk_size(chunk_size) * width)
+    step = max(1, SLAB_ELEMENTS // per_chunk)
+    return [(n, min(n + step, NT)) for n in range(0, NT, step)]
+
+
+def _steps(n0: int, n1: int, chunk_size: int, T: int) -> slice:
+    return slice(n0 * chunk_size, min(n1 * chunk_size, T))
+
+
 def chunk_forward(
     ops: Any, xp: Any, q, k, v, g, beta, scale: float, state: Any, chunk_size: int
 ) -> tuple[Any, Any, Any]:
@@ -74,16 +92,21 @@ def chunk_forward(
     Returns ``output [B, H, T, V]``, ``final_state [B, H, K, V]`` and
     ``boundaries [NT, B, H, K, V]``.
     """
-    T = q.shape[2]
+    B, H, T, K = q.shape
+    V = v.shape[-1]
+    out = xp.zeros((B, H, T, V), dtype=v.dtype, device=v.device)
     if T == 0:
-        B, H, _, V = v.shape
         empty = xp.zeros((0, *state.shape), dtype=state.dtype, device=state.device)
-        out = xp.zeros((B, H, 0, V), dtype=v.dtype, device=v.device)
         return out, xp.asarray(state, copy=True), empty
-    c = _prepare(ops, xp, q, k, v, g, beta, scale, chunk_size)
-    boundaries, U, final = ops.chunk_state_pass(c.w, c.u0, c.f.kt, c.f.total, state)
-    O = xp.matmul(c.f.qg, _by_head(xp, boundaries)) + xp.matmul(c.A, U)
-    return ops.from_chunks(O, chunk_size, T), final, boundaries
+    starts = []
+    for n0, n1 in slabs(q.shape, chunk_size, max(K, V)):
+        t = _steps(n0, n1, chunk_size, T)
+        c = _prepare(ops, xp, *(x[:, :, t, ...] for x in (q, k, v, g, beta)), scale, chunk_size)
+        boundaries, U, state = ops.chunk_state_pass(c.w, c.u0, c.f.kt, c.f.total, state)
+        O = xp.matmul(c.f.qg, _by_head(xp, boundaries)) + xp.matmul(c.A, U)
+        out[:, :, t, :] = ops.from_chunks(O, chunk_size, t.stop - t.start)
+        starts.append(boundaries)
+    return out, state, starts[0] if len(starts) == 1 else xp.concat(starts, axis=0)
 
 
 def chunk_backward(
@@ -107,24 +130,50 @@ def chunk_backward(
     from ``state``. Returns the gradients of ``q, k, v, g, beta`` and of the initial state.
     """
     T = q.shape[2]
+    grads = [xp.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v, g, beta)]
     if T == 0:
-        empty = [xp.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v, g, beta)]
-        return (*empty, xp.asarray(grad_state, copy=True))
-    K = q.shape[-1]
-    C, Cp = chunk_size, padded_chunk_size(chunk_size)
-    c = _prepare(ops, xp, q, k, v, g, beta, scale, chunk_size)
-    f = c.f
+        return (*grads, xp.asarray(grad_state, copy=True))
     if boundaries is None:
-        boundaries, U, _ = ops.chunk_state_pass(c.w, c.u0, f.kt, f.total, state)
+        boundaries = _boundaries(ops, xp, q, k, v, g, beta, scale, state, chunk_size)
+    dstate = grad_state
+    for n0, n1 in reversed(slabs(q.shape, chunk_size, max(q.shape[-1], v.shape[-1]))):
+        t = _steps(n0, n1, chunk_size, T)
+        inputs = (x[:, :, t, ...] for x in (q, k, v, g, beta))
+        slab_grads, dstate = _backward_slab(
+            ops, xp, *inputs, scale, boundaries[n0:n1, ...], grad_output[:, :, t, ...], dstate, chunk_size
+        )
+        for acc, x in zip(grads, slab_grads, strict=True):
+            acc[:, :, t, ...] = x
+    return (*grads, dstate)
+
+
+def _boundaries(ops: Any, xp: Any, q, k, v, g, beta, scale: float, state: Any, chunk_size: int) -> Any:
+    """The chunk-start states, recomputed slab by slab (the backward given no boundaries)."""
+    starts = []
+    T = q.shape[2]
+    for n0, n1 in slabs(q.shape, chunk_size, max(q.shape[-1], v.shape[-1])):
+        t = _steps(n0, n1, chunk_size, T)
+        c = _prepare(ops, xp, *(x[:, :, t, ...] for x in (q, k, v, g, beta)), scale, chunk_size)
+        boundaries, _, state = ops.chunk_state_pass(c.w, c.u0, c.f.kt, c.f.total, state)
+        starts.append(boundaries)
+    return starts[0] if len(starts) == 1 else xp.concat(starts, axis=0)
+
+
+def _backward_slab(
+    ops: Any, xp: Any, q, k, v, g, beta, scale: float, boundaries: Any, grad_output: Any, dstate: Any, C: int
+) -> tuple[list[Any], Any]:
+    """Gradients of one slab of chunks; ``dstate`` is the gradient of the state at its end."""
+    T, K = q.shape[2], q.shape[-1]
+    c = _prepare(ops, xp, q, k, v, g, beta, scale, C)
+    f = c.f
     S = _by_head(xp, boundaries)
-    if boundaries is not None:
-        U = c.u0 - xp.matmul(c.w, S)
-    dO = ops.to_chunks(grad_output, C, Cp)
+    U = c.u0 - xp.matmul(c.w, S)
+    dO = ops.to_chunks(grad_output, C, padded_chunk_size(C))
     mT = xp.matrix_transpose
 
     # the state-gradient recurrence: the only sequential part
     dends, dU, dstate = ops.chunk_state_grad_pass(
-        c.w, f.kt, f.total, xp.matmul(mT(c.A), dO), xp.matmul(mT(f.qg), dO), grad_state
+        c.w, f.kt, f.total, xp.matmul(mT(c.A), dO), xp.matmul(mT(f.qg), dO), dstate
     )
     dS = _by_head(xp, dends)
 
@@ -149,4 +198,4 @@ def chunk_backward(
     dg = ops.chunk_gate_gradient(f.qg * dqg + f.kg * dkg, f.kt * dkt, f.total * dtotal, dg_pairs)
 
     grads = [ops.from_chunks(x, C, T) for x in (dq, dk, dv, dg)]
-    return (*grads, ops.from_chunks(dbeta[..., None], C, T)[..., 0], dstate)
+    return [*grads, ops.from_chunks(dbeta[..., None], C, T)[..., 0]], dstate

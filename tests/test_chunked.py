@@ -167,3 +167,23 @@ def test_default_scale_is_inverse_sqrt_k():
     c = kda.chunk_kda(*p.inputs, scale=1.0)
     np.testing.assert_array_equal(a.output, b.output)
     assert not np.allclose(a.output, c.output)
+
+
+@pytest.mark.parametrize("slab_elements", [1, 1000])
+def test_slabs_give_the_same_result(monkeypatch, slab_elements):
+    """Large problems run slab by slab (bounded memory); the result must not depend on it."""
+    import kda._chunked
+
+    p = make_problem(9, 2, 2, 77, 6, 5, "reset")
+    whole_out, whole_grads = run_chunked(p, 8)
+    whole_recomputed = run_chunked(p, 8, saved=False)[1]
+    monkeypatch.setattr(kda._chunked, "SLAB_ELEMENTS", slab_elements)
+    assert len(kda._chunked.slabs(p.q.shape, 8, 6)) > 1
+    out, grads = run_chunked(p, 8)
+    recomputed = run_chunked(p, 8, saved=False)[1]
+    for a, b in zip(out, whole_out, strict=True):
+        assert_close(a, b, tol=1e-14)
+    for a, b, c in zip(grads, whole_grads, recomputed, strict=True):
+        assert_close(a, b, tol=1e-14)
+        assert_close(c, b, tol=1e-14)
+    assert_close(whole_recomputed.g, whole_grads.g, tol=1e-14)
