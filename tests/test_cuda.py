@@ -333,9 +333,13 @@ def test_unit_lower_inverse(dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_state_passes(dtype):
+@pytest.mark.parametrize("rows", [1, 3])
+def test_state_passes(rows, dtype, monkeypatch):
+    """Also with 3 threads sharing the rows (the simulator's default is 1), so row groups split."""
+    if not HAS_GPU:
+        monkeypatch.setattr(kc._launch, "SIMULATOR_STATE_ROWS", rows)
     rng = np.random.default_rng(2)
-    B, H, NT, Cp, K, V = 2, 1, 4, 4, 3, 5
+    B, H, NT, Cp, K, V = 2, 1, 4, 8, 7, 5
     w = rng.standard_normal((B, H, NT, Cp, K)) * 0.3
     u0 = rng.standard_normal((B, H, NT, Cp, V))
     kt = rng.standard_normal((B, H, NT, Cp, K)) * 0.3

@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
 from numba import cuda
 
 __all__ = ["DTYPES", "SIGNATURES", "build_kernels", "compiled", "signature"]
+
+# rows of the state passes that one thread accumulates at once (registers)
+ROW_GROUP = 4
 
 # floating dtypes the kernels are compiled for
 DTYPES = ("float32", "float64")
@@ -58,6 +62,7 @@ def signature(name: str, dtype: str) -> str:
 def build_kernels(dtype: str) -> dict:
     """The Python functions of every kernel, specialised to ``dtype`` by their constants."""
     fl = np.dtype(dtype).type
+    nbtype = numba.from_dtype(np.dtype(dtype))
     zero = fl(0)
     one = fl(1)
 
@@ -151,7 +156,8 @@ def build_kernels(dtype: str) -> dict:
     def chunk_state_pass(w, u0, kt, total, state, boundaries, U, final):
         """One block per (head, tile of value columns), looping over every chunk.
 
-        Threads ``x`` own value columns, threads ``y`` share the rows; the state lives in
+        Threads ``x`` own value columns, threads ``y`` share the rows, ``ROW_GROUP`` rows per
+        thread at a time (each loaded operand serves them all); the state lives in
         ``boundaries`` (global memory, made visible to the block by ``syncthreads``).
         """
         NT, Cp, K = w.shape[1:]
@@ -162,27 +168,48 @@ def build_kernels(dtype: str) -> dict:
         ty = cuda.threadIdx.y
         ny = cuda.blockDim.y
         active = v < V
+        acc = cuda.local.array(ROW_GROUP, nbtype)
         if active:
             for kk in range(ty, K, ny):
                 boundaries[0, bh, kk, v] = state[bh, kk, v]
         cuda.syncthreads()
         for n in range(NT):
             if active:
-                for i in range(ty, Cp, ny):
-                    acc = u0[bh, n, i, v]
+                # U = u0 - w S
+                for i0 in range(ty, Cp, ny * ROW_GROUP):
+                    for r in range(ROW_GROUP):
+                        i = i0 + r * ny
+                        acc[r] = u0[bh, n, i, v] if i < Cp else zero
                     for kk in range(K):
-                        acc -= w[bh, n, i, kk] * boundaries[n, bh, kk, v]
-                    U[bh, n, i, v] = acc
+                        s = boundaries[n, bh, kk, v]
+                        for r in range(ROW_GROUP):
+                            i = i0 + r * ny
+                            if i < Cp:
+                                acc[r] -= w[bh, n, i, kk] * s
+                    for r in range(ROW_GROUP):
+                        i = i0 + r * ny
+                        if i < Cp:
+                            U[bh, n, i, v] = acc[r]
             cuda.syncthreads()
             if active:
-                for kk in range(ty, K, ny):
-                    acc = total[bh, n, kk] * boundaries[n, bh, kk, v]
+                # S' = total S + kt^T U
+                for k0 in range(ty, K, ny * ROW_GROUP):
+                    for r in range(ROW_GROUP):
+                        kk = k0 + r * ny
+                        acc[r] = total[bh, n, kk] * boundaries[n, bh, kk, v] if kk < K else zero
                     for i in range(Cp):
-                        acc += kt[bh, n, i, kk] * U[bh, n, i, v]
-                    if n + 1 < NT:
-                        boundaries[n + 1, bh, kk, v] = acc
-                    else:
-                        final[bh, kk, v] = acc
+                        u = U[bh, n, i, v]
+                        for r in range(ROW_GROUP):
+                            kk = k0 + r * ny
+                            if kk < K:
+                                acc[r] += kt[bh, n, i, kk] * u
+                    for r in range(ROW_GROUP):
+                        kk = k0 + r * ny
+                        if kk < K:
+                            if n + 1 < NT:
+                                boundaries[n + 1, bh, kk, v] = acc[r]
+                            else:
+                                final[bh, kk, v] = acc[r]
             cuda.syncthreads()
 
     def chunk_state_grad_pass(w, kt, total, du_local, ds_local, dstate, dends, dU, dinitial):
@@ -195,27 +222,51 @@ def build_kernels(dtype: str) -> dict:
         ty = cuda.threadIdx.y
         ny = cuda.blockDim.y
         active = v < V
+        acc = cuda.local.array(ROW_GROUP, nbtype)
         if active:
             for kk in range(ty, K, ny):
                 dends[NT - 1, bh, kk, v] = dstate[bh, kk, v]
         cuda.syncthreads()
         for n in range(NT - 1, -1, -1):
             if active:
-                for i in range(ty, Cp, ny):
-                    acc = du_local[bh, n, i, v]
+                # dU = du_local + kt dS
+                for i0 in range(ty, Cp, ny * ROW_GROUP):
+                    for r in range(ROW_GROUP):
+                        i = i0 + r * ny
+                        acc[r] = du_local[bh, n, i, v] if i < Cp else zero
                     for kk in range(K):
-                        acc += kt[bh, n, i, kk] * dends[n, bh, kk, v]
-                    dU[bh, n, i, v] = acc
+                        s = dends[n, bh, kk, v]
+                        for r in range(ROW_GROUP):
+                            i = i0 + r * ny
+                            if i < Cp:
+                                acc[r] += kt[bh, n, i, kk] * s
+                    for r in range(ROW_GROUP):
+                        i = i0 + r * ny
+                        if i < Cp:
+                            dU[bh, n, i, v] = acc[r]
             cuda.syncthreads()
             if active:
-                for kk in range(ty, K, ny):
-                    acc = total[bh, n, kk] * dends[n, bh, kk, v] + ds_local[bh, n, kk, v]
+                # dS_start = total dS + ds_local - w^T dU
+                for k0 in range(ty, K, ny * ROW_GROUP):
+                    for r in range(ROW_GROUP):
+                        kk = k0 + r * ny
+                        if kk < K:
+                            acc[r] = total[bh, n, kk] * dends[n, bh, kk, v] + ds_local[bh, n, kk, v]
+                        else:
+                            acc[r] = zero
                     for i in range(Cp):
-                        acc -= w[bh, n, i, kk] * dU[bh, n, i, v]
-                    if n > 0:
-                        dends[n - 1, bh, kk, v] = acc
-                    else:
-                        dinitial[bh, kk, v] = acc
+                        du = dU[bh, n, i, v]
+                        for r in range(ROW_GROUP):
+                            kk = k0 + r * ny
+                            if kk < K:
+                                acc[r] -= w[bh, n, i, kk] * du
+                    for r in range(ROW_GROUP):
+                        kk = k0 + r * ny
+                        if kk < K:
+                            if n > 0:
+                                dends[n - 1, bh, kk, v] = acc[r]
+                            else:
+                                dinitial[bh, kk, v] = acc[r]
             cuda.syncthreads()
 
     def chunk_pairs_backward(dA, dL, q, k, F, scale, dq, dk, dg):

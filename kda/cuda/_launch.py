@@ -36,9 +36,10 @@ __all__ = [
 
 # threads per block of the one-thread-per-output kernels
 THREADS_PER_BLOCK = 128
-# value columns per block of the state passes (threads x), and threads sharing their rows (y)
-STATE_TILE_V = 16
-STATE_ROWS = 8
+# value columns per block of the state passes (threads x), and threads sharing their rows (y):
+# 8 x 16 gives B * H * V / 8 blocks (256 at B=1, H=16, V=128) of 128 threads, 32-byte rows
+STATE_TILE_V = 8
+STATE_ROWS = 16
 # the simulator pays per thread at every syncthreads: one row thread there
 SIMULATOR_STATE_ROWS = 1
 
