@@ -28,6 +28,9 @@ __all__ = ["DTYPES", "SIGNATURES", "build_kernels", "compiled", "signature"]
 # rows of the state passes that one thread accumulates at once (registers)
 ROW_GROUP = 4
 
+# columns of chunk_pairs that one thread computes at once (a power of two)
+PAIR_GROUP = 4
+
 # floating dtypes the kernels are compiled for
 DTYPES = ("float32", "float64")
 
@@ -103,38 +106,71 @@ def build_kernels(dtype: str) -> dict:
             lv += 1
 
     def chunk_pairs(q, k, F, scale, A, L):
-        """One thread per (chunk, i, j): decayed products through the split point of (i, j)."""
+        """One thread per (chunk, row i, aligned group of ``PAIR_GROUP`` columns j).
+
+        Each pair (i, j < i) is a product through its split point, the highest bit where i and j
+        differ (the level ``lv``): ``k[j] F[lv, j] F[lv, i]``, both factors in [0, 1]. Columns of
+        one group left of i share that level, so the row's operands are loaded once for them.
+        """
         idx = cuda.grid(1)
         N, Cp, K = q.shape
-        if idx >= N * Cp * Cp:
+        groups = (Cp + PAIR_GROUP - 1) // PAIR_GROUP
+        if idx >= N * Cp * groups:
             return
-        n = idx // (Cp * Cp)
-        r = idx % (Cp * Cp)
-        i = r // Cp
-        j = r % Cp
-        if j > i:
-            A[n, i, j] = zero
-            L[n, i, j] = zero
-        elif j == i:
-            acc = zero
-            for d in range(K):
-                acc += q[n, i, d] * k[n, i, d]
-            A[n, i, j] = scale * acc
-            L[n, i, j] = zero
-        else:
-            x = i ^ j
+        n = idx // (Cp * groups)
+        rest = idx % (Cp * groups)
+        i = rest // groups
+        j0 = (rest % groups) * PAIR_GROUP
+        acc_a = cuda.local.array(PAIR_GROUP, nbtype)
+        acc_l = cuda.local.array(PAIR_GROUP, nbtype)
+        if j0 + PAIR_GROUP <= i:
+            x = i ^ j0
             lv = 0
             while x > 1:
                 x >>= 1
                 lv += 1
-            acc_a = zero
-            acc_l = zero
+            for r in range(PAIR_GROUP):
+                acc_a[r] = zero
+                acc_l[r] = zero
             for d in range(K):
-                c = k[n, j, d] * F[n, lv, j, d] * F[n, lv, i, d]
-                acc_a += q[n, i, d] * c
-                acc_l += k[n, i, d] * c
-            A[n, i, j] = scale * acc_a
-            L[n, i, j] = acc_l
+                fi = F[n, lv, i, d]
+                qi = q[n, i, d]
+                ki = k[n, i, d]
+                for r in range(PAIR_GROUP):
+                    c = k[n, j0 + r, d] * F[n, lv, j0 + r, d] * fi
+                    acc_a[r] += qi * c
+                    acc_l[r] += ki * c
+            for r in range(PAIR_GROUP):
+                A[n, i, j0 + r] = scale * acc_a[r]
+                L[n, i, j0 + r] = acc_l[r]
+            return
+        for r in range(PAIR_GROUP):
+            j = j0 + r
+            if j >= Cp:
+                break
+            if j > i:
+                A[n, i, j] = zero
+                L[n, i, j] = zero
+            elif j == i:
+                a = zero
+                for d in range(K):
+                    a += q[n, i, d] * k[n, i, d]
+                A[n, i, j] = scale * a
+                L[n, i, j] = zero
+            else:
+                x = i ^ j
+                lv = 0
+                while x > 1:
+                    x >>= 1
+                    lv += 1
+                a = zero
+                b = zero
+                for d in range(K):
+                    c = k[n, j, d] * F[n, lv, j, d] * F[n, lv, i, d]
+                    a += q[n, i, d] * c
+                    b += k[n, i, d] * c
+                A[n, i, j] = scale * a
+                L[n, i, j] = b
 
     def unit_lower_inverse(beta, L, Tinv):
         """One thread per (chunk, column j): forward substitution of ``(I + diag(beta) L) T = I``."""

@@ -17,7 +17,7 @@ from array_api_compat import array_namespace, device, is_cupy_array
 from numba import cuda
 
 from ..reference._chunk import ChunkFactors, from_chunks, to_chunks
-from ._kernels import DTYPES, compiled
+from ._kernels import DTYPES, PAIR_GROUP, compiled
 
 __all__ = [
     "LAUNCHES",
@@ -170,7 +170,7 @@ def chunk_pairs(q: Any, k: Any, f: ChunkFactors, scale: float) -> tuple[Any, Any
     A = _empty(xp, q, (N, Cp, Cp))
     L = _empty(xp, q, (N, Cp, Cp))
     args = (_flat(xp, q, 3), _flat(xp, k, 3), f.private, q.dtype.type(scale), A, L)
-    _launch(name, dtype, _grid(N * Cp * Cp), THREADS_PER_BLOCK, *args)
+    _launch(name, dtype, _grid(N * Cp * -(-Cp // PAIR_GROUP)), THREADS_PER_BLOCK, *args)
     shape = (B, H, NT, Cp, Cp)
     return xp.reshape(A, shape), xp.reshape(L, shape)
 
