@@ -236,28 +236,38 @@ def test_empty_sequence():
 
 
 def test_launches_do_not_grow_with_length():
-    """One kernel per primitive: the counts per call are the same for 2 and 9 chunks."""
+    """One kernel per primitive call: the same counts for 2 and 9 chunks (one slab of chunks).
+
+    Per slab of chunks (``kda._chunked.slabs``): forward 4 launches (factors, pairs, inverse,
+    state pass); backward 6 (factors, pairs, inverse, state-gradient pass, pairs backward, gate
+    gradient), 10 without saved boundaries (a separate pass re-runs the first four).
+    """
     counts = []
     for T in (4, 18):
         arrays = problem(np.random.default_rng(T), 1, 1, T, 2, 2, "mild")
         q, k, v, g, beta, state, do, dstate = (to_dev(x.astype(np.float32)) for x in arrays)
+        calls = {}
         LAUNCHES.clear()
-        kda.chunk_kda(q, k, v, g, beta, initial_state=state, chunk_size=2, backend="cuda")
-        forward = dict(LAUNCHES)
-        LAUNCHES.clear()
-        kda.chunk_kda_backward(
-            q, k, v, g, beta, None, do, dstate, initial_state=state, chunk_size=2, backend="cuda"
+        out = kda.chunk_kda(
+            q, k, v, g, beta, initial_state=state, chunk_size=2, save_boundaries=True, backend="cuda"
         )
-        recompute = dict(LAUNCHES)
+        calls["forward"] = dict(LAUNCHES)
+        for name, b in (("backward", out.boundaries), ("backward without boundaries", None)):
+            LAUNCHES.clear()
+            kda.chunk_kda_backward(
+                q, k, v, g, beta, b, do, dstate, initial_state=state, chunk_size=2, backend="cuda"
+            )
+            calls[name] = dict(LAUNCHES)
         LAUNCHES.clear()
         kda.recurrent_kda(q, k, v, g, beta, initial_state=state, backend="cuda")
         kda.recurrent_kda_backward(q, k, v, g, beta, do, dstate, initial_state=state, backend="cuda")
-        counts.append((forward, recompute, dict(LAUNCHES)))
+        calls["recurrent"] = dict(LAUNCHES)
+        counts.append(calls)
     assert counts[0] == counts[1]
-    forward, recompute, recurrent = counts[0]
-    assert sum(forward.values()) == 4
-    assert sum(recompute.values()) == 7  # the backward without boundaries re-runs the state pass
-    assert recurrent == {"recurrent_forward": 1, "recurrent_backward": 1}
+    totals = {name: sum(c.values()) for name, c in counts[0].items()}
+    assert totals == {"forward": 4, "backward": 6, "backward without boundaries": 10, "recurrent": 2}
+    for name in ("forward", "backward", "recurrent"):
+        assert set(counts[0][name].values()) == {1}  # each kernel once per call
 
 
 # ---------------------------------------------------------------- each primitive

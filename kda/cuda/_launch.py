@@ -99,7 +99,8 @@ def _launch(name: str, dtype: str, grid: int, block: Any, *args: Any) -> None:
 
         ptr = cupy.cuda.get_current_stream().ptr
         stream = cuda.external_stream(ptr) if ptr else cuda.default_stream()
-        args = tuple(cuda.as_cuda_array(a) if is_cupy_array(a) else a for a in args)
+        # same stream as CuPy's work: no host synchronisation on the arrays' stream is needed
+        args = tuple(cuda.as_cuda_array(a, sync=False) if is_cupy_array(a) else a for a in args)
     else:
         # host arrays (the simulator) travel as one contiguous buffer; outputs already are one
         stream = 0
