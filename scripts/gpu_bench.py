@@ -142,8 +142,8 @@ def torch_time(fn, warmup=3, repeat=10) -> float:
     return float(np.median(times))
 
 
-def time_fla_dtype(report: dict, arrays: list, name: str) -> None:
-    """fla's chunk_kda in torch dtype ``name`` (log decays kept in float32)."""
+def time_fla_dtype(report: dict, arrays: list, name: str, g_name: str) -> None:
+    """fla's chunk_kda in torch dtype ``name``, log decays in ``g_name``."""
     import torch
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
@@ -154,7 +154,7 @@ def time_fla_dtype(report: dict, arrays: list, name: str) -> None:
         torch.from_dlpack(x.astype(cp.float32)).transpose(1, 2).contiguous() for x in arrays[:5]
     )
     leaves = [x.to(dtype).requires_grad_() for x in (tq, tk, tv)]
-    leaves += [tg.requires_grad_(), tbeta.to(dtype).requires_grad_()]
+    leaves += [tg.to(getattr(torch, g_name)).requires_grad_(), tbeta.to(dtype).requires_grad_()]
     tdo = torch.randn_like(leaves[2])
 
     def forward():
@@ -175,13 +175,23 @@ def time_fla_dtype(report: dict, arrays: list, name: str) -> None:
     report["fla_vs_kda_output_rel"][name] = rel(theirs, ours)
 
 
-def time_fla(report: dict) -> None:
+def time_fla_bfloat16(report: dict) -> None:
+    time_fla(report, "bfloat16")
+
+
+def time_fla_float32(report: dict) -> None:
+    time_fla(report, "float32")
+
+
+def time_fla(report: dict, name: str) -> None:
     arrays = problem(1, 16, 4096, 128, 128, "mild")
-    for name in ("bfloat16", "float32"):
+    for g_name in dict.fromkeys(("float32", name)):  # fla keeps g in float32; else g in q's dtype
         try:
-            time_fla_dtype(report, arrays, name)
+            time_fla_dtype(report, arrays, name, g_name)
+            report["fla_g_dtype"][name] = g_name
+            return
         except Exception as err:  # record and go on: fla may not accept every dtype
-            report["errors"][f"fla {name}"] = f"{type(err).__name__}: {err}"
+            report["errors"][f"fla {name} (g {g_name})"] = f"{type(err).__name__}: {err}"
             traceback.print_exc()
 
 
@@ -195,9 +205,11 @@ def main() -> None:
         "accuracy": {},
         "timings_ms": {},
         "fla_vs_kda_output_rel": {},
+        "fla_g_dtype": {},
         "errors": {},
     }
-    sections = [time_kda, time_fla] + ([] if args.skip_accuracy else [accuracy])
+    # most important first: the JSON is rewritten after every section, should the time run out
+    sections = ([] if args.skip_accuracy else [accuracy]) + [time_kda, time_fla_bfloat16, time_fla_float32]
     for section in sections:
         t0 = time.perf_counter()
         try:

@@ -19,6 +19,7 @@ OUT="${OUT:-/tmp/kda_gpu_check}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 unset NUMBA_ENABLE_CUDASIM
+export NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0  # small grids are expected in the tests
 start=$(date +%s)
 
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
@@ -32,11 +33,11 @@ done
 python -m pip list 2>/dev/null | grep -i -E "numba|cupy|torch|triton|fla|hypothesis|array.api|cuda" >> "$OUT/pip.txt"
 
 # 1. the cuda tests on CuPy arrays (the module picks CuPy when /dev/nvidiactl exists)
-timeout 240 python -m pytest tests/test_cuda.py -q -p no:cacheprovider -rs --durations=10 > "$OUT/pytest.txt" 2>&1
+timeout 180 python -m pytest tests/test_cuda.py -q -p no:cacheprovider -rs --durations=10 > "$OUT/pytest.txt" 2>&1
 echo "pytest exit $? after $(( $(date +%s) - start )) s" | tee "$OUT/summary.txt"
 
 # 2. accuracy at scale and timings against fla
-timeout 240 python scripts/gpu_bench.py --out "$OUT" > "$OUT/bench.txt" 2>&1
+timeout 270 python scripts/gpu_bench.py --out "$OUT" > "$OUT/bench.txt" 2>&1
 echo "bench exit $? after $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
 tail -n 3 "$OUT/pytest.txt" >> "$OUT/summary.txt"
 cat "$OUT/bench.md" >> "$OUT/summary.txt" 2>/dev/null

@@ -37,6 +37,9 @@ if HAS_GPU:
 else:
     xp_dev = np
 
+# on a real GPU, Numba warns about every grid under 128 blocks: the tests' grids are tiny
+pytestmark = pytest.mark.filterwarnings("ignore:Grid size .* will likely result in GPU under-utilization")
+
 TOL = {np.float32: 1e-5, np.float64: 1e-10}
 REGIMES = ("zero", "mild", "strong", "extreme", "reset")
 # worst relative error seen per (check, regime, dtype), printed at the end of the module
