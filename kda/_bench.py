@@ -91,12 +91,13 @@ def _parser() -> argparse.ArgumentParser:
         help="methods to run (fla_naive = fla's naive_chunk_kda and naive_recurrent_kda)",
     )
     p.add_argument("--recurrent-max-T", type=int, default=4096, help="cap for kda.recurrent_kda")
-    p.add_argument("--fla-max-T", type=int, default=4096, help="cap for fla's naive_chunk_kda")
+    p.add_argument("--fla-max-T", type=int, default=4096, help="cap for fla's naive forwards")
     p.add_argument(
-        "--fla-recurrent-max-T",
+        "--fla-bwd-max-T",
         type=int,
         default=2048,
-        help="cap for fla's naive_recurrent_kda (autograd keeps several [B,H,K,V] tensors per step)",
+        help="cap for fla's fwd+bwd (autograd memory: about 4 GiB at T=1024 with the default shape, "
+        "linear in T; T=4096 ran out of 23 GiB here)",
     )
     p.add_argument("--gemm-n", type=int, default=2048, help="size of the square GEMM (default 2048)")
     p.add_argument(
@@ -533,12 +534,12 @@ def _plot(results: list[dict[str, Any]], path: Path, title: str) -> str | None:
 # Driver
 
 
-def _cap(method: str, args: argparse.Namespace) -> int | None:
-    return {
-        "recurrent": args.recurrent_max_T,
-        "fla_naive_chunk": args.fla_max_T,
-        "fla_naive_recurrent": args.fla_recurrent_max_T,
-    }.get(method)
+def _cap(method: str, pass_: str, args: argparse.Namespace) -> int | None:
+    if method == "recurrent":
+        return args.recurrent_max_T
+    if method.startswith("fla_"):
+        return args.fla_max_T if pass_ == "fwd" else min(args.fla_max_T, args.fla_bwd_max_T)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -594,7 +595,6 @@ def main(argv: list[str] | None = None) -> int:
         for T in Ts:
             x = _inputs(B, H, T, K, V, dtype, args.seed)
             for method in methods:
-                cap = _cap(method, args)
                 if method == "chunk" or method == "recurrent":
                     fns = _kda_fns(method, x, C)
                 else:
@@ -603,6 +603,7 @@ def main(argv: list[str] | None = None) -> int:
                     progress.describe(f"{method} {pass_} T={T}")
                     entry: dict[str, Any] = {"method": method, "pass": pass_, "T": T}
                     flops = pass_flops(pass_, B, H, T, d, C)
+                    cap = _cap(method, pass_, args)
                     if cap is not None and T > cap:
                         entry.update(status="skipped", reason=f"skipped (T > cap {cap})")
                     elif method == "fla_naive_chunk" and T % C:
@@ -656,7 +657,9 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "slow_seconds": args.slow_seconds,
         "backends": args.backends,
-        "caps": {m: _cap(m, args) for m in METHODS if _cap(m, args) is not None},
+        "caps": {
+            f"{m} {p}": _cap(m, p, args) for m in METHODS for p in PASSES if _cap(m, p, args) is not None
+        },
         "seed": args.seed,
         "inputs": "q, k L2-normalised per step; v, grad_output standard normal; g uniform in "
         "[-0.201, -0.001]; beta = sigmoid(normal)",
