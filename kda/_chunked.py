@@ -12,19 +12,22 @@ Per chunk, with ``S`` the state at its start (see ``design.md``)::
     O  = qg S + A U
     S' = total * S + kt^T U
 
-Everything but the state pass is done for all chunks at once, so the number of primitive
-calls does not grow with the number of chunks.
+Everything but the state pass is done for a whole slab of chunks at once (see :func:`slabs`),
+so the number of primitive calls does not grow with the number of chunks. Independent heads
+may run in concurrent groups when the backend asks for workers (the CPU reference does).
+
+Besides the primitives, a backend module provides ``SLAB_ELEMENTS`` (the size of a slab's
+arrays), ``workers(xp, heads)`` (how many head groups to run at once) and
+``worker_context()`` (entered around concurrent groups).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SLAB_ELEMENTS", "chunk_backward", "chunk_forward", "padded_chunk_size", "slabs"]
-
-# Elements of one ``[B, H, chunks, Cp, max(K, V)]`` array of a slab (see :func:`slabs`).
-SLAB_ELEMENTS = 1 << 22
+__all__ = ["chunk_backward", "chunk_forward", "padded_chunk_size", "slabs"]
 
 
 def padded_chunk_size(chunk_size: int) -> int:
@@ -69,19 +72,58 @@ def _by_head(xp: Any, states: Any) -> Any:
     return xp.permute_dims(states, (1, 2, 0, 3, 4))
 
 
-def slabs(shape: tuple[int, ...], chunk_size: int, width: int) -> list[tuple[int, int]]:
-    """Ranges ``[n0, n1)`` of chunks processed together: the state-free work of one slab holds
-    arrays of about ``SLAB_ELEMENTS`` elements, so memory stays bounded as ``T`` grows while the
-    number of primitive calls grows only with ``T / slab``, not with the number of chunks."""
+def slabs(shape: tuple[int, ...], chunk_size: int, width: int, slab_elements: int) -> list[tuple[int, int]]:
+    """Ranges ``[n0, n1)`` of chunks processed together.
+
+    The state-free work of one slab holds arrays of about ``slab_elements`` elements, so memory
+    stays bounded as ``T`` grows, and the number of primitive calls grows with ``T / slab``, not
+    with the number of chunks.
+    """
     B, H, T = shape[:3]
     NT = -(-T // chunk_size)
     per_chunk = max(1, B * H * padded_chunk_size(chunk_size) * width)
-    step = max(1, SLAB_ELEMENTS // per_chunk)
+    step = max(1, slab_elements // per_chunk)
     return [(n, min(n + step, NT)) for n in range(0, NT, step)]
 
 
 def _steps(n0: int, n1: int, chunk_size: int, T: int) -> slice:
     return slice(n0 * chunk_size, min(n1 * chunk_size, T))
+
+
+def _head_groups(ops: Any, xp: Any, shape: tuple[int, ...]) -> tuple[int, list[slice]]:
+    """Split the independent heads ``B * H`` into groups that run concurrently.
+
+    Returns the axis (0 for B, 1 for H) and one slice per group; the backend decides how many
+    workers it wants (one on a GPU).
+    """
+    B, H = shape[:2]
+    workers = ops.workers(xp, B * H)
+    axis, n = (1, H) if H >= workers or H >= B else (0, B)
+    workers = min(workers, n)
+    if workers <= 1:
+        return 1, [slice(None)]
+    bounds = [n * i // workers for i in range(workers + 1)]
+    return axis, [slice(a, b) for a, b in itertools.pairwise(bounds)]
+
+
+def _run_groups(ops: Any, groups: list[slice], task) -> list[Any]:
+    """``task(group)`` for every group, concurrently when there is more than one."""
+    if len(groups) == 1:
+        return [task(groups[0])]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ops.worker_context(), ThreadPoolExecutor(len(groups)) as pool:
+        return list(pool.map(task, groups))
+
+
+def _index(axis: int, group: slice) -> tuple[slice, ...]:
+    return (*(slice(None),) * axis, group, ...)
+
+
+def _writable(x: Any) -> bool:
+    import array_api_compat
+
+    return bool(array_api_compat.is_writeable_array(x))
 
 
 def chunk_forward(
@@ -92,21 +134,48 @@ def chunk_forward(
     Returns ``output [B, H, T, V]``, ``final_state [B, H, K, V]`` and
     ``boundaries [NT, B, H, K, V]``.
     """
-    B, H, T, K = q.shape
+    B, H, T, _ = q.shape
     V = v.shape[-1]
     out = xp.zeros((B, H, T, V), dtype=v.dtype, device=v.device)
     if T == 0:
         empty = xp.zeros((0, *state.shape), dtype=state.dtype, device=state.device)
         return out, xp.asarray(state, copy=True), empty
-    starts = []
-    for n0, n1 in slabs(q.shape, chunk_size, max(K, V)):
+    axis, groups = _head_groups(ops, xp, q.shape)
+    if not _writable(out):
+        axis, groups = 1, [slice(None)]
+
+    def task(group: slice) -> tuple[Any, Any]:
+        i = _index(axis, group)
+        inputs = [x[i] for x in (q, k, v, g, beta)]
+        return _forward_heads(ops, xp, *inputs, scale, state[i], chunk_size, out[i])
+
+    results = _run_groups(ops, groups, task)
+    if len(results) == 1:
+        return out if _writable(out) else results[0][2], results[0][0], results[0][1]
+    final = xp.concat([r[0] for r in results], axis=axis)
+    boundaries = xp.concat([r[1] for r in results], axis=axis + 1)
+    return out, final, boundaries
+
+
+def _forward_heads(
+    ops: Any, xp: Any, q, k, v, g, beta, scale: float, state: Any, chunk_size: int, out: Any
+) -> tuple[Any, Any, Any]:
+    """Forward of a group of heads, slab by slab; writes ``out`` where it can."""
+    T = q.shape[2]
+    starts, outs = [], []
+    for n0, n1 in slabs(q.shape, chunk_size, max(q.shape[-1], v.shape[-1]), ops.SLAB_ELEMENTS):
         t = _steps(n0, n1, chunk_size, T)
         c = _prepare(ops, xp, *(x[:, :, t, ...] for x in (q, k, v, g, beta)), scale, chunk_size)
         boundaries, U, state = ops.chunk_state_pass(c.w, c.u0, c.f.kt, c.f.total, state)
         O = xp.matmul(c.f.qg, _by_head(xp, boundaries)) + xp.matmul(c.A, U)
-        out[:, :, t, :] = ops.from_chunks(O, chunk_size, t.stop - t.start)
+        O = ops.from_chunks(O, chunk_size, t.stop - t.start)
+        if _writable(out):
+            out[:, :, t, :] = O
+        else:
+            outs.append(O)
         starts.append(boundaries)
-    return out, state, starts[0] if len(starts) == 1 else xp.concat(starts, axis=0)
+    boundaries = starts[0] if len(starts) == 1 else xp.concat(starts, axis=0)
+    return state, boundaries, (xp.concat(outs, axis=2) if outs else out)
 
 
 def chunk_backward(
@@ -133,30 +202,47 @@ def chunk_backward(
     grads = [xp.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v, g, beta)]
     if T == 0:
         return (*grads, xp.asarray(grad_state, copy=True))
-    if boundaries is None:
-        boundaries = _boundaries(ops, xp, q, k, v, g, beta, scale, state, chunk_size)
-    dstate = grad_state
-    for n0, n1 in reversed(slabs(q.shape, chunk_size, max(q.shape[-1], v.shape[-1]))):
-        t = _steps(n0, n1, chunk_size, T)
+    axis, groups = _head_groups(ops, xp, q.shape)
+    if not _writable(grads[0]):
+        axis, groups = 1, [slice(None)]
+
+    def task(group: slice) -> tuple[Any, list[Any]]:
+        i = _index(axis, group)
+        inputs = [x[i] for x in (q, k, v, g, beta)]
+        if boundaries is None:
+            starts = _forward_heads(ops, xp, *inputs, scale, state[i], chunk_size, None)[1]
+        else:
+            starts = boundaries[(slice(None), *i)]
+        return _backward_heads(
+            ops, xp, *inputs, scale, starts, grad_output[i], grad_state[i], chunk_size, [x[i] for x in grads]
+        )
+
+    results = _run_groups(ops, groups, task)
+    if len(results) == 1:
+        return (*results[0][1], results[0][0])
+    return (*grads, xp.concat([r[0] for r in results], axis=axis))
+
+
+def _backward_heads(
+    ops: Any, xp: Any, q, k, v, g, beta, scale: float, boundaries, grad_output, dstate, C: int, grads
+) -> tuple[Any, list[Any]]:
+    """Backward of a group of heads, slab by slab from the last; writes ``grads`` where it can."""
+    T = q.shape[2]
+    collected = []
+    for n0, n1 in reversed(slabs(q.shape, C, max(q.shape[-1], v.shape[-1]), ops.SLAB_ELEMENTS)):
+        t = _steps(n0, n1, C, T)
         inputs = (x[:, :, t, ...] for x in (q, k, v, g, beta))
         slab_grads, dstate = _backward_slab(
-            ops, xp, *inputs, scale, boundaries[n0:n1, ...], grad_output[:, :, t, ...], dstate, chunk_size
+            ops, xp, *inputs, scale, boundaries[n0:n1, ...], grad_output[:, :, t, ...], dstate, C
         )
-        for acc, x in zip(grads, slab_grads, strict=True):
-            acc[:, :, t, ...] = x
-    return (*grads, dstate)
-
-
-def _boundaries(ops: Any, xp: Any, q, k, v, g, beta, scale: float, state: Any, chunk_size: int) -> Any:
-    """The chunk-start states, recomputed slab by slab (the backward given no boundaries)."""
-    starts = []
-    T = q.shape[2]
-    for n0, n1 in slabs(q.shape, chunk_size, max(q.shape[-1], v.shape[-1])):
-        t = _steps(n0, n1, chunk_size, T)
-        c = _prepare(ops, xp, *(x[:, :, t, ...] for x in (q, k, v, g, beta)), scale, chunk_size)
-        boundaries, _, state = ops.chunk_state_pass(c.w, c.u0, c.f.kt, c.f.total, state)
-        starts.append(boundaries)
-    return starts[0] if len(starts) == 1 else xp.concat(starts, axis=0)
+        if _writable(grads[0]):
+            for acc, x in zip(grads, slab_grads, strict=True):
+                acc[:, :, t, ...] = x
+        else:
+            collected.append(slab_grads)
+    if collected:
+        grads = [xp.concat(parts[::-1], axis=2) for parts in zip(*collected, strict=True)]
+    return dstate, grads
 
 
 def _backward_slab(

@@ -173,12 +173,13 @@ def test_default_scale_is_inverse_sqrt_k():
 def test_slabs_give_the_same_result(monkeypatch, slab_elements):
     """Large problems run slab by slab (bounded memory); the result must not depend on it."""
     import kda._chunked
+    import kda.reference
 
     p = make_problem(9, 2, 2, 77, 6, 5, "reset")
     whole_out, whole_grads = run_chunked(p, 8)
     whole_recomputed = run_chunked(p, 8, saved=False)[1]
-    monkeypatch.setattr(kda._chunked, "SLAB_ELEMENTS", slab_elements)
-    assert len(kda._chunked.slabs(p.q.shape, 8, 6)) > 1
+    monkeypatch.setattr(kda.reference, "SLAB_ELEMENTS", slab_elements)
+    assert len(kda._chunked.slabs(p.q.shape, 8, 6, slab_elements)) > 1
     out, grads = run_chunked(p, 8)
     recomputed = run_chunked(p, 8, saved=False)[1]
     for a, b in zip(out, whole_out, strict=True):
@@ -187,3 +188,18 @@ def test_slabs_give_the_same_result(monkeypatch, slab_elements):
         assert_close(a, b, tol=1e-14)
         assert_close(c, b, tol=1e-14)
     assert_close(whole_recomputed.g, whole_grads.g, tol=1e-14)
+
+
+@pytest.mark.parametrize(("B", "H"), [(1, 3), (3, 1), (2, 2), (1, 1)])
+def test_head_groups_give_the_same_result(monkeypatch, B, H):
+    """Heads run in concurrent groups on the CPU; one group must give the same numbers."""
+    import kda.reference
+
+    p = make_problem(B * 10 + H, B, H, 40, 5, 4, "mild")
+    monkeypatch.setattr(kda.reference, "workers", lambda xp, heads: 3)
+    out, grads = run_chunked(p, 16)
+    recomputed = run_chunked(p, 16, saved=False)[1]
+    monkeypatch.setattr(kda.reference, "workers", lambda xp, heads: 1)
+    serial_out, serial_grads = run_chunked(p, 16)
+    for a, b in zip((*out, *grads, *recomputed), (*serial_out, *serial_grads, *serial_grads), strict=True):
+        assert_close(a, b, tol=1e-14)

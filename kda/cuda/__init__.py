@@ -7,6 +7,8 @@ simulator (``NUMBA_ENABLE_CUDASIM=1``). Kernels are compiled on first use, once 
 primitive (``kda.cuda._launch.LAUNCHES`` counts them).
 """
 
+import contextlib
+
 from ..reference._chunk import ChunkFactors
 from ._launch import (
     chunk_factors,
@@ -26,6 +28,7 @@ NAME = "cuda"
 
 __all__ = [
     "NAME",
+    "SLAB_ELEMENTS",
     "ChunkFactors",
     "chunk_factors",
     "chunk_gate_gradient",
@@ -38,4 +41,19 @@ __all__ = [
     "recurrent_forward",
     "to_chunks",
     "unit_lower_inverse",
+    "worker_context",
+    "workers",
 ]
+
+# How the chunked algorithm drives this backend: one slab at any realistic size, so kernel
+# launches per call do not grow with T, and no concurrent head groups (one stream).
+SLAB_ELEMENTS = 1 << 62
+
+
+def workers(xp: object, heads: int) -> int:
+    """Head groups to run at once: always one on the GPU."""
+    return 1
+
+
+def worker_context() -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()

@@ -17,11 +17,13 @@ from ._chunk import (
     unit_lower_inverse,
 )
 from ._recurrent import recurrent_backward, recurrent_forward
+from ._scheduling import SLAB_ELEMENTS, worker_context, workers
 
 NAME = "reference"
 
 __all__ = [
     "NAME",
+    "SLAB_ELEMENTS",
     "ChunkFactors",
     "chunk_factors",
     "chunk_gate_gradient",
@@ -34,4 +36,6 @@ __all__ = [
     "recurrent_forward",
     "to_chunks",
     "unit_lower_inverse",
+    "worker_context",
+    "workers",
 ]

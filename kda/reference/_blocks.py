@@ -31,6 +31,7 @@ __all__ = [
     "split_lower",
 ]
 
+
 def _is_numpy(xp: Any) -> bool:
     return array_api_compat.is_numpy_namespace(xp)
 
