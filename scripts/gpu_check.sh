@@ -3,7 +3,7 @@
 # triton and pytest preinstalled there; no network). Finishes within ~8 minutes.
 #
 # Prepare here (with network), once; the wheels land in the gitignored scripts/wheels/:
-#   pip download --no-deps fla-core array-api-compat hypothesis sortedcontainers attrs einops -d scripts/wheels/
+#   pip download --no-deps fla-core array-api-compat threadpoolctl hypothesis sortedcontainers attrs einops -d scripts/wheels/
 #   for v in 3.10 3.12 3.13; do
 #     pip download --no-deps hypothesis --python-version $v --only-binary=:all: -d scripts/wheels/
 #   done

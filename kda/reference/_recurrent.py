@@ -30,6 +30,11 @@ def _matvec(xp: Any, M: Any, y: Any) -> Any:
     return xp.matmul(M, y[..., :, None])[..., 0]
 
 
+def _at(t: int, *arrays: Any) -> list[Any]:
+    """Step ``t`` of each ``[B, H, T, ...]`` array."""
+    return [x[:, :, t, ...] for x in arrays]
+
+
 def _decay(xp: Any, g_t: Any, S: Any) -> Any:
     return xp.exp(g_t)[..., :, None] * S
 
@@ -58,16 +63,7 @@ def recurrent_forward(q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, s
     S = state
     outs = []
     for t in range(T):
-        S, o = _step(
-            xp,
-            S,
-            q[:, :, t, ...],
-            k[:, :, t, ...],
-            v[:, :, t, ...],
-            g[:, :, t, ...],
-            beta[:, :, t, ...],
-            scale,
-        )
+        S, o = _step(xp, S, *_at(t, q, k, v, g, beta), scale)
         outs.append(o)
     if T == 0:
         return xp.zeros((B, H, 0, v.shape[-1]), dtype=v.dtype, device=v.device), S
@@ -107,16 +103,7 @@ def recurrent_backward(
     for t in range(T):
         if t % stride == 0:
             checkpoints[t] = S
-        S, _ = _step(
-            xp,
-            S,
-            q[:, :, t, ...],
-            k[:, :, t, ...],
-            v[:, :, t, ...],
-            g[:, :, t, ...],
-            beta[:, :, t, ...],
-            scale,
-        )
+        S, _ = _step(xp, S, *_at(t, q, k, v, g, beta), scale)
 
     grads: list[list[Any]] = [[] for _ in range(5)]  # dq, dk, dv, dg, dbeta, last step first
     dS = grad_state
@@ -136,14 +123,7 @@ def recurrent_backward(
             )
             previous.append(S)
         for t in reversed(range(start, stop)):
-            q_t, k_t, v_t, g_t, b_t = (
-                q[:, :, t, ...],
-                k[:, :, t, ...],
-                v[:, :, t, ...],
-                g[:, :, t, ...],
-                beta[:, :, t, ...],
-            )
-            do_t = grad_output[:, :, t, ...]
+            q_t, k_t, v_t, g_t, b_t, do_t = _at(t, q, k, v, g, beta, grad_output)
             Sd = _decay(xp, g_t, previous[t - start])  # S'
             r = v_t - _vecmat(xp, k_t, Sd)  # residual
             u = b_t[..., None] * r
