@@ -111,16 +111,7 @@ def recurrent_backward(
         stop = min(start + stride, T)
         previous = [checkpoints[start]]  # previous[i]: the state before step start + i
         for t in range(start, stop - 1):
-            S, _ = _step(
-                xp,
-                previous[-1],
-                q[:, :, t, ...],
-                k[:, :, t, ...],
-                v[:, :, t, ...],
-                g[:, :, t, ...],
-                beta[:, :, t, ...],
-                scale,
-            )
+            S, _ = _step(xp, previous[-1], *_at(t, q, k, v, g, beta), scale)
             previous.append(S)
         for t in reversed(range(start, stop)):
             q_t, k_t, v_t, g_t, b_t, do_t = _at(t, q, k, v, g, beta, grad_output)
