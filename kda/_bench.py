@@ -96,8 +96,8 @@ def _parser() -> argparse.ArgumentParser:
         "--fla-bwd-max-T",
         type=int,
         default=2048,
-        help="cap for fla's fwd+bwd (autograd memory: about 4 GiB at T=1024 with the default shape, "
-        "linear in T; T=4096 ran out of 23 GiB here)",
+        help="cap for fla's fwd+bwd (autograd memory: about 4.4 GiB at T=1024 with the default shape, "
+        "linear in T)",
     )
     p.add_argument("--gemm-n", type=int, default=2048, help="size of the square GEMM (default 2048)")
     p.add_argument(
