@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 
 settings.register_profile(
     "ci",
-    max_examples=40,
+    max_examples=100,
     derandomize=True,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
@@ -21,7 +21,7 @@ settings.register_profile(
 )
 settings.register_profile(
     "dev",
-    max_examples=400,
+    max_examples=1000,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
     print_blob=True,
