@@ -49,6 +49,7 @@ class _Chunks:
     Tinv: Any
     kgv: Any  # [kg, v]: [B, H, NT, Cp, K + V]
     kv: Any  # beta * kgv
+    wu: Any  # T kv = [W, U0]
     w: Any
     u0: Any
 
@@ -64,7 +65,7 @@ def _prepare(ops: Any, xp: Any, q, k, v, g, beta, scale: float, chunk_size: int)
     kgv = xp.concat([f.kg, vc], axis=-1)
     kv = bc * kgv
     wu = xp.matmul(Tinv, kv)
-    return _Chunks(qc, kc, vc, bc, f, A, L, Tinv, kgv, kv, wu[..., :K], wu[..., K:])
+    return _Chunks(qc, kc, vc, bc, f, A, L, Tinv, kgv, kv, wu, wu[..., :K], wu[..., K:])
 
 
 def _by_head(xp: Any, states: Any) -> Any:
@@ -270,10 +271,10 @@ def _backward_slab(
     dtotal = xp.sum(S * dS, axis=-1)
     # U = U0 - W S with [W, U0] = T [beta kg, beta v]
     dwu = xp.concat([-xp.matmul(dU, mT(S)), dU], axis=-1)
-    dT = xp.matmul(dwu, mT(c.kv))
     dkv = xp.matmul(mT(c.Tinv), dwu)  # gradient of beta * [kg, v]
-    # T = X^-1 with X = I + diag(beta) L
-    dX = xp.tril(-xp.matmul(xp.matmul(mT(c.Tinv), dT), mT(c.Tinv)), k=-1)
+    # T = X^-1 with X = I + diag(beta) L, and dT = dwu kv^T:
+    # dX = -T^T dT T^T = -(T^T dwu) (T kv)^T = -dkv wu^T
+    dX = xp.tril(-xp.matmul(dkv, mT(c.wu)), k=-1)
     dL = c.beta * dX
     dbeta = xp.sum(dX * c.L, axis=-1) + xp.sum(c.kgv * dkv, axis=-1)
     dkgv = c.beta * dkv

@@ -107,6 +107,15 @@ def _decay_tree(xp: Any, e: Any) -> tuple[Any, Any, list[Any], list[Any]]:
     """
     I, E = e, xp.ones_like(e)
     rows, cols = [], []
+    if array_api_compat.is_numpy_namespace(xp):  # the same products, in place
+        for h in half_sizes(e.shape[-2]):
+            I5 = I.reshape((*I.shape[:-2], -1, 2, h, I.shape[-1]))
+            E5 = E.reshape(I5.shape)
+            rows.append(I5[..., 1, :, :].copy())
+            cols.append(E5[..., 0, :, :].copy())
+            E5[..., 0, :, :] *= I5[..., 1, -1:, :]
+            I5[..., 1, :, :] *= I5[..., 0, -1:, :]
+        return I, E, rows, cols
     for h in half_sizes(e.shape[-2]):
         I_first, I_second = split_halves(xp, I, h)
         E_first, E_second = split_halves(xp, E, h)
@@ -265,8 +274,12 @@ def chunk_pairs_backward(
         k_first, _ = split_halves(xp, k, h)  # [..., nb, h, K]
         rowf = rowf[..., None, :, :, :]
         cols = k_first * colf
-        d_rows = xp.matmul(dY, cols[..., None, :, :, :]) * rowf  # gradient of the q, k rows
-        d_cols = xp.sum(xp.matmul(xp.matrix_transpose(dY), x_rows * rowf), axis=-4) * colf
+        if h == 1:  # [1, 1] blocks: the products are broadcasts
+            d_rows = dY * cols[..., None, :, :, :] * rowf
+            d_cols = xp.sum(dY * (x_rows * rowf), axis=-4) * colf
+        else:
+            d_rows = xp.matmul(dY, cols[..., None, :, :, :]) * rowf  # gradient of the q, k rows
+            d_cols = xp.sum(xp.matmul(xp.matrix_transpose(dY), x_rows * rowf), axis=-4) * colf
         dq_rows = add_halves(xp, dq_rows, None, d_rows[..., 0, :, :, :])
         dk_rows = add_halves(xp, dk_rows, None, d_rows[..., 1, :, :, :])
         dk_cols = add_halves(xp, dk_cols, d_cols, None)
