@@ -241,7 +241,8 @@ def test_empty_sequence():
 def test_launches_do_not_grow_with_length():
     """One kernel per primitive call: the same counts for 2 and 9 chunks (one slab of chunks).
 
-    Per slab of chunks (``kda._chunked.slabs``): forward 4 launches (factors, pairs, inverse,
+    The cuda backend asks for one slab at any size (``kda.cuda.SLAB_ELEMENTS``), so these are
+    the counts of a whole call: forward 4 launches (factors, pairs, inverse,
     state pass); backward 6 (factors, pairs, inverse, state-gradient pass, pairs backward, gate
     gradient), 10 without saved boundaries (a separate pass re-runs the first four).
     """
