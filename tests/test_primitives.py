@@ -1,0 +1,189 @@
+"""Every primitive of every backend against one naive float64 oracle written from the definitions.
+
+The oracles use explicit sums of ``g`` over the steps each factor spans and plain loops: slow, and
+independent of both backends' block structure. The cuda backend runs under Numba's CUDA simulator
+where no GPU is present (tests/conftest.py), on NumPy arrays.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+from helpers import assert_close
+
+SHAPE = (1, 2, 2, 8)  # B, H, NT, Cp
+K, V = 3, 2
+SCALE = 0.7
+
+
+def _backends() -> list[str]:
+    names = ["reference"]
+    try:
+        importlib.import_module("kda.cuda")
+        names.append("cuda")
+    except ImportError:
+        pass
+    return names
+
+
+@pytest.fixture(params=_backends())
+def ops(request):
+    return importlib.import_module(f"kda.{request.param}")
+
+
+def _inputs(regime: str, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((*SHAPE, K))
+    k = rng.standard_normal((*SHAPE, K))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    g = -rng.uniform(0.0, 1.0, (*SHAPE, K))
+    if regime == "reset":
+        g = np.where(rng.uniform(size=g.shape) < 0.2, -np.inf, g)
+    if regime == "strong":
+        g = -(10.0 ** rng.uniform(-3, 3, g.shape))
+    return q, k, g, rng
+
+
+def _segment(g: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """``exp(sum(g[..., l, :] for lo < l <= hi))``, a sum over exactly those steps."""
+    return np.exp(np.sum(g[..., lo + 1 : hi + 1, :], axis=-2))
+
+
+def oracle_pairs(q, k, g):
+    Cp = q.shape[-2]
+    A = np.zeros((*q.shape[:-1], Cp))
+    L = np.zeros_like(A)
+    for i in range(Cp):
+        for j in range(i + 1):
+            F = _segment(g, j, i)
+            A[..., i, j] = SCALE * np.sum(q[..., i, :] * k[..., j, :] * F, axis=-1)
+            if j < i:
+                L[..., i, j] = np.sum(k[..., i, :] * k[..., j, :] * F, axis=-1)
+    return A, L
+
+
+REGIMES = ["mild", "strong", "reset"]
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+def test_chunk_factors(ops, regime):
+    q, k, g, _ = _inputs(regime)
+    f = ops.chunk_factors(q, k, g, SCALE)
+    Cp = SHAPE[-1]
+    prefix = np.stack([_segment(g, -1, i) for i in range(Cp)], axis=-2)
+    suffix = np.stack([_segment(g, j, Cp - 1) for j in range(Cp)], axis=-2)
+    for name, got, want in [
+        ("prefix", f.prefix, prefix),
+        ("suffix", f.suffix, suffix),
+        ("total", f.total, _segment(g, -1, Cp - 1)),
+        ("qg", f.qg, SCALE * q * prefix),
+        ("kg", f.kg, k * prefix),
+        ("kt", f.kt, k * suffix),
+    ]:
+        assert_close(got, want, tol=1e-13, name=name)
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+def test_chunk_pairs(ops, regime):
+    q, k, g, _ = _inputs(regime)
+    A, L = ops.chunk_pairs(q, k, ops.chunk_factors(q, k, g, SCALE), SCALE)
+    A_want, L_want = oracle_pairs(q, k, g)
+    assert_close(A, A_want, tol=1e-13, name="A")
+    assert_close(L, L_want, tol=1e-13, name="L")
+
+
+def test_unit_lower_inverse(ops):
+    q, k, g, rng = _inputs("mild")
+    beta = rng.uniform(0, 2, SHAPE)
+    _, L = oracle_pairs(q, k, g)
+    want = np.linalg.inv(np.eye(SHAPE[-1]) + beta[..., :, None] * L)
+    assert_close(ops.unit_lower_inverse(beta, L), want, tol=1e-12, name="inverse")
+
+
+def test_state_passes(ops):
+    rng = np.random.default_rng(1)
+    B, H, NT, _ = SHAPE
+    w, u0, kt = (rng.standard_normal((*SHAPE, d)) for d in (K, V, K))
+    total = rng.uniform(0, 1, (B, H, NT, K))
+    S0 = rng.standard_normal((B, H, K, V))
+    starts, us, S = [], [], S0
+    for n in range(NT):
+        starts.append(S)
+        U = u0[:, :, n] - w[:, :, n] @ S
+        us.append(U)
+        S = total[:, :, n, :, None] * S + np.swapaxes(kt[:, :, n], -1, -2) @ U
+    got = ops.chunk_state_pass(w, u0, kt, total, S0)
+    for name, a, b in zip(
+        ("boundaries", "u", "final"), got, (np.stack(starts), np.stack(us, 2), S), strict=True
+    ):
+        assert_close(a, b, tol=1e-13, name=name)
+
+    du_local = rng.standard_normal((*SHAPE, V))
+    ds_local = rng.standard_normal((B, H, NT, K, V))
+    dS = rng.standard_normal((B, H, K, V))
+    ends, dus = [None] * NT, [None] * NT
+    d = dS
+    for n in reversed(range(NT)):
+        ends[n] = d
+        dus[n] = du_local[:, :, n] + kt[:, :, n] @ d
+        d = total[:, :, n, :, None] * d + ds_local[:, :, n] - np.swapaxes(w[:, :, n], -1, -2) @ dus[n]
+    got = ops.chunk_state_grad_pass(w, kt, total, du_local, ds_local, dS)
+    for name, a, b in zip(
+        ("dends", "du", "dinitial"), got, (np.stack(ends), np.stack(dus, 2), d), strict=True
+    ):
+        assert_close(a, b, tol=1e-13, name=name)
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+def test_chunk_pairs_backward(ops, regime):
+    """Gradients of sum(dA * A + dL * L) with respect to q, k and g, pair by pair."""
+    q, k, g, rng = _inputs(regime)
+    Cp = SHAPE[-1]
+    dA = np.tril(rng.standard_normal((*SHAPE, Cp)))
+    dL = np.tril(rng.standard_normal((*SHAPE, Cp)), k=-1)
+    dq, dk, dg = (np.zeros_like(q) for _ in range(3))
+    for i in range(Cp):
+        for j in range(i + 1):
+            F = _segment(g, j, i)
+            a = SCALE * dA[..., i, j, None] * F
+            dq[..., i, :] += a * k[..., j, :]
+            dk[..., j, :] += a * q[..., i, :]
+            P = a * q[..., i, :] * k[..., j, :]
+            if j < i:
+                b = dL[..., i, j, None] * F
+                dk[..., i, :] += b * k[..., j, :]
+                dk[..., j, :] += b * k[..., i, :]
+                P = P + b * k[..., i, :] * k[..., j, :]
+            dg[..., j + 1 : i + 1, :] += P[..., None, :]  # every step the factor spans
+    f = ops.chunk_factors(q, k, g, SCALE)
+    got = ops.chunk_pairs_backward(dA, dL, q, k, f, SCALE)
+    for name, a, b in zip(("dq", "dk", "dg"), got, (dq, dk, dg), strict=True):
+        assert_close(a, b, tol=1e-12, name=name)
+
+
+def test_chunk_gate_gradient(ops):
+    rng = np.random.default_rng(2)
+    prefix_terms, suffix_terms, pair_terms = (rng.standard_normal((*SHAPE, K)) for _ in range(3))
+    total_terms = rng.standard_normal((*SHAPE[:-1], K))
+    want = np.empty_like(pair_terms)
+    for l in range(SHAPE[-1]):
+        want[..., l, :] = (
+            prefix_terms[..., l:, :].sum(-2)
+            + suffix_terms[..., :l, :].sum(-2)
+            + total_terms
+            + pair_terms[..., l, :]
+        )
+    got = ops.chunk_gate_gradient(prefix_terms, suffix_terms, total_terms, pair_terms)
+    assert_close(got, want, tol=1e-13, name="dg")
+
+
+@pytest.mark.parametrize(("T", "C"), [(5, 2), (8, 4), (3, 8)])
+def test_chunk_layout_round_trip(ops, T, C):
+    x = np.arange(2 * 3 * T * 4, dtype=np.float64).reshape(2, 3, T, 4)
+    Cp = 1 << (C - 1).bit_length()
+    chunks = ops.to_chunks(x, C, Cp)
+    assert chunks.shape == (2, 3, -(-T // C), Cp, 4)
+    np.testing.assert_array_equal(chunks[:, :, 0, : min(C, T)], x[:, :, : min(C, T)])
+    np.testing.assert_array_equal(ops.from_chunks(chunks, C, T), x)
