@@ -138,8 +138,9 @@ def chunk_forward(
     B, H, T, _ = q.shape
     V = v.shape[-1]
     out = xp.zeros((B, H, T, V), dtype=v.dtype, device=v.device)
-    if T == 0:
-        empty = xp.zeros((0, *state.shape), dtype=state.dtype, device=state.device)
+    if T == 0 or B * H == 0:  # nothing to compute: no steps, or no heads
+        NT = -(-T // chunk_size)
+        empty = xp.zeros((NT, *state.shape), dtype=state.dtype, device=state.device)
         return out, xp.asarray(state, copy=True), empty
     axis, groups = _head_groups(ops, xp, q.shape)
     if not _writable(out):
@@ -201,7 +202,7 @@ def chunk_backward(
     """
     T = q.shape[2]
     grads = [xp.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v, g, beta)]
-    if T == 0:
+    if T == 0 or q.shape[0] * q.shape[1] == 0:  # nothing to compute: no steps, or no heads
         return (*grads, xp.asarray(grad_state, copy=True))
     axis, groups = _head_groups(ops, xp, q.shape)
     if not _writable(grads[0]):

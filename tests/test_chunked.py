@@ -203,3 +203,15 @@ def test_head_groups_give_the_same_result(monkeypatch, B, H):
     serial_out, serial_grads = run_chunked(p, 16)
     for a, b in zip((*out, *grads, *recomputed), (*serial_out, *serial_grads, *serial_grads), strict=True):
         assert_close(a, b, tol=1e-14)
+
+
+@pytest.mark.parametrize(("B", "H"), [(0, 2), (2, 0)])
+def test_empty_batch_or_heads(B, H):
+    p = make_problem(0, B, H, 9, 3, 2)
+    out = kda.chunk_kda(*p.inputs, initial_state=p.initial_state, chunk_size=4, save_boundaries=True)
+    assert out.output.shape == (B, H, 9, 2)
+    assert out.final_state.shape == (B, H, 3, 2)
+    assert out.boundaries.shape == (3, B, H, 3, 2)
+    grads = kda.chunk_kda_backward(*p.inputs, out.boundaries, p.grad_output, chunk_size=4)
+    assert [x.shape for x in grads] == [x.shape for x in (*p.inputs, p.initial_state)]
+    assert kda.recurrent_kda(*p.inputs).output.shape == (B, H, 9, 2)
