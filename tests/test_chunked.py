@@ -23,33 +23,44 @@ def oracle(p: Problem) -> tuple[kda.KdaOutput, kda.KdaGradients]:
     return out, grads
 
 
+# Looser bounds for degenerate sizes, where an output array is a handful of sums whose terms
+# cancel, so that its max-abs (the denominator of the check) is far below the size of those terms
+# and no float32 evaluation reaches 1e-5 of it. The chunked form evaluates the same sums in another
+# order than the step recurrence; measured in float32 (dev profile, 1000 examples a run):
+# - T = 1: with V = 1 the output is one dot product q.k (3.8e-5 of a 1.8e-6 max, K = 23); with
+#   K = 1, dq and dbeta are single dot products over V (1.8e-5, 1.9e-5; the float32 recurrence
+#   itself gets 1.2e-5 on one of them).
+# - K = 1: every key is +-1 and each step scales the state by 1 - beta in [-1, 1]; dg reached
+#   1.1e-5. The initial-state gradient is a product of such factors over the whole sequence and can
+#   be tiny (a step with beta near 1 overwrites the state); the chunked form builds each chunk's
+#   factor as 1 - sum_i w_i kt_i (the WY form of the product), whose absolute error is about
+#   C * eps * max|dS| whatever the product's size, where the step recurrence multiplies factor by
+#   factor (5.9e-7 on the same problem): 1.6e-4 (zero decay, T = 40, C = 64).
+# Every other size is held to TOLERANCE (K = 2 reached 6.5e-6 in the same scans).
+DEGENERATE_TOLERANCE = {np.dtype(np.float64): 1e-9, np.dtype(np.float32): 1e-4}
+DEGENERATE_INITIAL_STATE_TOLERANCE = {np.dtype(np.float64): 1e-9, np.dtype(np.float32): 5e-4}
+
+
+def _tolerance(q, dtype, name: str = "") -> float:
+    if q.shape[-1] != 1 and q.shape[2] != 1:
+        return TOLERANCE[np.dtype(dtype)]
+    if name == "initial_state":
+        return DEGENERATE_INITIAL_STATE_TOLERANCE[np.dtype(dtype)]
+    return DEGENERATE_TOLERANCE[np.dtype(dtype)]
+
+
 def check_forward(p: Problem, out: kda.KdaOutput, ref: kda.KdaOutput, dtype) -> None:
-    tol = TOLERANCE[np.dtype(dtype)]
+    tol = _tolerance(p.q, dtype)
     state_dtype = np.float64 if np.dtype(dtype) == np.float64 else np.float32
     assert_close(out.output, ref.output, tol=tol, dtype=dtype, name="output")
     assert_close(out.final_state, ref.final_state, tol=tol, dtype=state_dtype, name="final_state")
 
 
-# With K = 1 every key is +-1 and every step scales the state by the scalar 1 - beta in [-1, 1]:
-# the gradient of the initial state is a product of such factors over the whole sequence and
-# can be tiny (a step with beta near 1 overwrites the state). The chunked form builds each
-# chunk's factor as 1 - sum_i w_i kt_i (the WY form of the product), whose absolute error is
-# about C * eps * max|dS| whatever the product's size, where the step recurrence multiplies
-# factor by factor. Measured worst in float32: 1.6e-4 (K = 1, zero decay, T = 40, C = 64);
-# K >= 2 stayed below 7e-6 and every other output and gradient below 1e-5 in the same scans.
-INITIAL_STATE_TOLERANCE_K1 = {np.dtype(np.float64): 1e-9, np.dtype(np.float32): 5e-4}
-
-
 def check_gradients(grads: kda.KdaGradients, ref: kda.KdaGradients, dtype) -> None:
-    tol = TOLERANCE[np.dtype(dtype)]
     state_dtype = np.float64 if np.dtype(dtype) == np.float64 else np.float32
     for name, got, want in zip(GRAD_NAMES, grads, ref, strict=True):
-        if name == "initial_state":
-            loose = ref.q.shape[-1] == 1
-            bound = INITIAL_STATE_TOLERANCE_K1[np.dtype(dtype)] if loose else tol
-            assert_close(got, want, tol=bound, dtype=state_dtype, name=name)
-        else:
-            assert_close(got, want, tol=tol, dtype=dtype, name=name)
+        d = state_dtype if name == "initial_state" else dtype
+        assert_close(got, want, tol=_tolerance(ref.q, dtype, name), dtype=d, name=name)
 
 
 def run_chunked(p: Problem, chunk_size: int, *, saved: bool = True, backend: str = "reference"):
