@@ -162,20 +162,25 @@ def chunk_forward(
 def _forward_heads(
     ops: Any, xp: Any, q, k, v, g, beta, scale: float, state: Any, chunk_size: int, out: Any
 ) -> tuple[Any, Any, Any]:
-    """Forward of a group of heads, slab by slab; writes ``out`` where it can."""
+    """Forward of a group of heads, slab by slab; writes ``out`` where it can.
+
+    ``out=None`` asks for the states only (the backward's recomputed boundaries): no output is formed.
+    """
     T = q.shape[2]
     starts, outs = [], []
     for n0, n1 in slabs(q.shape, chunk_size, max(q.shape[-1], v.shape[-1]), ops.SLAB_ELEMENTS):
         t = _steps(n0, n1, chunk_size, T)
         c = _prepare(ops, xp, *(x[:, :, t, ...] for x in (q, k, v, g, beta)), scale, chunk_size)
         boundaries, U, state = ops.chunk_state_pass(c.w, c.u0, c.f.kt, c.f.total, state)
+        starts.append(boundaries)
+        if out is None:
+            continue
         O = xp.matmul(c.f.qg, _by_head(xp, boundaries)) + xp.matmul(c.A, U)
         O = ops.from_chunks(O, chunk_size, t.stop - t.start)
         if _writable(out):
             out[:, :, t, :] = O
         else:
             outs.append(O)
-        starts.append(boundaries)
     boundaries = starts[0] if len(starts) == 1 else xp.concat(starts, axis=0)
     return state, boundaries, (xp.concat(outs, axis=2) if outs else out)
 

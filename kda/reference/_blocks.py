@@ -74,22 +74,19 @@ def add_halves(xp: Any, acc: Any, first: Any | None, second: Any | None) -> Any:
     return acc + join_halves(xp, first, second)
 
 
-def level_blocks(xp: Any, M: Any, h: int) -> Any:
+def level_blocks(M: Any, h: int) -> Any:
     """The off-diagonal ``[..., nb, h, h]`` blocks of level ``h`` of ``M: [..., Cp, Cp]``.
 
-    A strided view for contiguous NumPy arrays (writable when ``M`` is), a copy otherwise.
+    A strided view (writable when ``M`` is) of a C-contiguous NumPy array: the NumPy paths of
+    :func:`assemble_lower` and :func:`split_lower` use it in place of copies.
     """
-    *lead, Cp, _ = M.shape
-    nb = Cp // (2 * h)
-    if _is_numpy(xp) and M.flags.c_contiguous:
-        import numpy as np
+    import numpy as np
 
-        sr, sc = M.strides[-2:]
-        return np.lib.stride_tricks.as_strided(
-            M[..., h:, :], shape=(*lead, nb, h, h), strides=(*M.strides[:-2], 2 * h * (sr + sc), sr, sc)
-        )
-    blocks = xp.reshape(M, (*lead, nb, 2 * h, nb, 2 * h))
-    return xp.stack([blocks[..., b, h:, b, :h] for b in range(nb)], axis=-3)
+    *lead, Cp, _ = M.shape
+    sr, sc = M.strides[-2:]
+    shape = (*lead, Cp // (2 * h), h, h)
+    strides = (*M.strides[:-2], 2 * h * (sr + sc), sr, sc)
+    return np.lib.stride_tricks.as_strided(M[..., h:, :], shape=shape, strides=strides)
 
 
 def join_blocks(xp: Any, blocks: Any, off: Any) -> Any:
@@ -114,7 +111,7 @@ def assemble_lower(xp: Any, diagonal: Any, offs: list[Any]) -> Any:
         M = np.zeros((*diagonal.shape, Cp), dtype=diagonal.dtype)
         np.einsum("...ii->...i", M)[...] = diagonal
         for h, off in zip(half_sizes(Cp), offs):
-            level_blocks(xp, M, h)[...] = off
+            level_blocks(M, h)[...] = off
         return M
     blocks = diagonal[..., None, None]
     for off in offs:
@@ -129,7 +126,7 @@ def split_lower(xp: Any, M: Any) -> tuple[Any, list[Any]]:
         import numpy as np
 
         M = np.ascontiguousarray(M)
-        return np.diagonal(M, axis1=-2, axis2=-1), [level_blocks(xp, M, h) for h in half_sizes(Cp)]
+        return np.diagonal(M, axis1=-2, axis2=-1), [level_blocks(M, h) for h in half_sizes(Cp)]
     *lead, _, _ = M.shape
     blocks = M[..., None, :, :]
     offs = []
