@@ -128,60 +128,83 @@ def _writable(x: Any) -> bool:
 
 
 def chunk_forward(
-    ops: Any, xp: Any, q, k, v, g, beta, scale: float, state: Any, chunk_size: int
+    ops: Any, xp: Any, q, k, v, g, beta, scale: float, state: Any, chunk_size: int, out: Any = None
 ) -> tuple[Any, Any, Any]:
     """Chunked forward on arrays of the compute dtype.
 
     Returns ``output [B, H, T, V]``, ``final_state [B, H, K, V]`` and
-    ``boundaries [NT, B, H, K, V]``.
+    ``boundaries [NT, B, H, K, V]``. ``out``, when given, is a triple of caller-owned writable
+    buffers of those shapes (compute dtype) that receive the results in place and are returned:
+    then nothing is allocated whose size grows with ``T`` beyond one slab's work.
     """
     B, H, T, _ = q.shape
     V = v.shape[-1]
-    out = xp.zeros((B, H, T, V), dtype=v.dtype, device=v.device)
+    NT = -(-T // chunk_size)
+    if out is None:
+        o = xp.zeros((B, H, T, V), dtype=v.dtype, device=v.device)
+        final_buf = saved = None
+    else:
+        o, final_buf, saved = out
     if T == 0 or B * H == 0:  # nothing to compute: no steps, or no heads
-        NT = -(-T // chunk_size)
-        empty = xp.zeros((NT, *state.shape), dtype=state.dtype, device=state.device)
-        return out, xp.asarray(state, copy=True), empty
+        if out is None:
+            empty = xp.zeros((NT, *state.shape), dtype=state.dtype, device=state.device)
+            return o, xp.asarray(state, copy=True), empty
+        final_buf[...] = state
+        return out
     axis, groups = _head_groups(ops, xp, q.shape)
-    if not _writable(out):
+    if not _writable(o):
         axis, groups = 1, [slice(None)]
 
-    def task(group: slice) -> tuple[Any, Any]:
+    def task(group: slice) -> tuple[Any, Any, Any]:
         i = _index(axis, group)
         inputs = [x[i] for x in (q, k, v, g, beta)]
-        return _forward_heads(ops, xp, *inputs, scale, state[i], chunk_size, out[i])
+        slab_out = None if saved is None else saved[(slice(None), *i)]
+        result = _forward_heads(ops, xp, *inputs, scale, state[i], chunk_size, o[i], slab_out)
+        if final_buf is not None:
+            final_buf[i] = result[0]
+        return result
 
     results = _run_groups(ops, groups, task)
+    if out is not None:
+        return out
     if len(results) == 1:
-        return out if _writable(out) else results[0][2], results[0][0], results[0][1]
+        return o if _writable(o) else results[0][2], results[0][0], results[0][1]
     final = xp.concat([r[0] for r in results], axis=axis)
     boundaries = xp.concat([r[1] for r in results], axis=axis + 1)
-    return out, final, boundaries
+    return o, final, boundaries
 
 
 def _forward_heads(
-    ops: Any, xp: Any, q, k, v, g, beta, scale: float, state: Any, chunk_size: int, out: Any
+    ops: Any, xp: Any, q, k, v, g, beta, scale: float, state: Any, C: int, out: Any, saved: Any = None
 ) -> tuple[Any, Any, Any]:
     """Forward of a group of heads, slab by slab; writes ``out`` where it can.
 
     ``out=None`` asks for the states only (the backward's recomputed boundaries): no output is formed.
+    ``saved``, when given, is a ``[NT, ...]`` buffer that receives the chunk-start states slab by
+    slab (and is returned as the boundaries) instead of concatenating them.
     """
     T = q.shape[2]
     starts, outs = [], []
-    for n0, n1 in slabs(q.shape, chunk_size, max(q.shape[-1], v.shape[-1]), ops.SLAB_ELEMENTS):
-        t = _steps(n0, n1, chunk_size, T)
-        c = _prepare(ops, xp, *(x[:, :, t, ...] for x in (q, k, v, g, beta)), scale, chunk_size)
+    for n0, n1 in slabs(q.shape, C, max(q.shape[-1], v.shape[-1]), ops.SLAB_ELEMENTS):
+        t = _steps(n0, n1, C, T)
+        c = _prepare(ops, xp, *(x[:, :, t, ...] for x in (q, k, v, g, beta)), scale, C)
         boundaries, U, state = ops.chunk_state_pass(c.w, c.u0, c.f.kt, c.f.total, state)
-        starts.append(boundaries)
+        if saved is None:
+            starts.append(boundaries)
+        else:
+            saved[n0:n1, ...] = boundaries
         if out is None:
             continue
         O = xp.matmul(c.f.qg, _by_head(xp, boundaries)) + xp.matmul(c.A, U)
-        O = ops.from_chunks(O, chunk_size, t.stop - t.start)
+        O = ops.from_chunks(O, C, t.stop - t.start)
         if _writable(out):
             out[:, :, t, :] = O
         else:
             outs.append(O)
-    boundaries = starts[0] if len(starts) == 1 else xp.concat(starts, axis=0)
+    if saved is not None:
+        boundaries = saved
+    else:
+        boundaries = starts[0] if len(starts) == 1 else xp.concat(starts, axis=0)
     return state, boundaries, (xp.concat(outs, axis=2) if outs else out)
 
 
@@ -199,16 +222,29 @@ def chunk_backward(
     grad_output: Any,
     grad_state: Any,
     chunk_size: int,
+    out: Any = None,
 ) -> tuple[Any, Any, Any, Any, Any, Any]:
     """Chunked backward on arrays of the compute dtype.
 
     ``boundaries`` are the chunk-start states of the forward, or ``None`` to recompute them
     from ``state``. Returns the gradients of ``q, k, v, g, beta`` and of the initial state.
+    ``out``, when given, is a tuple of caller-owned writable buffers (compute dtype) for those
+    six gradients, optionally followed by a ``[NT, B, H, K, V]`` workspace that receives the
+    recomputed boundaries when ``boundaries`` is None; the gradients are written in place and
+    the six buffers returned.
     """
     T = q.shape[2]
-    grads = [xp.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v, g, beta)]
+    if out is None:
+        grads = [xp.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v, g, beta)]
+        dstate_buf = workspace = None
+    else:
+        grads, dstate_buf = list(out[:5]), out[5]
+        workspace = out[6] if len(out) > 6 else None
     if T == 0 or q.shape[0] * q.shape[1] == 0:  # nothing to compute: no steps, or no heads
-        return (*grads, xp.asarray(grad_state, copy=True))
+        if out is None:
+            return (*grads, xp.asarray(grad_state, copy=True))
+        dstate_buf[...] = grad_state
+        return tuple(out[:6])
     axis, groups = _head_groups(ops, xp, q.shape)
     if not _writable(grads[0]):
         axis, groups = 1, [slice(None)]
@@ -217,14 +253,20 @@ def chunk_backward(
         i = _index(axis, group)
         inputs = [x[i] for x in (q, k, v, g, beta)]
         if boundaries is None:
-            starts = _forward_heads(ops, xp, *inputs, scale, state[i], chunk_size, None)[1]
+            ws = None if workspace is None else workspace[(slice(None), *i)]
+            starts = _forward_heads(ops, xp, *inputs, scale, state[i], chunk_size, None, ws)[1]
         else:
             starts = boundaries[(slice(None), *i)]
-        return _backward_heads(
+        result = _backward_heads(
             ops, xp, *inputs, scale, starts, grad_output[i], grad_state[i], chunk_size, [x[i] for x in grads]
         )
+        if dstate_buf is not None:
+            dstate_buf[i] = result[0]
+        return result
 
     results = _run_groups(ops, groups, task)
+    if out is not None:
+        return tuple(out[:6])
     if len(results) == 1:
         return (*results[0][1], results[0][0])
     return (*grads, xp.concat([r[0] for r in results], axis=axis))
