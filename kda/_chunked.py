@@ -23,6 +23,7 @@ arrays), ``workers(xp, heads)`` (how many head groups to run at once) and
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -113,8 +114,11 @@ def _run_groups(ops: Any, groups: list[slice], task) -> list[Any]:
         return [task(groups[0])]
     from concurrent.futures import ThreadPoolExecutor
 
+    # each group runs in a copy of the caller's context, so context-local settings (NumPy's
+    # errstate, for one) hold in the workers as they do in the caller
+    contexts = [contextvars.copy_context() for _ in groups]
     with ops.worker_context(), ThreadPoolExecutor(len(groups)) as pool:
-        return list(pool.map(task, groups))
+        return list(pool.map(lambda ctx, group: ctx.run(task, group), contexts, groups))
 
 
 def _index(axis: int, group: slice) -> tuple[slice, ...]:
