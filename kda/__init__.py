@@ -14,7 +14,9 @@ from ._api import (
     recurrent_kda_backward,
 )
 from ._backends import BACKENDS
-from ._errors import InvalidInputError, InvalidTypeError, KdaError
+from ._decode import decode_kda
+from ._errors import InvalidInputError, InvalidTypeError, KdaError, KdaWarning
+from ._plan import prepare_chunk_kda, prepare_chunk_kda_backward
 
 __version__ = "0.1.0"
 
@@ -25,8 +27,12 @@ __all__ = [
     "KdaError",
     "KdaGradients",
     "KdaOutput",
+    "KdaWarning",
     "chunk_kda",
     "chunk_kda_backward",
+    "decode_kda",
+    "prepare_chunk_kda",
+    "prepare_chunk_kda_backward",
     "recurrent_kda",
     "recurrent_kda_backward",
 ]

@@ -1,8 +1,8 @@
-"""Exceptions raised for bad input."""
+"""Exceptions raised for bad input, and the warning for a diverged computation."""
 
 from __future__ import annotations
 
-__all__ = ["InvalidInputError", "InvalidTypeError", "KdaError"]
+__all__ = ["InvalidInputError", "InvalidTypeError", "KdaError", "KdaWarning"]
 
 
 class KdaError(Exception):
@@ -15,3 +15,7 @@ class InvalidInputError(KdaError, ValueError):
 
 class InvalidTypeError(KdaError, TypeError):
     """An argument has the wrong dtype, array type or Python type."""
+
+
+class KdaWarning(RuntimeWarning):
+    """A computation on finite inputs gave a non-finite result (the delta rule diverged)."""

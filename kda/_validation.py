@@ -9,32 +9,55 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import array_api_compat
 
 from ._errors import InvalidInputError, InvalidTypeError
+from ._options import BETA_ACTIVATIONS, GATES, LAYOUTS, Options
 
-__all__ = ["Problem", "validate_problem"]
+__all__ = ["Problem", "check_options_call", "validate_options", "validate_problem"]
 
 
 @dataclass(frozen=True)
 class Problem:
-    """Validated sizes, dtypes and namespace of one KDA call."""
+    """Validated sizes, dtypes and namespace of one KDA call (sizes as the core sees them).
+
+    ``H`` q/k heads and ``HV`` value heads (``HV`` a multiple of ``H``); ``N`` state rows: ``B``,
+    or the number of packed sequences with ``cu_seqlens``.
+    """
 
     xp: Any
     B: int
     H: int
+    HV: int
     T: int
     K: int
     V: int
     dtype: Any  # dtype of q, k, v, g, beta and of the output
     compute_dtype: Any  # float64 for float64 inputs, float32 otherwise
     scale: float
+    layout: str = "head_first"
+    offsets: tuple[int, ...] | None = None  # cu_seqlens on the host
+
+    @property
+    def N(self) -> int:
+        return self.B if self.offsets is None else len(self.offsets) - 1
 
     def num_chunks(self, chunk_size: int) -> int:
-        return -(-self.T // chunk_size)
+        if self.offsets is None:
+            return -(-self.T // chunk_size)
+        return sum(-(-(b - a) // chunk_size) for a, b in zip(self.offsets, self.offsets[1:]))
+
+    def letters(self, heads: str, last: str = "") -> str:
+        """Shape letters of an input in this call's layout, e.g. ``B, T, HV, K``."""
+        dims = ["B", heads, "T"] if self.layout == "head_first" else ["B", "T", heads]
+        return ", ".join(dims + ([last] if last else []))
+
+    def shape(self, heads: int, last: int | None = None) -> tuple[int, ...]:
+        dims = [self.B, heads, self.T] if self.layout == "head_first" else [self.B, self.T, heads]
+        return tuple(dims + ([] if last is None else [last]))
 
 
 def _shape(x: Any) -> tuple[int, ...]:
@@ -115,22 +138,58 @@ def _is_float(xp: Any, dtype: Any) -> bool:
         return False
 
 
-def validate_problem(q: Any, k: Any, v: Any, g: Any, beta: Any, scale: Any) -> Problem:
-    """Check ``q, k, v, g, beta`` and ``scale``; return the problem's sizes and dtypes."""
+def _sizes(q: Any, v: Any, layout: str) -> tuple[int, int, int, int, int, int]:
+    """``B, H, HV, T, K, V`` read off q and v in ``layout``, with their ranks checked."""
+    letters = "B, H, T, K" if layout == "head_first" else "B, T, H, K"
+    for name, x in (("q", q), ("v", v)):
+        if x.ndim != 4:
+            spelled = letters if name == "q" else letters.replace("H", "HV").replace("K", "V")
+            msg = (
+                f"{name} must have shape [{spelled}] (4 dimensions, layout={layout!r}); got shape {_shape(x)}"
+            )
+            raise InvalidInputError(msg)
+    h_axis, t_axis = (1, 2) if layout == "head_first" else (2, 1)
+    B, K, V = _shape(q)[0], _shape(q)[3], _shape(v)[3]
+    return B, _shape(q)[h_axis], _shape(v)[h_axis], _shape(q)[t_axis], K, V
+
+
+def _check_value_heads(v: Any, B: int, H: int, HV: int, T: int, layout: str) -> None:
+    letters = "B, HV, T, V" if layout == "head_first" else "B, T, HV, V"
+    t_axis = 2 if layout == "head_first" else 1
+    groups_ok = HV == 0 if H == 0 else HV % H == 0 and HV >= H
+    if _shape(v)[0] != B or _shape(v)[t_axis] != T or not groups_ok:
+        msg = (
+            f"v must have shape [{letters}] with B={B}, T={T} and HV a multiple of the {H} q/k heads "
+            f"(layout={layout!r}); got {_shape(v)}"
+        )
+        raise InvalidInputError(msg)
+
+
+def validate_problem(
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    scale: Any,
+    *,
+    layout: str = "head_first",
+    log_gate: bool = True,
+) -> Problem:
+    """Check ``q, k, v, g, beta`` and ``scale``; return the problem's sizes and dtypes.
+
+    ``log_gate``: ``g`` is a log decay (``<= 0``, ``-inf`` a reset); otherwise a raw gate.
+    """
     names = ["q", "k", "v", "g", "beta"]
     arrays = [q, k, v, g, beta]
     xp = namespace_of(names, arrays)
-    if q.ndim != 4:
-        msg = f"q must have shape [B, H, T, K] (4 dimensions); got shape {_shape(q)}"
-        raise InvalidInputError(msg)
-    B, H, T, K = _shape(q)
-    check_shape("k", k, (B, H, T, K), "B, H, T, K")
-    check_shape("g", g, (B, H, T, K), "B, H, T, K")
-    if v.ndim != 4 or _shape(v)[:3] != (B, H, T):
-        msg = f"v must have shape [B, H, T, V] = ({B}, {H}, {T}, V); got {_shape(v)}"
-        raise InvalidInputError(msg)
-    V = _shape(v)[3]
-    check_shape("beta", beta, (B, H, T), "B, H, T")
+    layout = check_choice("layout", layout, LAYOUTS)
+    B, H, HV, T, K, V = _sizes(q, v, layout)
+    _check_value_heads(v, B, H, HV, T, layout)
+    p = Problem(xp, B, H, HV, T, K, V, q.dtype, None, 0.0, layout)
+    check_shape("k", k, p.shape(H, K), p.letters("H", "K"))
+    check_shape("g", g, p.shape(HV, K), p.letters("HV", "K"))
+    check_shape("beta", beta, p.shape(HV), p.letters("HV"))
     if K < 1 or V < 1:
         msg = f"K and V must be >= 1; got K={K}, V={V}"
         raise InvalidInputError(msg)
@@ -141,8 +200,17 @@ def validate_problem(q: Any, k: Any, v: Any, g: Any, beta: Any, scale: Any) -> P
     for name, x in zip(names[1:], arrays[1:]):
         check_dtype(name, x, q.dtype, "the dtype of q")
     compute_dtype = xp.float64 if q.dtype == xp.float64 else xp.float32
-    check_log_decay(xp, g)
-    return Problem(xp, B, H, T, K, V, q.dtype, compute_dtype, check_scale(scale, K))
+    if log_gate:
+        check_log_decay(xp, g)
+    return replace(p, compute_dtype=compute_dtype, scale=check_scale(scale, K))
+
+
+def check_choice(name: str, value: Any, allowed: tuple[Any, ...]) -> Any:
+    """Raise unless ``value`` is one of ``allowed``."""
+    if not any(value is a or (isinstance(value, str) and value == a) for a in allowed):
+        msg = f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}"
+        raise InvalidInputError(msg)
+    return value
 
 
 def check_array(
@@ -167,8 +235,150 @@ STATE_DTYPE_RULE = "states are float64 for float64 inputs, float32 otherwise"
 
 
 def check_state(name: str, state: Any, p: Problem) -> Any:
-    """Validate a ``[B, H, K, V]`` state; ``None`` passes through (it means zeros)."""
+    """Validate a ``[B, HV, K, V]`` state (``[N, HV, K, V]`` with ``cu_seqlens``); None means zeros."""
     if state is None:
         return None
-    shape = (p.B, p.H, p.K, p.V)
-    return check_array(name, state, p, shape, "B, H, K, V", p.compute_dtype, STATE_DTYPE_RULE)
+    rows = "B" if p.offsets is None else "N"
+    shape = (p.N, p.HV, p.K, p.V)
+    return check_array(name, state, p, shape, f"{rows}, HV, K, V", p.compute_dtype, STATE_DTYPE_RULE)
+
+
+def _check_param(name: str, x: Any, p: Problem, shape: tuple[int, ...], letters: str) -> Any:
+    """``A_log`` / ``dt_bias``: an array of q's library, real floating, of ``shape``; in the compute dtype."""
+    if not array_api_compat.is_array_api_obj(x) or array_api_compat.array_namespace(x) is not p.xp:
+        msg = f"{name} must be an array of the same library as q ({p.xp.__name__}); got {type(x).__name__}"
+        raise InvalidTypeError(msg)
+    check_shape(name, x, shape, letters)
+    if not _is_float(p.xp, x.dtype):
+        msg = f"{name} must have a real floating dtype; got {dtype_name(x.dtype)}"
+        raise InvalidTypeError(msg)
+    return p.xp.astype(x, p.compute_dtype, copy=False)
+
+
+def _check_gate(p: Problem, gate: str, A_log: Any, dt_bias: Any, lower_bound: Any) -> tuple[Any, Any, Any]:
+    """The gate's parameters, validated; ``A_log``/``dt_bias`` in the compute dtype."""
+    if gate == "log":
+        given = [
+            n
+            for n, x in (("A_log", A_log), ("dt_bias", dt_bias), ("lower_bound", lower_bound))
+            if x is not None
+        ]
+        if given:
+            msg = f"{', '.join(given)} must be None with gate='log' (g is already the log decay); got a value"
+            raise InvalidInputError(msg)
+        return None, None, None
+    if gate == "softplus" and A_log is None:
+        msg = "A_log (shape [HV]) is required with gate='softplus'; got None"
+        raise InvalidInputError(msg)
+    if gate == "softplus" and lower_bound is not None:
+        msg = f"lower_bound must be None with gate='softplus' (use gate='lower_bound'); got {lower_bound!r}"
+        raise InvalidInputError(msg)
+    if gate == "lower_bound":
+        if isinstance(lower_bound, bool) or not isinstance(lower_bound, numbers.Real):
+            msg = f"lower_bound must be a float < 0 with gate='lower_bound'; got {lower_bound!r}"
+            raise InvalidTypeError(msg)
+        if not (math.isfinite(float(lower_bound)) and lower_bound < 0):
+            msg = f"lower_bound must be a finite float < 0; got {lower_bound!r}"
+            raise InvalidInputError(msg)
+        lower_bound = float(lower_bound)
+    if A_log is not None:
+        A_log = _check_param("A_log", A_log, p, (p.HV,), "HV")
+    if dt_bias is not None:
+        dt_bias = _check_param("dt_bias", dt_bias, p, (p.HV, p.K), "HV, K")
+    return A_log, dt_bias, lower_bound
+
+
+def _host_integers(name: str, x: Any) -> Any:
+    """A 1-D integer array (any array library, or a list of ints) as a NumPy array on the host."""
+    import numpy as np
+
+    if isinstance(x, (list, tuple)):
+        host = np.asarray(x)
+    elif array_api_compat.is_array_api_obj(x):
+        if array_api_compat.is_cupy_array(x):
+            x = x.get()
+        try:
+            host = np.asarray(x)
+        except (TypeError, RuntimeError):
+            host = np.from_dlpack(x)
+    else:
+        msg = f"{name} must be a 1-D integer array or None; got {type(x).__name__}"
+        raise InvalidTypeError(msg)
+    if host.ndim != 1 or not (np.issubdtype(host.dtype, np.integer) or host.size == 0):
+        msg = f"{name} must be a 1-D integer array; got shape {host.shape} and dtype {host.dtype}"
+        raise InvalidTypeError(msg)
+    return host.astype(np.int64)
+
+
+def check_cu_seqlens(cu_seqlens: Any, B: int, T: int) -> tuple[int, ...] | None:
+    """``N + 1`` non-decreasing offsets from 0 to ``T`` (with ``B == 1``), as host ints."""
+    if cu_seqlens is None:
+        return None
+    host = _host_integers("cu_seqlens", cu_seqlens)
+    if host.size < 1 or host[0] != 0 or host[-1] != T:
+        ends = f"first {host[0]}, last {host[-1]}" if host.size else "no elements"
+        msg = f"cu_seqlens must start at 0 and end at T={T}; got {ends}"
+        raise InvalidInputError(msg)
+    steps = host[1:] - host[:-1]
+    if (steps < 0).any():
+        i = int((steps < 0).argmax())
+        msg = f"cu_seqlens must be non-decreasing; got {host[i]} then {host[i + 1]} at index {i}"
+        raise InvalidInputError(msg)
+    if B != 1:
+        msg = f"cu_seqlens packs sequences into one row: the batch size B must be 1; got B={B}"
+        raise InvalidInputError(msg)
+    return tuple(int(n) for n in host)
+
+
+def validate_options(
+    p: Problem,
+    *,
+    qk_l2norm: Any,
+    gate: str,
+    A_log: Any,
+    dt_bias: Any,
+    lower_bound: Any,
+    beta_activation: Any,
+    cu_seqlens: Any,
+) -> tuple[Problem, Options]:
+    """Check the model-level options against the problem; return it with ``cu_seqlens`` set."""
+    if not isinstance(qk_l2norm, bool):
+        msg = f"qk_l2norm must be True or False; got {qk_l2norm!r}"
+        raise InvalidTypeError(msg)
+    check_choice("beta_activation", beta_activation, BETA_ACTIVATIONS)
+    A_log, dt_bias, lower_bound = _check_gate(p, gate, A_log, dt_bias, lower_bound)
+    offsets = check_cu_seqlens(cu_seqlens, p.B, p.T)
+    options = Options(p.layout, qk_l2norm, gate, A_log, dt_bias, lower_bound, beta_activation, offsets)
+    return replace(p, offsets=offsets), options
+
+
+def check_options_call(
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    scale: Any,
+    *,
+    layout: str,
+    qk_l2norm: Any,
+    gate: str,
+    A_log: Any,
+    dt_bias: Any,
+    lower_bound: Any,
+    beta_activation: Any,
+    cu_seqlens: Any,
+) -> tuple[Problem, Options]:
+    """:func:`validate_problem` then :func:`validate_options`: everything about the inputs."""
+    gate = check_choice("gate", gate, GATES)
+    p = validate_problem(q, k, v, g, beta, scale, layout=layout, log_gate=gate == "log")
+    return validate_options(
+        p,
+        qk_l2norm=qk_l2norm,
+        gate=gate,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+        beta_activation=beta_activation,
+        cu_seqlens=cu_seqlens,
+    )

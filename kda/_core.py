@@ -1,0 +1,165 @@
+"""The cores that the public functions run (on head-first inputs of the compute dtype), and the
+loop over groups of packed sequences around them.
+
+A core computes KDA on ready inputs ``q, k, g: [B, HV, T, K]``, ``v: [B, HV, T, V]``,
+``beta: [B, HV, T]`` (``B`` rows that are independent sequences):
+
+- :class:`ChunkCore`: the chunked algorithm of :mod:`kda._chunked`. A chunk is clamped to the
+  sequence (``T < chunk_size`` computes one ``T``-step chunk: the same boundaries, ``NT = 1``),
+  and a sequence of at most :data:`RECURRENT_MAX_T` steps in one chunk runs the step recurrence.
+- :class:`RecurrentCore`: the step recurrence, the oracle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from . import _varlen
+from ._chunked import chunk_backward, chunk_forward, padded_chunk_size
+from ._errors import InvalidInputError
+from ._options import CoreInputs
+
+__all__ = ["RECURRENT_MAX_T", "ChunkCore", "Core", "RecurrentCore", "run_backward", "run_forward"]
+
+# Sequences of at most this many steps (in a single chunk) run the step recurrence inside the
+# chunked functions: measured faster there on the CPU (benchmarks/README.md, short sequences).
+RECURRENT_MAX_T = 1
+
+# The pair matrices of one chunk for all heads, ``B * HV * Cp * Cp`` elements, are refused above
+# this many bytes: a chunk that large cannot be worth computing as one block.
+PAIR_BYTES_LIMIT = 1 << 31
+
+
+class Core(Protocol):
+    chunk_size: int
+
+    def forward(self, q, k, v, g, beta, state) -> tuple[Any, Any, Any]: ...
+
+    def backward(self, q, k, v, g, beta, state, boundaries, do, dstate) -> tuple[Any, ...]: ...
+
+
+@dataclass(frozen=True)
+class RecurrentCore:
+    """The step recurrence of a backend."""
+
+    ops: Any
+    scale: float
+    chunk_size: int = 1  # packed sequences are grouped by exact length
+
+    def forward(self, q, k, v, g, beta, state) -> tuple[Any, Any, Any]:
+        o, final = self.ops.recurrent_forward(q, k, v, g, beta, self.scale, state)
+        return o, final, None
+
+    def backward(self, q, k, v, g, beta, state, boundaries, do, dstate) -> tuple[Any, ...]:
+        return self.ops.recurrent_backward(q, k, v, g, beta, self.scale, state, do, dstate)
+
+
+def _check_pair_memory(rows: int, C: int, T: int, itemsize: int) -> None:
+    Cp = padded_chunk_size(C)
+    if rows * Cp * Cp * itemsize <= PAIR_BYTES_LIMIT:
+        return
+    fits = 1 << ((PAIR_BYTES_LIMIT // max(rows * itemsize, 1)).bit_length() - 1) // 2
+    msg = (
+        f"chunk_size={C} (for T={T}) needs pair matrices of {rows} x {Cp} x {Cp} elements "
+        f"({rows * Cp * Cp * itemsize / 2**30:.1f} GiB) per chunk; at most chunk_size={fits} fits "
+        f"the {PAIR_BYTES_LIMIT / 2**30:.0f} GiB limit for these {rows} heads"
+    )
+    raise InvalidInputError(msg)
+
+
+@dataclass(frozen=True)
+class ChunkCore:
+    """The chunked algorithm on a backend, with short sequences handled as described above."""
+
+    ops: Any
+    scale: float
+    chunk_size: int
+
+    def _plan(self, q) -> int | None:
+        """The chunk size to run for these inputs, or None for the step recurrence."""
+        B, HV, T = q.shape[:3]
+        C = min(self.chunk_size, max(T, 1))
+        if 0 < T <= min(RECURRENT_MAX_T, self.chunk_size):
+            return None
+        _check_pair_memory(B * HV, C, T, 8)
+        return C
+
+    def forward(self, q, k, v, g, beta, state) -> tuple[Any, Any, Any]:
+        C = self._plan(q)
+        if C is None:
+            o, final = self.ops.recurrent_forward(q, k, v, g, beta, self.scale, state)
+            return o, final, _start_boundaries(state, q.shape[2])
+        xp = _namespace(q)
+        return chunk_forward(self.ops, xp, q, k, v, g, beta, self.scale, state, C)
+
+    def backward(self, q, k, v, g, beta, state, boundaries, do, dstate) -> tuple[Any, ...]:
+        C = self._plan(q)
+        if C is None:  # the one boundary, when given, is the initial state
+            state = state if boundaries is None or boundaries.shape[0] == 0 else boundaries[0, ...]
+            return self.ops.recurrent_backward(q, k, v, g, beta, self.scale, state, do, dstate)
+        xp = _namespace(q)
+        return chunk_backward(self.ops, xp, q, k, v, g, beta, self.scale, state, boundaries, do, dstate, C)
+
+
+def _namespace(x: Any) -> Any:
+    from array_api_compat import array_namespace
+
+    return array_namespace(x)
+
+
+def _start_boundaries(state: Any, T: int) -> Any:
+    """The boundaries of a sequence of at most one chunk: its initial state (none when T == 0)."""
+    xp = _namespace(state)
+    if T == 0:
+        return xp.zeros((0, *state.shape), dtype=state.dtype, device=state.device)
+    return xp.asarray(state[None, ...], copy=True)
+
+
+def run_forward(core: Core, xp: Any, c: CoreInputs, state: Any, offsets: tuple[int, ...] | None):
+    """``(output, final_state, boundaries)`` of the core on ``c``, per group of packed sequences."""
+    if offsets is None:
+        return core.forward(c.q, c.k, c.v, c.g, c.beta, state)
+    plan = _varlen.plan_sequences(offsets, core.chunk_size)
+    outs, finals, starts = [], [], []
+    for group in plan.groups:
+        args = [_varlen.gather(xp, x, plan, group) for x in (c.q, c.k, c.v, c.g, c.beta)]
+        o, final, boundaries = core.forward(*args, _varlen.gather_rows(xp, state, plan, group))
+        outs.append(o)
+        finals.append(final)
+        starts.append(boundaries)
+    T, V = c.v.shape[2], c.v.shape[3]
+    if outs:
+        output = _varlen.scatter(xp, outs, plan, T)
+    else:
+        output = xp.zeros((1, c.v.shape[1], T, V), dtype=c.v.dtype, device=c.v.device)
+    final = _varlen.scatter_rows(xp, finals, plan, state)
+    if starts and starts[0] is None:
+        return output, final, None
+    empty = xp.zeros((0, 1, *state.shape[1:]), dtype=state.dtype, device=state.device)
+    return output, final, _varlen.scatter_boundaries(xp, starts, plan, empty)
+
+
+def run_backward(
+    core: Core, xp: Any, c: CoreInputs, state: Any, boundaries: Any, do: Any, dstate: Any, offsets
+) -> tuple[Any, ...]:
+    """Gradients ``(dq, dk, dv, dg, dbeta, dstate)`` of the core's inputs, per group of sequences."""
+    if offsets is None:
+        return core.backward(c.q, c.k, c.v, c.g, c.beta, state, boundaries, do, dstate)
+    plan = _varlen.plan_sequences(offsets, core.chunk_size)
+    parts: list[list[Any]] = [[] for _ in range(5)]
+    dstates = []
+    for group in plan.groups:
+        args = [_varlen.gather(xp, x, plan, group) for x in (c.q, c.k, c.v, c.g, c.beta, do)]
+        rows = [_varlen.gather_rows(xp, x, plan, group) for x in (state, dstate)]
+        starts = None if boundaries is None else _varlen.gather_boundaries(xp, boundaries, plan, group)
+        *grads, ds = core.backward(*args[:5], rows[0], starts, args[5], rows[1])
+        for acc, x in zip(parts, grads, strict=True):
+            acc.append(x)
+        dstates.append(ds)
+    T = c.q.shape[2]
+    if dstates:
+        grads = [_varlen.scatter(xp, acc, plan, T) for acc in parts]
+    else:
+        grads = [xp.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (c.q, c.k, c.v, c.g, c.beta)]
+    return (*grads, _varlen.scatter_rows(xp, dstates, plan, dstate))
