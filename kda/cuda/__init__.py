@@ -10,6 +10,7 @@ primitive (``kda.cuda._launch.LAUNCHES`` counts them).
 import contextlib
 
 from ..reference._chunk import ChunkFactors
+from ._decode import decode_forward
 from ._launch import (
     chunk_factors,
     chunk_gate_gradient,
@@ -36,6 +37,7 @@ __all__ = [
     "chunk_pairs_backward",
     "chunk_state_grad_pass",
     "chunk_state_pass",
+    "decode_forward",
     "from_chunks",
     "recurrent_backward",
     "recurrent_forward",

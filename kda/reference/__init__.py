@@ -16,6 +16,7 @@ from ._chunk import (
     to_chunks,
     unit_lower_inverse,
 )
+from ._decode import decode_forward
 from ._recurrent import recurrent_backward, recurrent_forward
 from ._scheduling import SLAB_ELEMENTS, worker_context, workers
 
@@ -31,6 +32,7 @@ __all__ = [
     "chunk_pairs_backward",
     "chunk_state_grad_pass",
     "chunk_state_pass",
+    "decode_forward",
     "from_chunks",
     "recurrent_backward",
     "recurrent_forward",

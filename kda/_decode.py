@@ -1,0 +1,162 @@
+"""Decoding from a state pool: ``decode_kda``.
+
+A serving engine keeps the recurrent states of its requests in one pool ``[P, HV, K, V]`` and
+runs a batch of requests, each a few steps long (one for decoding, a few for speculative
+verification), against the rows it names. The rows are updated in place; rows that no request
+names are not touched at all.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import array_api_compat
+
+from ._backends import get_backend
+from ._checks import check_finite as _check_finite
+from ._checks import warn_if_diverged
+from ._errors import InvalidInputError, InvalidTypeError
+from ._options import Options, prepare_core_inputs
+from ._validation import STATE_DTYPE_RULE, Problem, _host_integers, check_array, check_options_call
+
+__all__ = ["decode_kda"]
+
+PADDING = -1
+
+
+def _head_first(xp: Any, x: Any, layout: str) -> Any:
+    """``[N, T, heads, ...]`` -> ``[N, heads, T, ...]`` (a view) for the time-major layout."""
+    if layout == "head_first":
+        return x
+    return xp.permute_dims(x, (0, 2, 1, 3) if x.ndim == 4 else (0, 2, 1))
+
+
+def check_pool(state_pool: Any, p: Problem) -> int:
+    """Validate the pool ``[P, HV, K, V]`` (compute dtype, writable in place); return ``P``."""
+    if not array_api_compat.is_array_api_obj(state_pool) or state_pool.ndim != 4:
+        shape = getattr(state_pool, "shape", None)
+        msg = (
+            f"state_pool must be a 4-D array [P, HV, K, V]; got {type(state_pool).__name__} of shape {shape}"
+        )
+        raise InvalidInputError(msg) if shape is not None else InvalidTypeError(msg)
+    P = int(state_pool.shape[0])
+    check_array(
+        "state_pool", state_pool, p, (P, p.HV, p.K, p.V), "P, HV, K, V", p.compute_dtype, STATE_DTYPE_RULE
+    )
+    if not array_api_compat.is_writeable_array(state_pool):
+        msg = (
+            "state_pool must be writable in place (it is updated in place); got a read-only or "
+            f"immutable {type(state_pool).__module__}.{type(state_pool).__name__}"
+        )
+        raise InvalidInputError(msg)
+    return P
+
+
+def check_indices(state_indices: Any, N: int, P: int) -> tuple[int, ...]:
+    """``N`` host ints, each ``-1`` (padding) or a distinct row of a pool of ``P`` rows."""
+    host = _host_integers("state_indices", state_indices)
+    if host.shape != (N,):
+        msg = f"state_indices must have shape [N] = ({N},), one row per request; got {tuple(host.shape)}"
+        raise InvalidInputError(msg)
+    bad = [int(i) for i in host if not PADDING <= i < P]
+    if bad:
+        msg = f"state_indices must be -1 (padding) or a row in [0, {P}) of state_pool; got {bad[:5]}"
+        raise InvalidInputError(msg)
+    rows = [int(i) for i in host if i != PADDING]
+    if len(set(rows)) != len(rows):
+        seen: set[int] = set()
+        dups = sorted({r for r in rows if r in seen or seen.add(r)})
+        msg = (
+            "state_indices must name each pool row at most once (two requests cannot share a state); "
+            f"got {dups} more than once"
+        )
+        raise InvalidInputError(msg)
+    return tuple(int(i) for i in host)
+
+
+def _check_values(xp: Any, o: Options, arrays: dict[str, Any]) -> None:
+    for name, x in arrays.items():
+        _check_finite(xp, name, x, allow_neg_inf=name == "g" and o.gate == "log")
+
+
+def decode_kda(
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    state_pool: Any,
+    state_indices: Any,
+    *,
+    scale: float | None = None,
+    layout: str = "head_first",
+    qk_l2norm: bool = False,
+    gate: str = "log",
+    A_log: Any = None,
+    dt_bias: Any = None,
+    lower_bound: float | None = None,
+    beta_activation: str | None = None,
+    check_finite: bool = True,
+    backend: str | None = None,
+) -> Any:
+    """A few KDA steps of a batch of requests, each continuing the state held in a pool row.
+
+    Request ``n`` starts from ``state_pool[state_indices[n]]``, runs its ``T`` steps of the
+    recurrence (as :func:`kda.recurrent_kda` would with that row as ``initial_state``) and writes
+    its final state back into that row, in place.
+
+    Parameters
+    ----------
+    q, k : array, shape ``[N, H, T, K]`` (``[N, T, H, K]`` with ``layout="time_major"``)
+        Queries and keys of the ``N`` requests.
+    v : array, shape ``[N, HV, T, V]``
+        Values (``HV`` a multiple of ``H``: grouped value heads).
+    g : array, shape ``[N, HV, T, K]``
+        Gates: log decays ``<= 0`` with ``gate="log"``, raw gates otherwise.
+    beta : array, shape ``[N, HV, T]``
+        Delta-rule step sizes (raw, with ``beta_activation``).
+    state_pool : array, shape ``[P, HV, K, V]``
+        The pool of states, float32 (float64 for float64 inputs), writable; updated in place.
+        Rows that no request names are left bitwise unchanged.
+    state_indices : 1-D integer array or list, shape ``[N]``
+        Row of ``state_pool`` of each request, or ``-1`` for a padding request (its output is
+        zeros and it reads and writes no state). Non-negative indices must be distinct.
+    scale : float, optional
+        Query scale; default ``K ** -0.5``.
+    layout, qk_l2norm, gate, A_log, dt_bias, lower_bound, beta_activation, check_finite
+        The model-level options, as for :func:`kda.chunk_kda`. The pool itself is not scanned
+        for non-finite values (that would read every row); only the inputs are.
+    backend : {None, "reference", "cuda"}
+        ``None`` picks from the arrays' namespace; CuPy arrays run one CUDA kernel.
+
+    Returns
+    -------
+    output : array, shape ``[N, HV, T, V]`` (``[N, T, HV, V]`` time-major), dtype of the inputs.
+
+    Raises
+    ------
+    InvalidInputError
+        Wrong shapes, an index outside ``[-1, P)``, a row named twice, a pool that cannot be
+        written in place (a read-only NumPy array, an immutable namespace such as JAX).
+    InvalidTypeError
+        Wrong dtypes (the pool must be the compute dtype) or array types.
+    """
+    p, o = check_options_call(
+        q, k, v, g, beta, scale, layout=layout, qk_l2norm=qk_l2norm, gate=gate, A_log=A_log,
+        dt_bias=dt_bias, lower_bound=lower_bound, beta_activation=beta_activation, cu_seqlens=None,
+    )  # fmt: skip
+    xp = p.xp
+    P = check_pool(state_pool, p)
+    indices = check_indices(state_indices, p.B, P)
+    if check_finite:
+        _check_values(
+            xp, o, {"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": o.A_log, "dt_bias": o.dt_bias}
+        )
+    ops = get_backend(xp, backend)
+    inputs = [_head_first(xp, xp.astype(x, p.compute_dtype, copy=False), layout) for x in (q, k, v, g, beta)]
+    c = prepare_core_inputs(xp, *inputs, o, p.HV)
+    out = ops.decode_forward(c.q, c.k, c.v, c.g, c.beta, p.scale, state_pool, indices)
+    out = _head_first(xp, xp.astype(out, p.dtype, copy=False), layout)
+    if check_finite:
+        warn_if_diverged(xp, out)
+    return out

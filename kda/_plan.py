@@ -1,0 +1,440 @@
+"""Prepared plans: validate and allocate once, then run many times on refilled inputs.
+
+``plan = prepare_chunk_kda(q, k, v, g, beta, ...)`` binds the arrays, checks them once and
+allocates the outputs and the workspace. ``plan.run()`` computes from the *current contents* of
+the bound arrays into ``plan.out`` and returns it; the caller refills the bound arrays in place
+between runs (as the seed's ``SequenceKernelPlan``).
+
+What ``run()`` costs beyond the computation:
+
+- no validation of shapes, dtypes or options (done once at prepare time);
+- the gate is re-checked with one reduction, ``max(g) <= 0`` (NaN fails it too), for
+  ``gate="log"`` on host arrays: a refilled positive gate would silently overflow ``exp`` and a
+  reduction reads ``g`` once without allocating (under 1% of a run at B=1, H=4, T=4096,
+  K=V=64). On CuPy the check is skipped: it needs a host synchronisation, which would stall the
+  stream and cannot be captured in a CUDA graph. Other values (NaN or infinite q, k, v, beta)
+  are not re-checked on any backend.
+- On NumPy (and other host namespaces), the plain forward and backward (``gate="log"``, no
+  ``qk_l2norm``, no beta activation, ``HV == H``, no ``cu_seqlens``, float32 or float64 inputs)
+  write straight into the plan's buffers: ``run()`` allocates only one slab's work, nothing that
+  grows with ``T``. With element-wise options or float16/bfloat16 inputs, the options' maps and
+  casts allocate arrays of the inputs' size on every run.
+- On CuPy, the first ``run()`` computes eagerly (compiling kernels) and then captures the same
+  work as a CUDA graph, which every later ``run()`` replays on the current stream: one launch
+  from Python per run. The capture allocates from a memory pool private to the plan, so its
+  temporaries keep their addresses for the replays. Under Numba's CUDA simulator (NumPy arrays,
+  ``backend="cuda"``) there are no graphs and the plan runs eagerly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import array_api_compat
+
+from . import _api
+from ._api import KdaGradients, KdaOutput
+from ._backends import get_backend
+from ._chunked import chunk_backward, chunk_forward
+from ._core import ChunkCore
+from ._errors import InvalidInputError, InvalidTypeError
+from ._options import Options
+from ._validation import STATE_DTYPE_RULE, Problem, check_array, check_chunk_size, check_options_call
+
+__all__ = ["BackwardPlan", "ForwardPlan", "prepare_chunk_kda", "prepare_chunk_kda_backward"]
+
+
+def _c_contiguous(x: Any) -> bool:
+    flags = getattr(x, "flags", None)
+    if flags is not None and hasattr(flags, "c_contiguous"):
+        return bool(flags.c_contiguous)
+    if hasattr(x, "is_contiguous"):  # torch
+        return bool(x.is_contiguous())
+    return True  # a namespace without strides to ask about
+
+
+def _check_bindings(bindings: dict[str, Any]) -> None:
+    """Every bound array must be C-contiguous (the seed's rule)."""
+    for name, x in bindings.items():
+        if x is not None and not _c_contiguous(x):
+            msg = (
+                f"prepared KDA requires C-contiguous bindings: {name} (shape {tuple(x.shape)}) is not; "
+                "bind a contiguous copy and refill that"
+            )
+            raise InvalidInputError(msg)
+
+
+def _check_writable(name: str, x: Any) -> None:
+    if not array_api_compat.is_writeable_array(x):
+        msg = (
+            f"prepared KDA writes its results in place: {name} must be a writable array; got a "
+            f"read-only or immutable {type(x).__module__}.{type(x).__name__}"
+        )
+        raise InvalidInputError(msg)
+
+
+@dataclass(frozen=True)
+class _Buffers:
+    """Makes or checks the out buffers of one plan."""
+
+    p: Problem
+    device: Any
+
+    def get(self, name: str, given: Any, shape: tuple[int, ...], letters: str, dtype: Any, why: str) -> Any:
+        """The caller's buffer ``out.<name>``, checked; or a new zeroed one."""
+        if given is None:
+            return self.p.xp.zeros(shape, dtype=dtype, device=self.device)
+        check_array(f"out.{name}", given, self.p, shape, letters, dtype, why)
+        _check_writable(f"out.{name}", given)
+        return given
+
+    def state(self, name: str, given: Any, shape: tuple[int, ...], letters: str) -> Any:
+        return self.get(name, given, shape, letters, self.p.compute_dtype, STATE_DTYPE_RULE)
+
+
+def _is_plain(p: Problem, o: Options) -> bool:
+    """No element-wise map between the bound arrays and the core: runs write in place."""
+    return (
+        o.gate == "log"
+        and not o.qk_l2norm
+        and o.beta_activation is None
+        and o.cu_seqlens is None
+        and p.H == p.HV
+        and p.dtype == p.compute_dtype
+    )
+
+
+@dataclass
+class _Runner:
+    """What both plans share: the bound arrays, the core, the fast path and the CUDA graph.
+
+    ``chunk`` is the chunk size that the fast path runs (the bound arrays straight into the
+    plan's buffers), or None where the options' maps or the step recurrence run instead.
+    """
+
+    p: Problem
+    o: Options
+    core: ChunkCore
+    inputs: tuple  # raw q, k, v, g, beta (and A_log, dt_bias for the backward)
+    state: Any
+    chunk: int | None
+    graph: Any = None
+    graph_resources: tuple = field(default_factory=tuple)
+
+    @property
+    def xp(self) -> Any:
+        return self.p.xp
+
+    def views(self, *arrays: Any) -> list[Any]:
+        """Head-first views of bound arrays (the arrays themselves for the head-first layout)."""
+        return [_api._head_first(self.xp, x, self.p.layout) for x in arrays]
+
+    def recheck_gate(self) -> None:
+        """``max(g) <= 0`` on host arrays with a log gate (see the module notes)."""
+        g = self.inputs[3]
+        if self.o.gate != "log" or array_api_compat.is_cupy_namespace(self.xp) or g.size == 0:
+            return
+        if not bool(self.xp.max(g) <= 0):
+            msg = "g must hold log decays <= 0 (-inf allowed); the refilled g has a positive or NaN element"
+            raise InvalidInputError(msg)
+
+    def run(self, compute) -> None:
+        """``compute()`` eagerly, or by replaying its CUDA graph (captured after the first run)."""
+        if self.graph is not None:
+            self.graph.launch()
+            return
+        self.recheck_gate()
+        compute()
+        if array_api_compat.is_cupy_namespace(self.xp):
+            self.graph, self.graph_resources = _capture(compute)
+
+
+def _capture(compute) -> tuple[Any, tuple]:
+    """Capture ``compute()`` as a CUDA graph on a private stream and memory pool.
+
+    The pool serves only this capture: the temporaries it hands out are cached by it after the
+    capture and never given to anyone else, so the graph's kernels find them at every replay.
+    """
+    import cupy
+
+    pool = cupy.cuda.MemoryPool()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    cupy.cuda.get_current_stream().synchronize()
+    with cupy.cuda.using_allocator(pool.malloc), stream:
+        stream.begin_capture()
+        try:
+            compute()
+        finally:
+            graph = stream.end_capture()
+    return graph, (pool, stream)
+
+
+class ForwardPlan:
+    """A prepared :func:`kda.chunk_kda`; see :func:`prepare_chunk_kda`.
+
+    Attributes
+    ----------
+    out : KdaOutput
+        The buffers that every :meth:`run` fills (``boundaries`` is None unless saved or given).
+    """
+
+    def __init__(self, runner: _Runner, out: KdaOutput, boundaries: Any) -> None:
+        self._r = runner
+        self._boundaries = boundaries  # out.boundaries, or the plan's workspace for them
+        self.out = out
+
+    def run(self) -> KdaOutput:
+        """Compute from the bound arrays' current contents into :attr:`out`; return it."""
+        self._r.run(self._compute)
+        return self.out
+
+    def _compute(self) -> None:
+        r, p = self._r, self._r.p
+        if r.chunk is not None:
+            bufs = (r.views(self.out.output)[0], self.out.final_state, self._boundaries)
+            chunk_forward(r.core.ops, r.xp, *r.views(*r.inputs), p.scale, r.state, r.chunk, out=bufs)
+            return
+        result = _api._forward(p, r.o, r.core, r.inputs, r.state, False, True)
+        self.out.output[...] = result.output
+        self.out.final_state[...] = result.final_state
+        if result.boundaries is not None:
+            self._boundaries[...] = result.boundaries
+
+
+class BackwardPlan:
+    """A prepared :func:`kda.chunk_kda_backward`; see :func:`prepare_chunk_kda_backward`.
+
+    Attributes
+    ----------
+    out : KdaGradients
+        The buffers that every :meth:`run` fills.
+    """
+
+    def __init__(self, runner: _Runner, out: KdaGradients, bound: tuple, workspace: Any) -> None:
+        self._r = runner
+        self._bound = bound  # boundaries, grad_output, grad_final_state (or zeros)
+        self._workspace = workspace  # recomputed boundaries when none are bound
+        self.out = out
+
+    def run(self) -> KdaGradients:
+        """Compute from the bound arrays' current contents into :attr:`out`; return it."""
+        self._r.run(self._compute)
+        return self.out
+
+    def _compute(self) -> None:
+        r, p = self._r, self._r.p
+        boundaries, do, dstate = self._bound
+        if r.chunk is not None:
+            grads = (*r.views(*self.out[:5]), self.out.initial_state)
+            ws = (self._workspace,) if boundaries is None else ()
+            args = (p.scale, r.state, boundaries, r.views(do)[0], dstate, r.chunk)
+            chunk_backward(r.core.ops, r.xp, *r.views(*r.inputs[:5]), *args, out=(*grads, *ws))
+            return
+        do_core = r.views(r.xp.astype(do, p.compute_dtype, copy=False))[0]
+        result = _api._backward(p, r.o, r.core, r.inputs, r.state, boundaries, do_core, dstate)
+        for buf, x in zip(self.out, result, strict=True):
+            if buf is not None:
+                buf[...] = x
+
+
+def _prepare(q, k, v, g, beta, scale, chunk_size, backend, initial_state, check_finite, options):
+    """Validation shared by both plans: ``(problem, options, core, state, fast-path chunk)``."""
+    p, o = check_options_call(q, k, v, g, beta, scale, **options)
+    if not array_api_compat.is_writeable_array(q):
+        msg = f"prepared KDA needs arrays that can be written in place; {type(q).__module__} arrays cannot"
+        raise InvalidInputError(msg)
+    core = ChunkCore(get_backend(p.xp, backend), p.scale, check_chunk_size(chunk_size))
+    state = _api._state_or_zeros(p, "initial_state", initial_state)
+    _api._check_inputs_finite(p, o, check_finite, q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+    chunk = core._plan(_api._head_first(p.xp, q, p.layout))  # also refuses pair matrices that cannot fit
+    return p, o, core, state, chunk if _is_plain(p, o) else None
+
+
+def _options(layout, qk_l2norm, gate, A_log, dt_bias, lower_bound, beta_activation, cu_seqlens) -> dict:
+    return dict(
+        layout=layout,
+        qk_l2norm=qk_l2norm,
+        gate=gate,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+        beta_activation=beta_activation,
+        cu_seqlens=cu_seqlens,
+    )
+
+
+def prepare_chunk_kda(
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    *,
+    initial_state: Any = None,
+    out: KdaOutput | None = None,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    save_boundaries: bool = False,
+    backend: str | None = None,
+    layout: str = "head_first",
+    qk_l2norm: bool = False,
+    gate: str = "log",
+    A_log: Any = None,
+    dt_bias: Any = None,
+    lower_bound: float | None = None,
+    beta_activation: str | None = None,
+    cu_seqlens: Any = None,
+    check_finite: bool = True,
+) -> ForwardPlan:
+    """Prepare :func:`kda.chunk_kda` on bound arrays, to run many times.
+
+    The arguments are those of :func:`kda.chunk_kda` (validated here, once, with the same
+    errors), plus ``out``. Every bound array (``q, k, v, g, beta, initial_state`` and the
+    buffers of ``out``) must be C-contiguous and stay in place: :meth:`ForwardPlan.run` reads
+    their current contents. ``check_finite`` applies to the values at prepare time.
+
+    Parameters
+    ----------
+    out : KdaOutput, optional
+        Caller-owned buffers to adopt: ``output`` (shape and dtype of the output),
+        ``final_state`` (``[B, HV, K, V]``, ``[N, HV, K, V]`` with ``cu_seqlens``) and
+        ``boundaries`` (``[NT, B, HV, K, V]``, required with ``save_boundaries=True``, filled
+        whenever given); states float32 (float64 for float64 inputs). None: the plan allocates.
+
+    Returns
+    -------
+    ForwardPlan
+        ``plan.run()`` returns ``plan.out``, a :class:`~kda.KdaOutput` of the plan's buffers.
+
+    Raises
+    ------
+    InvalidInputError
+        As :func:`kda.chunk_kda`; also a binding that is not C-contiguous, an ``out`` buffer of
+        the wrong shape or that cannot be written in place, an immutable namespace (JAX).
+    InvalidTypeError
+        As :func:`kda.chunk_kda`; also an ``out`` buffer of the wrong dtype.
+    """
+    options = _options(layout, qk_l2norm, gate, A_log, dt_bias, lower_bound, beta_activation, cu_seqlens)
+    p, o, core, state, chunk = _prepare(
+        q, k, v, g, beta, scale, chunk_size, backend, initial_state, check_finite, options
+    )
+    out = KdaOutput(None, None, None) if out is None else out
+    if not isinstance(out, KdaOutput):
+        msg = f"out must be a kda.KdaOutput of buffers or None; got {type(out).__name__}"
+        raise InvalidTypeError(msg)
+    if save_boundaries and out.output is not None and out.boundaries is None:
+        msg = "out.boundaries must be a [NT, B, HV, K, V] buffer with save_boundaries=True; got None"
+        raise InvalidInputError(msg)
+    make = _Buffers(p, array_api_compat.device(q))
+    rows = "B" if p.offsets is None else "N"
+    output = make.get(
+        "output", out.output, p.shape(p.HV, p.V), p.letters("HV", "V"), p.dtype, "the dtype of q"
+    )
+    final = make.state("final_state", out.final_state, (p.N, p.HV, p.K, p.V), f"{rows}, HV, K, V")
+    bshape = (p.num_chunks(core.chunk_size), p.B, p.HV, p.K, p.V)
+    boundaries = make.state("boundaries", out.boundaries, bshape, "NT, B, HV, K, V")
+    bound = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state}
+    _check_bindings({**bound, "out.output": output, "out.final_state": final, "out.boundaries": boundaries})
+    runner = _Runner(p, o, core, (q, k, v, g, beta), state, chunk)
+    saved = boundaries if save_boundaries or out.boundaries is not None else None
+    return ForwardPlan(runner, KdaOutput(output, final, saved), boundaries)
+
+
+def prepare_chunk_kda_backward(
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    boundaries: Any,
+    grad_output: Any,
+    grad_final_state: Any = None,
+    *,
+    out: KdaGradients | None = None,
+    scale: float | None = None,
+    initial_state: Any = None,
+    chunk_size: int = 64,
+    backend: str | None = None,
+    layout: str = "head_first",
+    qk_l2norm: bool = False,
+    gate: str = "log",
+    A_log: Any = None,
+    dt_bias: Any = None,
+    lower_bound: float | None = None,
+    beta_activation: str | None = None,
+    cu_seqlens: Any = None,
+    check_finite: bool = True,
+) -> BackwardPlan:
+    """Prepare :func:`kda.chunk_kda_backward` on bound arrays, to run many times.
+
+    The arguments are those of :func:`kda.chunk_kda_backward`, plus ``out``; as for
+    :func:`prepare_chunk_kda`, every binding must be C-contiguous and is read at each run.
+    ``boundaries=None`` recomputes the chunk-start states at every run, into a workspace
+    allocated once here.
+
+    Parameters
+    ----------
+    out : KdaGradients, optional
+        Caller-owned gradient buffers, each with its input's shape and dtype (``initial_state``:
+        ``[B, HV, K, V]`` in the states' dtype; ``A_log`` and ``dt_bias`` only where the gate
+        uses them, else None). None: the plan allocates.
+
+    Returns
+    -------
+    BackwardPlan
+        ``plan.run()`` returns ``plan.out``, a :class:`~kda.KdaGradients` of the plan's buffers.
+    """
+    options = _options(layout, qk_l2norm, gate, A_log, dt_bias, lower_bound, beta_activation, cu_seqlens)
+    p, o, core, state, chunk = _prepare(
+        q, k, v, g, beta, scale, chunk_size, backend, initial_state, check_finite, options
+    )
+    _api._check_boundaries(p, boundaries, core.chunk_size)
+    check_array(
+        "grad_output", grad_output, p, p.shape(p.HV, p.V), p.letters("HV", "V"), p.dtype, "the dtype of q"
+    )
+    dstate = _api._state_or_zeros(p, "grad_final_state", grad_final_state)
+    finite = {"boundaries": boundaries, "grad_output": grad_output, "grad_final_state": grad_final_state}
+    _api._check_inputs_finite(p, o, check_finite, **finite)
+    make = _Buffers(p, array_api_compat.device(q))
+    grads = _gradient_buffers(p, o, make, out, (q, k, v, g, beta, state, A_log, dt_bias))
+    bound = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state, **finite}
+    _check_bindings({**bound, **{f"out.{n}": x for n, x in zip(KdaGradients._fields, grads)}})
+    workspace = None
+    if boundaries is None and chunk is not None:
+        bshape = (p.num_chunks(core.chunk_size), p.B, p.HV, p.K, p.V)
+        workspace = make.state("boundaries workspace", None, bshape, "NT, B, HV, K, V")
+    runner = _Runner(p, o, core, (q, k, v, g, beta, A_log, dt_bias), state, chunk)
+    return BackwardPlan(runner, grads, (boundaries, grad_output, dstate), workspace)
+
+
+def _gradient_letters(p: Problem) -> dict[str, str]:
+    return {
+        "q": p.letters("H", "K"),
+        "k": p.letters("H", "K"),
+        "v": p.letters("HV", "V"),
+        "g": p.letters("HV", "K"),
+        "beta": p.letters("HV"),
+        "initial_state": ("B" if p.offsets is None else "N") + ", HV, K, V",
+        "A_log": "HV",
+        "dt_bias": "HV, K",
+    }
+
+
+def _gradient_buffers(p: Problem, o: Options, make: _Buffers, out: Any, like: tuple) -> KdaGradients:
+    """The caller's gradient buffers, checked against the arrays they are gradients of; or new ones."""
+    if out is not None and not isinstance(out, KdaGradients):
+        msg = f"out must be a kda.KdaGradients of buffers or None; got {type(out).__name__}"
+        raise InvalidTypeError(msg)
+    given = KdaGradients(*(None,) * 8) if out is None else out
+    letters = _gradient_letters(p)
+    bufs = []
+    for name, buf, x in zip(KdaGradients._fields, given, like, strict=True):
+        if x is None or (name in ("A_log", "dt_bias") and o.gate == "log"):
+            bufs.append(None)
+            continue
+        if name == "initial_state":
+            bufs.append(make.state(name, buf, tuple(x.shape), letters[name]))
+        else:
+            bufs.append(make.get(name, buf, tuple(x.shape), letters[name], x.dtype, f"the dtype of {name}"))
+    return KdaGradients(*bufs)
