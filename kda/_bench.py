@@ -9,9 +9,13 @@ For each sequence length ``T`` it times the forward and the forward+backward of
   from flash-linear-attention (``pip install fla-core``), PyTorch on CPU, gradients by autograd,
 
 next to this machine's float32 GEMM rate, prints a table, and writes ``bench.json`` and
-``bench.png`` to ``--out``. A separate pass measures the peak memory of the chunked forward+backward
-with :mod:`tracemalloc`. Nothing here is imported by :mod:`kda` itself; tqdm, matplotlib, torch
-and fla are optional (``pip install kda[bench]``).
+``bench.png`` to ``--out``. ``--parts`` adds (by default) or selects the inference parts of
+:mod:`kda._bench_inference`: short sequences (``chunk_kda`` against ``recurrent_kda`` for T in
+1..64 and their crossover), decoding from a state pool (against a copy of the touched states) and
+prepared plans (against plain calls); ``--parts short decode plan`` runs only those. A separate
+pass measures the peak memory of the chunked forward+backward with :mod:`tracemalloc`. Nothing
+here is imported by :mod:`kda` itself; tqdm, matplotlib, torch and fla are optional
+(``pip install kda[bench]``).
 
 FLOP counts (per batch and head, ``d = K = V``, ``C`` the chunk size): the forward is counted as in
 the Kimi Linear report, ``6 T d^2 + 3 T C d + T C^2``; the backward as twice that, so a
@@ -34,6 +38,7 @@ import sys
 import time
 import tracemalloc
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +49,7 @@ __all__ = ["main"]
 METHODS = ("chunk", "recurrent", "fla_naive_chunk", "fla_naive_recurrent")
 BACKEND_CHOICES = ("chunk", "recurrent", "fla_naive")
 PASSES = ("fwd", "fwd+bwd")
+PARTS = ("sweep", "short", "decode", "plan")
 DEFAULT_T = (256, 1024, 4096, 16384)
 MEMORY_TARGET = 1.5
 
@@ -113,7 +119,36 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--seed", type=int, default=0)
+    _inference_arguments(p)
     return p
+
+
+def _inference_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of the short-sequence, decode and plan parts (``kda/_bench_inference.py``)."""
+    from ._bench_inference import SHORT_T
+
+    p.add_argument(
+        "--parts",
+        nargs="+",
+        choices=PARTS,
+        default=list(PARTS),
+        help="what to run: the T sweep, short sequences, decoding, prepared plans (default: all)",
+    )
+    four = ("B", "H", "K", "V")
+    p.add_argument("--short-shape", type=int, nargs=4, default=[8, 16, 128, 128], metavar=four)
+    p.add_argument("--short-T", type=int, nargs="+", default=list(SHORT_T), help="lengths of the short part")
+    p.add_argument(
+        "--decode-shape", type=int, nargs=4, default=[8, 16, 128, 128], metavar=("N", "H", "K", "V")
+    )
+    p.add_argument("--decode-T", type=int, default=1, help="steps per request in the decode part")
+    p.add_argument("--plan-shape", type=int, nargs=4, default=[1, 4, 64, 64], metavar=four)
+    p.add_argument("--plan-T", type=int, nargs="+", default=[64, 4096], help="lengths of the plan part")
+    p.add_argument(
+        "--min-sample",
+        type=float,
+        default=0.02,
+        help="short calls are looped to fill samples of at least this many seconds (default 0.02)",
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -542,26 +577,29 @@ def _cap(method: str, pass_: str, args: argparse.Namespace) -> int | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark; returns the process exit status."""
-    args = _parser().parse_args(argv)
+def _check_args(args: argparse.Namespace) -> str | None:
+    """The first bad argument, as a message; None when all are fine."""
     for name in ("B", "H", "K", "V", "chunk_size", "repeats", "gemm_n"):
         if getattr(args, name) < 1:
-            print(f"kda bench: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
-            return 2
+            return f"--{name.replace('_', '-')} must be >= 1"
     if any(t < 1 for t in args.T):
-        print("kda bench: every --T must be >= 1", file=sys.stderr)
-        return 2
-    dtype = np.dtype(args.dtype).type
-    B, H, K, V, C = args.B, args.H, args.K, args.V, args.chunk_size
-    Ts = sorted(set(args.T))
-    d = K if K == V else math.sqrt(K * V)  # the report's count assumes d = K = V
+        return "every --T must be >= 1"
+    sizes = [
+        *args.short_shape,
+        *args.decode_shape,
+        *args.plan_shape,
+        *args.short_T,
+        *args.plan_T,
+        args.decode_T,
+    ]
+    if any(n < 1 for n in sizes):
+        return "every --short-*, --decode-* and --plan-* size must be >= 1"
+    return None
 
-    methods = []
-    if "chunk" in args.backends:
-        methods.append("chunk")
-    if "recurrent" in args.backends:
-        methods.append("recurrent")
+
+def _methods(args: argparse.Namespace) -> tuple[list[str], Any, str, dict[str, Any]]:
+    """The methods to time, fla's naive module (or None), why it is missing, and fla's description."""
+    methods = [m for m in ("chunk", "recurrent") if m in args.backends]
     fla, fla_reason, fla_info = None, "", {"requested": "fla_naive" in args.backends}
     if "fla_naive" in args.backends:
         fla, fla_reason = _load_fla_naive()
@@ -574,86 +612,92 @@ def main(argv: list[str] | None = None) -> int:
             import torch
 
             fla_info.update(torch=torch.__version__, torch_threads=torch.get_num_threads())
+    return methods, fla, fla_reason, fla_info
 
-    machine = _machine()
-    progress = _Progress(3 + 2 * len(methods) * len(Ts), enabled=not args.no_progress)
-    rng = np.random.default_rng(args.seed)
-    try:
-        # GEMM rate first, in the same process and run as the timings.
-        progress.describe("GEMM rate")
-        batch = min(B * H * max(1, math.ceil(max(Ts) / C)), 1024)
-        gemm = _gemm(args.gemm_n, batch, C, K, V, dtype, rng)
-        gemm_rate = gemm[0]["gflops"]
-        progress.step()
 
-        if fla is not None:
-            progress.describe("fla agreement check")
-            fla_info["agreement"] = _verify_fla(fla, K, V, C, args.seed)
-        progress.step()
+@dataclass
+class _Sweep:
+    """What the T sweep needs: the problem, the methods, and what it has measured so far."""
 
-        results: list[dict[str, Any]] = []
-        for T in Ts:
-            x = _inputs(B, H, T, K, V, dtype, args.seed)
-            for method in methods:
-                if method == "chunk" or method == "recurrent":
-                    fns = _kda_fns(method, x, C)
-                else:
-                    fns = None
+    args: argparse.Namespace
+    methods: list[str]
+    fla: Any
+    Ts: list[int]
+    gemm_rate: float = 0.0
+    results: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def d(self) -> float:  # the report's count assumes d = K = V
+        K, V = self.args.K, self.args.V
+        return K if K == V else math.sqrt(K * V)
+
+    def entry(self, method: str, pass_: str, T: int, fns: Callable[[], dict]) -> dict[str, Any]:
+        """Time one (method, pass, T) with ``fns()[pass_]``, or say why it is skipped."""
+        args, C = self.args, self.args.chunk_size
+        entry: dict[str, Any] = {"method": method, "pass": pass_, "T": T}
+        cap = _cap(method, pass_, args)
+        if cap is not None and T > cap:
+            return {**entry, "status": "skipped", "reason": f"skipped (T > cap {cap})"}
+        if method == "fla_naive_chunk" and T % C:
+            return {**entry, "status": "skipped", "reason": f"skipped (fla needs T % {C} == 0)"}
+        prev = [r for r in self.results if r["method"] == method and r["pass"] == pass_]
+        warm = not (prev and (prev[-1].get("time_s") or 0) > args.slow_seconds)
+        entry.update(status="ok", **_time(fns()[pass_], args.repeats, args.slow_seconds, warm))
+        flops = pass_flops(pass_, args.B, args.H, T, self.d, C)
+        entry.update(flops=flops, gflops=flops / entry["time_s"] / 1e9)
+        entry["pct_gemm"] = 100.0 * entry["gflops"] / self.gemm_rate
+        return entry
+
+    def fns(self, method: str, x: dict[str, np.ndarray]) -> dict[str, Callable[[], Any]]:
+        C = self.args.chunk_size
+        if method in ("chunk", "recurrent"):
+            return _kda_fns(method, x, C)
+        chunked = method == "fla_naive_chunk"
+        fn = self.fla.naive_chunk_kda if chunked else self.fla.naive_recurrent_kda
+        return _fla_fns(fn, x, C, chunked)
+
+    def run(self, progress: _Progress) -> None:
+        a = self.args
+        for T in self.Ts:
+            x = _inputs(a.B, a.H, T, a.K, a.V, np.dtype(a.dtype).type, a.seed)
+            for method in self.methods:
+                cache: dict[str, Any] = {}
+
+                def fns(method=method, x=x, cache=cache) -> dict[str, Callable[[], Any]]:
+                    if not cache:  # made on first use: fla's copies only where it runs
+                        cache.update(self.fns(method, x))
+                    return cache
+
                 for pass_ in PASSES:
                     progress.describe(f"{method} {pass_} T={T}")
-                    entry: dict[str, Any] = {"method": method, "pass": pass_, "T": T}
-                    flops = pass_flops(pass_, B, H, T, d, C)
-                    cap = _cap(method, pass_, args)
-                    if cap is not None and T > cap:
-                        entry.update(status="skipped", reason=f"skipped (T > cap {cap})")
-                    elif method == "fla_naive_chunk" and T % C:
-                        entry.update(status="skipped", reason=f"skipped (fla needs T % {C} == 0)")
-                    else:
-                        if fns is None:
-                            chunked = method == "fla_naive_chunk"
-                            fn = fla.naive_chunk_kda if chunked else fla.naive_recurrent_kda
-                            fns = _fla_fns(fn, x, C, chunked)
-                        prev = [r for r in results if r["method"] == method and r["pass"] == pass_]
-                        warm = not (prev and (prev[-1].get("time_s") or 0) > args.slow_seconds)
-                        entry.update(status="ok", **_time(fns[pass_], args.repeats, args.slow_seconds, warm))
-                        entry.update(flops=flops, gflops=flops / entry["time_s"] / 1e9)
-                        entry["pct_gemm"] = 100.0 * entry["gflops"] / gemm_rate
-                    results.append(entry)
+                    self.results.append(self.entry(method, pass_, T, fns))
                     progress.step()
             del x
+        _add_ratios(self.results)
 
-        # Ratios from this run: time of the other method / time of this one (same T and pass).
-        by_key = {(r["method"], r["pass"], r["T"]): r for r in results}
-        for r in results:
-            if r["status"] != "ok":
-                r.setdefault("time_s", None)
-                continue
-            for other in ("recurrent", "fla_naive_chunk", "fla_naive_recurrent", "chunk"):
-                o = by_key.get((other, r["pass"], r["T"]))
-                ok = o is not None and o["status"] == "ok"
-                r[f"speedup_vs_{other}"] = o["time_s"] / r["time_s"] if ok else None
 
-        memory = []
-        if not args.no_memory:
-            mem_T = Ts if args.memory_T is None else sorted(set(args.memory_T))
-            for T in mem_T:
-                progress.describe(f"memory T={T}")
-                memory.append(_memory(B, H, T, K, V, dtype, C, args.seed))
-        progress.step()
-    finally:
-        progress.close()
+def _add_ratios(results: list[dict[str, Any]]) -> None:
+    """Ratios from this run: time of the other method / time of this one (same T and pass)."""
+    by_key = {(r["method"], r["pass"], r["T"]): r for r in results}
+    for r in results:
+        if r["status"] != "ok":
+            r.setdefault("time_s", None)
+            continue
+        for other in ("recurrent", "fla_naive_chunk", "fla_naive_recurrent", "chunk"):
+            o = by_key.get((other, r["pass"], r["T"]))
+            ok = o is not None and o["status"] == "ok"
+            r[f"speedup_vs_{other}"] = o["time_s"] / r["time_s"] if ok else None
 
-    # Report
-    if hasattr(os, "getloadavg"):  # other work on the machine skews timings: record it
-        machine["loadavg_at_end"] = list(os.getloadavg())
-    config = {
-        "B": B,
-        "H": H,
-        "K": K,
-        "V": V,
+
+def _config(args: argparse.Namespace, Ts: list[int]) -> dict[str, Any]:
+    return {
+        "B": args.B,
+        "H": args.H,
+        "K": args.K,
+        "V": args.V,
         "T": Ts,
         "dtype": args.dtype,
-        "chunk_size": C,
+        "chunk_size": args.chunk_size,
         "repeats": args.repeats,
         "slow_seconds": args.slow_seconds,
         "backends": args.backends,
@@ -664,27 +708,19 @@ def main(argv: list[str] | None = None) -> int:
         "inputs": "q, k L2-normalised per step; v, grad_output standard normal; g uniform in "
         "[-0.201, -0.001]; beta = sigmoid(normal)",
     }
-    flop_count = {
-        "forward": "B*H*(6*T*d^2 + 3*T*C*d + T*C^2), d = K = V (Kimi Linear report)",
-        "backward": "2 x forward",
-        "fwd+bwd": "3 x forward",
-        "note": "the same count for every method (effective rate); GEMM = 2*m*n*k",
-    }
-    title = f"KDA B={B} H={H} K={K} V={V} {args.dtype} C={C} | {machine['cpu_model']}"
-    out_dir = args.out
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = out_dir / f"{args.name}.json"
-    png_path = out_dir / f"{args.name}.png"
 
-    lines = [
-        f"kda bench: {title}",
-        f"machine: {machine['logical_cores']} logical cores, numpy {np.__version__}",
-    ]
-    if "loadavg_at_start" in machine:
-        la = (machine["loadavg_at_start"][0], machine["loadavg_at_end"][0])
-        lines[-1] += f", 1-min load average {la[0]:.2f} at start, {la[1]:.2f} at end"
-    for row in gemm:
-        lines.append(f"GEMM {row['name']}: {row['time_s'] * 1e3:.1f} ms, {row['gflops']:.1f} GFLOP/s")
+
+FLOP_COUNT = {
+    "forward": "B*H*(6*T*d^2 + 3*T*C*d + T*C^2), d = K = V (Kimi Linear report)",
+    "backward": "2 x forward",
+    "fwd+bwd": "3 x forward",
+    "note": "the same count for every method (effective rate); GEMM = 2*m*n*k",
+}
+
+
+def _sweep_lines(args, gemm, fla, fla_info, fla_reason, results, memory) -> list[str]:
+    """The T sweep's part of the printed report."""
+    lines = [f"GEMM {row['name']}: {row['time_s'] * 1e3:.1f} ms, {row['gflops']:.1f} GFLOP/s" for row in gemm]
     if fla is None and fla_info["requested"]:
         lines.append(fla_reason + "; skipped")
     elif fla is not None:
@@ -694,9 +730,7 @@ def main(argv: list[str] | None = None) -> int:
             f"fla {fla_info.get('version')} naive reference vs kda.recurrent_kda (max rel. error over "
             "output, final state and gradients): " + ", ".join(f"{n} {e:.1e}" for n, e in worst.items())
         )
-    lines.append("")
-    lines.append(_table(results))
-    lines.append("")
+    lines += ["", _table(results), ""]
     lines.append(
         "GFLOP/s: forward B*H*(6*T*d^2 + 3*T*C*d + T*C^2), fwd+bwd 3x that; "
         f"% GEMM: of the {args.gemm_n}^3 rate; x: other method's time / this one's."
@@ -707,26 +741,143 @@ def main(argv: list[str] | None = None) -> int:
             f"(inputs + outputs + boundaries + gradients = {m['essential_bytes'] / 2**20:.1f} MiB); "
             f"target <= {MEMORY_TARGET}: {'yes' if m['within_target'] else 'NO'}"
         )
-    plot_note = None
-    if not args.no_plot:
-        plot_note = _plot(results, png_path, title)
-        lines.append(f"plot: {plot_note}" if plot_note else f"plot: {png_path}")
-    lines.append(f"json: {json_path}")
+    return lines
 
+
+def _run_sweep(args: argparse.Namespace, progress: _Progress) -> tuple[dict[str, Any], list[str]]:
+    """The T sweep: GEMM rate, fla's agreement, timings and peak memory; its report and lines."""
+    dtype = np.dtype(args.dtype).type
+    Ts = sorted(set(args.T))
+    methods, fla, fla_reason, fla_info = _methods(args)
+    sweep = _Sweep(args, methods, fla, Ts)
+    rng = np.random.default_rng(args.seed)
+    # GEMM rate first, in the same process and run as the timings.
+    progress.describe("GEMM rate")
+    batch = min(args.B * args.H * max(1, math.ceil(max(Ts) / args.chunk_size)), 1024)
+    gemm = _gemm(args.gemm_n, batch, args.chunk_size, args.K, args.V, dtype, rng)
+    sweep.gemm_rate = gemm[0]["gflops"]
+    progress.step()
+    if fla is not None:
+        progress.describe("fla agreement check")
+        fla_info["agreement"] = _verify_fla(fla, args.K, args.V, args.chunk_size, args.seed)
+    progress.step()
+    sweep.run(progress)
+    memory = []
+    if not args.no_memory:
+        for T in Ts if args.memory_T is None else sorted(set(args.memory_T)):
+            progress.describe(f"memory T={T}")
+            memory.append(_memory(args.B, args.H, T, args.K, args.V, dtype, args.chunk_size, args.seed))
+    progress.step()
     report = {
-        "schema": "kda-bench/1",
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "argv": list(argv) if argv is not None else sys.argv[1:],
-        "config": config,
-        "machine": machine,
-        "flop_count": flop_count,
+        "config": _config(args, Ts),
+        "flop_count": FLOP_COUNT,
         "gemm": gemm,
-        "gemm_rate_gflops": gemm_rate,
+        "gemm_rate_gflops": sweep.gemm_rate,
         "fla": fla_info,
-        "results": results,
+        "results": sweep.results,
         "memory": memory,
-        "files": {"json": str(json_path), "png": None if args.no_plot or plot_note else str(png_path)},
     }
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    print("\n".join(lines))
+    return report, _sweep_lines(args, gemm, fla, fla_info, fla_reason, sweep.results, memory)
+
+
+def _inference_config(args: argparse.Namespace) -> Any:
+    from ._bench_inference import InferenceConfig
+
+    return InferenceConfig(
+        short_shape=tuple(args.short_shape),
+        short_T=tuple(args.short_T),
+        decode_shape=tuple(args.decode_shape),
+        decode_T=args.decode_T,
+        plan_shape=tuple(args.plan_shape),
+        plan_T=tuple(args.plan_T),
+        dtype=args.dtype,
+        repeats=args.repeats,
+        min_sample=args.min_sample,
+        seed=args.seed,
+    )
+
+
+def _progress_total(args: argparse.Namespace, inference: list[str]) -> int:
+    from ._bench_inference import steps
+
+    total = steps(_inference_config(args), inference) if inference else 0
+    if "sweep" in args.parts:
+        n_methods = len([b for b in args.backends if b != "fla_naive"]) + 2 * ("fla_naive" in args.backends)
+        total += 3 + 2 * n_methods * len(set(args.T))
+    return total
+
+
+def _title(args: argparse.Namespace, machine: dict[str, Any]) -> str:
+    shape = f"B={args.B} H={args.H} K={args.K} V={args.V} " if "sweep" in args.parts else ""
+    return f"KDA {shape}{args.dtype} C={args.chunk_size} | {machine['cpu_model']}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; returns the process exit status."""
+    args = _parser().parse_args(argv)
+    error = _check_args(args)
+    if error:
+        print(f"kda bench: {error}", file=sys.stderr)
+        return 2
+    inference = [p for p in args.parts if p != "sweep"]
+    machine = _machine()
+    progress = _Progress(_progress_total(args, inference), enabled=not args.no_progress)
+    report: dict[str, Any] = {"schema": "kda-bench/2", "parts": list(args.parts)}
+    lines: list[str] = []
+    try:
+        if "sweep" in args.parts:
+            sweep_report, lines = _run_sweep(args, progress)
+            report |= sweep_report
+        if inference:
+            from . import _bench_inference
+
+            def step(label: str) -> None:
+                progress.describe(label)
+                progress.step()
+
+            report["inference"] = _bench_inference.run(_inference_config(args), inference, step)
+            lines += [""] * bool(lines) + _bench_inference.report_lines(report["inference"])
+    finally:
+        progress.close()
+    return _write_report(args, argv, machine, report, lines)
+
+
+def _write_report(args, argv, machine: dict[str, Any], report: dict[str, Any], lines: list[str]) -> int:
+    """Print the report and write its JSON (and plots) to ``--out``."""
+    if hasattr(os, "getloadavg"):  # other work on the machine skews timings: record it
+        machine["loadavg_at_end"] = list(os.getloadavg())
+    title = _title(args, machine)
+    args.out.mkdir(parents=True, exist_ok=True)
+    json_path = args.out / f"{args.name}.json"
+    head = [
+        f"kda bench: {title}",
+        f"machine: {machine['logical_cores']} logical cores, numpy {np.__version__}",
+    ]
+    if "loadavg_at_start" in machine:
+        la = (machine["loadavg_at_start"][0], machine["loadavg_at_end"][0])
+        head[-1] += f", 1-min load average {la[0]:.2f} at start, {la[1]:.2f} at end"
+    files: dict[str, Any] = {"json": str(json_path), "png": None}
+    for part, stem in (("sweep", args.name), ("inference", _inference_stem(args))):
+        png_path = args.out / f"{stem}.png"
+        if args.no_plot or (part not in report and not (part == "sweep" and "results" in report)):
+            continue
+        if part == "sweep":
+            note = _plot(report["results"], png_path, title)
+        else:
+            from ._bench_inference import plot
+
+            note = plot(report["inference"], png_path, title)
+        lines.append(f"plot: {note}" if note else f"plot: {png_path}")
+        files["png" if part == "sweep" else "inference_png"] = None if note else str(png_path)
+    lines.append(f"json: {json_path}")
+    created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    argv_list = list(argv) if argv is not None else sys.argv[1:]
+    full = {"created": created, "argv": argv_list, "machine": machine, **report, "files": files}
+    json_path.write_text(json.dumps(full, indent=2) + "\n")
+    print("\n".join(head + lines))
     return 0
+
+
+def _inference_stem(args: argparse.Namespace) -> str:
+    """File stem of the inference figure: ``<name>`` alone, ``<name>_inference`` beside the sweep."""
+    return f"{args.name}_inference" if "sweep" in args.parts else args.name

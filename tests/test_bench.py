@@ -9,7 +9,23 @@ import pytest
 
 from kda import _bench
 
-TINY = ["--H", "2", "--K", "16", "--V", "16", "--T", "64", "128", "--repeats", "1", "--gemm-n", "128"]
+TINY = [
+    "--parts",
+    "sweep",
+    "--H",
+    "2",
+    "--K",
+    "16",
+    "--V",
+    "16",
+    "--T",
+    "64",
+    "128",
+    "--repeats",
+    "1",
+    "--gemm-n",
+    "128",
+]
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
 
 
@@ -87,3 +103,79 @@ def test_bench_fla_reference(tmp_path, capsys):
 def test_bench_bad_arguments(tmp_path, capsys):
     assert _bench.main(["--H", "0", "--out", str(tmp_path)]) == 2
     assert "--H" in capsys.readouterr().err
+
+
+INFERENCE = [
+    "--short-shape",
+    "1",
+    "2",
+    "8",
+    "8",
+    "--short-T",
+    "1",
+    "2",
+    "4",
+    "--decode-shape",
+    "2",
+    "2",
+    "8",
+    "8",
+]
+INFERENCE += [
+    "--plan-shape",
+    "1",
+    "2",
+    "8",
+    "8",
+    "--plan-T",
+    "16",
+    "40",
+    "--repeats",
+    "1",
+    "--min-sample",
+    "0",
+]
+
+
+def test_bench_inference_parts(tmp_path, capsys):
+    """The short-sequence, decode and plan parts alone: numbers, crossover, summary lines."""
+    argv = ["--parts", "short", "decode", "plan", *INFERENCE, "--out", str(tmp_path), "--no-progress"]
+    assert _bench.main([*argv, "--no-plot"]) == 0
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert "results" not in report and set(report["inference"]) == {"short", "decode", "plan"}
+    short = report["inference"]["short"]
+    assert {(r["method"], r["pass"], r["T"]) for r in short["rows"]} == {
+        (m, p, t)
+        for m in ("chunk_kda", "chunked_forced", "recurrent_kda")
+        for p in ("fwd", "fwd+bwd")
+        for t in (1, 2, 4)
+    }
+    assert all(r["time_s"] > 0 for r in short["rows"])
+    assert short["summary"]["T=1 chunk_kda / recurrent_kda fwd"] > 0
+    decode = report["inference"]["decode"]
+    assert (
+        decode["copy_touched_states"]["bytes"] == 2 * 2 * 8 * 8 * 4 and decode["summary"]["decode / copy"] > 0
+    )
+    assert [(r["T"], r["pass"]) for r in report["inference"]["plan"]["rows"]] == [
+        (16, "fwd"),
+        (16, "bwd"),
+        (40, "fwd"),
+        (40, "bwd"),
+    ]
+    assert "crossover fwd" in out and "decode_kda" in out and "per-call overhead" in out
+
+
+def test_crossover():
+    from kda._bench_inference import crossover
+
+    def rows(wins):
+        out = []
+        for T, win in wins:
+            out += [{"method": "chunked_forced", "pass": "fwd", "T": T, "time_s": 1.0 if win else 3.0},
+                    {"method": "recurrent_kda", "pass": "fwd", "T": T, "time_s": 2.0}]  # fmt: skip
+        return out
+
+    assert crossover(rows([(1, False), (2, False), (4, True), (8, True)]), "fwd") == 4
+    assert crossover(rows([(1, False), (2, True), (4, False), (8, True)]), "fwd") == 8  # wins from 8 on only
+    assert crossover(rows([(1, False), (2, False)]), "fwd") is None
