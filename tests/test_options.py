@@ -10,6 +10,7 @@ sequence run alone, the gate maps against closed forms and fla's naive gates, an
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,7 +208,7 @@ def test_model_recurrence_matches_central_differences(name):
     """Every gradient of the model-level recurrence (options' chain rules included), float64."""
     T = OPTION_SETS[name].get("cu_seqlens", (20,))[-1]
     p = make_model_problem(3, 1, 2, T, 3, 2, **OPTION_SETS[name])
-    out, grads = run(p, "recurrent_kda")
+    _out, grads = run(p, "recurrent_kda")
     rng = np.random.default_rng(7)
     variables = {n: x for n, x in zip(GRADS, (*p.inputs, p.initial_state))}
     variables |= {n: p.kwargs[n] for n in ("A_log", "dt_bias") if n in p.kwargs}
@@ -240,7 +241,7 @@ def test_packed_sequences_equal_each_sequence_alone(fn, dtype):
     )
     out, grads = run(p, fn, **({"chunk_size": 16} if fn == "chunk_kda" else {}))
     kwargs = {n: x for n, x in p.kwargs.items() if n != "cu_seqlens"}
-    for i, (a, b) in enumerate(zip(cu, cu[1:])):
+    for i, (a, b) in enumerate(itertools.pairwise(cu)):
         piece = ModelProblem(
             tuple(x[:, :, a:b, ...] for x in p.inputs),
             p.initial_state[i : i + 1],
@@ -376,10 +377,9 @@ def test_options_on_other_namespaces(name):
     p = make_model_problem(9, 1, 1, 25, 6, 5, **OPTION_SETS["everything"])
     ref_out, ref_grads = run(p, "chunk_kda", chunk_size=16)
     conv = (lambda x: xp.from_numpy(x)) if name == "torch" else (lambda x: xp.asarray(x))
-    moved = ModelProblem(
-        tuple(conv(x) for x in p.inputs), conv(p.initial_state), conv(p.grad_output), conv(p.grad_final_state),
-        {n: (conv(x) if isinstance(x, np.ndarray) and n != "cu_seqlens" else x) for n, x in p.kwargs.items()},
-    )  # fmt: skip
+    kwargs = {n: (conv(x) if n in ("A_log", "dt_bias") else x) for n, x in p.kwargs.items()}
+    states = (conv(p.initial_state), conv(p.grad_output), conv(p.grad_final_state))
+    moved = ModelProblem(tuple(conv(x) for x in p.inputs), *states, kwargs)
     out, grads = run(moved, "chunk_kda", chunk_size=16)
     check(p, out, grads, ref_out, ref_grads, np.float64, tol=1e-12)
 
