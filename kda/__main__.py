@@ -1,6 +1,7 @@
 """``python -m kda``: check the chunked KDA against the recurrence on every available backend.
 
-``python -m kda bench ...`` runs the benchmark (see ``python -m kda bench --help``).
+``python -m kda bench ...`` runs the benchmark (see ``python -m kda bench --help``);
+``python -m kda bench-dask ...`` the sequence-parallel (Dask) benchmark.
 """
 
 from __future__ import annotations
@@ -17,29 +18,66 @@ import kda
 # the default problem of the check
 DEFAULTS = {"B": 1, "H": 4, "T": 1024, "K": 64, "V": 64, "chunk_size": 64}
 TOLERANCE = {"float32": 1e-5, "float64": 1e-10}
-GRADIENTS = ("q", "k", "v", "g", "beta", "initial_state")
+GRADIENTS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+INPUTS = ("q", "k", "v", "g", "beta")
 
 
-def make_inputs(B: int, H: int, T: int, K: int, V: int, dtype: str, seed: int = 0) -> dict[str, np.ndarray]:
-    """A KDA problem as models feed it: L2-normalised keys, log decays in [-1, 0], beta in (0, 1)."""
+def _gate_inputs(rng: np.random.Generator, shape: tuple[int, ...], gate: str) -> dict[str, Any]:
+    """``g`` and the gate's keyword options: log decays in [log 0.5, 0], or raw gates."""
+    if gate == "log":
+        return {"g": np.log(rng.uniform(0.5, 1.0, shape))}
+    HV, K = shape[1], shape[3]
+    options = {"g": rng.standard_normal(shape), "gate": gate, "dt_bias": rng.standard_normal((HV, K))}
+    options["A_log"] = rng.uniform(-2.0, 0.5, HV)
+    if gate == "lower_bound":
+        options["lower_bound"] = -5.0
+    return options
+
+
+def _offsets(rng: np.random.Generator, T: int, n: int) -> np.ndarray:
+    """``n`` packed sequences of random lengths summing to ``T``."""
+    cuts = np.sort(rng.choice(np.arange(1, T), size=min(n - 1, T - 1), replace=False))
+    return np.concatenate([[0], cuts, [T]]).astype(np.int64)
+
+
+def make_inputs(
+    B: int, H: int, T: int, K: int, V: int, dtype: str, seed: int = 0, *, gva: int = 1, gate: str = "log",
+    varlen: int = 0, layout: str = "head_first",
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:  # fmt: skip
+    """A KDA problem as models feed it, and its keyword options.
+
+    L2-normalised keys, log decays in [log 0.5, 0] (or raw gates with ``A_log``/``dt_bias``),
+    beta in (0, 1); ``gva`` value heads per q/k head; ``varlen > 0`` packs that many sequences
+    into one row (``B`` must be 1).
+    """
     rng = np.random.default_rng(seed)
+    HV = H * gva
+    N = B if not varlen else len(_offsets(np.random.default_rng(seed), T, varlen)) - 1
     k = rng.standard_normal((B, H, T, K))
     k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    gate_options = _gate_inputs(rng, (B, HV, T, K), gate)
     arrays = {
         "q": rng.standard_normal((B, H, T, K)),
         "k": k,
-        "v": rng.standard_normal((B, H, T, V)),
-        "g": np.log(rng.uniform(0.5, 1.0, (B, H, T, K))),
-        "beta": rng.uniform(0.0, 1.0, (B, H, T)),
-        "initial_state": 0.1 * rng.standard_normal((B, H, K, V)),
-        "grad_output": rng.standard_normal((B, H, T, V)),
-        "grad_final_state": rng.standard_normal((B, H, K, V)),
+        "v": rng.standard_normal((B, HV, T, V)),
+        "g": gate_options.pop("g"),
+        "beta": rng.uniform(0.0, 1.0, (B, HV, T)),
+        "grad_output": rng.standard_normal((B, HV, T, V)),
+        "initial_state": 0.1 * rng.standard_normal((N, HV, K, V)),
+        "grad_final_state": rng.standard_normal((N, HV, K, V)),
     }
+    if layout == "time_major":
+        for name in (*INPUTS, "grad_output"):
+            arrays[name] = np.ascontiguousarray(np.swapaxes(arrays[name], 1, 2))
     state_dtype = np.float64 if dtype == "float64" else np.float32
-    out = {}
-    for name, x in arrays.items():
-        out[name] = x.astype(state_dtype if name in ("initial_state", "grad_final_state") else dtype)
-    return out
+    out = {
+        n: x.astype(state_dtype if n in ("initial_state", "grad_final_state") else dtype)
+        for n, x in arrays.items()
+    }
+    options: dict[str, Any] = {"layout": layout, **gate_options}
+    if varlen:
+        options["cu_seqlens"] = _offsets(np.random.default_rng(seed), T, varlen)
+    return out, options
 
 
 def available_backends() -> dict[str, Any]:
@@ -66,25 +104,62 @@ def _rel(got: Any, want: np.ndarray) -> float:
     return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-300))
 
 
-def check(args: argparse.Namespace) -> int:
-    x = make_inputs(args.B, args.H, args.T, args.K, args.V, args.dtype)
+def _timed(fn) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - t0
+
+
+def _oracle(x: dict[str, np.ndarray], options: dict[str, Any]) -> tuple[Any, Any, float, float]:
+    """Forward and backward of the float64 recurrence, with their times."""
     x64 = {n: a.astype(np.float64) for n, a in x.items()}
-    inputs = ("q", "k", "v", "g", "beta")
+    opts = {n: (a.astype(np.float64) if n in ("A_log", "dt_bias") else a) for n, a in options.items()}
+    inputs = [x64[n] for n in INPUTS]
+    ref, t_fwd = _timed(lambda: kda.recurrent_kda(*inputs, initial_state=x64["initial_state"], **opts))
+    ref_grads, t_bwd = _timed(
+        lambda: kda.recurrent_kda_backward(
+            *inputs, x64["grad_output"], x64["grad_final_state"], initial_state=x64["initial_state"], **opts
+        )
+    )
+    return ref, ref_grads, t_fwd, t_bwd
+
+
+def _check_backend(to_backend, x, options, chunk_size: int, ref, ref_grads):
+    """Times and worst errors of one backend's chunked forward and backward."""
+    dev = {n: to_backend(a) for n, a in x.items()}
+    opts = {n: (to_backend(a) if n in ("A_log", "dt_bias") else a) for n, a in options.items()}
+    call = {"chunk_size": chunk_size, "initial_state": dev["initial_state"], **opts}
+    inputs = [dev[n] for n in INPUTS]
+    kda.chunk_kda(*inputs, **call, save_boundaries=True)  # warm-up
+    out, t_fwd = _timed(lambda: kda.chunk_kda(*inputs, **call, save_boundaries=True))
+    _numpy(out.output)
+    grads, t_bwd = _timed(
+        lambda: kda.chunk_kda_backward(
+            *inputs, out.boundaries, dev["grad_output"], dev["grad_final_state"], **call
+        )
+    )
+    _numpy(grads.q)
+    fwd_err = {"output": _rel(out.output, ref.output), "final_state": _rel(out.final_state, ref.final_state)}
+    bwd_err = {
+        f"d{n}": _rel(a, b) for n, a, b in zip(GRADIENTS, grads, ref_grads, strict=True) if b is not None
+    }
+    return (("forward", t_fwd, fwd_err), ("backward", t_bwd, bwd_err)), t_fwd
+
+
+def check(args: argparse.Namespace) -> int:
+    B = 1 if args.varlen else args.B
+    x, options = make_inputs(
+        B, args.H, args.T, args.K, args.V, args.dtype, gva=args.gva, gate=args.gate, varlen=args.varlen,
+        layout=args.layout,
+    )  # fmt: skip
+    shown = {
+        n: (len(v) - 1 if n == "cu_seqlens" else v) for n, v in options.items() if not hasattr(v, "shape")
+    }
     print(
-        f"kda {kda.__version__}: B={args.B} H={args.H} T={args.T} K={args.K} V={args.V} "
-        f"{args.dtype}, chunk_size={args.chunk_size}; oracle: the float64 recurrence"
+        f"kda {kda.__version__}: B={B} H={args.H} HV={args.H * args.gva} T={args.T} K={args.K} V={args.V} "
+        f"{args.dtype}, chunk_size={args.chunk_size}, {shown}; oracle: the float64 recurrence"
     )
-    t0 = time.perf_counter()
-    ref = kda.recurrent_kda(*(x64[n] for n in inputs), initial_state=x64["initial_state"])
-    t_rec = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    ref_grads = kda.recurrent_kda_backward(
-        *(x64[n] for n in inputs),
-        x64["grad_output"],
-        x64["grad_final_state"],
-        initial_state=x64["initial_state"],
-    )
-    t_rec_bwd = time.perf_counter() - t0
+    ref, ref_grads, t_rec, t_rec_bwd = _oracle(x, options)
     tol = TOLERANCE[args.dtype]
     header = f"{'backend':<10} {'pass':<9} {'time [s]':>9}  {'worst error':>11}  {'of':<14} status"
     print(header)
@@ -93,25 +168,8 @@ def check(args: argparse.Namespace) -> int:
     print(f"{'recurrence':<10} {'backward':<9} {t_rec_bwd:9.3f}  {'(oracle)':>11}")
     failed = False
     for name, to_backend in available_backends().items():
-        dev = {n: to_backend(a) for n, a in x.items()}
-        call = {"chunk_size": args.chunk_size, "initial_state": dev["initial_state"]}
-        kda.chunk_kda(*(dev[n] for n in inputs), **call, save_boundaries=True)  # warm-up
-        t0 = time.perf_counter()
-        out = kda.chunk_kda(*(dev[n] for n in inputs), **call, save_boundaries=True)
-        _numpy(out.output)
-        t_fwd = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        grads = kda.chunk_kda_backward(
-            *(dev[n] for n in inputs), out.boundaries, dev["grad_output"], dev["grad_final_state"], **call
-        )
-        _numpy(grads.q)
-        t_bwd = time.perf_counter() - t0
-        fwd_err = {
-            "output": _rel(out.output, ref.output),
-            "final_state": _rel(out.final_state, ref.final_state),
-        }
-        bwd_err = {f"d{n}": _rel(a, b) for n, a, b in zip(GRADIENTS, grads[:6], ref_grads[:6], strict=True)}
-        for pass_name, t, errs in (("forward", t_fwd, fwd_err), ("backward", t_bwd, bwd_err)):
+        passes, t_fwd = _check_backend(to_backend, x, options, args.chunk_size, ref, ref_grads)
+        for pass_name, t, errs in passes:
             worst = max(errs, key=errs.get)
             ok = errs[worst] <= tol
             failed |= not ok
@@ -121,17 +179,29 @@ def check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m kda", description=__doc__.splitlines()[0])
+    for name, value in DEFAULTS.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
+    parser.add_argument("--dtype", choices=sorted(TOLERANCE), default="float32")
+    parser.add_argument("--layout", choices=["head_first", "time_major"], default="head_first")
+    parser.add_argument("--gva", type=int, default=1, help="value heads per q/k head (HV = H * GVA)")
+    parser.add_argument("--gate", choices=["log", "softplus", "lower_bound"], default="log")
+    parser.add_argument("--varlen", type=int, default=0, help="pack this many sequences into one row (B = 1)")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
         from . import _bench
 
         return _bench.main(argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m kda", description=__doc__.splitlines()[0])
-    for name, value in DEFAULTS.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
-    parser.add_argument("--dtype", choices=sorted(TOLERANCE), default="float32")
-    return check(parser.parse_args(argv))
+    if argv[:1] == ["bench-dask"]:
+        from . import _bench_dask
+
+        return _bench_dask.main(argv[1:])
+    return check(_parser().parse_args(argv))
 
 
 if __name__ == "__main__":
