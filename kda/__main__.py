@@ -152,9 +152,9 @@ def check(args: argparse.Namespace) -> int:
         B, args.H, args.T, args.K, args.V, args.dtype, gva=args.gva, gate=args.gate, varlen=args.varlen,
         layout=args.layout,
     )  # fmt: skip
-    shown = {
-        n: (len(v) - 1 if n == "cu_seqlens" else v) for n, v in options.items() if not hasattr(v, "shape")
-    }
+    shown = {n: v for n, v in options.items() if not hasattr(v, "shape")}
+    if args.varlen:
+        shown["sequences"] = len(options["cu_seqlens"]) - 1
     print(
         f"kda {kda.__version__}: B={B} H={args.H} HV={args.H * args.gva} T={args.T} K={args.K} V={args.V} "
         f"{args.dtype}, chunk_size={args.chunk_size}, {shown}; oracle: the float64 recurrence"
