@@ -28,7 +28,6 @@ __all__ = [
     "KdaGradients",
     "KdaOutput",
     "KdaWarning",
-    "KdaWarning",
     "chunk_kda",
     "chunk_kda_backward",
     "decode_kda",
