@@ -272,3 +272,112 @@ def test_warn_if_diverged_warns_once():
     assert len(caught) == 1 and caught[0].category is kda.KdaWarning
     assert issubclass(kda.KdaWarning, RuntimeWarning)
     assert "beta * |k|^2 <= 2" in str(caught[0].message) and "qk_l2norm=True" in str(caught[0].message)
+
+
+# ---------------------------------------------------------------- the public functions, check_finite=True
+
+
+def _small():
+    return make_problem(3, 1, 2, 20, 4, 3, "mild").astype(np.float32)
+
+
+def _arguments(p, function: str) -> dict:
+    """Every array argument of ``function`` on problem ``p`` (keywords where the function takes them)."""
+    args = {"q": p.q, "k": p.k, "v": p.v, "g": p.g, "beta": p.beta}
+    if function == "chunk_kda_backward":
+        out = kda.chunk_kda(*p.inputs, initial_state=p.initial_state, chunk_size=8, save_boundaries=True)
+        args["boundaries"] = out.boundaries
+    if function.endswith("backward"):
+        args |= {"grad_output": p.grad_output, "grad_final_state": p.grad_final_state}
+    return args
+
+
+def _run(function: str, args: dict, p, **options):
+    kwargs = {"initial_state": p.initial_state, **options}
+    if function.startswith("chunk"):
+        kwargs["chunk_size"] = 8
+    return getattr(kda, function)(*args.values(), **kwargs)
+
+
+FUNCTIONS = ["chunk_kda", "recurrent_kda", "chunk_kda_backward", "recurrent_kda_backward"]
+CASES = [
+    (f, name, value)
+    for f in FUNCTIONS
+    for name in ("q", "k", "v", "beta", "initial_state", "boundaries", "grad_output", "grad_final_state")
+    for value in (np.nan, np.inf, -np.inf)
+    if (name != "boundaries" or f == "chunk_kda_backward")
+    and (not name.startswith("grad") or f.endswith("backward"))
+]
+
+
+@pytest.mark.parametrize(("function", "name", "value"), CASES)
+def test_non_finite_input_is_refused(function, name, value):
+    """check_finite=True (the default): the message names the argument and the first bad index."""
+    p = _small()
+    args = _arguments(p, function)
+    if name == "initial_state":
+        p.initial_state = p.initial_state.copy()
+        target = p.initial_state
+    else:
+        target = args[name] = args[name].copy()
+    index = tuple(n - 1 for n in target.shape)  # the last element
+    target[index] = value
+    expected = f"{name} must be finite; got 1 non-finite element, the first {value} at index {index}"
+    with pytest.raises(kda.InvalidInputError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        _run(function, args, p)
+
+
+@pytest.mark.parametrize("function", FUNCTIONS)
+def test_log_gate_reset_is_legal_but_not_in_other_gates(function):
+    p = _small()
+    args = _arguments(p, function)
+    args["g"] = args["g"].copy()
+    args["g"][0, 1, 5, 2] = -np.inf
+    _run(function, args, p)  # a hard reset
+    with pytest.raises(kda.InvalidInputError, match=r"g must be finite; .* at index \(0, 1, 5, 2\)"):
+        _run(function, args, p, gate="softplus", A_log=np.zeros(2, np.float32))
+
+
+@pytest.mark.parametrize("function", FUNCTIONS)
+def test_check_finite_false_skips_the_checks(function):
+    p = _small()
+    args = _arguments(p, function)
+    args["v"] = args["v"].copy()
+    args["v"][0, 0, 3, 1] = np.nan
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = _run(function, args, p, check_finite=False)
+    assert caught == []
+    assert np.isnan(np.asarray(result[0])).any()
+
+
+def _diverging():
+    """Unnormalised keys (|k|^2 = 9 * K) with beta = 1.9: beta |k|^2 >> 2, float32 overflows."""
+    p = make_problem(4, 1, 2, 96, 4, 3, "zero").astype(np.float32)
+    p.k = (p.k * 3).astype(np.float32)
+    p.beta = np.full_like(p.beta, 1.9)
+    return p
+
+
+@pytest.mark.parametrize("function", FUNCTIONS)
+def test_divergence_warns_once_naming_the_cause(function):
+    """Finite inputs, non-finite results: one KdaWarning at the caller's line, no NumPy warning."""
+    p = _diverging()
+    args = _arguments(p, function.replace("chunk_kda_backward", "recurrent_kda_backward"))
+    if function == "chunk_kda_backward":  # saved boundaries would be non-finite input: recompute them
+        args = {**dict(list(args.items())[:5]), "boundaries": None, **dict(list(args.items())[5:])}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _run(function, args, p)
+    assert [w.category for w in caught] == [kda.KdaWarning], [str(w.message) for w in caught]
+    message = str(caught[0].message)
+    assert "beta * |k|^2 <= 2" in message and "qk_l2norm=True" in message
+    assert caught[0].filename == __file__
+
+
+def test_qk_l2norm_cures_the_divergence():
+    p = _diverging()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = kda.chunk_kda(*p.inputs, qk_l2norm=True, chunk_size=8)
+    assert np.isfinite(out.output).all()
