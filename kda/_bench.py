@@ -144,6 +144,9 @@ def _inference_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan-shape", type=int, nargs=4, default=[1, 4, 64, 64], metavar=four)
     p.add_argument("--plan-T", type=int, nargs="+", default=[64, 4096], help="lengths of the plan part")
     p.add_argument(
+        "--rounds", type=int, default=9, help="interleaved sampling rounds of the inference parts (default 9)"
+    )
+    p.add_argument(
         "--min-sample",
         type=float,
         default=0.02,
@@ -579,7 +582,7 @@ def _cap(method: str, pass_: str, args: argparse.Namespace) -> int | None:
 
 def _check_args(args: argparse.Namespace) -> str | None:
     """The first bad argument, as a message; None when all are fine."""
-    for name in ("B", "H", "K", "V", "chunk_size", "repeats", "gemm_n"):
+    for name in ("B", "H", "K", "V", "chunk_size", "repeats", "gemm_n", "rounds"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1"
     if any(t < 1 for t in args.T):
@@ -791,7 +794,7 @@ def _inference_config(args: argparse.Namespace) -> Any:
         plan_shape=tuple(args.plan_shape),
         plan_T=tuple(args.plan_T),
         dtype=args.dtype,
-        repeats=args.repeats,
+        repeats=args.rounds,
         min_sample=args.min_sample,
         seed=args.seed,
     )

@@ -14,8 +14,10 @@
   against the plain calls, at B=1, H=4, K=V=64 and T=64 and 4096: the difference is the
   per-call overhead (validation and allocation) that a plan saves.
 
-Every time is the median of repeated runs after a warm-up; calls faster than ``min_sample``
-seconds are looped within a sample so that the timer's resolution does not matter.
+The functions compared with each other are sampled in interleaved rounds after a warm-up, and
+the minimum over the rounds is reported (the median is recorded too): on a shared machine the
+minimum is the least disturbed measurement. Calls faster than ``min_sample`` seconds are looped
+within a sample so that the timer's resolution does not matter.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["InferenceConfig", "crossover", "plot", "report_lines", "run"]
+__all__ = ["InferenceConfig", "compare", "crossover", "plot", "report_lines", "run", "steps"]
 
 SHORT_T = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 SHORT_TARGET = 1.3
@@ -58,12 +60,23 @@ def _sample(fn: Callable[[], Any], loops: int) -> float:
     return (time.perf_counter() - t0) / loops
 
 
-def median_time(fn: Callable[[], Any], repeats: int, min_sample: float) -> dict[str, Any]:
-    """Median seconds per call over ``repeats`` samples of ``loops`` calls each (after a warm-up)."""
-    first = _sample(fn, 1)  # warm-up, and the size of one call
-    loops = max(1, int(min_sample / max(first, 1e-9)))
-    times = [_sample(fn, loops) for _ in range(max(1, repeats))]
-    return {"time_s": statistics.median(times), "times_s": times, "loops": loops}
+def compare(fns: dict[str, Callable[[], Any]], repeats: int, min_sample: float) -> dict[str, dict[str, Any]]:
+    """Seconds per call of each function, sampled in interleaved rounds.
+
+    After one warm-up call each (which also sizes ``loops``, the calls per sample), every round
+    takes one sample of each function in turn, so a change of the machine's load hits all of
+    them alike. ``time_s`` is the minimum over the rounds (the least disturbed sample: this
+    benchmark runs on shared machines), ``median_s`` the median; both are recorded.
+    """
+    loops = {name: max(1, int(min_sample / max(_sample(fn, 1), 1e-9))) for name, fn in fns.items()}
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(max(1, repeats)):
+        for name, fn in fns.items():
+            times[name].append(_sample(fn, loops[name]))
+    return {
+        name: {"time_s": min(ts), "median_s": statistics.median(ts), "times_s": ts, "loops": loops[name]}
+        for name, ts in times.items()
+    }
 
 
 def _problem(B: int, H: int, T: int, K: int, V: int, dtype: Any, seed: int) -> dict[str, np.ndarray]:
@@ -153,12 +166,10 @@ def run_short(cfg: InferenceConfig, step: Callable[[str], None]) -> dict[str, An
     rows = []
     for T in sorted(set(cfg.short_T)):
         fns = _short_fns(_problem(B, H, T, K, V, np.dtype(cfg.dtype), cfg.seed))
-        for method, passes in fns.items():
-            for pass_, fn in passes.items():
-                step(f"short {method} {pass_} T={T}")
-                rows.append(
-                    {"method": method, "pass": pass_, "T": T, **median_time(fn, cfg.repeats, cfg.min_sample)}
-                )
+        for pass_ in ("fwd", "fwd+bwd"):
+            step(f"short {pass_} T={T}")
+            times = compare({m: passes[pass_] for m, passes in fns.items()}, cfg.repeats, cfg.min_sample)
+            rows += [{"method": m, "pass": pass_, "T": T, **t} for m, t in times.items()]
     at1 = {r["method"] + " " + r["pass"]: r["time_s"] for r in rows if r["T"] == 1}
     summary = {"recurrent_max_T": _core.RECURRENT_MAX_T}
     for pass_ in ("fwd", "fwd+bwd"):
@@ -187,14 +198,14 @@ def run_decode(cfg: InferenceConfig, step: Callable[[str], None]) -> dict[str, A
     indices = rng.choice(4 * N, size=N, replace=False)
     src = np.ascontiguousarray(pool[indices])
     dst = np.empty_like(src)
-    step("decode kda.decode_kda")
-    decode = median_time(lambda: kda.decode_kda(*_inputs(x), pool, indices), cfg.repeats, cfg.min_sample)
-    step("decode copy of the touched states")
-    copy = median_time(lambda: np.copyto(dst, src), cfg.repeats, cfg.min_sample)
-    step("decode recurrent_kda on gathered states")
-    gathered = median_time(
-        lambda: kda.recurrent_kda(*_inputs(x), initial_state=pool[indices]), cfg.repeats, cfg.min_sample
-    )
+    step("decode")
+    fns = {
+        "decode": lambda: kda.decode_kda(*_inputs(x), pool, indices),
+        "copy": lambda: np.copyto(dst, src),
+        "gathered": lambda: kda.recurrent_kda(*_inputs(x), initial_state=pool[indices]),
+    }
+    times = compare(fns, cfg.repeats, cfg.min_sample)
+    decode, copy, gathered = times["decode"], times["copy"], times["gathered"]
     ratio = decode["time_s"] / copy["time_s"]
     return {
         "shape": {"N": N, "H": H, "K": K, "V": V, "T": cfg.decode_T, "dtype": cfg.dtype, "pool_rows": 4 * N},
@@ -234,9 +245,9 @@ def run_plan(cfg: InferenceConfig, step: Callable[[str], None]) -> dict[str, Any
     for T in sorted(set(cfg.plan_T)):
         fns = _plan_fns(_problem(B, H, T, K, V, np.dtype(cfg.dtype), cfg.seed))
         times = {}
-        for name, fn in fns.items():
-            step(f"plan {name} T={T}")
-            times[name] = median_time(fn, cfg.repeats, cfg.min_sample)
+        for pass_ in ("fwd", "bwd"):
+            step(f"plan {pass_} T={T}")
+            times |= compare({n: f for n, f in fns.items() if n.endswith(pass_)}, cfg.repeats, cfg.min_sample)
         for pass_ in ("fwd", "bwd"):
             plain, plan = times[f"plain {pass_}"]["time_s"], times[f"plan {pass_}"]["time_s"]
             samples = {k: v for k, v in times.items() if pass_ in k}
@@ -257,7 +268,7 @@ def run(cfg: InferenceConfig, parts: list[str], step: Callable[[str], None]) -> 
 
 def steps(cfg: InferenceConfig, parts: list[str]) -> int:
     """How many times :func:`run` calls ``step``, for a progress bar."""
-    counts = {"short": 6 * len(set(cfg.short_T)), "decode": 3, "plan": 4 * len(set(cfg.plan_T))}
+    counts = {"short": 2 * len(set(cfg.short_T)), "decode": 1, "plan": 2 * len(set(cfg.plan_T))}
     return sum(counts[p] for p in parts)
 
 
@@ -337,7 +348,7 @@ def _plot_short(ax: Any, short: dict[str, Any]) -> None:
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("T")
-    ax.set_ylabel("time (s), median")
+    ax.set_ylabel("time (s), min of rounds")
     s = short["summary"]
     ax.set_title(
         f"short sequences: crossover fwd T={s['crossover_T fwd']}, fwd+bwd T={s['crossover_T fwd+bwd']}",
@@ -355,7 +366,7 @@ def _plot_decode(ax: Any, d: dict[str, Any]) -> None:
         d["recurrent_on_gathered_states"]["time_s"],
     ]
     ax.bar(names, [t * 1e3 for t in times], color=["C0", "C7", "C2"])
-    ax.set_ylabel("time (ms), median")
+    ax.set_ylabel("time (ms), min of rounds")
     ax.set_title(f"decode: {d['summary']['decode / copy']:.2f}x a copy (target {DECODE_TARGET}x)", fontsize=9)
     ax.tick_params(axis="x", labelsize=7)
 
@@ -367,6 +378,6 @@ def _plot_plan(ax: Any, p: dict[str, Any]) -> None:
     ax.bar(xs + 0.2, [r["plan_s"] * 1e3 for r in p["rows"]], 0.4, label="plan.run()")
     ax.set_xticks(xs, labels, fontsize=7)
     ax.set_yscale("log")
-    ax.set_ylabel("time (ms), median")
+    ax.set_ylabel("time (ms), min of rounds")
     ax.set_title("prepared plans vs plain calls", fontsize=9)
     ax.legend(fontsize=7)
