@@ -22,7 +22,7 @@ from array_api_compat import array_namespace, device, is_cupy_array
 from numba import cuda
 
 from ._kernels import DTYPES
-from ._launch import LAUNCHES, THREADS_PER_BLOCK, _contiguous
+from ._launch import LAUNCHES
 
 __all__ = ["SIGNATURE", "build_decode_kernel", "compiled_decode", "decode_forward", "decode_signature"]
 
@@ -30,6 +30,8 @@ NAME = "decode_forward"
 
 # q, k, g, v: 4-D; beta: 3-D; scale; pool: 4-D; indices: int64 1-D; output: 4-D
 SIGNATURE = "void({a4}, {a4}, {a4}, {a4}, {a3}, {s}, {a4}, int64[:], {a4})"
+
+THREADS_PER_BLOCK = 128
 
 _COMPILED: dict[str, Any] = {}
 
@@ -95,7 +97,9 @@ def _launch(dtype: str, grid: int, *args: Any) -> None:
     else:  # the simulator: inputs as contiguous host buffers; the pool itself, to update it in place
         stream = 0
         pool = args[6]
-        args = tuple(a if a is pool else _contiguous(a) for a in args)
+        args = tuple(
+            a if a is pool or not isinstance(a, np.ndarray) else np.ascontiguousarray(a) for a in args
+        )
     kernel[grid, THREADS_PER_BLOCK, stream](*args)
     LAUNCHES[NAME] += 1
 
