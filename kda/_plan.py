@@ -314,6 +314,19 @@ def prepare_chunk_kda(
         the wrong shape or that cannot be written in place, an immutable namespace (JAX).
     InvalidTypeError
         As :func:`kda.chunk_kda`; also an ``out`` buffer of the wrong dtype.
+
+    Notes
+    -----
+    ``run()`` does not repeat the validation. With ``gate="log"`` on host arrays it re-checks
+    the refilled gate with one reduction, ``max(g) <= 0`` (a positive or NaN gate raises
+    :class:`~kda.InvalidInputError`), because a positive log decay silently overflows ``exp``;
+    the reduction reads ``g`` once and allocates nothing. On CuPy that check would need a host
+    synchronisation in every run (and cannot be captured in a CUDA graph), so refilled values
+    are not re-validated there; nor are NaN or infinite ``q, k, v, beta`` on any backend.
+    On NumPy, plain problems (log gate, no ``qk_l2norm``, no beta activation, ``HV == H``, no
+    ``cu_seqlens``, float32 or float64) run straight into the plan's buffers and allocate only
+    one slab's work per run, nothing that grows with ``T``. On CuPy the first run also captures
+    a CUDA graph that later runs replay.
     """
     options = _options(layout, qk_l2norm, gate, A_log, dt_bias, lower_bound, beta_activation, cu_seqlens)
     p, o, core, state, chunk = _prepare(
