@@ -163,7 +163,7 @@ def _forward(
 ) -> KdaOutput:
     c = _core_inputs(p, o, *inputs)
     with floating_point_quiet(p.xp):
-        out, final, boundaries = run_forward(core, p.xp, c, state, o.cu_seqlens)
+        out, final, boundaries = run_forward(core, p.xp, c, state, o.cu_seqlens, keep)
     if check:
         warn_if_diverged(p.xp, out, final, stacklevel=4)
     output = p.xp.astype(_head_first(p.xp, out, p.layout), p.dtype, copy=False)

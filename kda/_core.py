@@ -116,8 +116,18 @@ def _start_boundaries(state: Any, T: int) -> Any:
     return xp.asarray(state[None, ...], copy=True)
 
 
-def run_forward(core: Core, xp: Any, c: CoreInputs, state: Any, offsets: tuple[int, ...] | None):
-    """``(output, final_state, boundaries)`` of the core on ``c``, per group of packed sequences."""
+def run_forward(
+    core: Core,
+    xp: Any,
+    c: CoreInputs,
+    state: Any,
+    offsets: tuple[int, ...] | None,
+    keep_boundaries: bool = True,
+):
+    """``(output, final_state, boundaries)`` of the core on ``c``, per group of packed sequences.
+
+    With packed sequences, ``boundaries`` is None unless ``keep_boundaries``.
+    """
     if offsets is None:
         return core.forward(c.q, c.k, c.v, c.g, c.beta, state)
     plan = _varlen.plan_sequences(offsets, core.chunk_size)
@@ -128,13 +138,12 @@ def run_forward(core: Core, xp: Any, c: CoreInputs, state: Any, offsets: tuple[i
         outs.append(o)
         finals.append(final)
         starts.append(boundaries)
-    T, V = c.v.shape[2], c.v.shape[3]
     if outs:
-        output = _varlen.scatter(xp, outs, plan, T)
+        output = _varlen.scatter(xp, outs, plan)
     else:
-        output = xp.zeros((1, c.v.shape[1], T, V), dtype=c.v.dtype, device=c.v.device)
+        output = xp.zeros(c.v.shape, dtype=c.v.dtype, device=c.v.device)
     final = _varlen.scatter_rows(xp, finals, plan, state)
-    if starts and starts[0] is None:
+    if not keep_boundaries or (starts and starts[0] is None):
         return output, final, None
     empty = xp.zeros((0, 1, *state.shape[1:]), dtype=state.dtype, device=state.device)
     return output, final, _varlen.scatter_boundaries(xp, starts, plan, empty)
@@ -157,9 +166,8 @@ def run_backward(
         for acc, x in zip(parts, grads, strict=True):
             acc.append(x)
         dstates.append(ds)
-    T = c.q.shape[2]
     if dstates:
-        grads = [_varlen.scatter(xp, acc, plan, T) for acc in parts]
+        grads = [_varlen.scatter(xp, acc, plan) for acc in parts]
     else:
         grads = [xp.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (c.q, c.k, c.v, c.g, c.beta)]
     return (*grads, _varlen.scatter_rows(xp, dstates, plan, dstate))
