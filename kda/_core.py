@@ -23,7 +23,9 @@ from ._options import CoreInputs
 __all__ = ["RECURRENT_MAX_T", "ChunkCore", "Core", "RecurrentCore", "run_backward", "run_forward"]
 
 # Sequences of at most this many steps (in a single chunk) run the step recurrence inside the
-# chunked functions: measured faster there on the CPU (benchmarks/README.md, short sequences).
+# chunked functions. Measured at B=8, H=16, K=V=128, float32 on the CPU (one run, side by side):
+# T=1 forward 8 ms recurrence / 34 ms chunked (backward 98 / 233 ms); T=2 about even (43 / 41 ms);
+# from T=3 on the chunked form wins (70 / 62 ms, and 3-8x at T >= 8).
 RECURRENT_MAX_T = 1
 
 # The pair matrices of one chunk for all heads, ``B * HV * Cp * Cp`` elements, are refused above
