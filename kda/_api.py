@@ -171,7 +171,15 @@ def _forward(
 
 
 def _backward(
-    p: Problem, o: Options, core: Core, inputs: tuple, state: Any, boundaries: Any, do: Any, dstate: Any
+    p: Problem,
+    o: Options,
+    core: Core,
+    inputs: tuple,
+    state: Any,
+    boundaries: Any,
+    do: Any,
+    dstate: Any,
+    check: bool,
 ) -> KdaGradients:
     xp = p.xp
     c = _core_inputs(p, o, *inputs[:5])
@@ -182,6 +190,8 @@ def _backward(
         dg, dA_log, ddt_bias = gate_backward(xp, dlog, c, o)
         dq, dk = qk_backward(xp, dq, dk, c, o, p.H)
         dbeta = beta_backward(xp, dbeta, c, o)
+    if check:
+        warn_if_diverged(xp, dq, dk, dv, dg, dbeta, dstate, stacklevel=4)
     grads = [xp.astype(_head_first(xp, x, p.layout), p.dtype, copy=False) for x in (dq, dk, dv, dg, dbeta)]
     params = [
         None if d is None else xp.astype(d, x.dtype, copy=False)
@@ -309,7 +319,9 @@ def chunk_kda_backward(
         p, o, check_finite, q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
         boundaries=boundaries, grad_output=grad_output, grad_final_state=grad_final_state,
     )  # fmt: skip
-    return _backward(p, o, core, (q, k, v, g, beta, A_log, dt_bias), state, boundaries, do, dstate)
+    return _backward(
+        p, o, core, (q, k, v, g, beta, A_log, dt_bias), state, boundaries, do, dstate, check_finite
+    )
 
 
 def recurrent_kda(
@@ -402,7 +414,7 @@ def recurrent_kda_backward(
         p, o, check_finite, q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
         grad_output=grad_output, grad_final_state=grad_final_state,
     )  # fmt: skip
-    return _backward(p, o, core, (q, k, v, g, beta, A_log, dt_bias), state, None, do, dstate)
+    return _backward(p, o, core, (q, k, v, g, beta, A_log, dt_bias), state, None, do, dstate, check_finite)
 
 
 for _f in (chunk_kda, chunk_kda_backward, recurrent_kda, recurrent_kda_backward):
