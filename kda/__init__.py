@@ -17,6 +17,7 @@ from ._backends import BACKENDS
 from ._decode import decode_kda
 from ._errors import InvalidInputError, InvalidTypeError, KdaError, KdaWarning
 from ._plan import prepare_chunk_kda, prepare_chunk_kda_backward
+from ._transition import KdaTransition, chunk_kda_transition, chunk_kda_transition_backward
 
 __version__ = "0.1.0"
 
@@ -27,9 +28,12 @@ __all__ = [
     "KdaError",
     "KdaGradients",
     "KdaOutput",
+    "KdaTransition",
     "KdaWarning",
     "chunk_kda",
     "chunk_kda_backward",
+    "chunk_kda_transition",
+    "chunk_kda_transition_backward",
     "decode_kda",
     "prepare_chunk_kda",
     "prepare_chunk_kda_backward",

@@ -1,0 +1,598 @@
+"""Kimi Delta Attention on Dask arrays: batch, heads and the sequence itself split over workers.
+
+``kda.dask.chunk_kda`` and ``kda.dask.chunk_kda_backward`` take Dask arrays (blocks of NumPy or
+CuPy arrays) and return Dask arrays. Blocks along batch and heads are independent problems.
+Blocks along time (shards) use the segment maps of :func:`kda.chunk_kda_transition` in three
+steps (``docs/sequence_parallel.md``):
+
+1. every shard computes its map ``S_end = A S_start + N`` (backward: ``dS_start = A^T dS_end + D``),
+   all shards at once;
+2. a scan over the small maps gives every shard its true start state (end-state gradient);
+3. every shard runs the ordinary chunked forward (backward) from it, all shards at once.
+
+The graph holds a fixed number of tasks per block, whatever the number of chunks. Time blocks are
+first moved to multiples of ``chunk_size`` (each boundary to the nearest one, by
+:meth:`dask.array.Array.rechunk`), so every shard's chunks are those of the single-process call
+and the shards' boundaries form the single-process ``boundaries``; outputs and gradients come
+back in the chunks of the inputs.
+
+Needs ``pip install 'kda[dask]'``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+try:
+    import dask.array as da
+    from dask.base import tokenize
+    from dask.highlevelgraph import HighLevelGraph
+except ImportError as err:  # pragma: no cover - exercised without dask installed
+    msg = "kda.dask needs Dask: pip install 'kda[dask]' (dask[array] and distributed)"
+    raise ImportError(msg) from err
+
+import array_api_compat
+import numpy as np
+
+from ._api import KdaGradients, KdaOutput
+from ._api import chunk_kda as _chunk_kda
+from ._api import chunk_kda_backward as _chunk_kda_backward
+from ._errors import InvalidInputError, InvalidTypeError
+from ._transition import chunk_kda_transition, chunk_kda_transition_backward
+from ._validation import check_choice, check_chunk_size
+
+__all__ = ["chunk_kda", "chunk_kda_backward"]
+
+LAYOUTS = ("head_first", "time_major")
+
+
+# ----------------------------------------------------------------------------------------------
+# The plan: how the inputs are cut into blocks
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Block structure shared by every array of one call."""
+
+    layout: str
+    chunk_size: int
+    B: int
+    H: int
+    HV: int
+    T: int
+    K: int
+    V: int
+    dtype: Any
+    batch: tuple[int, ...]  # block sizes along batch
+    heads: tuple[int, ...]  # along value heads (multiples of HV // H)
+    times: tuple[int, ...]  # along time (multiples of chunk_size but the last)
+    meta: Any  # an empty array of the blocks' type
+
+    @property
+    def group(self) -> int:
+        return self.HV // self.H if self.H else 1
+
+    @property
+    def state_dtype(self) -> Any:
+        return np.float64 if self.dtype == np.float64 else np.float32
+
+    def rows(self) -> list[tuple[int, int]]:
+        """Every (batch block, head block) pair: the independent problems."""
+        return list(itertools.product(range(len(self.batch)), range(len(self.heads))))
+
+    def sequence_chunks(self, heads: tuple[int, ...], width: int | None) -> tuple[tuple[int, ...], ...]:
+        """Dask chunks of a ``[B, H, T, K]``-like array in the plan's layout (``width`` None: 3-D)."""
+        axes = (
+            [self.batch, heads, self.times]
+            if self.layout == "head_first"
+            else [self.batch, self.times, heads]
+        )
+        return tuple(axes) if width is None else (*axes, (width,))
+
+    def chunk_counts(self) -> tuple[int, ...]:
+        """Chunks per time block: the block sizes of ``boundaries`` along ``NT``."""
+        return tuple(-(-t // self.chunk_size) for t in self.times)
+
+    def state_chunks(self, width: int) -> tuple[tuple[int, ...], ...]:
+        return (self.batch, self.heads, (self.K,), (width,))
+
+
+def _cuts(chunks: tuple[int, ...]) -> list[int]:
+    return list(itertools.accumulate(chunks))[:-1]
+
+
+def _moved(chunks: tuple[int, ...], step: int, total: int) -> tuple[int, ...]:
+    """Block sizes: the inner boundaries of ``chunks`` moved to the nearest multiple of ``step``."""
+    cuts = {(c + step // 2) // step * step for c in _cuts(chunks)}
+    bounds = [0, *sorted(c for c in cuts if 0 < c < total), total]
+    return tuple(b - a for a, b in itertools.pairwise(bounds)) or (0,)
+
+
+def _check_dask(name: str, x: Any, ndim: int) -> None:
+    if not isinstance(x, da.Array):
+        msg = f"{name} must be a dask.array.Array (kda.dask); got {type(x).__module__}.{type(x).__name__}"
+        raise InvalidTypeError(msg)
+    if x.ndim != ndim:
+        msg = f"{name} must have {ndim} dimensions; got shape {x.shape}"
+        raise InvalidInputError(msg)
+    if any(np.isnan(c) for cs in x.chunks for c in cs):
+        msg = f"{name} must have known chunk sizes (call compute_chunk_sizes() first); got {x.chunks}"
+        raise InvalidInputError(msg)
+
+
+def _plan(q, k, v, g, beta, layout: str, chunk_size: int, cu_seqlens: Any) -> _Plan:
+    """Check what the blocks need to fit together; the blocks' own calls check the rest."""
+    layout = check_choice("layout", layout, LAYOUTS)
+    chunk_size = check_chunk_size(chunk_size)
+    if cu_seqlens is not None:
+        msg = (
+            "cu_seqlens must be None in kda.dask: a time shard carries one state per batch row across "
+            "its boundary, and packed sequences would need the scan to restart inside shards; give the "
+            "sequences as batch rows (padded at their ends with g = 0 and beta = 0, which leaves states "
+            "and outputs unchanged), or call kda.chunk_kda on each block of whole sequences"
+        )
+        raise InvalidInputError(msg)
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
+        _check_dask(name, x, 4)
+    _check_dask("beta", beta, 3)
+    t_axis, h_axis = (2, 1) if layout == "head_first" else (1, 2)
+    B, T, K, H = q.shape[0], q.shape[t_axis], q.shape[3], q.shape[h_axis]
+    HV, V = v.shape[h_axis], v.shape[3]
+    expected = {"k": (B, H, K), "v": (B, HV, V), "g": (B, HV, K), "beta": (B, HV, None)}
+    for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
+        b, h, w = expected[name]
+        shape = [b, None, None] if w is None else [b, None, None, w]
+        shape[h_axis], shape[t_axis] = h, T
+        if tuple(x.shape) != tuple(shape) or (H and HV % H) or (HV and not H):
+            msg = (
+                f"{name} must have shape {tuple(shape)} (layout={layout!r}; HV a multiple of H) "
+                f"to match q {q.shape} and v {v.shape}; got {x.shape}"
+            )
+            raise InvalidInputError(msg)
+    heads = _moved(v.chunks[h_axis], HV // H if H else 1, HV)
+    meta = da.utils.meta_from_array(q._meta, ndim=0)
+    times = _moved(q.chunks[t_axis], chunk_size, T)
+    return _Plan(layout, chunk_size, B, H, HV, T, K, V, np.dtype(q.dtype), q.chunks[0], heads, times, meta)
+
+
+# ----------------------------------------------------------------------------------------------
+# The graph: one layer of tasks on the blocks of the (rechunked) inputs
+
+
+def _sequence_index(plan: _Plan, ib: int, ih: int, it: int, ndim: int) -> tuple[int, ...]:
+    idx = (ib, ih, it) if plan.layout == "head_first" else (ib, it, ih)
+    return idx + (0,) * (ndim - 3)
+
+
+def _as_dask(name: str, x: Any) -> Any:
+    if isinstance(x, da.Array):
+        return x
+    if not array_api_compat.is_array_api_obj(x):
+        msg = f"{name} must be an array (Dask, NumPy or CuPy); got {type(x).__name__}"
+        raise InvalidTypeError(msg)
+    return da.from_array(x, chunks=-1)
+
+
+def _checked(name: str, x: Any, shape: tuple[int, ...], letters: str) -> Any:
+    x = _as_dask(name, x)
+    if tuple(x.shape) != shape:
+        msg = f"{name} must have shape [{letters}] = {shape}; got {tuple(x.shape)}"
+        raise InvalidInputError(msg)
+    return x
+
+
+class _Graph:
+    """The tasks of one call, keyed by block, on the blocks of the rechunked inputs.
+
+    ``key(x, *index)`` names a block of an input; ``task`` adds a task (a function of blocks and of
+    earlier tasks' results); ``array`` turns one result per block into a Dask array. Every task is
+    per block (or per shard boundary): the graph never grows with the number of chunks.
+    """
+
+    def __init__(self, plan: _Plan) -> None:
+        self.plan, self.token = plan, ""
+        self.layer: dict[tuple, tuple] = {}
+        self.inputs: list[Any] = []
+
+    def name(self, *call: Any) -> None:
+        """Name the tasks after the inputs added so far and ``call`` (deterministic keys)."""
+        self.token = tokenize(*call, [x.name for x in self.inputs])
+
+    def add(self, x: Any, chunks: tuple) -> Any:
+        """An input, rechunked to ``chunks``; None stays None."""
+        if x is None:
+            return None
+        x = x.rechunk(chunks)
+        self.inputs.append(x)
+        return x
+
+    def key(self, x: Any, *index: int) -> tuple | None:
+        return None if x is None else (x.name, *index)
+
+    def task(self, kind: str, index: tuple, function: Callable, *args: Any) -> tuple:
+        key = (f"kda-{kind}-{self.token}", *index)
+        self.layer[key] = (function, *args)
+        return key
+
+    def array(self, kind: str, parts: dict[tuple, tuple], chunks: tuple, dtype: Any) -> Any:
+        """A Dask array from ``parts[index] = (key, n)``: block ``index`` is item ``n`` of result ``key``.
+
+        ``n = None``: the whole result.
+        """
+        name = f"kda-{kind}-{self.token}"
+        layer = {
+            (name, *index): key if n is None else (operator.getitem, key, n)
+            for index, (key, n) in parts.items()
+        }
+        graph = HighLevelGraph.from_collections(name, {**self.layer, **layer}, dependencies=self.inputs)
+        meta = da.utils.meta_from_array(self.plan.meta, ndim=len(chunks), dtype=dtype)
+        return da.Array(graph, name, chunks, meta=meta)
+
+    def sequence_array(self, kind: str, parts: dict, heads: tuple, width: int | None, like: Any) -> Any:
+        """Results keyed ``(ib, ih, it)`` as one array in the plan's layout, in the chunks of ``like``."""
+        chunks = self.plan.sequence_chunks(heads, width)
+        keyed = {_sequence_index(self.plan, *index, len(chunks)): part for index, part in parts.items()}
+        x = self.array(kind, keyed, chunks, like.dtype)
+        return x if x.chunks == like.chunks else x.rechunk(like.chunks)
+
+    def state_array(self, kind: str, parts: dict) -> Any:
+        keyed = {(*index, 0, 0): part for index, part in parts.items()}
+        return self.array(kind, keyed, self.plan.state_chunks(self.plan.V), self.plan.state_dtype)
+
+
+@dataclass
+class _Inputs:
+    """The rechunked inputs of one call."""
+
+    graph: _Graph
+    arrays: list[Any]  # q, k, v, g, beta
+    A_log: Any
+    dt_bias: Any
+
+    def args(self, ib: int, ih: int, it: int) -> list[Any]:
+        """The keys of ``q, k, v, g, beta, A_log, dt_bias`` of one block."""
+        g, plan = self.graph, self.graph.plan
+        blocks = [g.key(x, *_sequence_index(plan, ib, ih, it, x.ndim)) for x in self.arrays]
+        return [*blocks, g.key(self.A_log, ih), g.key(self.dt_bias, ih, 0)]
+
+
+def _inputs(graph: _Graph, q, k, v, g, beta, A_log, dt_bias) -> _Inputs:
+    plan = graph.plan
+    qk_heads = tuple(h // plan.group for h in plan.heads)
+    shapes = (
+        (qk_heads, plan.K),
+        (qk_heads, plan.K),
+        (plan.heads, plan.V),
+        (plan.heads, plan.K),
+        (plan.heads, None),
+    )
+    arrays = [graph.add(x, plan.sequence_chunks(*s)) for x, s in zip((q, k, v, g, beta), shapes)]
+    if A_log is not None:
+        A_log = graph.add(_checked("A_log", A_log, (plan.HV,), "HV"), (plan.heads,))
+    if dt_bias is not None:
+        dt_bias = _checked("dt_bias", dt_bias, (plan.HV, plan.K), "HV, K")
+        dt_bias = graph.add(dt_bias, (plan.heads, (plan.K,)))
+    return _Inputs(graph, arrays, A_log, dt_bias)
+
+
+def _states(graph: _Graph, x: Any, name: str) -> dict[tuple[int, int], Any]:
+    """The keys of a ``[B, HV, K, V]`` state's blocks (None: zeros) per (batch, head) block."""
+    plan = graph.plan
+    if x is not None:
+        x = _checked(name, x, (plan.B, plan.HV, plan.K, plan.V), "B, HV, K, V")
+        x = graph.add(x, plan.state_chunks(plan.V))
+    return {(ib, ih): graph.key(x, ib, ih, 0, 0) for ib, ih in plan.rows()}
+
+
+def _saved_boundaries(graph: _Graph, x: Any) -> Any:
+    """``[NT, B, HV, K, V]`` boundaries cut like the shards, batch and value heads."""
+    plan = graph.plan
+    if x is None:
+        return None
+    shape = (sum(plan.chunk_counts()), plan.B, plan.HV, plan.K, plan.V)
+    x = _checked("boundaries", x, shape, "NT, B, HV, K, V")
+    return graph.add(x, (plan.chunk_counts(), *plan.state_chunks(plan.V)))
+
+
+# ----------------------------------------------------------------------------------------------
+# The tasks: each runs on one block, on the blocks' own array library
+
+
+def _forward_block(q, k, v, g, beta, A_log, dt_bias, state, *, options: dict, save: bool) -> tuple:
+    out = _chunk_kda(
+        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=state, save_boundaries=save, **options
+    )
+    return tuple(out)
+
+
+def _backward_block(
+    q, k, v, g, beta, A_log, dt_bias, state, boundaries, grad_output, dstate, *, options
+) -> tuple:
+    grads = _chunk_kda_backward(
+        q, k, v, g, beta, boundaries, grad_output, dstate, A_log=A_log, dt_bias=dt_bias, initial_state=state,
+        **options,
+    )  # fmt: skip
+    return tuple(grads)
+
+
+def _transition_block(q, k, v, g, beta, A_log, dt_bias, *, options: dict) -> tuple:
+    return tuple(chunk_kda_transition(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, **options))
+
+
+def _state_gradient_block(q, k, v, g, beta, A_log, dt_bias, grad_output, *, options: dict) -> Any:
+    return chunk_kda_transition_backward(
+        q, k, v, g, beta, grad_output, A_log=A_log, dt_bias=dt_bias, **options
+    )
+
+
+def _advance(transition: tuple, state: Any) -> Any:
+    """``S_end = A S_start + N`` (``S_start`` None: zeros)."""
+    A, N = transition
+    if state is None:
+        return N
+    return array_api_compat.array_namespace(A).matmul(A, state) + N
+
+
+def _retreat(transition: tuple, D: Any, dstate: Any) -> Any:
+    """``dS_start = A^T dS_end + D`` (``dS_end`` None: zeros)."""
+    if dstate is None:
+        return D
+    xp = array_api_compat.array_namespace(D)
+    return xp.matmul(xp.matrix_transpose(transition[0]), dstate) + D
+
+
+def _first(boundaries: Any) -> Any:
+    """The state at the start of a shard: its first boundary."""
+    return boundaries[0, ...]
+
+
+def _total(*results: tuple, field: int) -> Any:
+    """The sum of one field of several results (a per-head parameter's gradient over blocks)."""
+    parts = [r[field] for r in results]
+    return sum(parts[1:], parts[0])
+
+
+def _forward_scan(x: _Inputs, ib: int, ih: int, start: Any, options: dict) -> tuple[list, list]:
+    """Steps 1 and 2 of the forward: every shard's map (the last one needs none), then the scan.
+
+    Returns the keys of every shard's start state and of the maps of all shards but the last.
+    """
+    g, maps, starts = x.graph, [], [start]
+    for it in range(len(g.plan.times) - 1):
+        maps.append(
+            g.task("map", (ib, ih, it), partial(_transition_block, options=options), *x.args(ib, ih, it))
+        )
+        starts.append(g.task("start", (ib, ih, it + 1), _advance, maps[-1], starts[-1]))
+    return starts, maps
+
+
+def _backward_scan(x: _Inputs, ib: int, ih: int, dend: Any, maps: list, do: Any, options: dict) -> list:
+    """Steps 1 and 2 of the backward: every shard's ``(A, D)`` (the first needs none), then the scan.
+
+    ``maps`` are forward maps already in the graph (reused). Returns every shard's end-state gradient.
+    """
+    g, dends = x.graph, [dend]
+    for it in range(len(g.plan.times) - 1, 0, -1):
+        args, index = x.args(ib, ih, it), (ib, ih, it)
+        transition = (
+            maps[it]
+            if it < len(maps)
+            else g.task("map", index, partial(_transition_block, options=options), *args)
+        )
+        do_key = g.key(do, *_sequence_index(g.plan, ib, ih, it, 4))
+        D = g.task("dmap", index, partial(_state_gradient_block, options=options), *args, do_key)
+        dends.append(g.task("dend", (ib, ih, it - 1), _retreat, transition, D, dends[-1]))
+    return dends[::-1]
+
+
+# ----------------------------------------------------------------------------------------------
+# The public functions
+
+
+def _block_options(
+    scale, chunk_size, backend, layout, qk_l2norm, gate, lower_bound, beta_activation, check_finite
+):
+    """The keywords every block's call gets (the same for all blocks)."""
+    return {
+        "scale": scale,
+        "chunk_size": chunk_size,
+        "backend": backend,
+        "layout": layout,
+        "qk_l2norm": qk_l2norm,
+        "gate": gate,
+        "lower_bound": lower_bound,
+        "beta_activation": beta_activation,
+        "check_finite": check_finite,
+    }
+
+
+def chunk_kda(
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    *,
+    initial_state: Any = None,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    save_boundaries: bool = False,
+    backend: str | None = None,
+    layout: str = "head_first",
+    qk_l2norm: bool = False,
+    gate: str = "log",
+    A_log: Any = None,
+    dt_bias: Any = None,
+    lower_bound: float | None = None,
+    beta_activation: str | None = None,
+    cu_seqlens: Any = None,
+    check_finite: bool = True,
+) -> KdaOutput:
+    """:func:`kda.chunk_kda` on Dask arrays, split over batch, heads and time.
+
+    Parameters
+    ----------
+    q, k, v, g, beta : dask.array.Array
+        As for :func:`kda.chunk_kda` (shapes by ``layout``), with blocks of NumPy or CuPy arrays,
+        cut along batch, heads and/or time (never along ``K`` or ``V``: such blocks are joined).
+        Head blocks of ``v, g, beta`` are moved to multiples of ``HV // H`` so that each holds
+        whole groups of value heads; ``q, k`` follow them. Time blocks are moved to multiples of
+        ``chunk_size`` (each boundary to the nearest; blocks shorter than half a chunk merge).
+    initial_state : array, shape ``[B, HV, K, V]``, optional
+        Dask, NumPy or CuPy; zeros when None.
+    scale, chunk_size, save_boundaries, backend, layout, qk_l2norm, gate, A_log, dt_bias, \
+lower_bound, beta_activation, check_finite
+        As for :func:`kda.chunk_kda`; ``backend`` is applied to every block.
+    cu_seqlens : None
+        Packed sequences are refused (:class:`~kda.InvalidInputError`): the state crossing a time
+        block belongs to one sequence per batch row. Give sequences as batch rows.
+
+    Returns
+    -------
+    KdaOutput
+        Dask arrays: ``output`` (chunked like ``v``), ``final_state [B, HV, K, V]`` and
+        ``boundaries [NT, B, HV, K, V]`` (blocks along ``NT`` one per time shard) or None.
+        Values are those of the single-process :func:`kda.chunk_kda` up to rounding. Bad values
+        (positive ``g``, non-finite inputs, wrong dtypes) raise when computed.
+    """
+    plan = _plan(q, k, v, g, beta, layout, chunk_size, cu_seqlens)
+    options = _block_options(
+        scale, plan.chunk_size, backend, layout, qk_l2norm, gate, lower_bound, beta_activation, check_finite
+    )
+    graph = _Graph(plan)
+    x = _inputs(graph, q, k, v, g, beta, A_log, dt_bias)
+    initial = _states(graph, initial_state, "initial_state")
+    save = bool(save_boundaries)
+    graph.name("forward", options, save)
+    shard = partial(_forward_block, options=options, save=save)
+    outputs, finals, boundaries = {}, {}, {}
+    for ib, ih in plan.rows():
+        starts, _ = _forward_scan(x, ib, ih, initial[ib, ih], options)
+        for it, start in enumerate(starts):
+            result = graph.task("forward", (ib, ih, it), shard, *x.args(ib, ih, it), start)
+            outputs[ib, ih, it], boundaries[it, ib, ih, 0, 0] = (result, 0), (result, 2)
+        finals[ib, ih] = (result, 1)
+    output = graph.sequence_array("output", outputs, plan.heads, plan.V, v)
+    final = graph.state_array("final-state", finals)
+    if not save:
+        return KdaOutput(output, final, None)
+    chunks = (plan.chunk_counts(), *plan.state_chunks(plan.V))
+    return KdaOutput(output, final, graph.array("boundaries", boundaries, chunks, plan.state_dtype))
+
+
+def chunk_kda_backward(
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    boundaries: Any,
+    grad_output: Any,
+    grad_final_state: Any = None,
+    *,
+    initial_state: Any = None,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    backend: str | None = None,
+    layout: str = "head_first",
+    qk_l2norm: bool = False,
+    gate: str = "log",
+    A_log: Any = None,
+    dt_bias: Any = None,
+    lower_bound: float | None = None,
+    beta_activation: str | None = None,
+    cu_seqlens: Any = None,
+    check_finite: bool = True,
+) -> KdaGradients:
+    """:func:`kda.chunk_kda_backward` on Dask arrays, split over batch, heads and time.
+
+    Parameters
+    ----------
+    q, k, v, g, beta : dask.array.Array
+        As for :func:`chunk_kda`.
+    boundaries : array, shape ``[NT, B, HV, K, V]``, or None
+        From ``kda.dask.chunk_kda(..., save_boundaries=True)`` with the same ``chunk_size`` (any
+        blocks); they give every time shard its start state. None recomputes the start states
+        (each shard's map and the scan, as in the forward).
+    grad_output : dask.array.Array
+        Gradient of ``output``, shaped like ``v``.
+    grad_final_state : array, shape ``[B, HV, K, V]``, optional
+        Dask, NumPy or CuPy; zeros when None.
+    initial_state, scale, chunk_size, backend, layout, qk_l2norm, gate, A_log, dt_bias, \
+lower_bound, beta_activation, cu_seqlens, check_finite
+        As for :func:`chunk_kda`.
+
+    Returns
+    -------
+    KdaGradients
+        Dask arrays, each gradient chunked like its input (``initial_state``: like batch and value
+        heads; ``A_log``, ``dt_bias``: summed over batch and time blocks, None when not given).
+    """
+    plan = _plan(q, k, v, g, beta, layout, chunk_size, cu_seqlens)
+    options = _block_options(
+        scale, plan.chunk_size, backend, layout, qk_l2norm, gate, lower_bound, beta_activation, check_finite
+    )
+    graph = _Graph(plan)
+    x = _inputs(graph, q, k, v, g, beta, A_log, dt_bias)
+    do = graph.add(_as_dask("grad_output", grad_output), plan.sequence_chunks(plan.heads, plan.V))
+    initial = _states(graph, initial_state, "initial_state")
+    dfinal = _states(graph, grad_final_state, "grad_final_state")
+    saved = _saved_boundaries(graph, boundaries)
+    graph.name("backward", options)
+    shard = partial(_backward_block, options=options)
+    results = {}
+    for ib, ih in plan.rows():
+        if saved is None:
+            starts, maps = _forward_scan(x, ib, ih, initial[ib, ih], options)
+        else:
+            shard_starts = [
+                graph.task("start", (ib, ih, it), _first, graph.key(saved, it, ib, ih, 0, 0))
+                for it in range(1, len(plan.times))
+            ]
+            starts, maps = [initial[ib, ih], *shard_starts], []
+        dends = _backward_scan(x, ib, ih, dfinal[ib, ih], maps, do, options)
+        for it, (start, dend) in enumerate(zip(starts, dends)):
+            args = [*x.args(ib, ih, it), start, graph.key(saved, it, ib, ih, 0, 0)]
+            do_key = graph.key(do, *_sequence_index(plan, ib, ih, it, 4))
+            results[ib, ih, it] = graph.task("backward", (ib, ih, it), shard, *args, do_key, dend)
+    return _gradients(graph, results, (q, k, v, g, beta), A_log, dt_bias)
+
+
+def _gradients(graph: _Graph, results: dict, inputs: tuple, A_log: Any, dt_bias: Any) -> KdaGradients:
+    """The gradients as Dask arrays (per-head parameters summed over batch and time blocks)."""
+    plan = graph.plan
+    qk_heads = tuple(h // plan.group for h in plan.heads)
+    cuts = (
+        (qk_heads, plan.K),
+        (qk_heads, plan.K),
+        (plan.heads, plan.V),
+        (plan.heads, plan.K),
+        (plan.heads, None),
+    )
+    grads = []
+    for n, (name, like, (heads, width)) in enumerate(zip(("q", "k", "v", "g", "beta"), inputs, cuts)):
+        parts = {index: (key, n) for index, key in results.items()}
+        grads.append(graph.sequence_array(f"d{name}", parts, heads, width, like))
+    dstate = graph.state_array(
+        "dinitial-state", {(ib, ih): (results[ib, ih, 0], 5) for ib, ih in plan.rows()}
+    )
+    params = []
+    for field, param, tail in ((6, A_log, ()), (7, dt_bias, (plan.K,))):
+        if param is None:
+            params.append(None)
+            continue
+        summed = {}
+        for ih in range(len(plan.heads)):
+            keys = [key for index, key in results.items() if index[1] == ih]
+            summed[(ih, *(0 for _ in tail))] = (
+                graph.task(f"sum{field}", (ih,), partial(_total, field=field), *keys),
+                None,
+            )
+        chunks = (plan.heads, *((w,) for w in tail))
+        params.append(graph.array(f"dparam{field}", summed, chunks, param.dtype))
+    return KdaGradients(*grads, dstate, *params)

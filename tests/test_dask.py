@@ -1,0 +1,209 @@
+"""kda.dask on a multi-process dask.distributed cluster against the single-process functions."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from helpers import REGIMES, TOLERANCE, assert_close, make_problem
+
+import kda
+
+da = pytest.importorskip("dask.array")
+distributed = pytest.importorskip("distributed")
+import dask  # noqa: E402
+
+import kda.dask as kd  # noqa: E402
+
+GRADS = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+@pytest.fixture(scope="module")
+def client():
+    """Two single-threaded worker processes; every compute in this module runs on them."""
+    with (
+        distributed.LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cluster,
+        distributed.Client(cluster, set_as_default=True) as c,
+    ):
+        yield c
+
+
+def _weak(p):
+    p.g, p.beta = 0.02 * p.g, 0.25 * p.beta
+    return p
+
+
+def _problem(regime: str, dtype, T: int, *, B: int = 1, H: int = 1, seed: int = 0):
+    p = make_problem(seed, B, H, T, 6, 5, "mild" if regime == "weak" else regime)
+    return (_weak(p) if regime == "weak" else p).astype(dtype)
+
+
+def _dask(x: np.ndarray, times: tuple[int, ...], heads=1, batch=1):
+    """Head-first ``[B, H, T, ...]`` cut into the given time blocks."""
+    return da.from_array(x, chunks=(batch, heads, times, *x.shape[3:]))
+
+
+def _single(p, C: int, **options):
+    kw = {"initial_state": p.initial_state, "chunk_size": C, **options}
+    out = kda.chunk_kda(*p.inputs, save_boundaries=True, **kw)
+    grads = kda.chunk_kda_backward(*p.inputs, out.boundaries, p.grad_output, p.grad_final_state, **kw)
+    return out, grads
+
+
+def _distributed(p, C: int, times, **cut):
+    """Forward, backward with the forward's boundaries, and backward without them: one compute."""
+    ins = [_dask(x, times, **cut) for x in p.inputs]
+    do = _dask(p.grad_output, times, **cut)
+    out = kd.chunk_kda(*ins, initial_state=p.initial_state, chunk_size=C, save_boundaries=True)
+    kw = {"initial_state": p.initial_state, "chunk_size": C}
+    saved = kd.chunk_kda_backward(*ins, out.boundaries, do, p.grad_final_state, **kw)
+    recomputed = kd.chunk_kda_backward(*ins, None, do, p.grad_final_state, **kw)
+    return dask.compute(out[:3], saved[:6], recomputed[:6])
+
+
+def _check(p, C, times, **cut):
+    out, grads = _single(p, C)
+    got_out, *got_grads = _distributed(p, C, times, **cut)
+    tol = TOLERANCE[np.dtype(p.q.dtype)]
+    for name, got, want in zip(("output", "final_state", "boundaries"), got_out, out):
+        assert_close(got, want, tol=tol, name=name)
+    for got in got_grads:
+        for name, g, want in zip(GRADS, got, grads):
+            assert_close(g, want, tol=tol, name=name)
+
+
+# uneven shards, each a whole number of 8-step chunks, and a shorter last one
+FOUR = (8, 24, 16, 13)
+SIXTEEN = (8, 16, 8, 8, 24, 8, 8, 16, 8, 8, 8, 16, 8, 8, 8, 5)
+
+
+@pytest.mark.parametrize("regime", [*REGIMES, "weak"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_every_regime(client, regime, dtype):
+    _check(_problem(regime, dtype, sum(FOUR)), 8, FOUR)
+
+
+@pytest.mark.parametrize(("regime", "dtype"), [("weak", np.float32), ("reset", np.float64)])
+def test_sixteen_uneven_shards(client, regime, dtype):
+    _check(_problem(regime, dtype, sum(SIXTEEN), seed=4), 8, SIXTEEN)
+
+
+@pytest.mark.parametrize(
+    "times",
+    [
+        (70,),  # one shard
+        (32, 38),  # two
+        (20, 30, 7, 13),  # boundaries off the chunk grid: moved to 16, 48, 64 (7 merges away)
+        (3, 3, 3, 61),  # blocks shorter than half a chunk
+    ],
+)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_time_blocks(client, times, dtype):
+    _check(_problem("weak", dtype, sum(times), seed=1), 16, times)
+
+
+def test_batch_and_head_blocks(client):
+    """Batch and heads cut as well as time: independent problems, each with its own scan."""
+    p = _problem("weak", np.float64, 40, B=3, H=4, seed=2)
+    _check(p, 8, (16, 24), heads=(1, 3), batch=(2, 1))
+
+
+def test_model_options_gva_time_major(client):
+    """time_major, grouped value heads, softplus gates, sigmoid beta, q/k l2norm; their gradients."""
+    rng = np.random.default_rng(3)
+    B, T, H, HV, K, V, C = 2, 45, 2, 4, 6, 5, 8
+    q, k = rng.standard_normal((2, B, T, H, K))
+    v, do = rng.standard_normal((2, B, T, HV, V))
+    g = rng.standard_normal((B, T, HV, K)) - 4.0
+    beta = rng.standard_normal((B, T, HV))
+    options = {
+        "layout": "time_major",
+        "qk_l2norm": True,
+        "gate": "softplus",
+        "A_log": rng.uniform(-2.0, 0.0, HV),
+        "dt_bias": 0.1 * rng.standard_normal((HV, K)),
+        "beta_activation": "sigmoid",
+    }
+    s0, ds = rng.standard_normal((2, B, HV, K, V))
+    out = kda.chunk_kda(q, k, v, g, beta, initial_state=s0, chunk_size=C, **options)
+    grads = kda.chunk_kda_backward(q, k, v, g, beta, None, do, ds, initial_state=s0, chunk_size=C, **options)
+
+    def cut(x, heads):
+        return da.from_array(x, chunks=(1, (16, 16, 13), heads, *x.shape[3:]))
+
+    ins = [cut(q, 1), cut(k, 1), cut(v, (1, 3)), cut(g, 2), cut(beta, 2)]
+    got_out = kd.chunk_kda(*ins, initial_state=s0, chunk_size=C, **options)
+    got = kd.chunk_kda_backward(*ins, None, cut(do, 2), ds, initial_state=s0, chunk_size=C, **options)
+    got_out, got = dask.compute(got_out, got)
+    assert_close(got_out.output, out.output, tol=1e-10, name="output")
+    assert_close(got_out.final_state, out.final_state, tol=1e-10, name="final_state")
+    for name in (*GRADS, "A_log", "dt_bias"):
+        assert_close(getattr(got, name), getattr(grads, name), tol=1e-10, name=name)
+
+
+def test_outputs_come_back_in_the_inputs_chunks():
+    p = _problem("mild", np.float64, 50, H=2)
+    ins = [_dask(x, (20, 30)) for x in p.inputs]
+    out = kd.chunk_kda(*ins, chunk_size=16, save_boundaries=True)
+    assert out.output.chunks == ins[2].chunks
+    assert out.boundaries.chunks[0] == (1, 3)  # the shards start at steps 0 and 16
+    grads = kd.chunk_kda_backward(*ins, None, _dask(p.grad_output, (20, 30)), chunk_size=16)
+    for name, x in zip(GRADS, ins):
+        assert getattr(grads, name).chunks == x.chunks
+    assert grads.initial_state.shape == (1, 2, 6, 5)
+
+
+def test_graph_grows_with_blocks_not_chunks():
+    """The number of tasks depends on the blocks only, not on how many chunks they hold."""
+
+    def tasks(T: int, C: int) -> tuple[int, int]:
+        p = _problem("mild", np.float32, T)
+        times = (T // 4, T // 4, T // 2)
+        ins = [_dask(x, times) for x in p.inputs]
+        out = kd.chunk_kda(*ins, chunk_size=C, save_boundaries=True)
+        grads = kd.chunk_kda_backward(*ins, out.boundaries, _dask(p.grad_output, times), chunk_size=C)
+        return len(dict(out.output.__dask_graph__())), len(dict(grads.k.__dask_graph__()))
+
+    assert tasks(64, 16) == tasks(4096, 16) == tasks(4096, 4)
+
+
+def test_bad_input_is_refused():
+    p = _problem("mild", np.float64, 20)
+    ins = [_dask(x, (10, 10)) for x in p.inputs]
+    with pytest.raises(kda.InvalidInputError, match="cu_seqlens"):
+        kd.chunk_kda(*ins, cu_seqlens=np.array([0, 20]))
+    with pytest.raises(kda.InvalidTypeError, match="q must be a dask"):
+        kd.chunk_kda(p.q, *ins[1:])
+    with pytest.raises(kda.InvalidInputError, match="v must have shape"):
+        kd.chunk_kda(ins[0], ins[1], ins[2][:, :, :5], *ins[3:])
+    with pytest.raises(TypeError, match="boundaries"):
+        kd.chunk_kda(*ins, boundaries=None)
+    with pytest.raises(kda.InvalidInputError, match="initial_state"):
+        kd.chunk_kda(*ins, initial_state=np.zeros((1, 2, 6, 4)))
+
+
+def test_bad_values_raise_on_compute(client):
+    """Values are checked where the blocks are: a positive gate raises kda's error from a worker."""
+    p = _problem("mild", np.float64, 20)
+    p.g[0, 0, 15, 2] = 0.5
+    ins = [_dask(x, (10, 10)) for x in p.inputs]
+    with pytest.raises(kda.InvalidInputError, match="g must hold log decays"):
+        kd.chunk_kda(*ins).output.compute()
+
+
+def test_import_kda_does_not_import_dask():
+    code = "import sys, kda; assert 'dask' not in sys.modules, 'dask imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_missing_dask_names_the_extra():
+    code = (
+        "import sys; sys.modules['dask'] = None\n"
+        "try:\n    import kda.dask\nexcept ImportError as e:\n    print(e)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    assert "pip install 'kda[dask]'" in result.stdout
