@@ -147,6 +147,12 @@ def _inference_arguments(p: argparse.ArgumentParser) -> None:
         "--rounds", type=int, default=9, help="interleaved sampling rounds of the inference parts (default 9)"
     )
     p.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="inference parts: wall time, or the process's CPU time (for an oversubscribed machine)",
+    )
+    p.add_argument(
         "--min-sample",
         type=float,
         default=0.02,
@@ -796,6 +802,7 @@ def _inference_config(args: argparse.Namespace) -> Any:
         dtype=args.dtype,
         repeats=args.rounds,
         min_sample=args.min_sample,
+        clock=args.clock,
         seed=args.seed,
     )
 
