@@ -232,7 +232,7 @@ class BackwardPlan:
             chunk_backward(r.core.ops, r.xp, *r.views(*r.inputs[:5]), *args, out=(*grads, *ws))
             return
         do_core = r.views(r.xp.astype(do, p.compute_dtype, copy=False))[0]
-        result = _api._backward(p, r.o, r.core, r.inputs, r.state, boundaries, do_core, dstate)
+        result = _api._backward(p, r.o, r.core, r.inputs, r.state, boundaries, do_core, dstate, False)
         for buf, x in zip(self.out, result, strict=True):
             if buf is not None:
                 buf[...] = x
