@@ -10,7 +10,7 @@ Three measurements, written to ``--out/<name>.json`` and printed:
   processes, each pinned to one core (so kda runs one head group per worker), inputs generated on
   the workers and results kept there, against the single-process run in this process (which uses
   every core through kda's head groups).
-* ``accuracy`` (``--accuracy``): max-abs error over max-abs of the float64 recurrence, worst over
+* ``accuracy`` (``--parts accuracy``): max-abs error over max-abs of the float64 recurrence, worst over
   the output, the final state and every gradient, as the number of time shards grows.
 
 Default problem: B=1, H=16, T=16384, K=V=128, float32, chunk 64. Needs ``pip install 'kda[dask]'``.
@@ -34,6 +34,7 @@ import kda
 __all__ = ["main"]
 
 NAMES = ("q", "k", "v", "g", "beta")
+PARTS = ("work", "wall", "accuracy")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,8 +46,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shards", type=int, default=2, help="time and head blocks (default 2)")
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per entry, the best reported")
-    p.add_argument("--no-wall", action="store_true", help="skip the distributed wall-time runs")
-    p.add_argument("--accuracy", action="store_true", help="also the accuracy against the shard count")
+    p.add_argument(
+        "--parts",
+        nargs="+",
+        choices=PARTS,
+        default=["work", "wall"],
+        help="what to measure (default: work wall)",
+    )
     p.add_argument("--accuracy-T", type=int, default=4096)
     p.add_argument("--accuracy-shards", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -270,19 +276,17 @@ def main(argv: list[str] | None = None) -> int:
         f"kda.dask bench: B={a.B} H={a.H} T={a.T} K={a.K} V={a.V} {a.dtype}, chunk {a.chunk_size}, "
         f"{a.shards} blocks, {a.workers} workers, {os.cpu_count()} cores"
     )
-    x = _numpy_inputs(a)
+    x = _numpy_inputs(a) if {"work", "wall"} & set(a.parts) else {}
     report: dict[str, Any] = {
         "command": "python -m kda bench-dask " + " ".join(argv or []),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "problem": {
             k: getattr(a, k) for k in ("B", "H", "T", "K", "V", "dtype", "chunk_size", "shards", "workers")
         },
-        "work": _work(a, x),
     }
-    if not a.no_wall:
-        report["wall"] = _wall(a, x)
-    if a.accuracy:
-        report["accuracy"] = _accuracy(a)
+    measures = {"work": lambda: _work(a, x), "wall": lambda: _wall(a, x), "accuracy": lambda: _accuracy(a)}
+    for part in a.parts:
+        report[part] = measures[part]()
     a.out.mkdir(parents=True, exist_ok=True)
     path = a.out / f"{a.name}.json"
     path.write_text(json.dumps(report, indent=1) + "\n")

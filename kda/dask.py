@@ -346,11 +346,6 @@ def _retreat(transition: tuple, D: Any, dstate: Any) -> Any:
     return xp.matmul(xp.matrix_transpose(transition[0]), dstate) + D
 
 
-def _first(boundaries: Any) -> Any:
-    """The state at the start of a shard: its first boundary."""
-    return boundaries[0, ...]
-
-
 def _total(*results: tuple, field: int) -> Any:
     """The sum of one field of several results (a per-head parameter's gradient over blocks)."""
     parts = [r[field] for r in results]
@@ -549,12 +544,8 @@ lower_bound, beta_activation, cu_seqlens, check_finite
     for ib, ih in plan.rows():
         if saved is None:
             starts, maps = _forward_scan(x, ib, ih, initial[ib, ih], options)
-        else:
-            shard_starts = [
-                graph.task("start", (ib, ih, it), _first, graph.key(saved, it, ib, ih, 0, 0))
-                for it in range(1, len(plan.times))
-            ]
-            starts, maps = [initial[ib, ih], *shard_starts], []
+        else:  # each shard's backward reads its start state from its boundaries
+            starts, maps = [initial[ib, ih]] + [None] * (len(plan.times) - 1), []
         dends = _backward_scan(x, ib, ih, dfinal[ib, ih], maps, do, options)
         for it, (start, dend) in enumerate(zip(starts, dends)):
             args = [*x.args(ib, ih, it), start, graph.key(saved, it, ib, ih, 0, 0)]
