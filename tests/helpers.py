@@ -7,7 +7,9 @@ from typing import Any
 
 import numpy as np
 
-REGIMES = ("zero", "mild", "strong", "hard", "reset")
+# zero: no decay; weak: g ~ -U(0, 0.02), couplings reach hundreds of steps (as in the README);
+# mild: -U(0, 1); strong: -1e-3 .. -1e3; hard: some -1e4; reset: some -inf
+REGIMES = ("zero", "weak", "mild", "strong", "hard", "reset")
 
 # max-abs error over max-abs of the float64 recurrence
 TOLERANCE = {np.dtype(np.float64): 1e-10, np.dtype(np.float32): 1e-5}
@@ -87,6 +89,8 @@ def gates(rng: np.random.Generator, shape: tuple[int, ...], regime: str) -> np.n
     """Log decays ``g <= 0`` of one regime."""
     if regime == "zero":
         return np.zeros(shape)
+    if regime == "weak":  # decays by about e^-0.01 a step: couplings ~100 steps apart still count
+        return -rng.uniform(0.0, 0.02, shape)
     mild = -rng.uniform(0.0, 1.0, shape)
     if regime == "mild":
         return mild

@@ -42,6 +42,9 @@ def test_inputs_are_not_modified():
         initial_state=p.initial_state,
         chunk_size=16,
     )
+    kda.chunk_kda_backward(  # recomputed boundaries
+        *p.inputs, None, p.grad_output, p.grad_final_state, initial_state=p.initial_state, chunk_size=16
+    )
     kda.recurrent_kda(*p.inputs, initial_state=p.initial_state)
     kda.recurrent_kda_backward(*p.inputs, p.grad_output, p.grad_final_state, initial_state=p.initial_state)
     for x, c in zip(arrays, copies, strict=True):
@@ -68,62 +71,124 @@ def test_float16_computes_in_float32():
     assert g16.initial_state.dtype == np.float32
 
 
-def test_array_api_strict_inputs():
-    xp = pytest.importorskip("array_api_strict")
-    p = make_problem(3, 1, 2, 21, 5, 3, "reset").astype(np.float64)
-
-    def wrap(x):
-        return None if x is None else xp.asarray(x)
-
-    inputs = [wrap(x) for x in p.inputs]
-    out = kda.chunk_kda(*inputs, initial_state=wrap(p.initial_state), chunk_size=8, save_boundaries=True)
-    assert isinstance(out.output, type(inputs[0]))
-    ref = kda.chunk_kda(*p.inputs, initial_state=p.initial_state, chunk_size=8, save_boundaries=True)
-    assert_close(out.output, ref.output, tol=1e-14)
-    assert_close(out.boundaries, ref.boundaries, tol=1e-14)
+def test_float16_inputs_take_float32_states():
+    """The state rule: float16 (and bfloat16) inputs take and return float32 states, never float16."""
+    p = make_problem(2, 1, 2, 33, 8, 4, "mild").astype(np.float16)
+    s32 = p.initial_state.astype(np.float32)
+    out = kda.chunk_kda(*p.inputs, initial_state=s32, chunk_size=16, save_boundaries=True)
+    assert out.final_state.dtype == np.float32 and out.boundaries.dtype == np.float32
     grads = kda.chunk_kda_backward(
-        *inputs,
-        out.boundaries,
-        wrap(p.grad_output),
-        wrap(p.grad_final_state),
-        initial_state=wrap(p.initial_state),
-        chunk_size=8,
-    )
-    ref_grads = kda.chunk_kda_backward(
-        *p.inputs,
-        ref.boundaries,
-        p.grad_output,
-        p.grad_final_state,
-        initial_state=p.initial_state,
-        chunk_size=8,
-    )
-    for a, b in zip(grads[:6], ref_grads[:6], strict=True):
-        assert isinstance(a, type(inputs[0]))
-        assert_close(a, b, tol=1e-13)
-    rec = kda.recurrent_kda(*inputs, initial_state=wrap(p.initial_state))
-    assert_close(rec.output, ref.output, tol=1e-12)
+        *p.inputs, out.boundaries, p.grad_output, p.grad_final_state.astype(np.float32),
+        initial_state=s32, chunk_size=16,
+    )  # fmt: skip
+    assert grads.initial_state.dtype == np.float32
+    with pytest.raises(kda.InvalidTypeError, match="initial_state must have dtype float32"):
+        kda.chunk_kda(*p.inputs, initial_state=s32.astype(np.float16), chunk_size=16)
+    with pytest.raises(kda.InvalidTypeError, match="grad_final_state must have dtype float32"):
+        kda.chunk_kda_backward(
+            *p.inputs, out.boundaries, p.grad_output, s32.astype(np.float16), chunk_size=16
+        )
+    with pytest.raises(kda.InvalidTypeError, match="boundaries must have dtype float32"):
+        kda.chunk_kda_backward(*p.inputs, out.boundaries.astype(np.float16), p.grad_output, chunk_size=16)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
-def test_torch_cpu_tensors(dtype):
-    torch = pytest.importorskip("torch")
-    tdtype = getattr(torch, dtype)
-    p = make_problem(4, 1, 2, 19, 4, 3, "mild")
-    inputs = [torch.from_numpy(x).to(tdtype) for x in p.inputs]
-    state_dtype = torch.float64 if dtype == "float64" else torch.float32
-    s0 = torch.from_numpy(p.initial_state).to(state_dtype)
-    out = kda.chunk_kda(*inputs, initial_state=s0, chunk_size=8, save_boundaries=True)
-    assert isinstance(out.output, torch.Tensor)
-    assert out.output.dtype == tdtype
-    assert out.final_state.dtype == state_dtype
-    np_inputs = [to_numpy(x).astype(np.float64) for x in inputs]
-    ref = kda.recurrent_kda(*np_inputs, initial_state=p.initial_state)
-    tol = {"float32": 1e-5, "float64": 1e-10, "bfloat16": 1e-2}[dtype]  # bfloat16: output rounding
-    assert_close(out.output, ref.output, tol=tol, dtype="any")
-    do = torch.from_numpy(p.grad_output).to(tdtype)
-    grads = kda.chunk_kda_backward(*inputs, out.boundaries, do, initial_state=s0, chunk_size=8)
-    assert all(isinstance(x, torch.Tensor) for x in grads[:6])
-    assert grads.q.dtype == tdtype and grads.initial_state.dtype == state_dtype
+NAMESPACE_CASES = [
+    ("array_api_strict", "float64"),
+    ("array_api_strict", "float32"),
+    ("torch", "float64"),
+    ("torch", "float32"),
+    ("torch", "bfloat16"),
+    ("jax", "float32"),  # JAX arrays are not writable: outputs are concatenated slab by slab
+]
+NAMESPACE_TOLERANCE = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 1e-2}  # bfloat16: result rounding
+
+
+def _mover(library: str):
+    """``move(x, dtype)``: a NumPy array as an array of ``library`` with dtype name ``dtype``."""
+    if library == "array_api_strict":
+        xp = pytest.importorskip("array_api_strict")
+        return lambda x, d: xp.asarray(x.astype(d))
+    if library == "torch":
+        torch = pytest.importorskip("torch")
+        return lambda x, d: torch.from_numpy(x.astype(np.float32 if d == "bfloat16" else d)).to(
+            getattr(torch, d)
+        )
+    jnp = pytest.importorskip("jax.numpy")
+    return lambda x, d: jnp.asarray(x.astype(d))
+
+
+def _oracle(p) -> tuple:
+    ref = kda.recurrent_kda(*p.inputs, initial_state=p.initial_state)
+    grads = kda.recurrent_kda_backward(
+        *p.inputs, p.grad_output, p.grad_final_state, initial_state=p.initial_state
+    )
+    return ref, grads
+
+
+# JAX compiles each operation on first use (about 50 s of CPU for one case): one chunk size there
+CHUNKED_NAMESPACE_CASES = [
+    (library, dtype, chunk_size)
+    for library, dtype in NAMESPACE_CASES
+    for chunk_size in ((24,) if library == "jax" else (16, 24, 64))
+]
+
+
+@pytest.mark.parametrize(("library", "dtype", "chunk_size"), CHUNKED_NAMESPACE_CASES)
+def test_other_namespaces_match_the_recurrence(library, dtype, chunk_size, monkeypatch):
+    """Forward and backward (saved and recomputed boundaries) on another array library, with values
+    (outputs and every gradient) against the float64 recurrence, and results in that library.
+
+    Chunk sizes >= 16 reach the generic (non-NumPy) block assembly at halving levels h >= 8; 24 is
+    not a power of two; slabs of two chunks make several slabs (concatenated in order where the
+    arrays are not writable).
+    """
+    import kda.reference
+
+    move = _mover(library)
+    state_dtype = "float64" if dtype == "float64" else "float32"
+    p = make_problem(7, 1, 2, 60 if library == "jax" else 150, 6, 5, "reset")
+    Cp = 1 << (chunk_size - 1).bit_length()
+    monkeypatch.setattr(kda.reference, "SLAB_ELEMENTS", 2 * 2 * Cp * 6)  # two chunks a slab
+    x = [move(a, dtype) for a in p.inputs]
+    s0, ds = move(p.initial_state, state_dtype), move(p.grad_final_state, state_dtype)
+    do = move(p.grad_output, dtype)
+    rounded = type(p)(*(to_numpy(a).astype(np.float64) for a in (*x, s0, do, ds)))
+    ref, ref_grads = _oracle(rounded)
+    tol = NAMESPACE_TOLERANCE[dtype]
+
+    out = kda.chunk_kda(*x, initial_state=s0, chunk_size=chunk_size, save_boundaries=True)
+    assert isinstance(out.output, type(x[0])) and out.output.dtype == x[0].dtype
+    assert out.final_state.dtype == s0.dtype
+    assert_close(out.output, ref.output, tol=tol, dtype="any", name="output")
+    assert_close(out.final_state, ref.final_state, tol=tol, dtype="any", name="final_state")
+    for boundaries in (out.boundaries, None):
+        grads = kda.chunk_kda_backward(*x, boundaries, do, ds, initial_state=s0, chunk_size=chunk_size)
+        for name, got, want in zip(kda.KdaGradients._fields[:6], grads[:6], ref_grads[:6], strict=True):
+            assert isinstance(got, type(x[0]))
+            assert got.dtype == (s0.dtype if name == "initial_state" else x[0].dtype)
+            assert_close(got, want, tol=tol, dtype="any", name=name)
+
+
+@pytest.mark.parametrize(("library", "dtype"), [c for c in NAMESPACE_CASES if c[0] != "jax"])
+def test_other_namespaces_recurrence(library, dtype):
+    """The recurrence and its backward on another array library, against the NumPy float64 recurrence.
+
+    (Not JAX: slicing one step at a time compiles an operation per step there, minutes in all.)
+    """
+    move = _mover(library)
+    state_dtype = "float64" if dtype == "float64" else "float32"
+    p = make_problem(8, 1, 2, 23, 5, 4, "reset")
+    x = [move(a, dtype) for a in p.inputs]
+    s0, ds = move(p.initial_state, state_dtype), move(p.grad_final_state, state_dtype)
+    do = move(p.grad_output, dtype)
+    ref, ref_grads = _oracle(type(p)(*(to_numpy(a).astype(np.float64) for a in (*x, s0, do, ds))))
+    tol = NAMESPACE_TOLERANCE[dtype]
+    out = kda.recurrent_kda(*x, initial_state=s0)
+    assert isinstance(out.output, type(x[0]))
+    assert_close(out.output, ref.output, tol=tol, dtype="any", name="output")
+    grads = kda.recurrent_kda_backward(*x, do, ds, initial_state=s0)
+    for name, got, want in zip(kda.KdaGradients._fields[:6], grads[:6], ref_grads[:6], strict=True):
+        assert_close(got, want, tol=tol, dtype="any", name=name)
 
 
 # ---------------------------------------------------------------- errors

@@ -9,21 +9,22 @@ from helpers import assert_close, make_problem
 import kda
 
 
-def loss(p, q, k, v, g, beta, s0):
-    out = kda.recurrent_kda(q, k, v, g, beta, initial_state=s0)
+def loss(p, q, k, v, g, beta, s0, scale=None):
+    out = kda.recurrent_kda(q, k, v, g, beta, initial_state=s0, scale=scale)
     return float(np.sum(out.output * p.grad_output) + np.sum(out.final_state * p.grad_final_state))
 
 
-@pytest.mark.parametrize("regime", ["zero", "mild", "reset"])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_backward_matches_central_differences(regime, seed):
-    """Directional derivatives of <o, dO> + <S_T, dS_T> along a random direction per input."""
+@pytest.mark.parametrize("regime", ["zero", "weak", "mild", "reset"])
+@pytest.mark.parametrize(("seed", "scale"), [(0, None), (1, 0.37)])
+def test_backward_matches_central_differences(regime, seed, scale):
+    """Directional derivatives of <o, dO> + <S_T, dS_T> along a random direction per input
+    (with the default and with a custom ``scale``)."""
     p = make_problem(seed, 1, 2, 6, 3, 2, regime)
     # keep g a valid log decay under the perturbation: mild values in [-1, -0.1], resets untouched
     p.g = np.where(np.isinf(p.g), p.g, np.minimum(p.g, -0.1))
     x = [*p.inputs, p.initial_state]
     grads = kda.recurrent_kda_backward(
-        *p.inputs, p.grad_output, p.grad_final_state, initial_state=p.initial_state
+        *p.inputs, p.grad_output, p.grad_final_state, initial_state=p.initial_state, scale=scale
     )
     rng = np.random.default_rng(seed + 100)
     eps = 1e-6
@@ -33,7 +34,7 @@ def test_backward_matches_central_differences(regime, seed):
             d = np.where(np.isinf(p.g), 0.0, d)
         plus = [a + eps * d if j == i else a for j, a in enumerate(x)]
         minus = [a - eps * d if j == i else a for j, a in enumerate(x)]
-        numeric = (loss(p, *plus) - loss(p, *minus)) / (2 * eps)
+        numeric = (loss(p, *plus, scale=scale) - loss(p, *minus, scale=scale)) / (2 * eps)
         analytic = float(np.sum(grads[i] * d))
         assert abs(numeric - analytic) <= 1e-7 * max(1.0, abs(analytic)), (name, numeric, analytic)
 
