@@ -207,3 +207,34 @@ def test_missing_dask_names_the_extra():
     )
     result = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     assert "pip install 'kda[dask]'" in result.stdout
+
+
+def test_bench_dask_runs(tmp_path):
+    """``python -m kda bench-dask`` on a tiny problem: the work ratios and the accuracy rows."""
+    import json
+
+    from kda import _bench_dask
+
+    argv = [
+        "--T",
+        "64",
+        "--H",
+        "2",
+        "--K",
+        "8",
+        "--V",
+        "8",
+        "--chunk-size",
+        "16",
+        "--parts",
+        "work",
+        "accuracy",
+    ]
+    argv += ["--accuracy-T", "64", "--accuracy-shards", "1", "4", "--out", str(tmp_path)]
+    assert _bench_dask.main(argv) == 0
+    report = json.loads((tmp_path / "dask.json").read_text())
+    assert report["work"]["fwd+bwd"]["time"]["cpu_ratio"] > 0
+    assert [row["shards"] for row in report["accuracy"]["rows"]] == [1, 4, 1, 4]
+    assert all(
+        row["worst"] < (1e-5 if row["dtype"] == "float32" else 1e-10) for row in report["accuracy"]["rows"]
+    )
