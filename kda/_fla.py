@@ -1,0 +1,262 @@
+"""flash-linear-attention 0.6 keywords, translated to kda's options (shared by kda.torch and kda.jax).
+
+Nothing here imports an array library: the adapters pass shapes and flags, and get back the
+keyword arguments of :func:`kda.chunk_kda` (except the arrays ``A_log``, ``dt_bias`` and
+``cu_seqlens``, which each adapter converts itself).
+
+Every keyword of fla's ``chunk_kda`` and ``fused_recurrent_kda`` is in one of three classes:
+
+- honoured: ``scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+  use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, A_log, dt_bias,
+  cu_seqlens, chunk_size, state_v_first`` (and its deprecated spelling ``transpose_state_layout``);
+- accepted with no effect on the result (they only choose among fla's GPU kernels or describe
+  its memory use): ``safe_gate, disable_recompute, cu_seqlens_cpu, use_graph, max_num_seqs``;
+- refused with :class:`~kda.InvalidInputError`: ``return_intermediate_states=True`` and a
+  ``cp_context`` (context parallelism), and every combination that fla itself refuses or
+  silently ignores (``A_log`` or ``dt_bias`` without ``use_gate_in_kernel``, for example).
+
+Any other keyword raises ``TypeError`` (fla ignores unknown keywords silently).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from ._errors import InvalidInputError
+from ._validation import check_chunk_size, check_scale
+
+__all__ = ["KEYWORD_TABLE", "FlaCall", "boundary_bound", "core_options", "packed_chunks", "translate"]
+
+# keyword -> (class, what kda does with it); the README's table is generated from the same text
+KEYWORD_TABLE: dict[str, tuple[str, str]] = {
+    "scale": ("honoured", "query scale, default K ** -0.5"),
+    "initial_state": ("honoured", "[N, HV, K, V] (or [N, HV, V, K] with state_v_first); differentiable"),
+    "output_final_state": ("honoured", "final_state returned, else None"),
+    "use_qk_l2norm_in_kernel": ("honoured", "qk_l2norm=True: x / sqrt(sum(x**2) + 1e-6)"),
+    "use_gate_in_kernel": (
+        "honoured",
+        'gate="softplus" (needs A_log), or gate="lower_bound" when lower_bound is set',
+    ),
+    "use_beta_sigmoid_in_kernel": ("honoured", 'beta_activation="sigmoid"'),
+    "allow_neg_eigval": ("honoured", 'beta_activation="sigmoid2" (only with the beta sigmoid, as fla)'),
+    "lower_bound": ("honoured", "with use_gate_in_kernel: the lower-bound gate; must be < 0"),
+    "A_log": ("honoured", "[HV], with use_gate_in_kernel; differentiable"),
+    "dt_bias": ("honoured", "HV * K elements, read as [HV, K], with use_gate_in_kernel; differentiable"),
+    "cu_seqlens": ("honoured", "packed sequences, B == 1; states [N, HV, K, V]"),
+    "chunk_size": ("honoured", "any positive int (fla: 32 or 64); changes rounding only"),
+    "state_v_first": ("honoured", "states read and returned as [N, HV, V, K]"),
+    "transpose_state_layout": ("honoured", "deprecated spelling of state_v_first (DeprecationWarning)"),
+    "safe_gate": ("no effect", "fla kernel choice for bounded gates; fla's argument checks are kept"),
+    "disable_recompute": ("no effect", "fla memory/speed choice; kda saves the chunk-start states"),
+    "cu_seqlens_cpu": ("no effect", "a host copy of cu_seqlens for fla's scheduling"),
+    "use_graph": ("no effect", "CUDA-graph capture of fla's kernels"),
+    "max_num_seqs": ("no effect", "bound for use_graph"),
+    "return_intermediate_states": (
+        "refused when True",
+        "inference-only bfloat16 chunk states; use kda.chunk_kda(save_boundaries=True)",
+    ),
+    "cp_context": ("refused unless None", "context parallelism across devices"),
+}
+
+CHUNK_KEYWORDS = frozenset(KEYWORD_TABLE)
+RECURRENT_KEYWORDS = frozenset(
+    {
+        "scale",
+        "initial_state",
+        "output_final_state",
+        "use_qk_l2norm_in_kernel",
+        "use_gate_in_kernel",
+        "use_beta_sigmoid_in_kernel",
+        "allow_neg_eigval",
+        "lower_bound",
+        "A_log",
+        "dt_bias",
+        "cu_seqlens",
+        "state_v_first",
+        "transpose_state_layout",
+    }
+)
+
+
+@dataclass(frozen=True)
+class FlaCall:
+    """One fla-style call, translated.
+
+    ``static`` holds the options that are not arrays, in the order of :func:`core_options`
+    (hashable: an op's non-tensor arguments, or a ``custom_vjp``'s static argument);
+    ``dt_bias_shape`` is ``(HV, K)``; ``state_v_first`` and ``output_final_state`` are applied by
+    the adapter.
+    """
+
+    static: tuple[Any, ...]
+    output_final_state: bool
+    state_v_first: bool
+    dt_bias_shape: tuple[int, int]
+
+
+def core_options(
+    method: str,
+    scale: float,
+    chunk_size: int,
+    qk_l2norm: bool,
+    gate: str,
+    lower_bound: float | None,
+    beta_activation: str,
+    offsets: Any = None,
+) -> dict[str, Any]:
+    """Keyword arguments of :func:`kda.chunk_kda` (``method="chunk"``) or :func:`kda.recurrent_kda`
+    from a :attr:`FlaCall.static` tuple and host ``offsets`` (``cu_seqlens``) or None."""
+    opts: dict[str, Any] = {
+        "scale": scale,
+        "layout": "time_major",
+        "qk_l2norm": qk_l2norm,
+        "gate": gate,
+        "lower_bound": lower_bound,
+        "beta_activation": beta_activation or None,
+        "cu_seqlens": offsets,
+    }
+    if method == "chunk":
+        opts["chunk_size"] = chunk_size
+    return opts
+
+
+def packed_chunks(offsets: Any, chunk_size: int) -> int:
+    """``NT = sum(ceil(len_i / C))`` for host offsets."""
+    offsets = [int(n) for n in offsets]
+    return sum(-(-(b - a) // chunk_size) for a, b in itertools.pairwise(offsets))
+
+
+def boundary_bound(T: Any, chunk_size: int, num_seqs: int | None) -> Any:
+    """Chunk-start states an adapter keeps: ``ceil(T / C)``, or with ``num_seqs`` packed sequences
+    a bound that does not depend on the offsets' values (shapes must not):
+    ``sum(ceil(len_i / C)) <= (T + N (C - 1)) // C``."""
+    if num_seqs is None:
+        return -(-T // chunk_size)
+    return (T + num_seqs * (chunk_size - 1)) // chunk_size
+
+
+def check_keywords(function: str, kwargs: dict[str, Any], allowed: frozenset[str]) -> None:
+    """``TypeError`` for a keyword that fla's ``function`` does not define."""
+    unknown = sorted(set(kwargs) - allowed)
+    if unknown:
+        msg = (
+            f"{function}() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
+            f"fla 0.6's {function} takes {', '.join(sorted(allowed))}"
+        )
+        raise TypeError(msg)
+
+
+def _refuse(msg: str) -> None:
+    raise InvalidInputError(msg)
+
+
+def state_layout(kw: dict[str, Any]) -> bool:
+    """``state_v_first``, honouring fla's deprecated ``transpose_state_layout`` spelling."""
+    v_first = bool(kw.get("state_v_first", False))
+    if "transpose_state_layout" in kw:
+        if v_first:
+            _refuse("pass state_v_first or the deprecated transpose_state_layout, not both")
+        warnings.warn(
+            "`transpose_state_layout` is deprecated and renamed to `state_v_first` (as in fla 0.6).",
+            DeprecationWarning,
+            stacklevel=4,
+        )
+        v_first = bool(kw["transpose_state_layout"])
+    return v_first
+
+
+def _check_unsupported(kw: dict[str, Any]) -> None:
+    if kw.get("return_intermediate_states", False):
+        _refuse(
+            "return_intermediate_states=True is not supported by kda's adapters (fla returns "
+            "inference-only bfloat16 chunk states); use kda.chunk_kda(..., save_boundaries=True)"
+        )
+    if kw.get("cp_context") is not None:
+        _refuse("cp_context (context parallelism) is not supported by kda's adapters; got a context")
+
+
+def _gate(kw: dict[str, Any], has_A_log: bool, has_dt_bias: bool) -> dict[str, Any]:
+    """``gate``, ``lower_bound`` options from fla's gate keywords (fla's refusals kept)."""
+    lower_bound = kw.get("lower_bound")
+    if lower_bound is not None:
+        if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
+            _refuse(f"lower_bound must be a negative float or None; got {lower_bound!r}")
+        if not (math.isfinite(lower_bound) and lower_bound < 0):
+            _refuse(f"lower_bound must be a finite float < 0; got {lower_bound!r}")
+    safe_gate = bool(kw.get("safe_gate", False))
+    if not kw.get("use_gate_in_kernel", False):
+        given = [n for n, has in (("A_log", has_A_log), ("dt_bias", has_dt_bias)) if has]
+        if given:
+            _refuse(
+                f"{' and '.join(given)} given without use_gate_in_kernel=True: the gate is applied "
+                "only in the kernel, and fla would ignore them silently; pass use_gate_in_kernel=True "
+                "or drop them"
+            )
+        if lower_bound is not None and not safe_gate:
+            _refuse(
+                f"lower_bound={lower_bound} given without use_gate_in_kernel=True (or safe_gate=True): "
+                "fla would ignore it; g is taken as the final log decay"
+            )
+        return {"gate": "log"}
+    if lower_bound is None:
+        if safe_gate:
+            _refuse("lower_bound must be set when safe_gate=True and use_gate_in_kernel=True (as in fla)")
+        if not has_A_log:
+            _refuse("A_log must be given when use_gate_in_kernel=True and lower_bound is not set (as in fla)")
+        return {"gate": "softplus"}
+    if safe_gate and not -5 <= lower_bound < 0:
+        _refuse(f"lower_bound must be in fla's safe range [-5, 0) with safe_gate=True; got {lower_bound}")
+    return {"gate": "lower_bound", "lower_bound": float(lower_bound)}
+
+
+def _beta(kw: dict[str, Any]) -> str | None:
+    sigmoid = bool(kw.get("use_beta_sigmoid_in_kernel", False))
+    if kw.get("allow_neg_eigval", False):
+        if not sigmoid:
+            _refuse("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True (as in fla)")
+        return "sigmoid2"
+    return "sigmoid" if sigmoid else None
+
+
+def _check_shapes(q: tuple[int, ...], v: tuple[int, ...], cu_seqlens: bool) -> tuple[int, int]:
+    """``(HV, K)`` from time-major ``q [B, T, H, K]`` and ``v [B, T, HV, V]``."""
+    if len(q) != 4 or len(v) != 4:
+        _refuse(f"q and v must be time-major [B, T, H, K] and [B, T, HV, V]; got {q} and {v}")
+    if cu_seqlens and q[0] != 1:
+        _refuse(f"the batch size must be 1 with cu_seqlens (flatten the sequences); got q of shape {q}")
+    return v[2], q[3]
+
+
+def translate(
+    function: str,
+    q_shape: tuple[int, ...],
+    v_shape: tuple[int, ...],
+    kw: dict[str, Any],
+    *,
+    has_A_log: bool,
+    has_dt_bias: bool,
+    has_cu_seqlens: bool,
+) -> FlaCall:
+    """Translate fla keywords ``kw`` (already restricted to the known ones) into kda options."""
+    _check_unsupported(kw)
+    HV, K = _check_shapes(tuple(q_shape), tuple(v_shape), has_cu_seqlens)
+    gate = _gate(kw, has_A_log, has_dt_bias)
+    static = (
+        "chunk" if function == "chunk_kda" else "recurrent",
+        check_scale(kw.get("scale"), K),
+        check_chunk_size(kw.get("chunk_size", 64)),
+        bool(kw.get("use_qk_l2norm_in_kernel", False)),
+        gate["gate"],
+        gate.get("lower_bound"),
+        _beta(kw) or "",
+    )
+    return FlaCall(
+        static=static,
+        output_final_state=bool(kw.get("output_final_state", False)),
+        state_v_first=state_layout(kw),
+        dt_bias_shape=(HV, K),
+    )

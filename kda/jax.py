@@ -1,0 +1,280 @@
+"""JAX adapter with flash-linear-attention 0.6's call signature (``pip install kda[jax]``).
+
+>>> from kda.jax import chunk_kda                                        # doctest: +SKIP
+>>> o, _ = jax.jit(chunk_kda)(q, k, v, g, beta)                         # doctest: +SKIP
+>>> dq = jax.grad(lambda q: chunk_kda(q, k, v, g, beta)[0].sum())(q)    # doctest: +SKIP
+
+Arrays are time-major as in fla (``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g [B, T, HV, K]``,
+``beta [B, T, HV]``, states ``[N, HV, K, V]``), and the keywords are those of :mod:`kda.torch`.
+
+Each call is a :func:`jax.custom_vjp` whose forward and backward are host callbacks
+(:func:`jax.pure_callback`) to kda's NumPy path: :func:`kda.chunk_kda` saves the chunk-start
+states and :func:`kda.chunk_kda_backward` uses them. It works under :func:`jax.jit` (the callback is
+one opaque operation of the compiled program), :func:`jax.grad` and :func:`jax.vmap` (the callback
+runs once per mapped element). Why a callback rather than tracing kda's array-API code with
+``jax.numpy``: tracing unrolls every slab of chunks and every step of the state pass into the XLA
+program, and compiling that takes minutes at ``T = 4096`` (``benchmarks/jax_strategy.py``).
+Arrays on an accelerator are copied to the host for the callback.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _api
+from ._errors import InvalidInputError, InvalidTypeError
+from ._fla import (
+    CHUNK_KEYWORDS,
+    RECURRENT_KEYWORDS,
+    FlaCall,
+    boundary_bound,
+    check_keywords,
+    core_options,
+    packed_chunks,
+    translate,
+)
+
+__all__ = ["chunk_kda", "fused_recurrent_kda"]
+
+_GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+
+
+def _compute_dtype(dtype: Any) -> Any:
+    return jnp.float64 if dtype == jnp.float64 else jnp.float32
+
+
+def _offsets(cu: Any) -> Any:
+    return None if cu is None else np.asarray(cu, dtype=np.int64)
+
+
+def _struct(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side: NumPy arrays in, NumPy arrays out
+
+
+def _host_forward(static: tuple[Any, ...], nt: int, q, k, v, g, beta, s0, A_log, dt_bias, cu):
+    method = static[0]
+    opts = core_options(*static, _offsets(cu))
+    x = [None if a is None else np.asarray(a) for a in (q, k, v, g, beta, s0, A_log, dt_bias)]
+    params = dict(initial_state=x[5], A_log=x[6], dt_bias=x[7])
+    if method == "chunk":
+        out = _api.chunk_kda(*x[:5], save_boundaries=True, **params, **opts)
+        saved = np.asarray(out.boundaries)
+        if saved.shape[0] < nt:  # packed sequences: pad to the static bound
+            pad = np.zeros((nt - saved.shape[0], *saved.shape[1:]), dtype=saved.dtype)
+            saved = np.concatenate([saved, pad])
+    else:
+        out = _api.recurrent_kda(*x[:5], **params, **opts)
+        saved = np.zeros((0,), dtype=np.asarray(out.final_state).dtype)
+    return np.asarray(out.output), np.asarray(out.final_state), saved
+
+
+def _host_backward(static: tuple[Any, ...], present: tuple[bool, ...], *arrays):
+    q, k, v, g, beta, s0, A_log, dt_bias, cu, saved, do, dfinal = (
+        None if a is None else np.asarray(a) for a in arrays
+    )
+    method, chunk_size = static[0], static[2]
+    opts = core_options(*static, _offsets(cu))
+    params = dict(initial_state=s0, A_log=A_log, dt_bias=dt_bias)
+    if method == "chunk":
+        nt = saved.shape[0] if cu is None else packed_chunks(cu, chunk_size)
+        grads = _api.chunk_kda_backward(q, k, v, g, beta, saved[:nt], do, dfinal, **params, **opts)
+    else:
+        grads = _api.recurrent_kda_backward(q, k, v, g, beta, do, dfinal, **params, **opts)
+    return tuple(np.asarray(gr) for gr, p in zip(grads, present) if p)
+
+
+# ----------------------------------------------------------------------------------------------
+# The differentiable function
+
+
+def _forward(static: tuple[Any, ...], q, k, v, g, beta, s0, A_log, dt_bias, cu):
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu is None else cu.shape[0] - 1
+    cd = _compute_dtype(q.dtype)
+    nt = boundary_bound(T, static[2], None if cu is None else N) if static[0] == "chunk" else 0
+    saved_shape = (nt, B, HV, K, V) if static[0] == "chunk" else (0,)
+    shapes = (_struct((B, T, HV, V), q.dtype), _struct((N, HV, K, V), cd), _struct(saved_shape, cd))
+    host = functools.partial(_host_forward, static, nt)
+    return jax.pure_callback(host, shapes, q, k, v, g, beta, s0, A_log, dt_bias, cu, vmap_method="sequential")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _kda(static: tuple[Any, ...], q, k, v, g, beta, s0, A_log, dt_bias, cu):
+    return _forward(static, q, k, v, g, beta, s0, A_log, dt_bias, cu)[:2]
+
+
+def _kda_fwd(static: tuple[Any, ...], *args):
+    o, final, saved = _forward(static, *args)
+    return (o, final), (*args, saved)
+
+
+def _kda_bwd(static: tuple[Any, ...], res: tuple[Any, ...], cotangents: tuple[Any, Any]):
+    inputs, cu, saved = res[:8], res[8], res[9]
+    do, dfinal = cotangents
+    present = tuple(x is not None for x in inputs)
+    shapes = tuple(_struct(x.shape, x.dtype) for x in inputs if x is not None)
+    host = functools.partial(_host_backward, static, present)
+    grads = iter(jax.pure_callback(host, shapes, *inputs, cu, saved, do, dfinal, vmap_method="sequential"))
+    return (*(next(grads) if p else None for p in present), None)
+
+
+_kda.defvjp(_kda_fwd, _kda_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# The fla-style functions
+
+
+def _as_array(name: str, x: Any) -> Any:
+    if x is None:
+        return None
+    if not isinstance(x, (jax.Array, np.ndarray)):
+        msg = f"{name} must be a JAX array; got {type(x).__name__}"
+        raise InvalidTypeError(msg)
+    return jnp.asarray(x)
+
+
+def _apply(q, k, v, g, beta, s0, A_log, dt_bias, cu, call: FlaCall):
+    dtype = q.dtype
+    cd = _compute_dtype(dtype)
+    q, k, v, g, beta = (x.astype(cd) if x.dtype != cd else x for x in (q, k, v, g, beta))
+    if s0 is not None:
+        s0 = (jnp.swapaxes(s0, -1, -2) if call.state_v_first else s0).astype(cd)
+    if A_log is not None:
+        A_log = A_log.astype(cd)
+    if dt_bias is not None:
+        HV, K = call.dt_bias_shape
+        if dt_bias.size != HV * K:
+            msg = f"dt_bias must have HV * K = {HV} * {K} = {HV * K} elements; got shape {dt_bias.shape}"
+            raise InvalidInputError(msg)
+        dt_bias = dt_bias.reshape(HV, K).astype(cd)
+    if cu is not None:
+        cu = cu.astype(jnp.int32) if not jnp.issubdtype(cu.dtype, jnp.integer) else cu
+    o, final = _kda(call.static, q, k, v, g, beta, s0, A_log, dt_bias, cu)
+    o = o.astype(dtype)
+    if not call.output_final_state:
+        return o, None
+    return o, (jnp.swapaxes(final, -1, -2) if call.state_v_first else final)
+
+
+def _call(name: str, q, k, v, g, beta, kw: dict[str, Any]):
+    arrays = {n: _as_array(n, x) for n, x in zip(("q", "k", "v", "g", "beta"), (q, k, v, g, beta))}
+    extra = {n: _as_array(n, kw.get(n)) for n in ("initial_state", "A_log", "dt_bias", "cu_seqlens")}
+    for n in ("q", "k", "v", "g", "beta"):
+        if not jnp.issubdtype(arrays[n].dtype, jnp.floating):
+            msg = f"{n} must have a real floating dtype; got {arrays[n].dtype}"
+            raise InvalidTypeError(msg)
+    call = translate(
+        name,
+        arrays["q"].shape,
+        arrays["v"].shape,
+        kw,
+        has_A_log=extra["A_log"] is not None,
+        has_dt_bias=extra["dt_bias"] is not None,
+        has_cu_seqlens=extra["cu_seqlens"] is not None,
+    )
+    return _apply(*arrays.values(), *extra.values(), call)
+
+
+def chunk_kda(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: jax.Array | None = None,
+    cu_seqlens_cpu: Any = None,
+    cp_context: Any = None,
+    use_graph: bool = False,
+    max_num_seqs: int | None = None,
+    **kwargs: Any,
+) -> tuple[jax.Array, jax.Array | None]:
+    """KDA, chunked, differentiable (``jax.grad``) and jittable; the arguments of
+    :func:`kda.torch.chunk_kda` on JAX arrays.
+
+    Parameters
+    ----------
+    q, k : array, shape ``[B, T, H, K]``
+    v : array, shape ``[B, T, HV, V]``
+    g : array, shape ``[B, T, HV, K]``
+        Log decays, or the raw gate with ``use_gate_in_kernel=True``.
+    beta : array, shape ``[B, T, HV]``
+    scale, initial_state, output_final_state, ..., max_num_seqs, **kwargs
+        As for :func:`kda.torch.chunk_kda` (``A_log``, ``dt_bias``, ``chunk_size`` and the
+        deprecated ``transpose_state_layout`` in ``**kwargs``; anything else raises ``TypeError``).
+        Under :func:`jax.jit`, the keywords that are not arrays must be static.
+
+    Returns
+    -------
+    tuple
+        ``(o [B, T, HV, V], final_state [N, HV, K, V] or None)``. float16/bfloat16 compute in
+        float32 and ``o`` has the dtype of ``q``; float64 needs ``jax_enable_x64``.
+    """
+    kw = dict(
+        scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        safe_gate=safe_gate, lower_bound=lower_bound, disable_recompute=disable_recompute,
+        return_intermediate_states=return_intermediate_states, state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context,
+        use_graph=use_graph, max_num_seqs=max_num_seqs,
+    )  # fmt: skip
+    check_keywords("chunk_kda", kwargs, CHUNK_KEYWORDS)
+    kw.update(kwargs)
+    return _call("chunk_kda", q, k, v, g, beta, kw)
+
+
+def fused_recurrent_kda(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    A_log: jax.Array | None = None,
+    dt_bias: jax.Array | None = None,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    lower_bound: float | None = None,
+    state_v_first: bool = False,
+    cu_seqlens: jax.Array | None = None,
+    **kwargs: Any,
+) -> tuple[jax.Array, jax.Array | None]:
+    """KDA step by step (:func:`kda.recurrent_kda`), differentiable; the arguments of
+    :func:`kda.torch.fused_recurrent_kda` on JAX arrays."""
+    kw = dict(
+        A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+    )  # fmt: skip
+    check_keywords("fused_recurrent_kda", kwargs, RECURRENT_KEYWORDS)
+    kw.update(kwargs)
+    return _call("fused_recurrent_kda", q, k, v, g, beta, kw)
