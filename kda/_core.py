@@ -7,6 +7,8 @@ A core computes KDA on ready inputs ``q, k, g: [B, HV, T, K]``, ``v: [B, HV, T, 
 - :class:`ChunkCore`: the chunked algorithm of :mod:`kda._chunked`. A chunk is clamped to the
   sequence (``T < chunk_size`` computes one ``T``-step chunk: the same boundaries, ``NT = 1``),
   and a sequence of at most :data:`RECURRENT_MAX_T` steps in one chunk runs the step recurrence.
+  float32 problems with few key channels and long chunks compute in float64
+  (:func:`kda._checks.chunk_compute_dtype`: their WY chunk maps lose float32 accuracy).
 - :class:`RecurrentCore`: the step recurrence, the oracle.
 """
 
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from . import _varlen
+from ._checks import chunk_compute_dtype
 from ._chunked import chunk_backward, chunk_forward, padded_chunk_size
 from ._errors import InvalidInputError
 from ._options import CoreInputs
@@ -93,7 +96,10 @@ class ChunkCore:
             o, final = self.ops.recurrent_forward(q, k, v, g, beta, self.scale, state)
             return o, final, _start_boundaries(state, q.shape[2])
         xp = _namespace(q)
-        return chunk_forward(self.ops, xp, q, k, v, g, beta, self.scale, state, C)
+        narrow, wide = q.dtype, chunk_compute_dtype(xp, q.shape[-1], C, q.dtype)
+        args = _cast(xp, wide, q, k, v, g, beta, state)
+        results = chunk_forward(self.ops, xp, *args[:5], self.scale, args[5], C)
+        return tuple(_cast(xp, narrow, *results))
 
     def backward(self, q, k, v, g, beta, state, boundaries, do, dstate) -> tuple[Any, ...]:
         C = self._plan(q)
@@ -101,7 +107,15 @@ class ChunkCore:
             state = state if boundaries is None or boundaries.shape[0] == 0 else boundaries[0, ...]
             return self.ops.recurrent_backward(q, k, v, g, beta, self.scale, state, do, dstate)
         xp = _namespace(q)
-        return chunk_backward(self.ops, xp, q, k, v, g, beta, self.scale, state, boundaries, do, dstate, C)
+        narrow, wide = q.dtype, chunk_compute_dtype(xp, q.shape[-1], C, q.dtype)
+        args = _cast(xp, wide, q, k, v, g, beta, state, boundaries, do, dstate)
+        grads = chunk_backward(self.ops, xp, *args[:5], self.scale, *args[5:], C)
+        return tuple(_cast(xp, narrow, *grads))
+
+
+def _cast(xp: Any, dtype: Any, *arrays: Any) -> list[Any]:
+    """The arrays in ``dtype`` (None stays None; no copy when they have it already)."""
+    return [None if x is None else xp.astype(x, dtype, copy=False) for x in arrays]
 
 
 def _namespace(x: Any) -> Any:
