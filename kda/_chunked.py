@@ -38,40 +38,21 @@ def padded_chunk_size(chunk_size: int) -> int:
 
 @dataclass
 class _Chunks:
-    """The state-free part of every chunk, shared by the forward and the backward."""
+    """The inputs of a slab as chunks, and their state-free work (shared by forward and backward)."""
 
     q: Any
     k: Any
+    g: Any
     v: Any
-    beta: Any  # [B, H, NT, Cp, 1]
-    f: Any  # ChunkFactors
-    A: Any
-    L: Any
-    Tinv: Any
-    kgv: Any  # [kg, v]: [B, H, NT, Cp, K + V]
-    kv: Any  # beta * kgv
-    wu: Any  # T kv = [W, U0]
-    w: Any
-    u0: Any
+    beta: Any  # [B, H, NT, Cp]
+    local: Any  # ChunkLocal: qg, kg, kt, total, A, L, Tinv, w, u0
 
 
 def _prepare(ops: Any, xp: Any, q, k, v, g, beta, scale: float, chunk_size: int) -> _Chunks:
     C, Cp = chunk_size, padded_chunk_size(chunk_size)
-    K = q.shape[-1]
     qc, kc, gc, vc = (ops.to_chunks(x, C, Cp) for x in (q, k, g, v))
-    bc = ops.to_chunks(beta[..., None], C, Cp)
-    f = ops.chunk_factors(qc, kc, gc, scale)
-    A, L = ops.chunk_pairs(qc, kc, f, scale)
-    Tinv = ops.unit_lower_inverse(bc[..., 0], L)
-    kgv = xp.concat([f.kg, vc], axis=-1)
-    kv = bc * kgv
-    wu = xp.matmul(Tinv, kv)
-    return _Chunks(qc, kc, vc, bc, f, A, L, Tinv, kgv, kv, wu, wu[..., :K], wu[..., K:])
-
-
-def _by_head(xp: Any, states: Any) -> Any:
-    """``[NT, B, H, K, V]`` -> ``[B, H, NT, K, V]`` (a view)."""
-    return xp.permute_dims(states, (1, 2, 0, 3, 4))
+    bc = ops.to_chunks(beta[..., None], C, Cp)[..., 0]
+    return _Chunks(qc, kc, gc, vc, bc, ops.chunk_local(qc, kc, gc, vc, bc, scale))
 
 
 def slabs(shape: tuple[int, ...], chunk_size: int, width: int, slab_elements: int) -> list[tuple[int, int]]:
@@ -192,14 +173,15 @@ def _forward_heads(
     for n0, n1 in slabs(q.shape, C, max(q.shape[-1], v.shape[-1]), ops.SLAB_ELEMENTS):
         t = _steps(n0, n1, C, T)
         c = _prepare(ops, xp, *(x[:, :, t, ...] for x in (q, k, v, g, beta)), scale, C)
-        boundaries, U, state = ops.chunk_state_pass(c.w, c.u0, c.f.kt, c.f.total, state)
+        loc = c.local
+        dense = () if out is None else (loc.qg, loc.A)  # the output O = qg S + A U, fused in
+        boundaries, O, state = ops.chunk_state_pass(loc.w, loc.u0, loc.kt, loc.total, state, *dense)
         if saved is None:
             starts.append(boundaries)
         else:
             saved[n0:n1, ...] = boundaries
         if out is None:
             continue
-        O = xp.matmul(c.f.qg, _by_head(xp, boundaries)) + xp.matmul(c.A, U)
         O = ops.from_chunks(O, C, t.stop - t.start)
         if _writable(out):
             out[:, :, t, :] = O
@@ -301,40 +283,21 @@ def _backward_heads(
 def _backward_slab(
     ops: Any, xp: Any, q, k, v, g, beta, scale: float, boundaries: Any, grad_output: Any, dstate: Any, C: int
 ) -> tuple[list[Any], Any]:
-    """Gradients of one slab of chunks; ``dstate`` is the gradient of the state at its end."""
-    T, K = q.shape[2], q.shape[-1]
+    """Gradients of one slab of chunks; ``dstate`` is the gradient of the state at its end.
+
+    Three primitives: the state-free work again, the state-gradient recurrence (which also
+    recomputes ``U`` and forms ``A^T dO`` and ``qg^T dO``), and the gradients of the state-free
+    work given the states and their gradients.
+    """
+    T = q.shape[2]
     c = _prepare(ops, xp, q, k, v, g, beta, scale, C)
-    f = c.f
-    S = _by_head(xp, boundaries)
-    U = c.u0 - xp.matmul(c.w, S)
+    loc = c.local
     dO = ops.to_chunks(grad_output, C, padded_chunk_size(C))
-    mT = xp.matrix_transpose
-
-    # the state-gradient recurrence: the only sequential part
-    dends, dU, dstate = ops.chunk_state_grad_pass(
-        c.w, f.kt, f.total, xp.matmul(mT(c.A), dO), xp.matmul(mT(f.qg), dO), dstate
+    dends, U, dU, dstate = ops.chunk_state_grad_pass(
+        loc.w, loc.u0, loc.kt, loc.total, loc.qg, loc.A, dO, boundaries, dstate
     )
-    dS = _by_head(xp, dends)
-
-    # O = qg S + A U and S' = total S + kt^T U
-    dqg = xp.matmul(dO, mT(S))
-    dA = xp.tril(xp.matmul(dO, mT(U)))
-    dkt = xp.matmul(U, mT(dS))
-    dtotal = xp.sum(S * dS, axis=-1)
-    # U = U0 - W S with [W, U0] = T [beta kg, beta v]
-    dwu = xp.concat([-xp.matmul(dU, mT(S)), dU], axis=-1)
-    dkv = xp.matmul(mT(c.Tinv), dwu)  # gradient of beta * [kg, v]
-    # T = X^-1 with X = I + diag(beta) L, and dT = dwu kv^T:
-    # dX = -T^T dT T^T = -(T^T dwu) (T kv)^T = -dkv wu^T
-    dX = xp.tril(-xp.matmul(dkv, mT(c.wu)), k=-1)
-    dL = c.beta * dX
-    dbeta = xp.sum(dX * c.L, axis=-1) + xp.sum(c.kgv * dkv, axis=-1)
-    dkgv = c.beta * dkv
-    dkg, dv = dkgv[..., :K], dkgv[..., K:]
-    dq, dk, dg_pairs = ops.chunk_pairs_backward(dA, dL, c.q, c.k, f, scale)
-    dq = dq + scale * f.prefix * dqg
-    dk = dk + f.prefix * dkg + f.suffix * dkt
-    dg = ops.chunk_gate_gradient(f.qg * dqg + f.kg * dkg, f.kt * dkt, f.total * dtotal, dg_pairs)
-
+    dq, dk, dv, dg, dbeta = ops.chunk_local_backward(
+        c.q, c.k, c.g, c.v, c.beta, scale, loc, boundaries, dends, U, dU, dO
+    )
     grads = [ops.from_chunks(x, C, T) for x in (dq, dk, dv, dg)]
     return [*grads, ops.from_chunks(dbeta[..., None], C, T)[..., 0]], dstate

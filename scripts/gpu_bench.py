@@ -11,6 +11,8 @@ under ``--out``. Sections:
    cuda backend (float32, head-first [B, H, T, K]) and of flash-linear-attention's Triton
    ``fla.ops.kda.chunk_kda`` (time-major [B, T, H, K]; bfloat16, its usual dtype, and float32
    when it accepts it). Median of CUDA-event timings after warm-up.
+3. profile: milliseconds per kda.cuda kernel in one forward + backward at that size (CUDA events
+   around every launch), to set against the per-kernel estimates of docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -123,6 +125,48 @@ def time_kda(report: dict) -> None:
     )
 
 
+def profile_kernels(report: dict) -> None:
+    """Milliseconds per kernel of one forward + backward (events around each launch)."""
+    import kda.cuda._launch as launch
+
+    B, H, T, K, V = 1, 16, 4096, 128, 128
+    q, k, v, g, beta, state, do, dstate = (x.astype(cp.float32) for x in problem(B, H, T, K, V, "mild"))
+    events = []
+    original = launch._launch
+
+    def timed(name, *args, **kwargs):
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        original(name, *args, **kwargs)
+        stop.record()
+        events.append((name, start, stop))
+
+    def run():
+        out = kda.chunk_kda(q, k, v, g, beta, initial_state=state, chunk_size=64, save_boundaries=True)
+        kda.chunk_kda_backward(
+            q, k, v, g, beta, out.boundaries, do, dstate, initial_state=state, chunk_size=64
+        )
+
+    run()  # compile and warm up
+    cp.cuda.Device().synchronize()
+    launch._launch = timed
+    try:
+        events.clear()
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        run()
+        stop.record()
+        stop.synchronize()
+    finally:
+        launch._launch = original
+    per_kernel: dict = {}
+    for name, a, b in events:
+        per_kernel[name] = per_kernel.get(name, 0.0) + cp.cuda.get_elapsed_time(a, b)
+    per_kernel["(whole call, events included)"] = cp.cuda.get_elapsed_time(start, stop)
+    report["profile_ms"] = per_kernel
+    print("profile: " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in per_kernel.items()), flush=True)
+
+
 def torch_time(fn, warmup=3, repeat=10) -> float:
     """Median milliseconds of ``fn()`` by CUDA events on torch's current stream."""
     import torch
@@ -206,10 +250,12 @@ def main() -> None:
         "timings_ms": {},
         "fla_vs_kda_output_rel": {},
         "fla_g_dtype": {},
+        "profile_ms": {},
         "errors": {},
     }
     # most important first: the JSON is rewritten after every section, should the time run out
-    sections = ([] if args.skip_accuracy else [accuracy]) + [time_kda, time_fla_bfloat16, time_fla_float32]
+    sections = ([] if args.skip_accuracy else [accuracy]) + [time_kda, profile_kernels]
+    sections += [time_fla_bfloat16, time_fla_float32]
     for section in sections:
         t0 = time.perf_counter()
         try:
@@ -222,6 +268,7 @@ def main() -> None:
             json.dump(report, fh, indent=2)
     lines = ["| what | value |", "| --- | --- |"]
     lines += [f"| {name} (ms) | {ms:.3f} |" for name, ms in report["timings_ms"].items()]
+    lines += [f"| kernel {name} (ms) | {ms:.3f} |" for name, ms in report["profile_ms"].items()]
     for regime, errs in report["accuracy"].items():
         lines += [f"| accuracy {regime} {name} | {e:.2e} |" for name, e in errs.items()]
     lines += [f"| fla vs kda output ({n}) | {e:.2e} |" for n, e in report["fla_vs_kda_output_rel"].items()]

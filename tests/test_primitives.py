@@ -94,6 +94,78 @@ def test_chunk_pairs(ops, regime):
     assert_close(L, L_want, tol=1e-13, name="L")
 
 
+@pytest.mark.parametrize("regime", REGIMES)
+def test_chunk_local(ops, regime):
+    """The fused state-free step: factors, pairs, the inverse and ``[W, U0]`` of every chunk."""
+    q, k, g, rng = _inputs(regime)
+    v = rng.standard_normal((*SHAPE, V))
+    beta = rng.uniform(0, 2, SHAPE)
+    loc = ops.chunk_local(q, k, g, v, beta, SCALE)
+    Cp = SHAPE[-1]
+    prefix = np.stack([_segment(g, -1, i) for i in range(Cp)], axis=-2)
+    suffix = np.stack([_segment(g, j, Cp - 1) for j in range(Cp)], axis=-2)
+    A, L = oracle_pairs(q, k, g)
+    Tinv = np.linalg.inv(np.eye(Cp) + beta[..., :, None] * L)
+    for name, got, want, tol in [
+        ("qg", loc.qg, SCALE * q * prefix, 1e-13),
+        ("kg", loc.kg, k * prefix, 1e-13),
+        ("kt", loc.kt, k * suffix, 1e-13),
+        ("total", loc.total, _segment(g, -1, Cp - 1), 1e-13),
+        ("A", loc.A, A, 1e-13),
+        ("L", loc.L, L, 1e-13),
+        ("w", loc.w, Tinv @ (beta[..., None] * k * prefix), 1e-12),
+        ("u0", loc.u0, Tinv @ (beta[..., None] * v), 1e-12),
+    ]:
+        assert_close(got, want, tol=tol, name=name)
+
+
+def _local_oracle(q, k, g, v, beta):
+    """``qg, kt, total, A, w, u0`` of every chunk from the definitions (float64)."""
+    Cp = q.shape[-2]
+    prefix = np.stack([_segment(g, -1, i) for i in range(Cp)], axis=-2)
+    suffix = np.stack([_segment(g, j, Cp - 1) for j in range(Cp)], axis=-2)
+    A, L = oracle_pairs(q, k, g)
+    Tinv = np.linalg.inv(np.eye(Cp) + beta[..., :, None] * L)
+    b = beta[..., None]
+    return SCALE * q * prefix, k * suffix, _segment(g, -1, Cp - 1), A, Tinv @ (b * k * prefix), Tinv @ (b * v)
+
+
+def test_chunk_local_backward(ops):
+    """Against central differences of the scalar whose gradient it is, with ``S, dS, U, dU, dO`` fixed:
+    ``sum(dO (qg S + A U)) + sum(dS (total S + kt^T U)) + sum(dU (u0 - w S))``."""
+    q, k, g, rng = _inputs("mild")
+    B, H, NT, _ = SHAPE
+    v = rng.standard_normal((*SHAPE, V))
+    beta = rng.uniform(0, 2, SHAPE)
+    S, dS = (rng.standard_normal((NT, B, H, K, V)) for _ in range(2))
+    u, du, do = (rng.standard_normal((*SHAPE, V)) for _ in range(3))
+    Sh, dSh = (np.moveaxis(x, 0, 2) for x in (S, dS))
+    mT = lambda x: np.swapaxes(x, -1, -2)  # noqa: E731
+
+    def scalar(*inputs):
+        qg, kt, total, A, w, u0 = _local_oracle(*inputs)
+        out = np.sum(do * (qg @ Sh + A @ u)) + np.sum(dSh * (total[..., None] * Sh + mT(kt) @ u))
+        return out + np.sum(du * (u0 - w @ Sh))
+
+    inputs = [q, k, g, v, beta]
+    want = []
+    for x in inputs:
+        grad = np.zeros_like(x)
+        for idx in np.ndindex(x.shape):
+            old = x[idx]
+            x[idx] = old + 1e-6
+            hi = scalar(*inputs)
+            x[idx] = old - 1e-6
+            lo = scalar(*inputs)
+            x[idx] = old
+            grad[idx] = (hi - lo) / 2e-6
+        want.append(grad)
+    loc = ops.chunk_local(q, k, g, v, beta, SCALE)
+    dq, dk, dv, dg, dbeta = ops.chunk_local_backward(q, k, g, v, beta, SCALE, loc, S, dS, u, du, do)
+    for name, got, w in zip(("dq", "dk", "dg", "dv", "dbeta"), (dq, dk, dg, dv, dbeta), want, strict=True):
+        assert_close(got, w, tol=1e-7, name=name)
+
+
 def test_unit_lower_inverse(ops):
     q, k, g, rng = _inputs("mild")
     beta = rng.uniform(0, 2, SHAPE)
@@ -102,37 +174,50 @@ def test_unit_lower_inverse(ops):
     assert_close(ops.unit_lower_inverse(beta, L), want, tol=1e-12, name="inverse")
 
 
-def test_state_passes(ops):
-    rng = np.random.default_rng(1)
-    B, H, NT, _ = SHAPE
-    w, u0, kt = (rng.standard_normal((*SHAPE, d)) for d in (K, V, K))
+def _state_pass_inputs(rng):
+    B, H, NT, Cp = SHAPE
+    w, u0, kt, qg = (rng.standard_normal((*SHAPE, d)) for d in (K, V, K, K))
     total = rng.uniform(0, 1, (B, H, NT, K))
-    S0 = rng.standard_normal((B, H, K, V))
-    starts, us, S = [], [], S0
+    A = rng.standard_normal((*SHAPE, Cp))  # full: only the lower triangle may be read
+    return w, u0, kt, total, qg, A, rng.standard_normal((B, H, K, V))
+
+
+def test_state_passes(ops):
+    """The state pass with and without the fused output, and the state-gradient pass."""
+    rng = np.random.default_rng(1)
+    NT = SHAPE[2]
+    w, u0, kt, total, qg, A, S0 = _state_pass_inputs(rng)
+    starts, us, outs, S = [], [], [], S0
     for n in range(NT):
         starts.append(S)
         U = u0[:, :, n] - w[:, :, n] @ S
         us.append(U)
+        outs.append(qg[:, :, n] @ S + np.tril(A[:, :, n]) @ U)
         S = total[:, :, n, :, None] * S + np.swapaxes(kt[:, :, n], -1, -2) @ U
-    got = ops.chunk_state_pass(w, u0, kt, total, S0)
+    boundaries, output, final = ops.chunk_state_pass(w, u0, kt, total, S0, qg, A)
     for name, a, b in zip(
-        ("boundaries", "u", "final"), got, (np.stack(starts), np.stack(us, 2), S), strict=True
+        ("boundaries", "output", "final"),
+        (boundaries, output, final),
+        (np.stack(starts), np.stack(outs, 2), S),
     ):
         assert_close(a, b, tol=1e-13, name=name)
+    alone = ops.chunk_state_pass(w, u0, kt, total, S0)
+    assert alone[1] is None
+    assert_close(alone[0], np.stack(starts), tol=1e-13, name="boundaries alone")
+    assert_close(alone[2], S, tol=1e-13, name="final alone")
 
-    du_local = rng.standard_normal((*SHAPE, V))
-    ds_local = rng.standard_normal((B, H, NT, K, V))
-    dS = rng.standard_normal((B, H, K, V))
+    do = rng.standard_normal((*SHAPE, V))
+    dS = rng.standard_normal(S0.shape)
     ends, dus = [None] * NT, [None] * NT
     d = dS
+    mT = lambda x: np.swapaxes(x, -1, -2)  # noqa: E731
     for n in reversed(range(NT)):
         ends[n] = d
-        dus[n] = du_local[:, :, n] + kt[:, :, n] @ d
-        d = total[:, :, n, :, None] * d + ds_local[:, :, n] - np.swapaxes(w[:, :, n], -1, -2) @ dus[n]
-    got = ops.chunk_state_grad_pass(w, kt, total, du_local, ds_local, dS)
-    for name, a, b in zip(
-        ("dends", "du", "dinitial"), got, (np.stack(ends), np.stack(dus, 2), d), strict=True
-    ):
+        dus[n] = mT(np.tril(A[:, :, n])) @ do[:, :, n] + kt[:, :, n] @ d
+        d = total[:, :, n, :, None] * d + mT(qg[:, :, n]) @ do[:, :, n] - mT(w[:, :, n]) @ dus[n]
+    got = ops.chunk_state_grad_pass(w, u0, kt, total, qg, A, do, np.stack(starts), dS)
+    want = (np.stack(ends), np.stack(us, 2), np.stack(dus, 2), d)
+    for name, a, b in zip(("dends", "u", "du", "dinitial"), got, want, strict=True):
         assert_close(a, b, tol=1e-13, name=name)
 
 

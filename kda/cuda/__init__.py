@@ -4,16 +4,21 @@ The backend-neutral algorithm of :mod:`kda._chunked` drives it unchanged. Arrays
 arrays on a GPU (kernels run on CuPy's current stream), or NumPy arrays under Numba's CUDA
 simulator (``NUMBA_ENABLE_CUDASIM=1``). Kernels are compiled on first use, once per dtype
 (float32, float64). Launches per call do not depend on the sequence length: one kernel per
-primitive (``kda.cuda._launch.LAUNCHES`` counts them).
+primitive (``kda.cuda._launch.LAUNCHES`` counts them), and the fused primitives
+(:func:`chunk_local`, :func:`chunk_state_pass`, :func:`chunk_state_grad_pass`,
+:func:`chunk_local_backward`) leave no array product to the caller: a forward is 2 kernels, a
+backward 3 (docs/gpu.md). :func:`gate_flags` checks the log decays on the device.
 """
 
 import contextlib
 
-from ..reference._chunk import ChunkFactors
+from ..reference._chunk import ChunkFactors, ChunkLocal
 from ._decode import decode_forward
 from ._launch import (
     chunk_factors,
     chunk_gate_gradient,
+    chunk_local,
+    chunk_local_backward,
     chunk_pairs,
     chunk_pairs_backward,
     chunk_state_grad_pass,
@@ -24,6 +29,8 @@ from ._launch import (
     to_chunks,
     unit_lower_inverse,
 )
+from ._launch import gate_flags as gate_flags  # not a primitive: the device-side gate check
+from ._launch import raise_for_gates as raise_for_gates
 
 NAME = "cuda"
 
@@ -31,8 +38,11 @@ __all__ = [
     "NAME",
     "SLAB_ELEMENTS",
     "ChunkFactors",
+    "ChunkLocal",
     "chunk_factors",
     "chunk_gate_gradient",
+    "chunk_local",
+    "chunk_local_backward",
     "chunk_pairs",
     "chunk_pairs_backward",
     "chunk_state_grad_pass",

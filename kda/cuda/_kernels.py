@@ -6,9 +6,12 @@ ever promotes it to float64), and compiled lazily, once per dtype, with an expli
 (:func:`compiled`). :data:`SIGNATURES` names every kernel with the kinds of its arguments; the
 PTX test compiles every entry for both dtypes.
 
-Layouts (all arrays may be strided; the launch wrappers in :mod:`._launch` flatten the
+Layouts (every array is C-contiguous; the launch wrappers in :mod:`._launch` flatten the
 leading dimensions): ``N = B * H * NT`` chunks, ``BH = B * H`` heads, ``Cp`` padded chunk
-steps, ``K`` key and ``V`` value channels, ``NL`` halving levels.
+steps, ``K`` key and ``V`` value channels, ``NL`` halving levels. The forward and backward of
+the chunked algorithm run four of these kernels (``chunk_local``, ``chunk_state_pass``,
+``chunk_state_grad_pass``, ``chunk_local_backward``; docs/gpu.md); the finer ones serve chunks
+too large for the fused kernels' shared memory.
 
 Numerical contract (``design.md``): every decay is a running product of ``exp(g)`` over
 exactly the steps it spans, so it lies in ``[0, 1]``, a hard reset (``g = -inf``) gives an
@@ -28,37 +31,52 @@ __all__ = ["DTYPES", "SIGNATURES", "build_kernels", "compiled", "signature"]
 # rows of the state passes that one thread accumulates at once (registers)
 ROW_GROUP = 4
 
+# channels per tile of chunk_local's pairwise products (shared memory: 2 Cp of them)
+LOCAL_TILE_K = 16
+
 # columns of chunk_pairs that one thread computes at once (a power of two)
 PAIR_GROUP = 4
 
 # floating dtypes the kernels are compiled for
 DTYPES = ("float32", "float64")
 
-# kernel name -> argument kinds: a digit is an array of that many dimensions of the floating
-# dtype, "s" a floating scalar, "i" an int64 scalar
+# kernel name -> argument kinds: a digit is a C-contiguous array of that many dimensions of the
+# floating dtype, "s" a floating scalar, "i" an int64 scalar, "j" an int32 scalar, "f" a
+# C-contiguous 1-D int32 array
 SIGNATURES = {
     "chunk_factors": "333s3333324",
+    "chunk_local": "33332s333233333",
+    "chunk_local_backward": "33332s3332333344333333333233332",
     "chunk_pairs": "334s33",
     "unit_lower_inverse": "233",
-    "chunk_state_pass": "44433443",
-    "chunk_state_grad_pass": "443443443",
+    "chunk_state_pass": "4444433j443",
+    "chunk_state_grad_pass": "4444434434443",
     "chunk_pairs_backward": "33334s333",
     "chunk_gate_gradient": "33233",
     "recurrent_forward": "33332s333",
     "recurrent_backward": "33332s333i44333233",
+    "gate_flags": "1f",
 }
 
 
 def signature(name: str, dtype: str) -> str:
-    """The explicit Numba signature of kernel ``name`` for the floating ``dtype``."""
+    """The explicit Numba signature of kernel ``name`` for the floating ``dtype``.
+
+    Every array is C-contiguous (layout ``C``): an index costs multiplications by the shape, not
+    by arbitrary strides, and the launch wrappers never pass a strided view.
+    """
     kinds = []
     for c in SIGNATURES[name]:
         if c == "s":
             kinds.append(dtype)
         elif c == "i":
             kinds.append("int64")
+        elif c == "j":
+            kinds.append("int32")
+        elif c == "f":
+            kinds.append("int32[::1]")
         else:
-            kinds.append(f"{dtype}[{', '.join(':' * int(c))}]")
+            kinds.append(f"{dtype}[{', '.join([':'] * (int(c) - 1) + ['::1'])}]")
     return f"void({', '.join(kinds)})"
 
 
@@ -189,121 +207,498 @@ def build_kernels(dtype: str) -> dict:
                 acc += L[n, i, m] * Tinv[n, m, j]
             Tinv[n, i, j] = -beta[n, i] * acc
 
-    def chunk_state_pass(w, u0, kt, total, state, boundaries, U, final):
-        """One block per (head, tile of value columns), looping over every chunk.
+    def chunk_local(q, k, g, v, beta, scale, qg, kg, kt, total, A, L, Tinv, w, u0):
+        """One block per chunk ``n``: all of its state-free work, without any factor array.
 
-        Threads ``x`` own value columns, threads ``y`` share the rows, ``ROW_GROUP`` rows per
-        thread at a time (each loaded operand serves them all); the state lives in
-        ``boundaries`` (global memory, made visible to the block by ``syncthreads``).
+        1. decay factors as running products of ``exp(g)`` (one thread per channel): ``qg``,
+           ``kg``, ``kt`` and ``total``;
+        2. ``A`` and ``L`` level by level of the halving, by tiles of ``LOCAL_TILE_K`` channels:
+           the tile's row factors (products over each block's second half up to the row) and
+           column factors (over its first half after the column) are built in shared memory,
+           then every pair of the level is a dot product over the tile, accumulated in ``A``
+           and ``L`` (each pair belongs to one thread across the tiles);
+        3. ``T = (I + diag(beta) L)^-1`` in shared memory (packed lower triangle) by blocks:
+           ``T21 = -T22 (beta L21) T11`` level by level;
+        4. ``T`` (written out for the backward), ``W = T diag(beta) kg`` and ``U0 = T diag(beta) v``.
+
+        Dynamic shared memory: ``Cp + Cp (Cp + 1) / 2 + max(2 Cp LOCAL_TILE_K, Cp^2 / 4)``
+        elements.
         """
-        NT, Cp, K = w.shape[1:]
+        n = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        nth = cuda.blockDim.x
+        Cp, K = q.shape[1], q.shape[2]
+        V = v.shape[2]
+        TK = LOCAL_TILE_K
+        shared = cuda.shared.array(0, nbtype)
+        bsh = shared[:Cp]
+        tri = Cp * (Cp + 1) // 2
+        T = shared[Cp : Cp + tri]  # T[i, j] at i (i + 1) / 2 + j
+        work = shared[Cp + tri :]
+        P = work[: Cp * TK]  # column sides (first halves) and q rows (second halves)
+        Q = work[Cp * TK : 2 * Cp * TK]  # k rows (second halves)
+        # 1. factors
+        for d in range(tid, K, nth):
+            p = one
+            for i in range(Cp):
+                p *= math.exp(g[n, i, d])
+                qg[n, i, d] = scale * q[n, i, d] * p
+                kg[n, i, d] = k[n, i, d] * p
+            total[n, d] = p
+            s = one
+            for i in range(Cp - 1, -1, -1):
+                kt[n, i, d] = k[n, i, d] * s
+                s *= math.exp(g[n, i, d])
+        # 2. pairs: the diagonal and the upper triangle, then each level
+        for idx in range(tid, Cp * Cp, nth):
+            i = idx // Cp
+            j = idx % Cp
+            if j >= i:
+                a = zero
+                if j == i:
+                    for d in range(K):
+                        a += q[n, i, d] * k[n, i, d]
+                A[n, i, j] = scale * a
+                L[n, i, j] = zero
+        h = 1
+        while h < Cp:
+            nb = Cp // (2 * h)
+            for d0 in range(0, K, TK):
+                for item in range(tid, nb * TK, nth):
+                    start = (item // TK) * 2 * h
+                    dd = item % TK
+                    d = d0 + dd
+                    mid = start + h
+                    c = one
+                    r = one
+                    for m in range(h):
+                        j = mid - 1 - m
+                        i = mid + m
+                        if d < K:
+                            P[j * TK + dd] = k[n, j, d] * c
+                            c *= math.exp(g[n, j, d])
+                            r *= math.exp(g[n, i, d])
+                            P[i * TK + dd] = q[n, i, d] * r
+                            Q[i * TK + dd] = k[n, i, d] * r
+                        else:
+                            P[j * TK + dd] = zero
+                            P[i * TK + dd] = zero
+                            Q[i * TK + dd] = zero
+                cuda.syncthreads()
+                for pair in range(tid, nb * h * h, nth):
+                    start = (pair // (h * h)) * 2 * h
+                    i = start + h + (pair // h) % h
+                    j = start + pair % h
+                    sa = zero
+                    sl = zero
+                    for dd in range(TK):
+                        c = P[j * TK + dd]
+                        sa += P[i * TK + dd] * c
+                        sl += Q[i * TK + dd] * c
+                    if d0 == 0:
+                        A[n, i, j] = scale * sa
+                        L[n, i, j] = sl
+                    else:
+                        A[n, i, j] += scale * sa
+                        L[n, i, j] += sl
+                cuda.syncthreads()
+            h *= 2
+        # 3. the inverse, by blocks
+        for i in range(tid, Cp, nth):
+            bsh[i] = beta[n, i]
+        for idx in range(tid, Cp * Cp, nth):
+            i = idx // Cp
+            j = idx % Cp
+            if j <= i:
+                T[i * (i + 1) // 2 + j] = one if j == i else zero
+        cuda.syncthreads()
+        tmp = work
+        h = 1
+        while h < Cp:
+            nb = Cp // (2 * h)
+            for pair in range(tid, nb * h * h, nth):
+                start = (pair // (h * h)) * 2 * h
+                ii = (pair // h) % h
+                jj = pair % h
+                i = start + h + ii
+                acc = zero
+                for m in range(jj, h):
+                    acc += L[n, i, start + m] * T[(start + m) * (start + m + 1) // 2 + start + jj]
+                tmp[pair] = bsh[i] * acc
+            cuda.syncthreads()
+            for pair in range(tid, nb * h * h, nth):
+                b = pair // (h * h)
+                start = b * 2 * h
+                ii = (pair // h) % h
+                jj = pair % h
+                i = start + h + ii
+                row = i * (i + 1) // 2
+                acc = zero
+                for m in range(ii + 1):
+                    acc += T[row + start + h + m] * tmp[b * h * h + m * h + jj]
+                T[row + start + jj] = -acc
+            cuda.syncthreads()
+            h *= 2
+        # 4. T itself (for the backward), W = T diag(beta) kg and U0 = T diag(beta) v
+        for idx in range(tid, Cp * Cp, nth):
+            i = idx // Cp
+            j = idx % Cp
+            Tinv[n, i, j] = T[i * (i + 1) // 2 + j] if j <= i else zero
+        for idx in range(tid, Cp * K, nth):
+            i = idx // K
+            d = idx % K
+            row = i * (i + 1) // 2
+            acc = zero
+            for m in range(i + 1):
+                acc += T[row + m] * (bsh[m] * kg[n, m, d])
+            w[n, i, d] = acc
+        for idx in range(tid, Cp * V, nth):
+            i = idx // V
+            c = idx % V
+            row = i * (i + 1) // 2
+            acc = zero
+            for m in range(i + 1):
+                acc += T[row + m] * (bsh[m] * v[n, m, c])
+            u0[n, i, c] = acc
+
+    def chunk_local_backward(
+        q,
+        k,
+        g,
+        v,
+        beta,
+        scale,
+        qg,
+        kg,
+        kt,
+        total,
+        L,
+        Tinv,
+        w,
+        u0,
+        S,
+        dS,
+        U,
+        dU,
+        do,
+        dqg,
+        dkt,
+        dkw,
+        dku,
+        dA,
+        dX,
+        dtot,
+        dq,
+        dk,
+        dv,
+        dg,
+        dbeta,
+    ):
+        """One block per chunk: every gradient of its state-free work (see ``chunk_local``).
+
+        Block ``n`` is chunk ``n % NT`` of head ``n // NT``; ``S`` and ``dS`` are the states at
+        its start and the gradients at its end, ``[NT, BH, K, V]``. Phases, with a barrier
+        between them (the intermediates ``dqg, dkt, dkw, dku, dA, dX, dtot`` go to the
+        caller's scratch arrays, which stay in L2):
+
+        1. ``dqg = dO S^T``, ``dkt = U dS^T``, ``dW = -dU S^T`` (in ``dg``), ``dtotal``,
+           ``dA = tril(dO U^T)``;
+        2. ``dkw = T^T dW``, ``dku = T^T dU``;
+        3. ``dX = tril(-(dkw W^T + dku U0^T), -1)``;
+        4. per row: ``dbeta``, then ``dL = beta dX`` in place; ``dv = beta dku``;
+        5. per channel (one thread): the pairwise gradients level by level, the level's decay
+           factors built as running products in this thread's column of shared memory
+           (``Cp * blockDim.x`` elements); then the factor gradients, as in
+           ``chunk_gate_gradient``, in two sweeps (suffix sums down, prefix sums up).
+        """
+        n = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        nth = cuda.blockDim.x
+        NT = S.shape[0]
+        bh = n // NT
+        c = n % NT
+        Cp, K = q.shape[1], q.shape[2]
+        V = v.shape[2]
+        F = cuda.shared.array(0, nbtype)
+        # 1.
+        for idx in range(tid, Cp * K, nth):
+            i = idx // K
+            d = idx % K
+            a = zero
+            b = zero
+            e = zero
+            for x in range(V):
+                s = S[c, bh, d, x]
+                a += do[n, i, x] * s
+                e += dU[n, i, x] * s
+                b += U[n, i, x] * dS[c, bh, d, x]
+            dqg[n, i, d] = a
+            dkt[n, i, d] = b
+            dg[n, i, d] = -e
+        for d in range(tid, K, nth):
+            a = zero
+            for x in range(V):
+                a += S[c, bh, d, x] * dS[c, bh, d, x]
+            dtot[n, d] = a
+        for idx in range(tid, Cp * Cp, nth):
+            i = idx // Cp
+            j = idx % Cp
+            a = zero
+            if j <= i:
+                for x in range(V):
+                    a += do[n, i, x] * U[n, j, x]
+            dA[n, i, j] = a
+        cuda.syncthreads()
+        # 2.
+        for idx in range(tid, Cp * K, nth):
+            i = idx // K
+            d = idx % K
+            a = zero
+            for m in range(i, Cp):
+                a += Tinv[n, m, i] * dg[n, m, d]
+            dkw[n, i, d] = a
+        for idx in range(tid, Cp * V, nth):
+            i = idx // V
+            x = idx % V
+            a = zero
+            for m in range(i, Cp):
+                a += Tinv[n, m, i] * dU[n, m, x]
+            dku[n, i, x] = a
+        cuda.syncthreads()
+        # 3.
+        for idx in range(tid, Cp * Cp, nth):
+            i = idx // Cp
+            j = idx % Cp
+            a = zero
+            if j < i:
+                for d in range(K):
+                    a += dkw[n, i, d] * w[n, j, d]
+                for x in range(V):
+                    a += dku[n, i, x] * u0[n, j, x]
+            dX[n, i, j] = -a
+        cuda.syncthreads()
+        # 4.
+        for i in range(tid, Cp, nth):
+            bi = beta[n, i]
+            a = zero
+            for j in range(i):
+                a += dX[n, i, j] * L[n, i, j]
+                dX[n, i, j] = bi * dX[n, i, j]
+            for d in range(K):
+                a += kg[n, i, d] * dkw[n, i, d]
+            for x in range(V):
+                a += v[n, i, x] * dku[n, i, x]
+            dbeta[n, i] = a
+        for idx in range(tid, Cp * V, nth):
+            i = idx // V
+            x = idx % V
+            dv[n, i, x] = beta[n, i] * dku[n, i, x]
+        cuda.syncthreads()
+        # 5. dL is in dX now
+        for d in range(tid, K, nth):
+            for i in range(Cp):
+                a = scale * dA[n, i, i]
+                dq[n, i, d] = a * k[n, i, d]
+                dk[n, i, d] = a * q[n, i, d]
+                dg[n, i, d] = zero
+            h = 1
+            while h < Cp:
+                for start in range(0, Cp, 2 * h):
+                    mid = start + h
+                    f = one
+                    r = one
+                    for m in range(h):
+                        F[(mid - 1 - m) * nth + tid] = f
+                        f *= math.exp(g[n, mid - 1 - m, d])
+                        r *= math.exp(g[n, mid + m, d])
+                        F[(mid + m) * nth + tid] = r
+                    run = zero
+                    for i in range(start + 2 * h - 1, mid - 1, -1):
+                        fi = F[i * nth + tid]
+                        acc_q = zero
+                        acc_k = zero
+                        for j in range(start, mid):
+                            cj = k[n, j, d] * F[j * nth + tid] * fi
+                            acc_q += scale * dA[n, i, j] * cj
+                            acc_k += dX[n, i, j] * cj
+                        run += q[n, i, d] * acc_q + k[n, i, d] * acc_k
+                        dg[n, i, d] += run
+                        dq[n, i, d] += acc_q
+                        dk[n, i, d] += acc_k
+                    run = zero
+                    for j in range(start, mid):
+                        acc = zero
+                        for i in range(mid, start + 2 * h):
+                            acc += (scale * dA[n, i, j] * q[n, i, d] + dX[n, i, j] * k[n, i, d]) * F[
+                                i * nth + tid
+                            ]
+                        fj = F[j * nth + tid]
+                        dg[n, j, d] += run
+                        run += k[n, j, d] * fj * acc
+                        dk[n, j, d] += acc * fj
+                h *= 2
+            # the factor gradients: prefix and suffix terms, total
+            tterm = total[n, d] * dtot[n, d]
+            run = zero
+            s = one
+            for i in range(Cp - 1, -1, -1):
+                dkg = beta[n, i] * dkw[n, i, d]
+                run += qg[n, i, d] * dqg[n, i, d] + kg[n, i, d] * dkg
+                dg[n, i, d] += run + tterm
+                dk[n, i, d] += s * dkt[n, i, d]
+                s *= math.exp(g[n, i, d])
+            run = zero
+            p = one
+            for i in range(Cp):
+                p *= math.exp(g[n, i, d])
+                dg[n, i, d] += run
+                run += kt[n, i, d] * dkt[n, i, d]
+                dq[n, i, d] += scale * p * dqg[n, i, d]
+                dk[n, i, d] += p * beta[n, i] * dkw[n, i, d]
+
+    def chunk_state_pass(qg, A, w, u0, kt, total, state, emit, out, boundaries, final):
+        """One block per (head, tile of ``blockDim.x`` value columns), looping over every chunk.
+
+        The block keeps its ``[K, TV]`` tile of the state in shared memory for the whole
+        sequence (``TV = blockDim.x``). Per chunk, thread ``(x, y)`` owns value column ``x`` of
+        the tile and rows ``y, y + blockDim.y, ...``:
+
+        1. ``U = u0 - w S`` and, when ``emit``, the partial output ``qg S`` (one pass over ``K``:
+           each ``S[k, x]`` read from shared memory serves ``ROW_GROUP`` rows of both);
+        2. after a barrier, ``O = qg S + A U`` (written to ``out``) and ``S' = total S + kt^T U``.
+
+        ``w``, ``qg``, ``kt`` and ``A`` are read by all lanes of a row at once (one broadcast
+        load). Dynamic shared memory: ``(K + 2 Cp) * blockDim.x`` elements.
+        """
+        NT, Cp, K = w.shape[1], w.shape[2], w.shape[3]
         V = u0.shape[3]
-        tiles = (V + cuda.blockDim.x - 1) // cuda.blockDim.x
+        TV = cuda.blockDim.x
+        tiles = (V + TV - 1) // TV
         bh = cuda.blockIdx.x // tiles
-        v = (cuda.blockIdx.x % tiles) * cuda.blockDim.x + cuda.threadIdx.x
+        tx = cuda.threadIdx.x
+        v = (cuda.blockIdx.x % tiles) * TV + tx
         ty = cuda.threadIdx.y
         ny = cuda.blockDim.y
         active = v < V
+        shared = cuda.shared.array(0, nbtype)
+        S = shared[: K * TV]  # S[k * TV + tx]
+        Us = shared[K * TV : (K + Cp) * TV]  # U[i * TV + tx]
+        Os = shared[(K + Cp) * TV : (K + 2 * Cp) * TV]  # qg S, then O
         acc = cuda.local.array(ROW_GROUP, nbtype)
-        if active:
-            for kk in range(ty, K, ny):
-                boundaries[0, bh, kk, v] = state[bh, kk, v]
+        acco = cuda.local.array(ROW_GROUP, nbtype)
+        for kk in range(ty, K, ny):
+            S[kk * TV + tx] = state[bh, kk, v] if active else zero
         cuda.syncthreads()
         for n in range(NT):
-            if active:
-                # U = u0 - w S
-                for i0 in range(ty, Cp, ny * ROW_GROUP):
-                    for r in range(ROW_GROUP):
-                        i = i0 + r * ny
-                        acc[r] = u0[bh, n, i, v] if i < Cp else zero
-                    for kk in range(K):
-                        s = boundaries[n, bh, kk, v]
-                        for r in range(ROW_GROUP):
-                            i = i0 + r * ny
-                            if i < Cp:
-                                acc[r] -= w[bh, n, i, kk] * s
+            for i0 in range(ty, Cp, ny * ROW_GROUP):
+                for r in range(ROW_GROUP):
+                    i = i0 + r * ny
+                    acc[r] = u0[bh, n, i, v] if i < Cp and active else zero
+                    acco[r] = zero
+                for kk in range(K):
+                    s = S[kk * TV + tx]
                     for r in range(ROW_GROUP):
                         i = i0 + r * ny
                         if i < Cp:
-                            U[bh, n, i, v] = acc[r]
-            cuda.syncthreads()
+                            acc[r] -= w[bh, n, i, kk] * s
+                            if emit:
+                                acco[r] += qg[bh, n, i, kk] * s
+                for r in range(ROW_GROUP):
+                    i = i0 + r * ny
+                    if i < Cp:
+                        Us[i * TV + tx] = acc[r]
+                        Os[i * TV + tx] = acco[r]
             if active:
-                # S' = total S + kt^T U
-                for k0 in range(ty, K, ny * ROW_GROUP):
-                    for r in range(ROW_GROUP):
-                        kk = k0 + r * ny
-                        acc[r] = total[bh, n, kk] * boundaries[n, bh, kk, v] if kk < K else zero
-                    for i in range(Cp):
-                        u = U[bh, n, i, v]
-                        for r in range(ROW_GROUP):
-                            kk = k0 + r * ny
-                            if kk < K:
-                                acc[r] += kt[bh, n, i, kk] * u
-                    for r in range(ROW_GROUP):
-                        kk = k0 + r * ny
-                        if kk < K:
-                            if n + 1 < NT:
-                                boundaries[n + 1, bh, kk, v] = acc[r]
-                            else:
-                                final[bh, kk, v] = acc[r]
+                for kk in range(ty, K, ny):
+                    boundaries[n, bh, kk, v] = S[kk * TV + tx]
             cuda.syncthreads()
+            if emit:
+                for i in range(ty, Cp, ny):
+                    o = Os[i * TV + tx]
+                    for j in range(i + 1):
+                        o += A[bh, n, i, j] * Us[j * TV + tx]
+                    if active:
+                        out[bh, n, i, v] = o
+            for kk in range(ty, K, ny):
+                s = total[bh, n, kk] * S[kk * TV + tx]
+                for i in range(Cp):
+                    s += kt[bh, n, i, kk] * Us[i * TV + tx]
+                S[kk * TV + tx] = s
+            cuda.syncthreads()
+        if active:
+            for kk in range(ty, K, ny):
+                final[bh, kk, v] = S[kk * TV + tx]
 
-    def chunk_state_grad_pass(w, kt, total, du_local, ds_local, dstate, dends, dU, dinitial):
-        """The state-gradient recurrence, last chunk first; blocks and threads as the state pass."""
-        NT, Cp, K = w.shape[1:]
-        V = du_local.shape[3]
-        tiles = (V + cuda.blockDim.x - 1) // cuda.blockDim.x
+    def chunk_state_grad_pass(qg, A, w, u0, kt, total, do, boundaries, dstate, dends, U, dU, dinitial):
+        """The state-gradient recurrence, last chunk first; blocks and threads as the state pass.
+
+        The block keeps its tile of ``dS`` (the gradient of the state at the end of the chunk)
+        in shared memory. Per chunk: stage the chunk-start state ``S`` and ``dO``; then
+        ``U = u0 - w S`` and ``dU = A^T dO + kt dS`` (one pass over ``K`` for both); after a
+        barrier ``dS_start = total dS + qg^T dO - w^T dU``. Dynamic shared memory:
+        ``(2 K + 2 Cp) * blockDim.x`` elements.
+        """
+        NT, Cp, K = w.shape[1], w.shape[2], w.shape[3]
+        V = u0.shape[3]
+        TV = cuda.blockDim.x
+        tiles = (V + TV - 1) // TV
         bh = cuda.blockIdx.x // tiles
-        v = (cuda.blockIdx.x % tiles) * cuda.blockDim.x + cuda.threadIdx.x
+        tx = cuda.threadIdx.x
+        v = (cuda.blockIdx.x % tiles) * TV + tx
         ty = cuda.threadIdx.y
         ny = cuda.blockDim.y
         active = v < V
+        shared = cuda.shared.array(0, nbtype)
+        dS = shared[: K * TV]
+        S = shared[K * TV : 2 * K * TV]
+        dOs = shared[2 * K * TV : (2 * K + Cp) * TV]
+        dUs = shared[(2 * K + Cp) * TV : (2 * K + 2 * Cp) * TV]
         acc = cuda.local.array(ROW_GROUP, nbtype)
-        if active:
-            for kk in range(ty, K, ny):
-                dends[NT - 1, bh, kk, v] = dstate[bh, kk, v]
-        cuda.syncthreads()
+        accd = cuda.local.array(ROW_GROUP, nbtype)
+        for kk in range(ty, K, ny):
+            dS[kk * TV + tx] = dstate[bh, kk, v] if active else zero
         for n in range(NT - 1, -1, -1):
+            for kk in range(ty, K, ny):
+                S[kk * TV + tx] = boundaries[n, bh, kk, v] if active else zero
+            for i in range(ty, Cp, ny):
+                dOs[i * TV + tx] = do[bh, n, i, v] if active else zero
+            cuda.syncthreads()
             if active:
-                # dU = du_local + kt dS
-                for i0 in range(ty, Cp, ny * ROW_GROUP):
-                    for r in range(ROW_GROUP):
-                        i = i0 + r * ny
-                        acc[r] = du_local[bh, n, i, v] if i < Cp else zero
-                    for kk in range(K):
-                        s = dends[n, bh, kk, v]
-                        for r in range(ROW_GROUP):
-                            i = i0 + r * ny
-                            if i < Cp:
-                                acc[r] += kt[bh, n, i, kk] * s
+                for kk in range(ty, K, ny):
+                    dends[n, bh, kk, v] = dS[kk * TV + tx]
+            for i0 in range(ty, Cp, ny * ROW_GROUP):
+                for r in range(ROW_GROUP):
+                    i = i0 + r * ny
+                    acc[r] = u0[bh, n, i, v] if i < Cp and active else zero
+                    accd[r] = zero
+                    if i < Cp:
+                        for j in range(i, Cp):
+                            accd[r] += A[bh, n, j, i] * dOs[j * TV + tx]
+                for kk in range(K):
+                    s = S[kk * TV + tx]
+                    ds = dS[kk * TV + tx]
                     for r in range(ROW_GROUP):
                         i = i0 + r * ny
                         if i < Cp:
-                            dU[bh, n, i, v] = acc[r]
+                            acc[r] -= w[bh, n, i, kk] * s
+                            accd[r] += kt[bh, n, i, kk] * ds
+                for r in range(ROW_GROUP):
+                    i = i0 + r * ny
+                    if i < Cp:
+                        dUs[i * TV + tx] = accd[r]
+                        if active:
+                            U[bh, n, i, v] = acc[r]
+                            dU[bh, n, i, v] = accd[r]
             cuda.syncthreads()
-            if active:
-                # dS_start = total dS + ds_local - w^T dU
-                for k0 in range(ty, K, ny * ROW_GROUP):
-                    for r in range(ROW_GROUP):
-                        kk = k0 + r * ny
-                        if kk < K:
-                            acc[r] = total[bh, n, kk] * dends[n, bh, kk, v] + ds_local[bh, n, kk, v]
-                        else:
-                            acc[r] = zero
-                    for i in range(Cp):
-                        du = dU[bh, n, i, v]
-                        for r in range(ROW_GROUP):
-                            kk = k0 + r * ny
-                            if kk < K:
-                                acc[r] -= w[bh, n, i, kk] * du
-                    for r in range(ROW_GROUP):
-                        kk = k0 + r * ny
-                        if kk < K:
-                            if n > 0:
-                                dends[n - 1, bh, kk, v] = acc[r]
-                            else:
-                                dinitial[bh, kk, v] = acc[r]
+            for kk in range(ty, K, ny):
+                s = total[bh, n, kk] * dS[kk * TV + tx]
+                for i in range(Cp):
+                    s += qg[bh, n, i, kk] * dOs[i * TV + tx] - w[bh, n, i, kk] * dUs[i * TV + tx]
+                dS[kk * TV + tx] = s
             cuda.syncthreads()
+        if active:
+            for kk in range(ty, K, ny):
+                dinitial[bh, kk, v] = dS[kk * TV + tx]
 
     def chunk_pairs_backward(dA, dL, q, k, F, scale, dq, dk, dg):
         """One thread per (chunk, channel d), visiting every pair twice (row side, column side).
@@ -472,8 +867,32 @@ def build_kernels(dtype: str) -> dict:
                     cuda.atomic.add(dg, (bh, t, kk), dsd * sd)
                     dS[bh, kk, c] = e * dsd
 
+    def gate_flags(g, flags):
+        """Count the log decays that are not ``<= 0``: ``flags[0]`` positive, ``flags[1]`` NaN.
+
+        A grid-stride loop over the flattened ``g``; each thread adds its counts once (atomics
+        only where it found one). ``flags`` must be zero on entry. No host synchronisation: the
+        counts stay on the device until someone reads them.
+        """
+        start = cuda.grid(1)
+        step = cuda.gridsize(1)
+        pos = 0
+        nan = 0
+        for idx in range(start, g.shape[0], step):
+            x = g[idx]
+            if x != x:
+                nan += 1
+            elif x > zero:
+                pos += 1
+        if pos:
+            cuda.atomic.add(flags, 0, pos)
+        if nan:
+            cuda.atomic.add(flags, 1, nan)
+
     return {
         "chunk_factors": chunk_factors,
+        "chunk_local": chunk_local,
+        "chunk_local_backward": chunk_local_backward,
         "chunk_pairs": chunk_pairs,
         "unit_lower_inverse": unit_lower_inverse,
         "chunk_state_pass": chunk_state_pass,
@@ -482,6 +901,7 @@ def build_kernels(dtype: str) -> dict:
         "chunk_gate_gradient": chunk_gate_gradient,
         "recurrent_forward": recurrent_forward,
         "recurrent_backward": recurrent_backward,
+        "gate_flags": gate_flags,
     }
 
 

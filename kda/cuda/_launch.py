@@ -1,9 +1,11 @@
 """Launch wrappers: the primitive interface of :mod:`kda.reference`, run by Numba-CUDA kernels.
 
-Each wrapper validates its arrays, flattens the leading dimensions, allocates the outputs in
-the caller's namespace, sizes the grid and launches one kernel on the current CuPy stream
+Each wrapper validates its arrays, flattens the leading dimensions (views: the arrays it is
+given are C-contiguous), allocates the outputs in the caller's namespace (``empty`` wherever the
+kernel writes every element), sizes the grid and launches one kernel on the current CuPy stream
 (CuPy arrays) or on the default stream (NumPy arrays under Numba's CUDA simulator). Every
-launch is counted in :data:`LAUNCHES`.
+launch is counted in :data:`LAUNCHES`; every operand that had to be copied to make it
+C-contiguous (none, on the chunked algorithm's path) in :data:`COPIES`.
 """
 
 from __future__ import annotations
@@ -12,22 +14,26 @@ import math
 from collections import Counter
 from typing import Any
 
-import numba
+import numpy as np
 from array_api_compat import array_namespace, device, is_cupy_array
 from numba import cuda
 
-from ..reference._chunk import ChunkFactors, from_chunks, to_chunks
-from ._kernels import DTYPES, PAIR_GROUP, compiled
+from ..reference._chunk import ChunkFactors, ChunkLocal, from_chunks, local_backward, to_chunks
+from ._kernels import DTYPES, LOCAL_TILE_K, PAIR_GROUP, compiled
 
 __all__ = [
     "LAUNCHES",
     "chunk_factors",
     "chunk_gate_gradient",
+    "chunk_local",
+    "chunk_local_backward",
     "chunk_pairs",
     "chunk_pairs_backward",
     "chunk_state_grad_pass",
     "chunk_state_pass",
     "from_chunks",
+    "gate_flags",
+    "raise_for_gates",
     "recurrent_backward",
     "recurrent_forward",
     "to_chunks",
@@ -36,15 +42,21 @@ __all__ = [
 
 # threads per block of the one-thread-per-output kernels
 THREADS_PER_BLOCK = 128
-# value columns per block of the state passes (threads x), and threads sharing their rows (y):
-# 8 x 16 gives B * H * V / 8 blocks (256 at B=1, H=16, V=128) of 128 threads, 32-byte rows
-STATE_TILE_V = 8
-STATE_ROWS = 16
-# the simulator pays per thread at every syncthreads: one row thread there
-SIMULATOR_STATE_ROWS = 1
+# the state passes: blocks of STATE_THREADS threads, STATE_TILE_V value columns (threads x) by
+# STATE_THREADS / STATE_TILE_V row threads (y); B * H * V / 16 blocks (128 at B=1, H=16, V=128).
+# The same block shape runs under the simulator (the tests exercise the real layout).
+STATE_TILE_V = 16
+STATE_THREADS = 256
+# threads of chunk_local's block and of chunk_local_backward's (one block per chunk)
+LOCAL_THREADS = 128
+LOCAL_BACKWARD_THREADS = 64
+# dynamic shared memory a block may use without opting in (bytes)
+SHARED_LIMIT = 48 * 1024
 
 # kernel name -> number of launches since import (or since the last clear())
 LAUNCHES: Counter = Counter()
+# kernel name -> number of operands a wrapper had to copy to make them C-contiguous
+COPIES: Counter = Counter()
 
 
 def _dtype_name(name: str, *arrays: Any) -> str:
@@ -80,20 +92,40 @@ def _zeros(xp: Any, like: Any, shape: tuple[int, ...]) -> Any:
     return xp.zeros(shape, dtype=like.dtype, device=device(like))
 
 
-def _contiguous(a: Any) -> Any:
+def _is_contiguous(a: Any) -> bool:
     flags = getattr(a, "flags", None)
-    if flags is None or flags.c_contiguous:
+    return flags is None or bool(flags.c_contiguous)
+
+
+def _c(name: str, a: Any) -> Any:
+    """``a`` itself when C-contiguous, else a C-contiguous copy (counted in :data:`COPIES`)."""
+    if _is_contiguous(a):
         return a
+    COPIES[name] += 1
+    if is_cupy_array(a):
+        import cupy
+
+        return cupy.ascontiguousarray(a)
     import numpy as np
 
     return np.ascontiguousarray(a)
 
 
-def _launch(name: str, dtype: str, grid: int, block: Any, *args: Any) -> None:
-    """Launch kernel ``name`` on the caller's stream; nothing to do for an empty grid."""
+def _contiguous(a: Any) -> Any:
+    """``a`` or a C-contiguous copy of it (kept for the decode kernels' launcher)."""
+    return _c("_contiguous", a)
+
+
+def _launch(name: str, dtype: str, grid: int, block: Any, *args: Any, shared: int = 0) -> None:
+    """Launch kernel ``name`` on the caller's stream; nothing to do for an empty grid.
+
+    Every array argument must be C-contiguous (the kernels' signatures say so); ``shared`` is the
+    dynamic shared memory of a block in bytes.
+    """
     if grid == 0:
         return
     kernel = compiled(name, dtype)
+    args = tuple(_c(name, a) for a in args)
     if any(is_cupy_array(a) for a in args):
         import cupy
 
@@ -102,10 +134,8 @@ def _launch(name: str, dtype: str, grid: int, block: Any, *args: Any) -> None:
         # same stream as CuPy's work: no host synchronisation on the arrays' stream is needed
         args = tuple(cuda.as_cuda_array(a, sync=False) if is_cupy_array(a) else a for a in args)
     else:
-        # host arrays (the simulator) travel as one contiguous buffer; outputs already are one
-        stream = 0
-        args = tuple(_contiguous(a) for a in args)
-    kernel[grid, block, stream](*args)
+        stream = 0  # host arrays: the simulator
+    kernel[grid, block, stream, shared](*args)
     LAUNCHES[name] += 1
 
 
@@ -113,9 +143,25 @@ def _grid(threads: int) -> int:
     return -(-threads // THREADS_PER_BLOCK)
 
 
-def _state_block(V: int) -> tuple[int, int]:
-    rows = SIMULATOR_STATE_ROWS if numba.config.ENABLE_CUDASIM else STATE_ROWS
-    return min(STATE_TILE_V, max(V, 1)), rows
+def _state_block(name: str, K: int, Cp: int, itemsize: int, rows: int) -> tuple[tuple[int, int], int]:
+    """Block shape and dynamic shared memory of a state pass keeping ``rows`` rows of ``TV`` columns.
+
+    ``TV = STATE_TILE_V`` value columns unless the tiles would not fit in :data:`SHARED_LIMIT`;
+    then fewer columns (and more row threads), down to one.
+    """
+    tv = STATE_TILE_V
+    while tv > 1 and rows * tv * itemsize > SHARED_LIMIT:
+        tv //= 2
+    if rows * tv * itemsize > SHARED_LIMIT:
+        from .._errors import InvalidInputError
+
+        msg = (
+            f"{name}: K={K} with a padded chunk of {Cp} steps needs {rows * itemsize} bytes of shared "
+            f"memory per value column, over the {SHARED_LIMIT} a block has; use a smaller chunk_size "
+            "or backend='reference'"
+        )
+        raise InvalidInputError(msg)
+    return (tv, STATE_THREADS // tv), rows * tv * itemsize
 
 
 def _flat(xp: Any, x: Any, lead: int) -> Any:
@@ -190,14 +236,135 @@ def unit_lower_inverse(beta: Any, L: Any) -> Any:
     return xp.reshape(Tinv, L.shape)
 
 
-def chunk_state_pass(w: Any, u0: Any, kt: Any, total: Any, state: Any) -> tuple[Any, Any, Any]:
-    """The state recurrence over every chunk, in one kernel.
+def _local_shared(Cp: int, itemsize: int) -> int:
+    """Bytes of dynamic shared memory of :func:`chunk_local`'s block."""
+    return (Cp + Cp * (Cp + 1) // 2 + max(2 * Cp * LOCAL_TILE_K, Cp * Cp // 4)) * itemsize
 
-    Returns ``boundaries [NT, B, H, K, V]``, ``U [B, H, NT, Cp, V]`` and the final state.
+
+def chunk_local(q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float) -> ChunkLocal:
+    """The state-free work of every chunk in one kernel, one block per chunk (no factor array).
+
+    ``q, k, g: [..., Cp, K]``, ``v: [..., Cp, V]``, ``beta: [..., Cp]``. When a chunk's inverse
+    and tiles do not fit in :data:`SHARED_LIMIT` (float32 beyond 64 padded steps, float64
+    beyond 64), the unfused kernels run instead: factors, pairs, inverse and two products.
+    """
+    name = "chunk_local"
+    xp = array_namespace(q, k, g, v, beta)
+    dtype = _dtype_name(name, q, k, g, v, beta)
+    _check_ndim(name, "q", q, 5)
+    *lead, Cp, K = q.shape
+    V = v.shape[-1]
+    _check_shape(name, "k", k, q.shape)
+    _check_shape(name, "g", g, q.shape)
+    _check_shape(name, "v", v, (*lead, Cp, V))
+    _check_shape(name, "beta", beta, (*lead, Cp))
+    if Cp & (Cp - 1):
+        msg = f"{name}: the padded chunk size must be a power of two; got {Cp}"
+        raise ValueError(msg)
+    shared = _local_shared(Cp, q.dtype.itemsize)
+    if shared > SHARED_LIMIT:
+        f = chunk_factors(q, k, g, scale)
+        A, L = chunk_pairs(q, k, f, scale)
+        Tinv = unit_lower_inverse(beta, L)
+        b = beta[..., None]
+        w, u0 = xp.matmul(Tinv, b * f.kg), xp.matmul(Tinv, b * v)
+        return ChunkLocal(f.qg, f.kg, f.kt, f.total, A, L, Tinv, w, u0, private=f)
+    N = math.prod(lead)
+    qg, kg, kt, w = (_empty(xp, q, (N, Cp, K)) for _ in range(4))
+    total = _empty(xp, q, (N, K))
+    A, L, Tinv = (_empty(xp, q, (N, Cp, Cp)) for _ in range(3))
+    u0 = _empty(xp, q, (N, Cp, V))
+    args = [_flat(xp, x, 3) for x in (q, k, g, v)] + [xp.reshape(beta, (N, Cp)), q.dtype.type(scale)]
+    _launch(name, dtype, N, LOCAL_THREADS, *args, qg, kg, kt, total, A, L, Tinv, w, u0, shared=shared)
+    return ChunkLocal(
+        *(xp.reshape(x, q.shape) for x in (qg, kg, kt)),
+        xp.reshape(total, (*lead, K)),
+        *(xp.reshape(x, (*lead, Cp, Cp)) for x in (A, L, Tinv)),
+        xp.reshape(w, q.shape),
+        xp.reshape(u0, v.shape),
+    )
+
+
+def chunk_local_backward(
+    q: Any,
+    k: Any,
+    g: Any,
+    v: Any,
+    beta: Any,
+    scale: float,
+    loc: ChunkLocal,
+    boundaries: Any,
+    dends: Any,
+    u: Any,
+    du: Any,
+    grad_output: Any,
+) -> tuple[Any, Any, Any, Any, Any]:
+    """Gradients of every chunk's state-free work in one kernel, one block per chunk.
+
+    Returns ``dq, dk, dv, dg, dbeta`` (see :mod:`kda.reference`). When a block's factor columns
+    do not fit in :data:`SHARED_LIMIT` (float64 beyond 64 padded steps, float32 beyond 128), the
+    unfused kernels and array products run instead.
+    """
+    name = "chunk_local_backward"
+    xp = array_namespace(q, k, g, v, beta, boundaries, dends, u, du, grad_output)
+    _check_ndim(name, "q", q, 5)
+    B, H, NT, Cp, K = q.shape
+    V = v.shape[-1]
+    for arg, x, shape in (
+        ("k", k, q.shape),
+        ("g", g, q.shape),
+        ("v", v, (B, H, NT, Cp, V)),
+        ("beta", beta, (B, H, NT, Cp)),
+        ("boundaries", boundaries, (NT, B, H, K, V)),
+        ("dends", dends, (NT, B, H, K, V)),
+        ("u", u, v.shape),
+        ("du", du, v.shape),
+        ("grad_output", grad_output, v.shape),
+    ):
+        _check_shape(name, arg, x, shape)
+    fields = (loc.qg, loc.kg, loc.kt, loc.total, loc.L, loc.Tinv, loc.w, loc.u0)
+    dtype = _dtype_name(name, q, k, g, v, beta, boundaries, dends, u, du, grad_output, *fields)
+    shared = Cp * LOCAL_BACKWARD_THREADS * q.dtype.itemsize
+    if shared > SHARED_LIMIT:
+        import sys
+
+        return local_backward(
+            sys.modules[__name__], q, k, g, v, beta, scale, loc, boundaries, dends, u, du, grad_output
+        )
+    N = B * H * NT
+    BH = B * H
+    dqg, dkt, dkw, dq, dk, dg = (_empty(xp, q, (N, Cp, K)) for _ in range(6))
+    dku, dv = (_empty(xp, q, (N, Cp, V)) for _ in range(2))
+    dA, dX = (_empty(xp, q, (N, Cp, Cp)) for _ in range(2))
+    dtot = _empty(xp, q, (N, K))
+    dbeta = _empty(xp, q, (N, Cp))
+    args = [_flat(xp, x, 3) for x in (q, k, g, v)] + [xp.reshape(beta, (N, Cp)), q.dtype.type(scale)]
+    args += [xp.reshape(x, (N, *x.shape[3:])) for x in fields]
+    args += [xp.reshape(x, (NT, BH, K, V)) for x in (boundaries, dends)]
+    args += [_flat(xp, x, 3) for x in (u, du, grad_output)]
+    scratch = (dqg, dkt, dkw, dku, dA, dX, dtot)
+    outs = (dq, dk, dv, dg, dbeta)
+    _launch(name, dtype, N, LOCAL_BACKWARD_THREADS, *args, *scratch, *outs, shared=shared)
+    return (
+        *(xp.reshape(x, q.shape) for x in (dq, dk)),
+        xp.reshape(dv, v.shape),
+        xp.reshape(dg, q.shape),
+        xp.reshape(dbeta, beta.shape),
+    )
+
+
+def chunk_state_pass(
+    w: Any, u0: Any, kt: Any, total: Any, state: Any, qg: Any = None, A: Any = None
+) -> tuple[Any, Any, Any]:
+    """The state recurrence over every chunk with the output ``O = qg S + A U``, in one kernel.
+
+    Returns ``boundaries [NT, B, H, K, V]``, ``output [B, H, NT, Cp, V]`` (``None`` without
+    ``qg`` and ``A``: the states alone) and the final state.
     """
     name = "chunk_state_pass"
     xp = array_namespace(w, u0, kt, total, state)
-    dtype = _dtype_name(name, w, u0, kt, total, state)
+    emit = qg is not None
+    dtype = _dtype_name(name, w, u0, kt, total, state, *((qg, A) if emit else ()))
     _check_ndim(name, "w", w, 5)
     _check_ndim(name, "u0", u0, 5)
     B, H, NT, Cp, K = w.shape
@@ -206,51 +373,79 @@ def chunk_state_pass(w: Any, u0: Any, kt: Any, total: Any, state: Any) -> tuple[
     _check_shape(name, "kt", kt, w.shape)
     _check_shape(name, "total", total, (B, H, NT, K))
     _check_shape(name, "state", state, (B, H, K, V))
+    if emit:
+        _check_shape(name, "qg", qg, w.shape)
+        _check_shape(name, "A", A, (B, H, NT, Cp, Cp))
     BH = B * H
     boundaries = _empty(xp, w, (NT, BH, K, V))
-    U = _empty(xp, w, (BH, NT, Cp, V))
     final = _empty(xp, w, (BH, K, V))
-    if NT == 0:
-        return xp.reshape(boundaries, (NT, B, H, K, V)), xp.reshape(U, u0.shape), xp.asarray(state, copy=True)
-    tile, rows = _state_block(V)
-    grid = BH * (-(-V // tile)) if K * V else 0
-    args = (_flat(xp, w, 2), _flat(xp, u0, 2), _flat(xp, kt, 2), _flat(xp, total, 2), _flat(xp, state, 2))
-    _launch(name, dtype, grid, (tile, rows), *args, boundaries, U, final)
-    return xp.reshape(boundaries, (NT, B, H, K, V)), xp.reshape(U, u0.shape), xp.reshape(final, state.shape)
+    out = _empty(xp, w, (BH, NT, Cp, V) if emit else (1, 1, 1, 1))
+    if NT == 0 or K * V == 0:
+        final = xp.asarray(state, copy=True)
+        out = _zeros(xp, w, out.shape)
+    block, shared = _state_block(name, K, Cp, w.dtype.itemsize, K + 2 * Cp)
+    grid = BH * (-(-V // block[0])) if NT and K * V else 0
+    if emit:
+        dense = (_flat(xp, qg, 2), _flat(xp, A, 2))
+    else:
+        dense = (_empty(xp, w, (1, 1, 1, K)), _empty(xp, w, (1, 1, 1, 1)))
+    args = (*dense, *(_flat(xp, x, 2) for x in (w, u0, kt, total, state)), np.int32(emit))
+    _launch(name, dtype, grid, block, *args, out, boundaries, final, shared=shared)
+    output = xp.reshape(out, u0.shape) if emit else None
+    return xp.reshape(boundaries, (NT, B, H, K, V)), output, xp.reshape(final, state.shape)
 
 
 def chunk_state_grad_pass(
-    w: Any, kt: Any, total: Any, du_local: Any, ds_local: Any, dstate: Any
-) -> tuple[Any, Any, Any]:
+    w: Any,
+    u0: Any,
+    kt: Any,
+    total: Any,
+    qg: Any,
+    A: Any,
+    grad_output: Any,
+    boundaries: Any,
+    dstate: Any,
+) -> tuple[Any, Any, Any, Any]:
     """The state-gradient recurrence over every chunk, last first, in one kernel.
 
-    Returns ``dends [NT, B, H, K, V]``, ``dU [B, H, NT, Cp, V]`` and the initial-state gradient.
+    Returns ``dends [NT, B, H, K, V]``, ``U`` and ``dU`` (``[B, H, NT, Cp, V]``) and the
+    initial-state gradient (see :mod:`kda.reference`).
     """
     name = "chunk_state_grad_pass"
-    xp = array_namespace(w, kt, total, du_local, ds_local, dstate)
-    dtype = _dtype_name(name, w, kt, total, du_local, ds_local, dstate)
+    arrays = (w, u0, kt, total, qg, A, grad_output, boundaries, dstate)
+    xp = array_namespace(*arrays)
+    dtype = _dtype_name(name, *arrays)
     _check_ndim(name, "w", w, 5)
-    _check_ndim(name, "du_local", du_local, 5)
+    _check_ndim(name, "u0", u0, 5)
     B, H, NT, Cp, K = w.shape
-    V = du_local.shape[-1]
+    V = u0.shape[-1]
+    _check_shape(name, "u0", u0, (B, H, NT, Cp, V))
     _check_shape(name, "kt", kt, w.shape)
+    _check_shape(name, "qg", qg, w.shape)
     _check_shape(name, "total", total, (B, H, NT, K))
-    _check_shape(name, "du_local", du_local, (B, H, NT, Cp, V))
-    _check_shape(name, "ds_local", ds_local, (B, H, NT, K, V))
+    _check_shape(name, "A", A, (B, H, NT, Cp, Cp))
+    _check_shape(name, "grad_output", grad_output, u0.shape)
+    _check_shape(name, "boundaries", boundaries, (NT, B, H, K, V))
     _check_shape(name, "dstate", dstate, (B, H, K, V))
     BH = B * H
     dends = _empty(xp, w, (NT, BH, K, V))
-    dU = _empty(xp, w, (BH, NT, Cp, V))
+    U, dU = (_empty(xp, w, (BH, NT, Cp, V)) for _ in range(2))
     dinitial = _empty(xp, w, (BH, K, V))
-    if NT == 0:
+    if NT == 0 or K * V == 0:
         dinitial = xp.asarray(dstate, copy=True)
-        return xp.reshape(dends, (NT, B, H, K, V)), xp.reshape(dU, du_local.shape), dinitial
-    tile, rows = _state_block(V)
-    grid = BH * (-(-V // tile)) if K * V else 0
-    args = [_flat(xp, x, 2) for x in (w, kt, total, du_local, ds_local, dstate)]
-    _launch(name, dtype, grid, (tile, rows), *args, dends, dU, dinitial)
+        U, dU = (_zeros(xp, w, (BH, NT, Cp, V)) for _ in range(2))
+    block, shared = _state_block(name, K, Cp, w.dtype.itemsize, 2 * K + 2 * Cp)
+    grid = BH * (-(-V // block[0])) if NT and K * V else 0
+    args = [_flat(xp, x, 2) for x in (qg, A, w, u0, kt, total, grad_output)]
+    args += [xp.reshape(boundaries, (NT, BH, K, V)), _flat(xp, dstate, 2)]
+    _launch(name, dtype, grid, block, *args, dends, U, dU, dinitial, shared=shared)
     shape = (NT, B, H, K, V)
-    return xp.reshape(dends, shape), xp.reshape(dU, du_local.shape), xp.reshape(dinitial, dstate.shape)
+    return (
+        xp.reshape(dends, shape),
+        xp.reshape(U, u0.shape),
+        xp.reshape(dU, u0.shape),
+        xp.reshape(dinitial, dstate.shape),
+    )
 
 
 def chunk_pairs_backward(
@@ -313,10 +508,10 @@ def recurrent_forward(q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, s
     dtype = _dtype_name(name, q, k, v, g, beta, state)
     B, H, T, K, V = _check_recurrent(name, q, k, v, g, beta, state)
     BH = B * H
-    o = _zeros(xp, v, (BH, T, V))
+    grid = _grid(BH * V) if K else 0
+    o = (_empty if grid else _zeros)(xp, v, (BH, T, V))  # every element written by the kernel
     final = _empty(xp, state, (BH, K, V))
     args = [_flat(xp, x, 2) for x in (q, k, g, v, beta)]
-    grid = _grid(BH * V) if K else 0
     _launch(name, dtype, grid, THREADS_PER_BLOCK, *args, q.dtype.type(scale), _flat(xp, state, 2), o, final)
     if grid == 0:
         final = xp.asarray(state, copy=True)
@@ -351,9 +546,9 @@ def recurrent_backward(
     seg = _empty(xp, state, (stride, BH, K, V))
     dq, dk, dg = (_zeros(xp, q, (BH, T, K)) for _ in range(3))
     dbeta = _zeros(xp, q, (BH, T))
-    dv = _zeros(xp, v, (BH, T, V))
-    dS = _empty(xp, state, (BH, K, V))
     grid = _grid(BH * V) if K else 0
+    dv = (_empty if grid else _zeros)(xp, v, (BH, T, V))  # every element written by the kernel
+    dS = _empty(xp, state, (BH, K, V))
     flat = [_flat(xp, x, 2) for x in (q, k, g, v, beta)]
     tail = (_flat(xp, state, 2), _flat(xp, grad_output, 2), _flat(xp, grad_state, 2), stride, ckpt, seg)
     outs = (dq, dk, dg, dbeta, dv, dS)
@@ -362,3 +557,39 @@ def recurrent_backward(
         dS = xp.asarray(grad_state, copy=True)
     dq, dk, dg = (xp.reshape(x, q.shape) for x in (dq, dk, dg))
     return dq, dk, xp.reshape(dv, v.shape), dg, xp.reshape(dbeta, beta.shape), xp.reshape(dS, state.shape)
+
+
+GATE_DTYPES = ("float16", "float32", "float64")
+
+
+def gate_flags(g: Any) -> Any:
+    """Count the invalid log decays of ``g`` on the device, without a host synchronisation.
+
+    Returns an int32 array ``[2]`` in ``g``'s namespace: the number of positive and of NaN
+    elements (``-inf`` is valid). The counts are final once the caller's stream reaches them;
+    :func:`raise_for_gates` reads them (that read is the only synchronisation).
+    """
+    name = "gate_flags"
+    xp = array_namespace(g)
+    dname = str(g.dtype)
+    if dname not in GATE_DTYPES:
+        msg = f"{name}: g must be float16, float32 or float64 here; got {dname}"
+        raise TypeError(msg)
+    flags = xp.zeros((2,), dtype=xp.int32, device=device(g))
+    n = math.prod(g.shape)
+    grid = min(_grid(n), 1024)
+    _launch(name, dname, grid, THREADS_PER_BLOCK, xp.reshape(g, (n,)), flags)
+    return flags
+
+
+def raise_for_gates(flags: Any) -> None:
+    """Raise :class:`kda.InvalidInputError` if :func:`gate_flags` found invalid decays (reads them)."""
+    from .._errors import InvalidInputError
+
+    n_pos, n_nan = (int(x) for x in flags)
+    if n_pos or n_nan:
+        msg = (
+            "g must hold log decays <= 0 (-inf allowed: a hard reset); "
+            f"got {n_pos} positive and {n_nan} NaN elements"
+        )
+        raise InvalidInputError(msg)

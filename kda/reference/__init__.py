@@ -6,8 +6,11 @@ It serves NumPy and any other namespace that follows the array API standard
 
 from ._chunk import (
     ChunkFactors,
+    ChunkLocal,
     chunk_factors,
     chunk_gate_gradient,
+    chunk_local,
+    chunk_local_backward,
     chunk_pairs,
     chunk_pairs_backward,
     chunk_state_grad_pass,
@@ -26,8 +29,11 @@ __all__ = [
     "NAME",
     "SLAB_ELEMENTS",
     "ChunkFactors",
+    "ChunkLocal",
     "chunk_factors",
     "chunk_gate_gradient",
+    "chunk_local",
+    "chunk_local_backward",
     "chunk_pairs",
     "chunk_pairs_backward",
     "chunk_state_grad_pass",

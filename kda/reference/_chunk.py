@@ -32,8 +32,11 @@ from ._blocks import (
 
 __all__ = [
     "ChunkFactors",
+    "ChunkLocal",
     "chunk_factors",
     "chunk_gate_gradient",
+    "chunk_local",
+    "chunk_local_backward",
     "chunk_pairs",
     "chunk_pairs_backward",
     "chunk_state_grad_pass",
@@ -186,21 +189,144 @@ def unit_lower_inverse(beta: Any, L: Any) -> Any:
     return blocks[..., 0, :, :]
 
 
-def chunk_state_pass(w: Any, u0: Any, kt: Any, total: Any, state: Any) -> tuple[Any, Any, Any]:
-    """The sequential state recurrence over chunks.
+@dataclass
+class ChunkLocal:
+    """The state-free work of every chunk that the forward needs, from :func:`chunk_local`.
 
-    For chunk ``n`` with start state ``S``: ``U = u0 - w S`` and the next state is
-    ``total[:, None] * S + kt^T U``.
+    Attributes
+    ----------
+    qg, kg, kt : ``[..., Cp, K]``, as in :class:`ChunkFactors`.
+    total : ``[..., K]``, the decay over the whole chunk.
+    A : ``[..., Cp, Cp]`` lower triangular; L : ``[..., Cp, Cp]`` strictly lower triangular
+        (:func:`chunk_pairs`).
+    Tinv : ``[..., Cp, Cp]``, ``T = (I + diag(beta) L)^-1`` (:func:`unit_lower_inverse`).
+    w : ``[..., Cp, K]``, ``T diag(beta) kg``; u0 : ``[..., Cp, V]``, ``T diag(beta) v``, with
+        ``T = (I + diag(beta) L)^-1``.
+    private : whatever the backend keeps for its own :func:`chunk_local_backward`; here the
+        :class:`ChunkFactors`, so that the backward does not build them again.
+    """
+
+    qg: Any
+    kg: Any
+    kt: Any
+    total: Any
+    A: Any
+    L: Any
+    Tinv: Any
+    w: Any
+    u0: Any
+    private: Any = None
+
+
+def chunk_local(q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float) -> ChunkLocal:
+    """Everything of every chunk that does not depend on the state: one fused step.
+
+    ``q, k, g: [..., Cp, K]``, ``v: [..., Cp, V]``, ``beta: [..., Cp]``. The same as
+    :func:`chunk_factors`, :func:`chunk_pairs`, :func:`unit_lower_inverse` and the products
+    ``[W, U0] = T [diag(beta) kg, diag(beta) v]`` in turn (which is how it is computed here); a
+    backend may fuse them (the CUDA backend runs one block per chunk and keeps no factor array).
+    """
+    xp = array_namespace(q, k, g, v, beta)
+    f = chunk_factors(q, k, g, scale)
+    A, L = chunk_pairs(q, k, f, scale)
+    Tinv = unit_lower_inverse(beta, L)
+    b = beta[..., None]
+    w = xp.matmul(Tinv, b * f.kg)
+    u0 = xp.matmul(Tinv, b * v)
+    return ChunkLocal(f.qg, f.kg, f.kt, f.total, A, L, Tinv, w, u0, private=f)
+
+
+def chunk_local_backward(
+    q: Any,
+    k: Any,
+    g: Any,
+    v: Any,
+    beta: Any,
+    scale: float,
+    loc: ChunkLocal,
+    boundaries: Any,
+    dends: Any,
+    u: Any,
+    du: Any,
+    grad_output: Any,
+) -> tuple[Any, Any, Any, Any, Any]:
+    """Gradients of every chunk's state-free work, given its states and the state pass's gradients.
+
+    Parameters
+    ----------
+    q, k, g : ``[B, H, NT, Cp, K]``; v : ``[B, H, NT, Cp, V]``; beta : ``[B, H, NT, Cp]``.
+    loc : :func:`chunk_local` of these chunks.
+    boundaries, dends : ``[NT, B, H, K, V]``, the state at the start of each chunk and the
+        gradient of the state at its end (:func:`chunk_state_grad_pass`).
+    u, du, grad_output : ``[B, H, NT, Cp, V]``: ``U``, its gradient, and the output gradient.
+
+    Returns
+    -------
+    dq, dk, dg : ``[B, H, NT, Cp, K]``; dv : ``[B, H, NT, Cp, V]``; dbeta : ``[B, H, NT, Cp]``.
+    """
+    import sys
+
+    return local_backward(
+        sys.modules[__name__], q, k, g, v, beta, scale, loc, boundaries, dends, u, du, grad_output
+    )
+
+
+def local_backward(
+    ops: Any, q, k, g, v, beta, scale: float, loc: ChunkLocal, boundaries, dends, u, du, grad_output
+) -> tuple[Any, Any, Any, Any, Any]:
+    """:func:`chunk_local_backward` written with the array API and ``ops``' finer primitives.
+
+    ``ops`` provides :func:`chunk_factors`, :func:`chunk_pairs_backward` and
+    :func:`chunk_gate_gradient` (this module, or a backend's own for chunks its fused kernel
+    does not take).
+    """
+    xp = array_namespace(q, k, g, v, beta)
+    mT = xp.matrix_transpose
+    S = xp.permute_dims(boundaries, (1, 2, 0, 3, 4))
+    dS = xp.permute_dims(dends, (1, 2, 0, 3, 4))
+    b = beta[..., None]
+    dO = grad_output
+    # O = qg S + A U and S' = total S + kt^T U
+    dqg = xp.matmul(dO, mT(S))
+    dA = xp.tril(xp.matmul(dO, mT(u)))
+    dkt = xp.matmul(u, mT(dS))
+    dtotal = xp.sum(S * dS, axis=-1)
+    # U = U0 - W S with W = T beta kg, U0 = T beta v: gradients of beta kg and beta v
+    TinvT = mT(loc.Tinv)
+    dkw = -xp.matmul(TinvT, xp.matmul(du, mT(S)))
+    dku = xp.matmul(TinvT, du)
+    # T = X^-1 with X = I + diag(beta) L, and dT = dW (beta kg)^T + dU0 (beta v)^T:
+    # dX = -T^T dT T^T = -(dkw W^T + dku U0^T)
+    dX = xp.tril(-(xp.matmul(dkw, mT(loc.w)) + xp.matmul(dku, mT(loc.u0))), k=-1)
+    dbeta = xp.sum(dX * loc.L, axis=-1) + xp.sum(loc.kg * dkw, axis=-1) + xp.sum(v * dku, axis=-1)
+    dkg = b * dkw
+    f = loc.private if isinstance(loc.private, ChunkFactors) else ops.chunk_factors(q, k, g, scale)
+    dq, dk, dg_pairs = ops.chunk_pairs_backward(dA, b * dX, q, k, f, scale)
+    dq = dq + scale * f.prefix * dqg
+    dk = dk + f.prefix * dkg + f.suffix * dkt
+    dg = ops.chunk_gate_gradient(f.qg * dqg + f.kg * dkg, f.kt * dkt, f.total * dtotal, dg_pairs)
+    return dq, dk, b * dku, dg, dbeta
+
+
+def chunk_state_pass(
+    w: Any, u0: Any, kt: Any, total: Any, state: Any, qg: Any = None, A: Any = None
+) -> tuple[Any, Any, Any]:
+    """The sequential state recurrence over chunks, with the output fused in.
+
+    For chunk ``n`` with start state ``S``: ``U = u0 - w S``, the output ``O = qg S + A U`` and
+    the next state ``total[:, None] * S + kt^T U``.
 
     Parameters
     ----------
     w : ``[B, H, NT, Cp, K]``; u0 : ``[B, H, NT, Cp, V]``; kt : ``[B, H, NT, Cp, K]``;
     total : ``[B, H, NT, K]``; state : ``[B, H, K, V]``, the state before the first chunk.
+    qg : ``[B, H, NT, Cp, K]`` and A : ``[B, H, NT, Cp, Cp]`` (lower triangular; only that
+        triangle is read), or both ``None`` for the states alone.
 
     Returns
     -------
     boundaries : ``[NT, B, H, K, V]``, the state at the start of each chunk.
-    u : ``[B, H, NT, Cp, V]``, the corrected values ``U`` of each chunk.
+    output : ``[B, H, NT, Cp, V]``, ``O`` of each chunk, or ``None`` without ``qg`` and ``A``.
     final_state : ``[B, H, K, V]``.
     """
     xp = array_namespace(w, u0, kt, total, state)
@@ -211,45 +337,73 @@ def chunk_state_pass(w: Any, u0: Any, kt: Any, total: Any, state: Any) -> tuple[
         U = u0[:, :, n, ...] - xp.matmul(w[:, :, n, ...], S)
         us.append(U)
         S = total[:, :, n, :, None] * S + xp.matmul(xp.matrix_transpose(kt[:, :, n, ...]), U)
-    return xp.stack(starts, axis=0), xp.stack(us, axis=2), S
+    boundaries = _stack_states(xp, starts, state)
+    if qg is None:
+        return boundaries, None, S
+    if not us:
+        return boundaries, xp.zeros(u0.shape, dtype=u0.dtype, device=u0.device), S
+    # the output of every chunk at once: one batched product each
+    by_head = xp.permute_dims(boundaries, (1, 2, 0, 3, 4))
+    output = xp.matmul(qg, by_head) + xp.matmul(xp.tril(A), xp.stack(us, axis=2))
+    return boundaries, output, S
+
+
+def _stack_states(xp: Any, states: list[Any], like: Any) -> Any:
+    """``[NT, B, H, K, V]`` from a list of ``NT`` states (``NT`` may be 0)."""
+    if states:
+        return xp.stack(states, axis=0)
+    return xp.zeros((0, *like.shape), dtype=like.dtype, device=like.device)
 
 
 def chunk_state_grad_pass(
-    w: Any, kt: Any, total: Any, du_local: Any, ds_local: Any, dstate: Any
-) -> tuple[Any, Any, Any]:
-    """The state-gradient recurrence over chunks, last chunk first.
+    w: Any,
+    u0: Any,
+    kt: Any,
+    total: Any,
+    qg: Any,
+    A: Any,
+    grad_output: Any,
+    boundaries: Any,
+    dstate: Any,
+) -> tuple[Any, Any, Any, Any]:
+    """The state-gradient recurrence over chunks, last chunk first, with its local terms fused in.
 
-    With ``dS`` the gradient of the state at the end of chunk ``n``:
-    ``dU = du_local + kt dS`` and the gradient at its start is
-    ``total[:, None] * dS + ds_local - w^T dU``.
+    With ``S`` the state at the start of chunk ``n`` (``boundaries[n]``), ``dO`` its output
+    gradient and ``dS`` the gradient of the state at its end: ``U = u0 - w S``,
+    ``dU = A^T dO + kt dS`` and the gradient at its start is
+    ``total[:, None] * dS + qg^T dO - w^T dU``.
 
     Parameters
     ----------
-    w, kt : ``[B, H, NT, Cp, K]``; total : ``[B, H, NT, K]``;
-    du_local : ``[B, H, NT, Cp, V]`` (``A^T dO``); ds_local : ``[B, H, NT, K, V]`` (``qg^T dO``);
-    dstate : ``[B, H, K, V]``, the gradient of the final state.
+    w, kt, qg : ``[B, H, NT, Cp, K]``; u0, grad_output : ``[B, H, NT, Cp, V]``;
+    total : ``[B, H, NT, K]``; A : ``[B, H, NT, Cp, Cp]`` (only its lower triangle is read);
+    boundaries : ``[NT, B, H, K, V]``; dstate : ``[B, H, K, V]``, the gradient of the final state.
 
     Returns
     -------
     dends : ``[NT, B, H, K, V]``, the gradient of the state at the end of each chunk.
+    u : ``[B, H, NT, Cp, V]``, the corrected values ``U`` of each chunk (recomputed).
     du : ``[B, H, NT, Cp, V]``, the gradient of ``U``.
     dinitial : ``[B, H, K, V]``, the gradient of the state before the first chunk.
     """
-    xp = array_namespace(w, kt, total, du_local, ds_local, dstate)
-    ends, dus = [], []
+    xp = array_namespace(w, u0, kt, total, qg, A, grad_output, boundaries, dstate)
+    mT = xp.matrix_transpose
+    NT = w.shape[2]
+    if NT == 0:
+        empty = xp.zeros(u0.shape, dtype=u0.dtype, device=u0.device)
+        return _stack_states(xp, [], dstate), empty, empty, dstate
+    # the local terms of every chunk at once: one batched product each
+    u = u0 - xp.matmul(w, xp.permute_dims(boundaries, (1, 2, 0, 3, 4)))
+    du_local = xp.matmul(mT(xp.tril(A)), grad_output)
+    ds_local = xp.matmul(mT(qg), grad_output)
+    ends, dus = [None] * NT, [None] * NT
     dS = dstate
-    for n in reversed(range(w.shape[2])):
-        ends.append(dS)
+    for n in reversed(range(NT)):
+        ends[n] = dS
         dU = du_local[:, :, n, ...] + xp.matmul(kt[:, :, n, ...], dS)
-        dus.append(dU)
-        dS = (
-            total[:, :, n, :, None] * dS
-            + ds_local[:, :, n, ...]
-            - xp.matmul(xp.matrix_transpose(w[:, :, n, ...]), dU)
-        )
-    ends.reverse()
-    dus.reverse()
-    return xp.stack(ends, axis=0), xp.stack(dus, axis=2), dS
+        dus[n] = dU
+        dS = total[:, :, n, :, None] * dS + ds_local[:, :, n, ...] - xp.matmul(mT(w[:, :, n, ...]), dU)
+    return xp.stack(ends, axis=0), u, xp.stack(dus, axis=2), dS
 
 
 def chunk_pairs_backward(

@@ -1,0 +1,78 @@
+"""Every ``kda.cuda`` kernel compiles to PTX for compute capability 9.0 (the H200), in both dtypes.
+
+Runs in a subprocess without Numba's CUDA simulator (which the rest of the suite switches on).
+Checks that float32 kernels contain no float64 instruction, and, where NVIDIA's ``ptxas`` is on
+the PATH (``pip install nvidia-cuda-nvcc-cu12`` provides one), assembles each float32 kernel for
+``sm_90`` and checks that none spills registers to local memory. The register counts are printed
+(``pytest -s``) and recorded in docs/gpu.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("numba.cuda", reason="numba-cuda is not installed (pip install kda[cuda])")
+
+PTX_SCRIPT = r"""
+import json, os, re, subprocess, sys, tempfile
+from numba import cuda
+from kda.cuda._kernels import DTYPES, SIGNATURES, build_kernels, signature
+ptxas = sys.argv[1] if len(sys.argv) > 1 else ""
+report = {}
+with tempfile.TemporaryDirectory() as tmp:
+    for dtype in DTYPES:
+        funcs = build_kernels(dtype)
+        for name in SIGNATURES:
+            ptx, _ = cuda.compile_ptx(funcs[name], signature(name, dtype), cc=(9, 0))
+            info = {"bytes": len(ptx), "f64": len(re.findall(r"\.f64\b", ptx)), "entry": ".entry" in ptx}
+            if ptxas and dtype == "float32":  # the dtype that matters for speed; ptxas is slow
+                path = os.path.join(tmp, f"{name}_{dtype}.ptx")
+                with open(path, "w") as fh:
+                    fh.write(ptx)
+                done = subprocess.run([ptxas, "-arch=sm_90", "-v", path, "-o", os.devnull],
+                                      capture_output=True, text=True)
+                log = done.stderr
+                info["ptxas_rc"] = done.returncode
+                regs = re.findall(r"Used (\d+) registers", log)
+                spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+                info["registers"] = int(regs[0]) if regs else None
+                info["spill_bytes"] = sum(int(a) + int(b) for a, b in spills)
+            report[f"{name}/{dtype}"] = info
+print(json.dumps(report))
+"""
+
+
+def test_ptx_compiles_for_cc90():
+    """Every kernel, both dtypes: PTX for cc 9.0; no float64 in float32 kernels; no spills (float32)."""
+    from kda.cuda._kernels import SIGNATURES
+
+    env = {name: value for name, value in os.environ.items() if name != "NUMBA_ENABLE_CUDASIM"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    ptxas = shutil.which("ptxas") or ""
+    done = subprocess.run(
+        [sys.executable, "-c", PTX_SCRIPT, ptxas],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(report) == 2 * len(SIGNATURES)
+    print("\nkernel/dtype: registers, spill bytes (ptxas -arch=sm_90)" if ptxas else "\n(no ptxas)")
+    for key, info in sorted(report.items()):
+        assert info["entry"], key
+        if key.endswith("float32"):
+            assert info["f64"] == 0, f"{key} uses float64 arithmetic ({info['f64']} .f64 operands)"
+        if "ptxas_rc" in info:
+            assert info["ptxas_rc"] == 0, f"ptxas rejected {key}"
+            assert info["spill_bytes"] == 0, f"{key} spills {info['spill_bytes']} bytes"
+            print(f"  {key}: {info['registers']} registers, {info['spill_bytes']} spill bytes")
