@@ -18,8 +18,11 @@ from typing import Any, NamedTuple
 
 import array_api_compat
 
-from ._api import chunk_kda, chunk_kda_backward
-from ._validation import check_options_call
+from ._api import _check_inputs_finite, _core_inputs, _grad_output, chunk_kda, chunk_kda_backward
+from ._backends import get_backend
+from ._checks import floating_point_quiet, warn_if_diverged
+from ._chunked import _prepare, padded_chunk_size, slabs
+from ._validation import check_chunk_size, check_options_call
 
 __all__ = ["KdaTransition", "chunk_kda_transition", "chunk_kda_transition_backward"]
 
@@ -62,6 +65,21 @@ def _option_keywords(
         "cu_seqlens": cu_seqlens,
         "check_finite": check_finite,
     }
+
+
+def _end_state(ops: Any, xp: Any, inputs: tuple, start: Any, scale: float, chunk_size: int) -> Any:
+    """The state after the core's inputs ``q, k, v, g, beta`` from ``start``: states only, no outputs."""
+    q, v = inputs[0], inputs[2]
+    B, HV, T, K = q.shape
+    if T == 0 or B * HV == 0:
+        return xp.asarray(start, copy=True)
+    C = min(chunk_size, T)
+    state = start
+    for n0, n1 in slabs(q.shape, C, max(K, v.shape[-1]), ops.SLAB_ELEMENTS):
+        t = slice(n0 * C, min(n1 * C, T))
+        ch = _prepare(ops, xp, *(x[:, :, t, ...] for x in inputs), scale, C)
+        state = ops.chunk_state_pass(ch.w, ch.u0, ch.f.kt, ch.f.total, state)[2]
+    return state
 
 
 def _shape_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -116,11 +134,36 @@ def chunk_kda_transition(
 
     Notes
     -----
-    Costs one chunked forward whose value width is ``K + V`` instead of ``V``.
+    Runs the state recurrence of one chunked forward whose value width is ``K + V`` (values
+    ``[0, v]`` from the start state ``[I, 0]``, whose end state is ``[A, N]``), without forming
+    outputs. With ``cu_seqlens`` it runs the ordinary forward so widened.
     """
     options = _option_keywords(
         layout, qk_l2norm, gate, A_log, dt_bias, lower_bound, beta_activation, cu_seqlens, check_finite
     )
+    if cu_seqlens is not None:  # one map per sequence: the ordinary forward, widened
+        return _packed_transition(q, k, v, g, beta, scale, chunk_size, backend, options)
+    p, o = check_options_call(q, k, v, g, beta, scale, **_shape_options(options))
+    chunk_size = check_chunk_size(chunk_size)
+    ops = get_backend(p.xp, backend)
+    _check_inputs_finite(p, o, check_finite, q=q, k=k, v=v, g=g, beta=beta)
+    c = _core_inputs(p, o, q, k, v, g, beta)
+    xp, device = p.xp, array_api_compat.device(c.v)
+    # values widened to [0, v] and the start state [I, 0]: the end state is [A, N]
+    wide_v = xp.concat([xp.zeros((*c.v.shape[:-1], p.K), dtype=c.v.dtype, device=device), c.v], axis=-1)
+    eye = xp.eye(p.K, p.K + p.V, dtype=p.compute_dtype, device=device)
+    start = xp.broadcast_to(eye, (p.N, p.HV, p.K, p.K + p.V))
+    with floating_point_quiet(xp), ops.worker_context():  # one BLAS thread: small products
+        end = _end_state(ops, xp, (c.q, c.k, wide_v, c.g, c.beta), start, p.scale, chunk_size)
+    if check_finite:
+        warn_if_diverged(xp, end, stacklevel=3)
+    return KdaTransition(end[..., : p.K], end[..., p.K :])
+
+
+def _packed_transition(
+    q, k, v, g, beta, scale, chunk_size, backend, options: dict[str, Any]
+) -> KdaTransition:
+    """The maps of packed sequences: the public forward with values ``[0, v]`` from ``[I, 0]``."""
     p, _ = check_options_call(q, k, v, g, beta, scale, **_shape_options(options))
     xp, device = p.xp, array_api_compat.device(v)
     # v widened to [0, v] and the start state [I, 0]: the end state is [A, N]
@@ -188,23 +231,47 @@ beta_activation, cu_seqlens, check_finite
 
     Notes
     -----
-    Costs one chunked backward without saved boundaries.
+    Runs only the state-gradient recurrence of the chunked backward (the state-free work of each
+    chunk and one ``[K, V]`` product pair per chunk): no states, no gradients of the inputs. With
+    ``cu_seqlens`` it runs the ordinary backward and returns its initial-state gradient.
     """
     options = _option_keywords(
         layout, qk_l2norm, gate, A_log, dt_bias, lower_bound, beta_activation, cu_seqlens, check_finite
     )
-    grads = chunk_kda_backward(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        None,
-        grad_output,
-        None,
-        scale=scale,
-        chunk_size=chunk_size,
-        backend=backend,
-        **options,
-    )
-    return grads.initial_state
+    if cu_seqlens is not None:  # one D per sequence: the ordinary backward's initial-state gradient
+        grads = chunk_kda_backward(
+            q, k, v, g, beta, None, grad_output, None, scale=scale, chunk_size=chunk_size, backend=backend,
+            **options,
+        )  # fmt: skip
+        return grads.initial_state
+    p, o = check_options_call(q, k, v, g, beta, scale, **_shape_options(options))
+    chunk_size = check_chunk_size(chunk_size)
+    ops = get_backend(p.xp, backend)
+    do = _grad_output(p, grad_output)
+    _check_inputs_finite(p, o, check_finite, q=q, k=k, v=v, g=g, beta=beta, grad_output=grad_output)
+    c = _core_inputs(p, o, q, k, v, g, beta)
+    with floating_point_quiet(p.xp), ops.worker_context():  # one BLAS thread: small products
+        return _state_gradient(ops, p.xp, c, do, p.scale, chunk_size)
+
+
+def _state_gradient(ops: Any, xp: Any, c: Any, do: Any, scale: float, chunk_size: int) -> Any:
+    """``D`` by the state-gradient recurrence alone: no states, no gradients of the inputs.
+
+    ``c``: the core's inputs (head-first, compute dtype, options applied); ``do``: ``[B, HV, T, V]``.
+    Per chunk, from the last: ``dU = A^T dO + kt dS`` and
+    ``dS <- total * dS + qg^T dO - W^T dU`` (:func:`kda.reference.chunk_state_grad_pass`).
+    """
+    B, HV, T, K = c.q.shape
+    V = c.v.shape[-1]
+    dstate = xp.zeros((B, HV, K, V), dtype=c.q.dtype, device=array_api_compat.device(c.q))
+    if T == 0 or B * HV == 0:
+        return dstate
+    C = min(chunk_size, T)
+    mT = xp.matrix_transpose
+    for n0, n1 in reversed(slabs(c.q.shape, C, max(K, V), ops.SLAB_ELEMENTS)):
+        t = slice(n0 * C, min(n1 * C, T))
+        ch = _prepare(ops, xp, *(x[:, :, t, ...] for x in (c.q, c.k, c.v, c.g, c.beta)), scale, C)
+        dO = ops.to_chunks(do[:, :, t, ...], C, padded_chunk_size(C))
+        du_local, ds_local = xp.matmul(mT(ch.A), dO), xp.matmul(mT(ch.f.qg), dO)
+        dstate = ops.chunk_state_grad_pass(ch.w, ch.f.kt, ch.f.total, du_local, ds_local, dstate)[2]
+    return dstate

@@ -151,6 +151,13 @@ def test_packed_sequences_give_one_map_each():
         Ai, Ni = chunk_kda_transition(*part, chunk_size=8, **options)
         assert_close(A[i : i + 1], Ai, tol=1e-12, name=f"A[{i}]")
         assert_close(N[i : i + 1], Ni, tol=1e-12, name=f"N[{i}]")
+    do = np.random.default_rng(5).standard_normal((1, 30, 4, 5))
+    D = chunk_kda_transition_backward(*inputs, do, chunk_size=8, cu_seqlens=cu, **options)
+    assert D.shape == (2, 4, 6, 5)
+    for i in range(2):
+        part = [x[:, cu[i] : cu[i + 1]] for x in (*inputs, do)]
+        Di = chunk_kda_transition_backward(*part, chunk_size=8, **options)
+        assert_close(D[i : i + 1], Di, tol=1e-12, name=f"D[{i}]")
 
 
 def test_bad_input_is_refused():
