@@ -74,6 +74,21 @@ def test_two_halves_compose(dtype, chunk_size):
     assert_close(first_grads.initial_state, whole_grads.initial_state, tol=tol, name="initial_state")
 
 
+@pytest.mark.parametrize("slab_chunks", [1, 3])
+def test_maps_over_several_slabs(monkeypatch, slab_chunks):
+    """The maps run slab by slab (a few chunks each): the state (gradient) crosses the slabs."""
+    monkeypatch.setattr(kda.reference, "SLAB_ELEMENTS", slab_chunks * 2 * 16 * 10)
+    p = _weak(make_problem(6, 1, 2, 70, 6, 4, "mild"))
+    ref = kda.recurrent_kda(*p.inputs, initial_state=p.initial_state)
+    ref_grads = kda.recurrent_kda_backward(
+        *p.inputs, p.grad_output, p.grad_final_state, initial_state=p.initial_state
+    )
+    A, N = chunk_kda_transition(*p.inputs, chunk_size=16)
+    D = chunk_kda_transition_backward(*p.inputs, p.grad_output, chunk_size=16)
+    assert_close(A @ p.initial_state + N, ref.final_state, tol=1e-10, name="A S0 + N")
+    assert_close(_mT(A) @ p.grad_final_state + D, ref_grads.initial_state, tol=1e-10, name="A^T dS + D")
+
+
 def test_maps_do_not_depend_on_v_or_the_start():
     """``A`` and ``D`` ignore ``v``; ``N`` is the end state from a zero start."""
     p = make_problem(8, 1, 2, 40, 4, 3, "mild")
