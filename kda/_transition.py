@@ -77,8 +77,8 @@ def _end_state(ops: Any, xp: Any, inputs: tuple, start: Any, scale: float, chunk
     state = start
     for n0, n1 in slabs(q.shape, C, max(K, v.shape[-1]), ops.SLAB_ELEMENTS):
         t = slice(n0 * C, min(n1 * C, T))
-        ch = _prepare(ops, xp, *(x[:, :, t, ...] for x in inputs), scale, C)
-        state = ops.chunk_state_pass(ch.w, ch.u0, ch.f.kt, ch.f.total, state)[2]
+        loc = _prepare(ops, xp, *(x[:, :, t, ...] for x in inputs), scale, C).local
+        state = ops.chunk_state_pass(loc.w, loc.u0, loc.kt, loc.total, state)[2]  # states only
     return state
 
 
@@ -259,19 +259,22 @@ def _state_gradient(ops: Any, xp: Any, c: Any, do: Any, scale: float, chunk_size
 
     ``c``: the core's inputs (head-first, compute dtype, options applied); ``do``: ``[B, HV, T, V]``.
     Per chunk, from the last: ``dU = A^T dO + kt dS`` and
-    ``dS <- total * dS + qg^T dO - W^T dU`` (:func:`kda.reference.chunk_state_grad_pass`).
+    ``dS <- total * dS + qg^T dO - W^T dU`` (the backend's ``chunk_state_grad_pass``).
     """
     B, HV, T, K = c.q.shape
     V = c.v.shape[-1]
-    dstate = xp.zeros((B, HV, K, V), dtype=c.q.dtype, device=array_api_compat.device(c.q))
+    device = array_api_compat.device(c.q)
+    dstate = xp.zeros((B, HV, K, V), dtype=c.q.dtype, device=device)
     if T == 0 or B * HV == 0:
         return dstate
     C = min(chunk_size, T)
-    mT = xp.matrix_transpose
     for n0, n1 in reversed(slabs(c.q.shape, C, max(K, V), ops.SLAB_ELEMENTS)):
         t = slice(n0 * C, min(n1 * C, T))
-        ch = _prepare(ops, xp, *(x[:, :, t, ...] for x in (c.q, c.k, c.v, c.g, c.beta)), scale, C)
+        loc = _prepare(ops, xp, *(x[:, :, t, ...] for x in (c.q, c.k, c.v, c.g, c.beta)), scale, C).local
         dO = ops.to_chunks(do[:, :, t, ...], C, padded_chunk_size(C))
-        du_local, ds_local = xp.matmul(mT(ch.A), dO), xp.matmul(mT(ch.f.qg), dO)
-        dstate = ops.chunk_state_grad_pass(ch.w, ch.f.kt, ch.f.total, du_local, ds_local, dstate)[2]
+        # D does not depend on the states: the pass runs from zero states (its U is not used)
+        zeros = xp.zeros((n1 - n0, *dstate.shape), dtype=dstate.dtype, device=device)
+        dstate = ops.chunk_state_grad_pass(
+            loc.w, loc.u0, loc.kt, loc.total, loc.qg, loc.A, dO, zeros, dstate
+        )[3]
     return dstate
