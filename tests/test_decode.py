@@ -233,6 +233,19 @@ def test_cuda_one_launch_matches_reference(dtype, regime):
     _check(host(out), host(dpool), want_out.astype(dtype), want_pool.astype(dtype), before, idx, tol)
 
 
+def test_cuda_kernel_compiled_once_per_dtype():
+    xp = _cuda_or_skip()
+    from kda.cuda import _decode as kd
+
+    *inputs, pool = _request_problem(np.random.default_rng(4), 2, 1, 1, 1, 3, 2, 2)
+    dpool = xp.asarray(pool.astype(np.float32))
+    kernels = []
+    for _ in range(2):
+        kda.decode_kda(*(xp.asarray(x.astype(np.float32)) for x in inputs), dpool, [1, 0], backend="cuda")
+        kernels.append(kd.compiled_decode("float32"))
+    assert kernels[0] is kernels[1] and kd._COMPILED["float32"] is kernels[0]
+
+
 PTX_SCRIPT = """
 import json, re
 from numba import cuda
