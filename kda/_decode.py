@@ -54,7 +54,13 @@ def check_pool(state_pool: Any, p: Problem) -> int:
 
 def check_indices(state_indices: Any, N: int, P: int) -> tuple[int, ...]:
     """``N`` host ints, each ``-1`` (padding) or a distinct row of a pool of ``P`` rows."""
-    host = _host_integers("state_indices", state_indices)
+    try:
+        host = _host_integers("state_indices", state_indices)
+    except InvalidTypeError as err:  # its message also offers None, which is cu_seqlens' case
+        msg = f"state_indices must be a 1-D integer array or list of ints; got {type(state_indices).__name__}"
+        if hasattr(state_indices, "dtype"):
+            msg += f" of dtype {state_indices.dtype}"
+        raise InvalidTypeError(msg) from err
     if host.shape != (N,):
         msg = f"state_indices must have shape [N] = ({N},), one row per request; got {tuple(host.shape)}"
         raise InvalidInputError(msg)

@@ -174,8 +174,11 @@ def test_bad_pools():
         kda.decode_kda(*inputs, pool[:, :1], [0, 1, 2])
     with pytest.raises(kda.InvalidInputError, match="state_pool must be a 4-D array"):
         kda.decode_kda(*inputs, pool[0], [0, 1, 2])
-    with pytest.raises(kda.InvalidTypeError, match="state_indices must be a 1-D integer array"):
-        kda.decode_kda(*inputs, pool, np.array([0.0, 1.0, 2.0]))
+    for bad in (np.array([0.0, 1.0, 2.0]), None, "012"):
+        with pytest.raises(
+            kda.InvalidTypeError, match="state_indices must be a 1-D integer array or list of ints"
+        ):
+            kda.decode_kda(*inputs, pool, bad)
 
 
 def test_immutable_namespace_refused():
