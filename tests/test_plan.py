@@ -91,6 +91,22 @@ def test_options_run_through_the_general_path():
         _same(getattr(ggot, name), getattr(gwant, name), name)
 
 
+def test_packed_sequences():
+    """cu_seqlens: states per sequence, boundaries per sequence's chunks, bitwise the plain calls."""
+    inputs, p = _plain(make_problem(11, 1, 2, 50, 8, 4))
+    common = dict(cu_seqlens=np.array([0, 7, 30, 50]), chunk_size=16)
+    s0 = np.random.default_rng(0).standard_normal((3, 2, 8, 4)).astype(np.float32)
+    want = kda.chunk_kda(*inputs, initial_state=s0, save_boundaries=True, **common)
+    got = kda.prepare_chunk_kda(*inputs, initial_state=s0, save_boundaries=True, **common).run()
+    for name, a, b in zip(("output", "final_state", "boundaries"), got, want):
+        _same(a, b, name)
+    for saved in (want.boundaries, None):
+        gwant = kda.chunk_kda_backward(*inputs, saved, p.grad_output, initial_state=s0, **common)
+        ggot = kda.prepare_chunk_kda_backward(*inputs, saved, p.grad_output, initial_state=s0, **common).run()
+        for name in GRADS:
+            _same(getattr(ggot, name), getattr(gwant, name), name)
+
+
 def test_caller_buffers_are_adopted():
     inputs = _plain(make_problem(4, 1, 2, 33, 8, 4))[0]
     out = kda.KdaOutput(
