@@ -11,7 +11,9 @@ them), interleaved round by round so that load on a shared machine hits all of t
 
     python benchmarks/torch_overhead.py [--T 2048] [--rounds 5]
 
-Reports the minimum over rounds (and the median) and writes ``benchmarks/results/torch_overhead.json``.
+Reports the minimum over rounds (and the median) of the wall time and of the process's CPU
+time (all threads; less sensitive to other load on the machine), and writes
+``benchmarks/results/torch_overhead.json``.
 """
 
 from __future__ import annotations
@@ -84,11 +86,13 @@ def main() -> None:
     for a, b in zip(expected[:5], got):
         np.testing.assert_array_equal(a, b.numpy())
     times: dict[str, list[float]] = {name: [] for name in methods}
+    cpu: dict[str, list[float]] = {name: [] for name in methods}
     for _ in range(args.rounds):
         for name, run in methods.items():
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             run()
             times[name].append(time.perf_counter() - t)
+            cpu[name].append(time.process_time() - c)
     report = {
         "shape": {"B": 1, "T": args.T, "H": args.H, "K": args.K, "V": args.K, "dtype": "float32"},
         "torch": torch.__version__,
