@@ -187,6 +187,20 @@ def test_cuda_without_numba_is_a_kda_error():
     assert "numba-cuda is not installed" in run.stdout and "pip install kda[cuda]" in run.stdout
 
 
+def test_cuda_without_nvvm_names_it(monkeypatch):
+    """A driver but no libNVVM (the kernels' compiler): the reason names NVVM and how to install it."""
+    nvvm = pytest.importorskip("numba.cuda.cudadrv.nvvm")
+    from kda import _backends
+
+    def missing():  # as numba's NvvmSupportError, or whatever loading the library raises
+        raise OSError("libNVVM cannot be found")
+
+    monkeypatch.setattr(nvvm, "NVVM", missing)
+    reason = _backends._nvvm_problem()
+    assert reason is not None and "libNVVM cannot be loaded (libNVVM cannot be found)" in reason
+    assert "pip install" in reason
+
+
 def test_import_kda_imports_neither_numba_nor_cupy():
     code = (
         "import sys, numpy as np, kda\n"
