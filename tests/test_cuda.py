@@ -188,7 +188,7 @@ shapes = st.tuples(
 )
 
 
-@settings(max_examples=15, deadline=None, derandomize=True)
+@settings(max_examples=10, deadline=None, derandomize=True)
 @given(
     shape=shapes,
     chunk_size=st.integers(1, 8),
