@@ -10,7 +10,9 @@ BLAS thread counts are a process-wide setting, so concurrent calls share one pin
 (:class:`BlasPin`): the first call to enter sets BLAS to one thread, the last to leave restores
 the value it found. Calls from any number of threads at once therefore leave the setting as
 they found it. While a call runs, BLAS is single-threaded for the whole process (also for the
-caller's own products in other threads); the results of kda do not depend on it.
+caller's own products in other threads); the results of kda do not depend on it. The pin acts
+on the BLAS libraries loaded at the first call (NumPy's); with a BLAS threaded by OpenMP the
+limit is per thread, so there the workers are not pinned (slower, the same results).
 """
 
 from __future__ import annotations
