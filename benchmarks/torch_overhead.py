@@ -66,6 +66,10 @@ def _adapter(x: list[np.ndarray]):
     return run
 
 
+def _summary(times: dict[str, list[float]]) -> dict[str, dict]:
+    return {name: {"min": min(t), "median": statistics.median(t), "all": t} for name, t in times.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--T", type=int, default=2048)
@@ -99,15 +103,15 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
         "load_average": os.getloadavg(),
         "rounds": args.rounds,
-        "seconds": {
-            name: {"min": min(t), "median": statistics.median(t), "all": t} for name, t in times.items()
-        },
+        "seconds": _summary(times),
+        "cpu_seconds": _summary(cpu),
     }
-    base = min(times["kda direct"])
+    base, base_cpu = min(times["kda direct"]), min(cpu["kda direct"])
     for name, t in times.items():
         print(
             f"{name:24s} fwd+bwd min {min(t):.3f} s  median {statistics.median(t):.3f} s  "
-            f"({min(t) / base:.3f}x kda direct)"
+            f"({min(t) / base:.3f}x kda direct); CPU time min {min(cpu[name]):.3f} s "
+            f"({min(cpu[name]) / base_cpu:.3f}x)"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
