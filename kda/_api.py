@@ -22,6 +22,7 @@ from ._validation import (
     check_chunk_size,
     check_options_call,
     check_state,
+    raise_for_gates,
 )
 
 __all__ = [
@@ -164,6 +165,7 @@ def _forward(
     c = _core_inputs(p, o, *inputs)
     with floating_point_quiet(p.xp):
         out, final, boundaries = run_forward(core, p.xp, c, state, o.cu_seqlens, keep)
+    raise_for_gates(p)  # a deferred device check, read once the work is queued
     if check:
         warn_if_diverged(p.xp, out, final, stacklevel=4)
     output = p.xp.astype(_head_first(p.xp, out, p.layout), p.dtype, copy=False)
@@ -190,6 +192,7 @@ def _backward(
         dg, dA_log, ddt_bias = gate_backward(xp, dlog, c, o)
         dq, dk = qk_backward(xp, dq, dk, c, o, p.H)
         dbeta = beta_backward(xp, dbeta, c, o)
+    raise_for_gates(p)
     if check:
         warn_if_diverged(xp, dq, dk, dv, dg, dbeta, dstate, stacklevel=4)
     grads = [xp.astype(_head_first(xp, x, p.layout), p.dtype, copy=False) for x in (dq, dk, dv, dg, dbeta)]
@@ -256,6 +259,7 @@ def chunk_kda(
     p, o = check_options_call(
         q, k, v, g, beta, scale, layout=layout, qk_l2norm=qk_l2norm, gate=gate, A_log=A_log,
         dt_bias=dt_bias, lower_bound=lower_bound, beta_activation=beta_activation, cu_seqlens=cu_seqlens,
+        defer_gate_check=True,
     )  # fmt: skip
     core = ChunkCore(get_backend(p.xp, backend), p.scale, check_chunk_size(chunk_size))
     state = _state_or_zeros(p, "initial_state", initial_state)
@@ -309,6 +313,7 @@ def chunk_kda_backward(
     p, o = check_options_call(
         q, k, v, g, beta, scale, layout=layout, qk_l2norm=qk_l2norm, gate=gate, A_log=A_log,
         dt_bias=dt_bias, lower_bound=lower_bound, beta_activation=beta_activation, cu_seqlens=cu_seqlens,
+        defer_gate_check=True,
     )  # fmt: skip
     core = ChunkCore(get_backend(p.xp, backend), p.scale, check_chunk_size(chunk_size))
     state = _state_or_zeros(p, "initial_state", initial_state)
@@ -359,6 +364,7 @@ def recurrent_kda(
     p, o = check_options_call(
         q, k, v, g, beta, scale, layout=layout, qk_l2norm=qk_l2norm, gate=gate, A_log=A_log,
         dt_bias=dt_bias, lower_bound=lower_bound, beta_activation=beta_activation, cu_seqlens=cu_seqlens,
+        defer_gate_check=True,
     )  # fmt: skip
     core = RecurrentCore(get_backend(p.xp, backend), p.scale)
     state = _state_or_zeros(p, "initial_state", initial_state)
@@ -405,6 +411,7 @@ def recurrent_kda_backward(
     p, o = check_options_call(
         q, k, v, g, beta, scale, layout=layout, qk_l2norm=qk_l2norm, gate=gate, A_log=A_log,
         dt_bias=dt_bias, lower_bound=lower_bound, beta_activation=beta_activation, cu_seqlens=cu_seqlens,
+        defer_gate_check=True,
     )  # fmt: skip
     core = RecurrentCore(get_backend(p.xp, backend), p.scale)
     state = _state_or_zeros(p, "initial_state", initial_state)

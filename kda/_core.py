@@ -39,7 +39,7 @@ PAIR_BYTES_LIMIT = 1 << 31
 class Core(Protocol):
     chunk_size: int
 
-    def forward(self, q, k, v, g, beta, state) -> tuple[Any, Any, Any]: ...
+    def forward(self, q, k, v, g, beta, state, keep: bool = True) -> tuple[Any, Any, Any]: ...
 
     def backward(self, q, k, v, g, beta, state, boundaries, do, dstate) -> tuple[Any, ...]: ...
 
@@ -52,7 +52,7 @@ class RecurrentCore:
     scale: float
     chunk_size: int = 1  # packed sequences are grouped by exact length
 
-    def forward(self, q, k, v, g, beta, state) -> tuple[Any, Any, Any]:
+    def forward(self, q, k, v, g, beta, state, keep: bool = True) -> tuple[Any, Any, Any]:
         o, final = self.ops.recurrent_forward(q, k, v, g, beta, self.scale, state)
         return o, final, None
 
@@ -90,11 +90,12 @@ class ChunkCore:
         _check_pair_memory(B * HV, C, T, 8)
         return C
 
-    def forward(self, q, k, v, g, beta, state) -> tuple[Any, Any, Any]:
+    def forward(self, q, k, v, g, beta, state, keep: bool = True) -> tuple[Any, Any, Any]:
+        """``(output, final_state, boundaries)``; ``keep=False`` may return None boundaries."""
         C = self._plan(q)
         if C is None:
             o, final = self.ops.recurrent_forward(q, k, v, g, beta, self.scale, state)
-            return o, final, _start_boundaries(state, q.shape[2])
+            return o, final, (_start_boundaries(state, q.shape[2]) if keep else None)
         xp = _namespace(q)
         narrow, wide = q.dtype, chunk_compute_dtype(xp, q.shape[-1], C, q.dtype)
         args = _cast(xp, wide, q, k, v, g, beta, state)
@@ -145,12 +146,14 @@ def run_forward(
     With packed sequences, ``boundaries`` is None unless ``keep_boundaries``.
     """
     if offsets is None:
-        return core.forward(c.q, c.k, c.v, c.g, c.beta, state)
+        return core.forward(c.q, c.k, c.v, c.g, c.beta, state, keep_boundaries)
     plan = _varlen.plan_sequences(offsets, core.chunk_size)
     outs, finals, starts = [], [], []
     for group in plan.groups:
         args = [_varlen.gather(xp, x, plan, group) for x in (c.q, c.k, c.v, c.g, c.beta)]
-        o, final, boundaries = core.forward(*args, _varlen.gather_rows(xp, state, plan, group))
+        o, final, boundaries = core.forward(
+            *args, _varlen.gather_rows(xp, state, plan, group), keep_boundaries
+        )
         outs.append(o)
         finals.append(final)
         starts.append(boundaries)

@@ -40,6 +40,7 @@ class Problem:
     scale: float
     layout: str = "head_first"
     offsets: tuple[int, ...] | None = None  # cu_seqlens on the host
+    gate_flags: Any = None  # a deferred device check of g <= 0 (CuPy), read by raise_for_gates
 
     @property
     def N(self) -> int:
@@ -175,10 +176,14 @@ def validate_problem(
     *,
     layout: str = "head_first",
     log_gate: bool = True,
+    defer_gate_check: bool = False,
 ) -> Problem:
     """Check ``q, k, v, g, beta`` and ``scale``; return the problem's sizes and dtypes.
 
     ``log_gate``: ``g`` is a log decay (``<= 0``, ``-inf`` a reset); otherwise a raw gate.
+    ``defer_gate_check``: on a GPU namespace, launch the ``g <= 0`` check on the device and keep
+    its flags on the problem instead of synchronising now; the caller must then call
+    :func:`raise_for_gates` once its own work is queued.
     """
     names = ["q", "k", "v", "g", "beta"]
     arrays = [q, k, v, g, beta]
@@ -200,9 +205,27 @@ def validate_problem(
     for name, x in zip(names[1:], arrays[1:]):
         check_dtype(name, x, q.dtype, "the dtype of q")
     compute_dtype = xp.float64 if q.dtype == xp.float64 else xp.float32
-    if log_gate:
+    flags = None
+    if log_gate and defer_gate_check and device_gate_check(xp):
+        from .cuda import gate_flags
+
+        flags = gate_flags(g)
+    elif log_gate:
         check_log_decay(xp, g)
-    return replace(p, compute_dtype=compute_dtype, scale=check_scale(scale, K))
+    return replace(p, compute_dtype=compute_dtype, scale=check_scale(scale, K), gate_flags=flags)
+
+
+def device_gate_check(xp: Any) -> bool:
+    """Whether the ``g <= 0`` check runs on the device, read after the call's work (CuPy)."""
+    return bool(array_api_compat.is_cupy_namespace(xp))
+
+
+def raise_for_gates(p: Problem) -> None:
+    """Read a deferred device gate check (one host synchronisation) and raise if it failed."""
+    if p.gate_flags is not None:
+        from .cuda import raise_for_gates as read
+
+        read(p.gate_flags)
 
 
 def check_choice(name: str, value: Any, allowed: tuple[Any, ...]) -> Any:
@@ -368,10 +391,13 @@ def check_options_call(
     lower_bound: Any,
     beta_activation: Any,
     cu_seqlens: Any,
+    defer_gate_check: bool = False,
 ) -> tuple[Problem, Options]:
     """:func:`validate_problem` then :func:`validate_options`: everything about the inputs."""
     gate = check_choice("gate", gate, GATES)
-    p = validate_problem(q, k, v, g, beta, scale, layout=layout, log_gate=gate == "log")
+    p = validate_problem(
+        q, k, v, g, beta, scale, layout=layout, log_gate=gate == "log", defer_gate_check=defer_gate_check
+    )
     return validate_options(
         p,
         qk_l2norm=qk_l2norm,

@@ -511,3 +511,23 @@ def test_raw_gates_take_any_finite_value_and_inputs_are_not_modified():
     check(p, out, grads, ref_out, ref_grads, np.float64)
     for a, b in zip(copies, (*p.inputs, p.kwargs["A_log"], p.kwargs["dt_bias"]), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_gate_check_deferred_to_the_device(monkeypatch):
+    """On a GPU namespace the g <= 0 check is one device kernel read after the work is queued;
+    here the cuda backend's kernel runs under the simulator on NumPy arrays."""
+    pytest.importorskip("numba")
+    import kda._validation as validation
+
+    monkeypatch.setattr(validation, "device_gate_check", lambda xp: True)
+    p = make_model_problem(3, 1, 1, 12, 4, 3)
+    out = kda.chunk_kda(*p.inputs, chunk_size=4, backend="cuda")
+    ref = kda.recurrent_kda(*p.inputs)
+    assert_close(out.output, ref.output, tol=1e-12)
+    q, k, v, g, beta = p.inputs
+    bad = g.copy()
+    bad[0, 0, 5, 1] = 0.5
+    bad[0, 0, 7, 2] = np.nan
+    for fn in (kda.chunk_kda, kda.recurrent_kda):
+        with pytest.raises(kda.InvalidInputError, match="got 1 positive and 1 NaN elements"):
+            fn(q, k, v, bad, beta, check_finite=False)
