@@ -91,21 +91,24 @@ def _numpy_inputs(a: argparse.Namespace) -> dict[str, np.ndarray]:
 
 
 def _dask_inputs(a: argparse.Namespace, cut: str) -> dict[str, Any]:
-    """The same arrays as :func:`_numpy_inputs`, cut by heads or by time, drawn where they are used."""
+    """Arrays like :func:`_numpy_inputs`, cut by heads or by time, each block drawn by its own task.
+
+    Every block is created where the scheduler puts it, so the blocks spread over the workers.
+    """
     import dask.array as da
 
     out = {}
     for i, (name, shape) in enumerate(_shapes(a).items()):
-        full = da.from_delayed(_delayed_block(shape, a.dtype, i, name), shape, dtype=a.dtype)
         chunks = [1, a.H // a.shards if cut == "heads" else a.H, a.T // a.shards if cut == "time" else a.T]
-        out[name] = full.rechunk(tuple(chunks) + shape[3:])
+        template = da.zeros(shape, chunks=tuple(chunks) + shape[3:], dtype=a.dtype)
+        out[name] = template.map_blocks(_drawn_block, a.dtype, i, name, dtype=a.dtype)
     return out
 
 
-def _delayed_block(shape, dtype, seed, kind):
-    import dask
-
-    return dask.delayed(_block, pure=True)(shape, dtype, seed, kind)
+def _drawn_block(block: np.ndarray, dtype: str, seed: int, kind: str, block_info: Any = None) -> np.ndarray:
+    """A block of one input, seeded by the input and the block's position."""
+    location = block_info[0]["chunk-location"] if block_info else ()
+    return _block(block.shape, dtype, hash((seed, *location)) % 2**32, kind)
 
 
 def _single(x: dict[str, np.ndarray], C: int, backward: bool) -> Any:
