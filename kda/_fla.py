@@ -43,7 +43,11 @@ KEYWORD_TABLE: dict[str, tuple[str, str]] = {
     ),
     "use_beta_sigmoid_in_kernel": ("honoured", 'beta_activation="sigmoid"'),
     "allow_neg_eigval": ("honoured", 'beta_activation="sigmoid2" (only with the beta sigmoid, as fla)'),
-    "lower_bound": ("honoured", "with use_gate_in_kernel: the lower-bound gate; must be < 0"),
+    "lower_bound": (
+        "honoured",
+        "with use_gate_in_kernel: the lower-bound gate, must be < 0; without it refused unless "
+        "safe_gate=True (then no effect: fla's bounded-gate kernel)",
+    ),
     "A_log": ("honoured", "[HV], with use_gate_in_kernel; differentiable"),
     "dt_bias": ("honoured", "HV * K elements, read as [HV, K], with use_gate_in_kernel; differentiable"),
     "cu_seqlens": ("honoured", "packed sequences, B == 1; states [N, HV, K, V]"),
