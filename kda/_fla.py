@@ -31,7 +31,7 @@ from ._validation import check_chunk_size, check_scale
 
 __all__ = ["KEYWORD_TABLE", "FlaCall", "boundary_bound", "core_options", "packed_chunks", "translate"]
 
-# keyword -> (class, what kda does with it); the README's table is generated from the same text
+# keyword -> (class, what kda does with it); the README's table restates it
 KEYWORD_TABLE: dict[str, tuple[str, str]] = {
     "scale": ("honoured", "query scale, default K ** -0.5"),
     "initial_state": ("honoured", "[N, HV, K, V] (or [N, HV, V, K] with state_v_first); differentiable"),
