@@ -217,10 +217,13 @@ def _wall(a: argparse.Namespace, x: dict[str, np.ndarray]) -> dict[str, Any]:
                 lazy = _dask_inputs(a, cut)
                 inputs = dict(zip(lazy, client.persist(list(lazy.values()))))
                 wait(list(inputs.values()))
+                client.rebalance()  # sibling blocks may start on one worker: spread them
+                placement = {w: len(keys) for w, keys in client.has_what().items()}
                 run(inputs, backward)  # warm-up: imports on the workers
 
                 timed = _best(lambda i=inputs, b=backward: run(i, b), a.repeats)
                 timed["speedup"] = single["wall_s"] / timed["wall_s"]
+                timed["input_blocks_per_worker"] = sorted(placement.values())
                 row[cut] = timed
                 del inputs
             result[key] = row
