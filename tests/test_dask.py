@@ -81,7 +81,7 @@ FOUR = (8, 24, 16, 13)
 SIXTEEN = (8, 16, 8, 8, 24, 8, 8, 16, 8, 8, 8, 16, 8, 8, 8, 5)
 
 
-@pytest.mark.parametrize("regime", [*REGIMES, "weak"])
+@pytest.mark.parametrize("regime", REGIMES)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_every_regime(client, regime, dtype):
     _check(_problem(regime, dtype, sum(FOUR)), 8, FOUR)
