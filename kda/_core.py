@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import array_api_compat
+
 from . import _varlen
 from ._checks import chunk_compute_dtype
 from ._chunked import chunk_backward, chunk_forward, padded_chunk_size
@@ -41,7 +43,7 @@ class Core(Protocol):
 
     def forward(self, q, k, v, g, beta, state, keep: bool = True) -> tuple[Any, Any, Any]: ...
 
-    def backward(self, q, k, v, g, beta, state, boundaries, do, dstate) -> tuple[Any, ...]: ...
+    def backward(self, q, k, v, g, beta, state, boundaries, do, dstate, out=None) -> tuple[Any, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -56,8 +58,8 @@ class RecurrentCore:
         o, final = self.ops.recurrent_forward(q, k, v, g, beta, self.scale, state)
         return o, final, None
 
-    def backward(self, q, k, v, g, beta, state, boundaries, do, dstate) -> tuple[Any, ...]:
-        return self.ops.recurrent_backward(q, k, v, g, beta, self.scale, state, do, dstate)
+    def backward(self, q, k, v, g, beta, state, boundaries, do, dstate, out=None) -> tuple[Any, ...]:
+        return _into(out, self.ops.recurrent_backward(q, k, v, g, beta, self.scale, state, do, dstate))
 
 
 def _check_pair_memory(rows: int, C: int, T: int, itemsize: int) -> None:
@@ -102,16 +104,30 @@ class ChunkCore:
         results = chunk_forward(self.ops, xp, *args[:5], self.scale, args[5], C)
         return tuple(_cast(xp, narrow, *results))
 
-    def backward(self, q, k, v, g, beta, state, boundaries, do, dstate) -> tuple[Any, ...]:
+    def backward(self, q, k, v, g, beta, state, boundaries, do, dstate, out=None) -> tuple[Any, ...]:
+        """The six gradients; ``out``, six writable buffers of their shapes, receives them."""
         C = self._plan(q)
         if C is None:  # the one boundary, when given, is the initial state
             state = state if boundaries is None or boundaries.shape[0] == 0 else boundaries[0, ...]
-            return self.ops.recurrent_backward(q, k, v, g, beta, self.scale, state, do, dstate)
+            return _into(out, self.ops.recurrent_backward(q, k, v, g, beta, self.scale, state, do, dstate))
         xp = _namespace(q)
         narrow, wide = q.dtype, chunk_compute_dtype(xp, q.shape[-1], C, q.dtype)
+        if out is not None and wide == narrow:  # written in place by the chunked backward
+            return chunk_backward(
+                self.ops, xp, q, k, v, g, beta, self.scale, state, boundaries, do, dstate, C, out
+            )
         args = _cast(xp, wide, q, k, v, g, beta, state, boundaries, do, dstate)
         grads = chunk_backward(self.ops, xp, *args[:5], self.scale, *args[5:], C)
-        return tuple(_cast(xp, narrow, *grads))
+        return _into(out, _cast(xp, narrow, *grads))
+
+
+def _into(out: Any, results: Any) -> tuple[Any, ...]:
+    """``results``, or copied into the buffers ``out`` (returned) when given."""
+    if out is None:
+        return tuple(results)
+    for buf, x in zip(out, results, strict=True):
+        buf[...] = x
+    return tuple(out)
 
 
 def _cast(xp: Any, dtype: Any, *arrays: Any) -> list[Any]:
@@ -171,22 +187,36 @@ def run_forward(
 def run_backward(
     core: Core, xp: Any, c: CoreInputs, state: Any, boundaries: Any, do: Any, dstate: Any, offsets
 ) -> tuple[Any, ...]:
-    """Gradients ``(dq, dk, dv, dg, dbeta, dstate)`` of the core's inputs, per group of sequences."""
+    """Gradients ``(dq, dk, dv, dg, dbeta, dstate)`` of the core's inputs, per group of sequences.
+
+    Where arrays are writable, a group of one sequence writes its gradients straight into views
+    of the packed gradients, and other groups are copied in by slices; elsewhere the groups'
+    gradients are concatenated.
+    """
     if offsets is None:
         return core.backward(c.q, c.k, c.v, c.g, c.beta, state, boundaries, do, dstate)
     plan = _varlen.plan_sequences(offsets, core.chunk_size)
+    packed = [xp.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (c.q, c.k, c.v, c.g, c.beta)]
+    in_place = bool(array_api_compat.is_writeable_array(packed[0]))
     parts: list[list[Any]] = [[] for _ in range(5)]
     dstates = []
     for group in plan.groups:
         args = [_varlen.gather(xp, x, plan, group) for x in (c.q, c.k, c.v, c.g, c.beta, do)]
         rows = [_varlen.gather_rows(xp, x, plan, group) for x in (state, dstate)]
         starts = None if boundaries is None else _varlen.gather_boundaries(xp, boundaries, plan, group)
-        *grads, ds = core.backward(*args[:5], rows[0], starts, args[5], rows[1])
-        for acc, x in zip(parts, grads, strict=True):
-            acc.append(x)
+        out = None
+        if in_place and len(group.seqs) == 1:
+            a, b = plan.offsets[group.seqs[0]], plan.offsets[group.seqs[0] + 1]
+            out = [x[:, :, a:b, ...] for x in packed] + [
+                xp.zeros(rows[1].shape, dtype=rows[1].dtype, device=rows[1].device)
+            ]
+        *grads, ds = core.backward(*args[:5], rows[0], starts, args[5], rows[1], out=out)
+        if not in_place:
+            for acc, x in zip(parts, grads, strict=True):
+                acc.append(x)
+        elif out is None:
+            _varlen.scatter_into(packed, grads, plan, group)
         dstates.append(ds)
-    if dstates:
-        grads = [_varlen.scatter(xp, acc, plan) for acc in parts]
-    else:
-        grads = [xp.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (c.q, c.k, c.v, c.g, c.beta)]
-    return (*grads, _varlen.scatter_rows(xp, dstates, plan, dstate))
+    if not in_place and dstates:
+        packed = [_varlen.scatter(xp, acc, plan) for acc in parts]
+    return (*packed, _varlen.scatter_rows(xp, dstates, plan, dstate))

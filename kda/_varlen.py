@@ -108,6 +108,14 @@ def scatter(xp: Any, parts: list[Any], plan: SeqPlan) -> Any:
     return _joined(xp, pieces, axis=2)
 
 
+def scatter_into(buffers: list[Any], parts: list[Any], plan: SeqPlan, group: Group) -> None:
+    """Copy a group's ``[n, HV, steps, ...]`` results into the packed ``[1, HV, T, ...]`` buffers."""
+    for j, i in enumerate(group.seqs):
+        a, b = plan.offsets[i], plan.offsets[i + 1]
+        for buf, part in zip(buffers, parts, strict=True):
+            buf[:, :, a:b, ...] = part[j : j + 1, :, : b - a, ...]
+
+
 def scatter_rows(xp: Any, parts: list[Any], plan: SeqPlan, default: Any) -> Any:
     """Per-group rows ``[n, ...]`` -> ``[N, ...]``; sequences in no group take ``default``'s row."""
     pieces = []
