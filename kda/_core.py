@@ -136,9 +136,7 @@ def _cast(xp: Any, dtype: Any, *arrays: Any) -> list[Any]:
 
 
 def _namespace(x: Any) -> Any:
-    from array_api_compat import array_namespace
-
-    return array_namespace(x)
+    return array_api_compat.array_namespace(x)
 
 
 def _start_boundaries(state: Any, T: int) -> Any:
