@@ -14,7 +14,15 @@ from ._backends import get_backend
 from ._checks import check_finite as _check_finite
 from ._checks import floating_point_quiet, warn_if_diverged
 from ._core import ChunkCore, Core, RecurrentCore, run_backward, run_forward
-from ._options import CoreInputs, Options, beta_backward, gate_backward, prepare_core_inputs, qk_backward
+from ._options import (
+    CoreInputs,
+    Options,
+    beta_backward,
+    gate_backward,
+    head_first,
+    prepare_core_inputs,
+    qk_backward,
+)
 from ._validation import (
     STATE_DTYPE_RULE,
     Problem,
@@ -114,13 +122,6 @@ _OPTIONS_DOC = """
 """
 
 
-def _head_first(xp: Any, x: Any, layout: str) -> Any:
-    """Swap the time and head axes of a time-major array (its own inverse); a view."""
-    if layout == "head_first" or x is None:
-        return x
-    return xp.permute_dims(x, (0, 2, 1, *range(3, x.ndim)))
-
-
 def _check_inputs_finite(p: Problem, o: Options, check: bool, **arrays: Any) -> None:
     if not check:
         return
@@ -133,9 +134,7 @@ def _check_inputs_finite(p: Problem, o: Options, check: bool, **arrays: Any) -> 
 def _core_inputs(p: Problem, o: Options, q, k, v, g, beta) -> CoreInputs:
     """The core's inputs: head-first, in the compute dtype, with every option applied."""
     xp = p.xp
-    arrays = [
-        _head_first(xp, xp.astype(x, p.compute_dtype, copy=False), p.layout) for x in (q, k, v, g, beta)
-    ]
+    arrays = [head_first(xp, xp.astype(x, p.compute_dtype, copy=False), p.layout) for x in (q, k, v, g, beta)]
     with floating_point_quiet(xp):
         return prepare_core_inputs(xp, *arrays, o, p.HV)
 
@@ -150,7 +149,7 @@ def _state_or_zeros(p: Problem, name: str, state: Any) -> Any:
 def _grad_output(p: Problem, grad_output: Any) -> Any:
     shape, letters = p.shape(p.HV, p.V), p.letters("HV", "V")
     do = check_array("grad_output", grad_output, p, shape, letters, p.dtype, "the dtype of q")
-    return _head_first(p.xp, p.xp.astype(do, p.compute_dtype, copy=False), p.layout)
+    return head_first(p.xp, p.xp.astype(do, p.compute_dtype, copy=False), p.layout)
 
 
 def _check_boundaries(p: Problem, boundaries: Any, chunk_size: int) -> None:
@@ -168,7 +167,7 @@ def _forward(
     raise_for_gates(p)  # a deferred device check, read once the work is queued
     if check:
         warn_if_diverged(p.xp, out, final, stacklevel=4)
-    output = p.xp.astype(_head_first(p.xp, out, p.layout), p.dtype, copy=False)
+    output = p.xp.astype(head_first(p.xp, out, p.layout), p.dtype, copy=False)
     return KdaOutput(output, final, boundaries if keep else None)
 
 
@@ -195,7 +194,7 @@ def _backward(
     raise_for_gates(p)
     if check:
         warn_if_diverged(xp, dq, dk, dv, dg, dbeta, dstate, stacklevel=4)
-    grads = [xp.astype(_head_first(xp, x, p.layout), p.dtype, copy=False) for x in (dq, dk, dv, dg, dbeta)]
+    grads = [xp.astype(head_first(xp, x, p.layout), p.dtype, copy=False) for x in (dq, dk, dv, dg, dbeta)]
     params = [
         None if d is None else xp.astype(d, x.dtype, copy=False)
         for d, x in ((dA_log, inputs[5]), (ddt_bias, inputs[6]))

@@ -16,19 +16,12 @@ from ._backends import get_backend
 from ._checks import check_finite as _check_finite
 from ._checks import warn_if_diverged
 from ._errors import InvalidInputError, InvalidTypeError
-from ._options import Options, prepare_core_inputs
+from ._options import Options, head_first, prepare_core_inputs
 from ._validation import STATE_DTYPE_RULE, Problem, _host_integers, check_array, check_options_call
 
 __all__ = ["decode_kda"]
 
 PADDING = -1
-
-
-def _head_first(xp: Any, x: Any, layout: str) -> Any:
-    """``[N, T, heads, ...]`` -> ``[N, heads, T, ...]`` (a view) for the time-major layout."""
-    if layout == "head_first":
-        return x
-    return xp.permute_dims(x, (0, 2, 1, 3) if x.ndim == 4 else (0, 2, 1))
 
 
 def check_pool(state_pool: Any, p: Problem) -> int:
@@ -159,10 +152,10 @@ def decode_kda(
             xp, o, {"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": o.A_log, "dt_bias": o.dt_bias}
         )
     ops = get_backend(xp, backend)
-    inputs = [_head_first(xp, xp.astype(x, p.compute_dtype, copy=False), layout) for x in (q, k, v, g, beta)]
+    inputs = [head_first(xp, xp.astype(x, p.compute_dtype, copy=False), layout) for x in (q, k, v, g, beta)]
     c = prepare_core_inputs(xp, *inputs, o, p.HV)
     out = ops.decode_forward(c.q, c.k, c.v, c.g, c.beta, p.scale, state_pool, indices)
-    out = _head_first(xp, xp.astype(out, p.dtype, copy=False), layout)
+    out = head_first(xp, xp.astype(out, p.dtype, copy=False), layout)
     if check_finite:
         warn_if_diverged(xp, out)
     return out

@@ -27,6 +27,7 @@ __all__ = [
     "Options",
     "expand_heads",
     "gate_backward",
+    "head_first",
     "l2norm_backward",
     "prepare_core_inputs",
     "sum_heads",
@@ -50,6 +51,16 @@ class Options:
     lower_bound: float | None = None
     beta_activation: str | None = None
     cu_seqlens: tuple[int, ...] | None = None  # host offsets, N + 1 of them
+
+
+def head_first(xp: Any, x: Any, layout: str) -> Any:
+    """Swap the time and head axes of a time-major array (its own inverse); a view.
+
+    ``[B, T, heads, ...]`` <-> ``[B, heads, T, ...]``; head-first arrays and None pass through.
+    """
+    if layout == "head_first" or x is None:
+        return x
+    return xp.permute_dims(x, (0, 2, 1, *range(3, x.ndim)))
 
 
 def _sigmoid(xp: Any, x: Any) -> Any:

@@ -39,7 +39,7 @@ from ._backends import get_backend
 from ._chunked import chunk_backward, chunk_forward
 from ._core import ChunkCore
 from ._errors import InvalidInputError, InvalidTypeError
-from ._options import Options
+from ._options import Options, head_first
 from ._validation import STATE_DTYPE_RULE, Problem, check_array, check_chunk_size, check_options_call
 
 __all__ = ["BackwardPlan", "ForwardPlan", "prepare_chunk_kda", "prepare_chunk_kda_backward"]
@@ -128,7 +128,7 @@ class _Runner:
 
     def views(self, *arrays: Any) -> list[Any]:
         """Head-first views of bound arrays (the arrays themselves for the head-first layout)."""
-        return [_api._head_first(self.xp, x, self.p.layout) for x in arrays]
+        return [head_first(self.xp, x, self.p.layout) for x in arrays]
 
     def recheck_gate(self) -> None:
         """``max(g) <= 0`` on host arrays with a log gate (see the module notes)."""
@@ -247,7 +247,7 @@ def _prepare(q, k, v, g, beta, scale, chunk_size, backend, initial_state, check_
     core = ChunkCore(get_backend(p.xp, backend), p.scale, check_chunk_size(chunk_size))
     state = _api._state_or_zeros(p, "initial_state", initial_state)
     _api._check_inputs_finite(p, o, check_finite, q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
-    chunk = core._plan(_api._head_first(p.xp, q, p.layout))  # also refuses pair matrices that cannot fit
+    chunk = core._plan(head_first(p.xp, q, p.layout))  # also refuses pair matrices that cannot fit
     return p, o, core, state, chunk if _is_plain(p, o) else None
 
 
