@@ -26,7 +26,7 @@ import numba
 import numpy as np
 from numba import cuda
 
-__all__ = ["DTYPES", "SIGNATURES", "build_kernels", "compiled", "signature"]
+__all__ = ["DTYPES", "INDEX32_LIMIT", "INDEX_TYPES", "SIGNATURES", "build_kernels", "compiled", "flat_kernel", "signature"]
 
 # rows of the state passes that one thread accumulates at once (registers)
 ROW_GROUP = 4
@@ -40,17 +40,26 @@ PAIR_GROUP = 4
 # floating dtypes the kernels are compiled for
 DTYPES = ("float32", "float64")
 
-# kernel name -> argument kinds: a digit is a C-contiguous array of that many dimensions of the
-# floating dtype, "s" a floating scalar, "i" an int64 scalar, "j" an int32 scalar, "f" a
-# C-contiguous 1-D int32 array
+# index types: every array is passed flattened, and the kernels compute their offsets into it
+# in 32 bits (unsigned: no negative-index fix-ups) wherever every array and every dimension of
+# the launch has fewer than INDEX32_LIMIT elements, in 64 bits otherwise; the launch wrapper
+# picks (kda.cuda._launch.index_type)
+# index type -> the type of the dimensions passed with it (signed in 64 bits: Numba types a mix
+# of uint64 and signed integers as float64)
+INDEX_TYPES = {"uint32": "uint32", "uint64": "int64"}
+INDEX32_LIMIT = 2**32
+
+# kernel name -> argument kinds: "a" a C-contiguous 1-D array of the floating dtype (a flattened
+# C-contiguous array), "s" a floating scalar, "j" an int32 scalar, "f" a C-contiguous 1-D int32
+# array, then ":n" for the trailing tuple of n dimensions in the index type
 SIGNATURES = {
     "chunk_factors": "333s3333324",
     "chunk_local": "33332s333233333",
     "chunk_local_backward": "33332s3332333344333333333233332",
     "chunk_pairs": "334s33",
     "unit_lower_inverse": "233",
-    "chunk_state_pass": "4444433j443",
-    "chunk_state_grad_pass": "4444434434443",
+    "chunk_state_pass": "aaaaaaajaaa:5",
+    "chunk_state_grad_pass": "aaaaaaaaaaaaa:5",
     "chunk_pairs_backward": "33334s333",
     "chunk_gate_gradient": "33233",
     "recurrent_forward": "33332s333",
@@ -59,14 +68,16 @@ SIGNATURES = {
 }
 
 
-def signature(name: str, dtype: str) -> str:
-    """The explicit Numba signature of kernel ``name`` for the floating ``dtype``.
+def signature(name: str, dtype: str, index: str = "uint32") -> str:
+    """The explicit Numba signature of kernel ``name`` for the floating ``dtype`` and ``index`` type.
 
-    Every array is C-contiguous (layout ``C``): an index costs multiplications by the shape, not
-    by arbitrary strides, and the launch wrappers never pass a strided view.
+    Every array is C-contiguous (layout ``C``) and, in the kernels converted to flat offsets
+    (a ``:n`` in :data:`SIGNATURES`), one-dimensional: an index is an offset computed in
+    ``index`` arithmetic, with no stride loads and no negative-index selects.
     """
+    spec, _, ndims = SIGNATURES[name].partition(":")
     kinds = []
-    for c in SIGNATURES[name]:
+    for c in spec:
         if c == "s":
             kinds.append(dtype)
         elif c == "i":
@@ -75,17 +86,71 @@ def signature(name: str, dtype: str) -> str:
             kinds.append("int32")
         elif c == "f":
             kinds.append("int32[::1]")
+        elif c == "a":
+            kinds.append(f"{dtype}[::1]")
         else:
             kinds.append(f"{dtype}[{', '.join([':'] * (int(c) - 1) + ['::1'])}]")
+    if ndims:
+        kinds.append(f"UniTuple({INDEX_TYPES[index]}, {int(ndims)})")
     return f"void({', '.join(kinds)})"
 
 
-def build_kernels(dtype: str) -> dict:
-    """The Python functions of every kernel, specialised to ``dtype`` by their constants."""
+def flat_kernel(name: str) -> bool:
+    """Whether kernel ``name`` takes flattened arrays and a tuple of dimensions."""
+    return ":" in SIGNATURES[name]
+
+
+def _offset_function(ix):
+    """``at2(i, j, J)``: the offset ``i * J + j`` in the index type ``ix``, as an inline device function.
+
+    Under Numba's CUDA simulator a plain function of Python integers instead: there a device
+    call is a switch of thread context and a Numba cast a microsecond, which made the offsets 30
+    times slower than the arithmetic they hold. A negative offset (which the unsigned type would
+    wrap far out of bounds on a GPU) raises there.
+    """
+    if numba.config.ENABLE_CUDASIM:
+
+        def at2(i, j, J):
+            offset = i * J + j
+            if offset < 0:
+                msg = f"negative array offset {i} * {J} + {j}"
+                raise IndexError(msg)
+            return offset
+
+        return at2
+
+    @cuda.jit(device=True, inline="always")
+    def at2(i, j, J):
+        return ix(ix(i) * ix(J) + ix(j))
+
+    return at2
+
+
+def _inline(func):
+    """An inline device function on a GPU; the plain function under the simulator."""
+    if numba.config.ENABLE_CUDASIM:
+        return func
+    return cuda.jit(device=True, inline="always")(func)
+
+
+def build_kernels(dtype: str, index: str = "uint32") -> dict:
+    """The Python functions of every kernel, specialised to ``dtype`` and ``index`` by their constants."""
     fl = np.dtype(dtype).type
     nbtype = numba.from_dtype(np.dtype(dtype))
     zero = fl(0)
     one = fl(1)
+
+    at2 = _offset_function(getattr(numba, index))  # element [i, j] of a C-contiguous [., J] array
+
+    @_inline
+    def at3(i, j, m, J, M):
+        """The offset of element ``[i, j, m]`` of a C-contiguous ``[., J, M]`` array."""
+        return at2(at2(i, j, J), m, M)
+
+    @_inline
+    def at4(i, j, m, r, J, M, R):
+        """The offset of element ``[i, j, m, r]`` of a C-contiguous ``[., J, M, R]`` array."""
+        return at2(at3(i, j, m, J, M), r, R)
 
     def chunk_factors(q, k, g, scale, prefix, suffix, qg, kg, kt, total, F):
         """One thread per (chunk n, channel d): running products along the chunk."""
@@ -556,9 +621,12 @@ def build_kernels(dtype: str) -> dict:
                 dq[n, i, d] += scale * p * dqg[n, i, d]
                 dk[n, i, d] += p * beta[n, i] * dkw[n, i, d]
 
-    def chunk_state_pass(qg, A, w, u0, kt, total, state, emit, out, boundaries, final):
+    def chunk_state_pass(qg, A, w, u0, kt, total, state, emit, out, boundaries, final, dims):
         """One block per (head, tile of ``blockDim.x`` value columns), looping over every chunk.
 
+        ``dims = (BH, NT, Cp, K, V)``; the arrays are flattened ``[BH, NT, Cp, K]`` (``qg, w,
+        kt``), ``[BH, NT, Cp, Cp]`` (``A``), ``[BH, NT, Cp, V]`` (``u0, out``), ``[BH, NT, K]``
+        (``total``), ``[BH, K, V]`` (``state, final``) and ``[NT, BH, K, V]`` (``boundaries``).
         The block keeps its ``[K, TV]`` tile of the state in shared memory for the whole
         sequence (``TV = blockDim.x``). Per chunk, thread ``(x, y)`` owns value column ``x`` of
         the tile and rows ``y, y + blockDim.y, ...``:
@@ -570,8 +638,7 @@ def build_kernels(dtype: str) -> dict:
         ``w``, ``qg``, ``kt`` and ``A`` are read by all lanes of a row at once (one broadcast
         load). Dynamic shared memory: ``(K + 2 Cp) * blockDim.x`` elements.
         """
-        NT, Cp, K = w.shape[1], w.shape[2], w.shape[3]
-        V = u0.shape[3]
+        BH, NT, Cp, K, V = dims
         TV = cuda.blockDim.x
         tiles = (V + TV - 1) // TV
         bh = cuda.blockIdx.x // tiles
@@ -587,59 +654,61 @@ def build_kernels(dtype: str) -> dict:
         acc = cuda.local.array(ROW_GROUP, nbtype)
         acco = cuda.local.array(ROW_GROUP, nbtype)
         for kk in range(ty, K, ny):
-            S[kk * TV + tx] = state[bh, kk, v] if active else zero
+            S[at2(kk, tx, TV)] = state[at3(bh, kk, v, K, V)] if active else zero
         cuda.syncthreads()
         for n in range(NT):
+            chunk = at2(bh, n, NT)
             for i0 in range(ty, Cp, ny * ROW_GROUP):
                 for r in range(ROW_GROUP):
                     i = i0 + r * ny
-                    acc[r] = u0[bh, n, i, v] if i < Cp and active else zero
+                    acc[r] = u0[at3(chunk, i, v, Cp, V)] if i < Cp and active else zero
                     acco[r] = zero
                 for kk in range(K):
-                    s = S[kk * TV + tx]
+                    s = S[at2(kk, tx, TV)]
                     for r in range(ROW_GROUP):
                         i = i0 + r * ny
                         if i < Cp:
-                            acc[r] -= w[bh, n, i, kk] * s
+                            ik = at3(chunk, i, kk, Cp, K)
+                            acc[r] -= w[ik] * s
                             if emit:
-                                acco[r] += qg[bh, n, i, kk] * s
+                                acco[r] += qg[ik] * s
                 for r in range(ROW_GROUP):
                     i = i0 + r * ny
                     if i < Cp:
-                        Us[i * TV + tx] = acc[r]
-                        Os[i * TV + tx] = acco[r]
+                        Us[at2(i, tx, TV)] = acc[r]
+                        Os[at2(i, tx, TV)] = acco[r]
             if active:
                 for kk in range(ty, K, ny):
-                    boundaries[n, bh, kk, v] = S[kk * TV + tx]
+                    boundaries[at4(n, bh, kk, v, BH, K, V)] = S[at2(kk, tx, TV)]
             cuda.syncthreads()
             if emit:
                 for i in range(ty, Cp, ny):
-                    o = Os[i * TV + tx]
+                    o = Os[at2(i, tx, TV)]
                     for j in range(i + 1):
-                        o += A[bh, n, i, j] * Us[j * TV + tx]
+                        o += A[at3(chunk, i, j, Cp, Cp)] * Us[at2(j, tx, TV)]
                     if active:
-                        out[bh, n, i, v] = o
+                        out[at3(chunk, i, v, Cp, V)] = o
             for kk in range(ty, K, ny):
-                s = total[bh, n, kk] * S[kk * TV + tx]
+                s = total[at2(chunk, kk, K)] * S[at2(kk, tx, TV)]
                 for i in range(Cp):
-                    s += kt[bh, n, i, kk] * Us[i * TV + tx]
-                S[kk * TV + tx] = s
+                    s += kt[at3(chunk, i, kk, Cp, K)] * Us[at2(i, tx, TV)]
+                S[at2(kk, tx, TV)] = s
             cuda.syncthreads()
         if active:
             for kk in range(ty, K, ny):
-                final[bh, kk, v] = S[kk * TV + tx]
+                final[at3(bh, kk, v, K, V)] = S[at2(kk, tx, TV)]
 
-    def chunk_state_grad_pass(qg, A, w, u0, kt, total, do, boundaries, dstate, dends, U, dU, dinitial):
-        """The state-gradient recurrence, last chunk first; blocks and threads as the state pass.
+    def chunk_state_grad_pass(qg, A, w, u0, kt, total, do, boundaries, dstate, dends, U, dU, dinitial, dims):
+        """The state-gradient recurrence, last chunk first; blocks, threads and layouts as the state pass.
 
-        The block keeps its tile of ``dS`` (the gradient of the state at the end of the chunk)
-        in shared memory. Per chunk: stage the chunk-start state ``S`` and ``dO``; then
-        ``U = u0 - w S`` and ``dU = A^T dO + kt dS`` (one pass over ``K`` for both); after a
-        barrier ``dS_start = total dS + qg^T dO - w^T dU``. Dynamic shared memory:
+        ``do, U, dU`` are ``[BH, NT, Cp, V]``, ``dstate, dinitial`` ``[BH, K, V]`` and ``dends``
+        ``[NT, BH, K, V]``. The block keeps its tile of ``dS`` (the gradient of the state at the
+        end of the chunk) in shared memory. Per chunk: stage the chunk-start state ``S`` and
+        ``dO``; then ``U = u0 - w S`` and ``dU = A^T dO + kt dS`` (one pass over ``K`` for both);
+        after a barrier ``dS_start = total dS + qg^T dO - w^T dU``. Dynamic shared memory:
         ``(2 K + 2 Cp) * blockDim.x`` elements.
         """
-        NT, Cp, K = w.shape[1], w.shape[2], w.shape[3]
-        V = u0.shape[3]
+        BH, NT, Cp, K, V = dims
         TV = cuda.blockDim.x
         tiles = (V + TV - 1) // TV
         bh = cuda.blockIdx.x // tiles
@@ -656,49 +725,52 @@ def build_kernels(dtype: str) -> dict:
         acc = cuda.local.array(ROW_GROUP, nbtype)
         accd = cuda.local.array(ROW_GROUP, nbtype)
         for kk in range(ty, K, ny):
-            dS[kk * TV + tx] = dstate[bh, kk, v] if active else zero
+            dS[at2(kk, tx, TV)] = dstate[at3(bh, kk, v, K, V)] if active else zero
         for n in range(NT - 1, -1, -1):
+            chunk = at2(bh, n, NT)
             for kk in range(ty, K, ny):
-                S[kk * TV + tx] = boundaries[n, bh, kk, v] if active else zero
+                S[at2(kk, tx, TV)] = boundaries[at4(n, bh, kk, v, BH, K, V)] if active else zero
             for i in range(ty, Cp, ny):
-                dOs[i * TV + tx] = do[bh, n, i, v] if active else zero
+                dOs[at2(i, tx, TV)] = do[at3(chunk, i, v, Cp, V)] if active else zero
             cuda.syncthreads()
             if active:
                 for kk in range(ty, K, ny):
-                    dends[n, bh, kk, v] = dS[kk * TV + tx]
+                    dends[at4(n, bh, kk, v, BH, K, V)] = dS[at2(kk, tx, TV)]
             for i0 in range(ty, Cp, ny * ROW_GROUP):
                 for r in range(ROW_GROUP):
                     i = i0 + r * ny
-                    acc[r] = u0[bh, n, i, v] if i < Cp and active else zero
+                    acc[r] = u0[at3(chunk, i, v, Cp, V)] if i < Cp and active else zero
                     accd[r] = zero
                     if i < Cp:
                         for j in range(i, Cp):
-                            accd[r] += A[bh, n, j, i] * dOs[j * TV + tx]
+                            accd[r] += A[at3(chunk, j, i, Cp, Cp)] * dOs[at2(j, tx, TV)]
                 for kk in range(K):
-                    s = S[kk * TV + tx]
-                    ds = dS[kk * TV + tx]
+                    s = S[at2(kk, tx, TV)]
+                    ds = dS[at2(kk, tx, TV)]
                     for r in range(ROW_GROUP):
                         i = i0 + r * ny
                         if i < Cp:
-                            acc[r] -= w[bh, n, i, kk] * s
-                            accd[r] += kt[bh, n, i, kk] * ds
+                            ik = at3(chunk, i, kk, Cp, K)
+                            acc[r] -= w[ik] * s
+                            accd[r] += kt[ik] * ds
                 for r in range(ROW_GROUP):
                     i = i0 + r * ny
                     if i < Cp:
-                        dUs[i * TV + tx] = accd[r]
+                        dUs[at2(i, tx, TV)] = accd[r]
                         if active:
-                            U[bh, n, i, v] = acc[r]
-                            dU[bh, n, i, v] = accd[r]
+                            U[at3(chunk, i, v, Cp, V)] = acc[r]
+                            dU[at3(chunk, i, v, Cp, V)] = accd[r]
             cuda.syncthreads()
             for kk in range(ty, K, ny):
-                s = total[bh, n, kk] * dS[kk * TV + tx]
+                s = total[at2(chunk, kk, K)] * dS[at2(kk, tx, TV)]
                 for i in range(Cp):
-                    s += qg[bh, n, i, kk] * dOs[i * TV + tx] - w[bh, n, i, kk] * dUs[i * TV + tx]
-                dS[kk * TV + tx] = s
+                    ik = at3(chunk, i, kk, Cp, K)
+                    s += qg[ik] * dOs[at2(i, tx, TV)] - w[ik] * dUs[at2(i, tx, TV)]
+                dS[at2(kk, tx, TV)] = s
             cuda.syncthreads()
         if active:
             for kk in range(ty, K, ny):
-                dinitial[bh, kk, v] = dS[kk * TV + tx]
+                dinitial[at3(bh, kk, v, K, V)] = dS[at2(kk, tx, TV)]
 
     def chunk_pairs_backward(dA, dL, q, k, F, scale, dq, dk, dg):
         """One thread per (chunk, channel d), visiting every pair twice (row side, column side).
@@ -909,13 +981,13 @@ _PYFUNCS: dict = {}
 _COMPILED: dict = {}
 
 
-def compiled(name: str, dtype: str):
-    """Kernel ``name`` for ``dtype``, compiled on first use with its explicit signature."""
-    key = (name, dtype)
+def compiled(name: str, dtype: str, index: str = "uint32"):
+    """Kernel ``name`` for ``dtype`` and ``index``, compiled on first use with its explicit signature."""
+    key = (name, dtype, index)
     kernel = _COMPILED.get(key)
     if kernel is None:
-        if dtype not in _PYFUNCS:
-            _PYFUNCS[dtype] = build_kernels(dtype)
-        kernel = cuda.jit(signature(name, dtype))(_PYFUNCS[dtype][name])
+        if (dtype, index) not in _PYFUNCS:
+            _PYFUNCS[dtype, index] = build_kernels(dtype, index)
+        kernel = cuda.jit(signature(name, dtype, index))(_PYFUNCS[dtype, index][name])
         _COMPILED[key] = kernel
     return kernel

@@ -19,7 +19,8 @@ from array_api_compat import array_namespace, device, is_cupy_array
 from numba import cuda
 
 from ..reference._chunk import ChunkFactors, ChunkLocal, from_chunks, local_backward, to_chunks
-from ._kernels import DTYPES, LOCAL_TILE_K, PAIR_GROUP, compiled
+from . import _kernels
+from ._kernels import DTYPES, LOCAL_TILE_K, PAIR_GROUP, compiled, flat_kernel
 
 __all__ = [
     "LAUNCHES",
@@ -116,16 +117,33 @@ def _contiguous(a: Any) -> Any:
     return _c("_contiguous", a)
 
 
-def _launch(name: str, dtype: str, grid: int, block: Any, *args: Any, shared: int = 0) -> None:
+def index_type(arrays: Any, dims: tuple[int, ...]) -> str:
+    """``"uint32"`` where every array and dimension of a launch is under ``INDEX32_LIMIT``, else ``"uint64"``."""
+    sizes = [int(getattr(a, "size", 0)) for a in arrays] + [int(d) for d in dims]
+    return "uint32" if max(sizes, default=0) < _kernels.INDEX32_LIMIT else "uint64"
+
+
+def _launch(
+    name: str, dtype: str, grid: int, block: Any, *args: Any, shared: int = 0, dims: tuple[int, ...] | None = None
+) -> None:
     """Launch kernel ``name`` on the caller's stream; nothing to do for an empty grid.
 
     Every array argument must be C-contiguous (the kernels' signatures say so); ``shared`` is the
-    dynamic shared memory of a block in bytes.
+    dynamic shared memory of a block in bytes. For a kernel that takes flattened arrays
+    (:func:`~._kernels.flat_kernel`), ``dims`` are the dimensions it indexes by: every array is
+    passed as a flat view and the offsets are computed in 32 bits where the sizes allow.
     """
     if grid == 0:
         return
-    kernel = compiled(name, dtype)
     args = tuple(_c(name, a) for a in args)
+    index = "uint32"
+    if flat_kernel(name):
+        index = index_type([a for a in args if hasattr(a, "shape")], dims)
+        args = tuple(a.reshape(-1) if hasattr(a, "shape") and a.ndim > 1 else a for a in args)
+        # the simulator takes the dimensions as Python ints (faster there; it checks no types)
+        itype = getattr(np, _kernels.INDEX_TYPES[index]) if any(is_cupy_array(a) for a in args) else int
+        args = (*args, tuple(itype(d) for d in dims))
+    kernel = compiled(name, dtype, index)
     if any(is_cupy_array(a) for a in args):
         import cupy
 
@@ -389,8 +407,8 @@ def chunk_state_pass(
         dense = (_flat(xp, qg, 2), _flat(xp, A, 2))
     else:
         dense = (_empty(xp, w, (1, 1, 1, K)), _empty(xp, w, (1, 1, 1, 1)))
-    args = (*dense, *(_flat(xp, x, 2) for x in (w, u0, kt, total, state)), np.int32(emit))
-    _launch(name, dtype, grid, block, *args, out, boundaries, final, shared=shared)
+    args = (*dense, w, u0, kt, total, state, np.int32(emit), out, boundaries, final)
+    _launch(name, dtype, grid, block, *args, shared=shared, dims=(BH, NT, Cp, K, V))
     output = xp.reshape(out, u0.shape) if emit else None
     return xp.reshape(boundaries, (NT, B, H, K, V)), output, xp.reshape(final, state.shape)
 
@@ -436,9 +454,8 @@ def chunk_state_grad_pass(
         U, dU = (_zeros(xp, w, (BH, NT, Cp, V)) for _ in range(2))
     block, shared = _state_block(name, K, Cp, w.dtype.itemsize, 2 * K + 2 * Cp)
     grid = BH * (-(-V // block[0])) if NT and K * V else 0
-    args = [_flat(xp, x, 2) for x in (qg, A, w, u0, kt, total, grad_output)]
-    args += [xp.reshape(boundaries, (NT, BH, K, V)), _flat(xp, dstate, 2)]
-    _launch(name, dtype, grid, block, *args, dends, U, dU, dinitial, shared=shared)
+    args = (qg, A, w, u0, kt, total, grad_output, boundaries, dstate, dends, U, dU, dinitial)
+    _launch(name, dtype, grid, block, *args, shared=shared, dims=(BH, NT, Cp, K, V))
     shape = (NT, B, H, K, V)
     return (
         xp.reshape(dends, shape),
