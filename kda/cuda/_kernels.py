@@ -26,7 +26,16 @@ import numba
 import numpy as np
 from numba import cuda
 
-__all__ = ["DTYPES", "INDEX32_LIMIT", "INDEX_TYPES", "SIGNATURES", "build_kernels", "compiled", "flat_kernel", "signature"]
+__all__ = [
+    "DTYPES",
+    "INDEX32_LIMIT",
+    "INDEX_TYPES",
+    "SIGNATURES",
+    "build_kernels",
+    "compiled",
+    "flat_kernel",
+    "signature",
+]
 
 # rows of the state passes that one thread accumulates at once (registers)
 ROW_GROUP = 4

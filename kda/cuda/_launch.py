@@ -118,13 +118,20 @@ def _contiguous(a: Any) -> Any:
 
 
 def index_type(arrays: Any, dims: tuple[int, ...]) -> str:
-    """``"uint32"`` where every array and dimension of a launch is under ``INDEX32_LIMIT``, else ``"uint64"``."""
+    """``"uint32"`` where every array and dimension of a launch is under ``INDEX32_LIMIT``, else
+    ``"uint64"``."""
     sizes = [int(getattr(a, "size", 0)) for a in arrays] + [int(d) for d in dims]
     return "uint32" if max(sizes, default=0) < _kernels.INDEX32_LIMIT else "uint64"
 
 
 def _launch(
-    name: str, dtype: str, grid: int, block: Any, *args: Any, shared: int = 0, dims: tuple[int, ...] | None = None
+    name: str,
+    dtype: str,
+    grid: int,
+    block: Any,
+    *args: Any,
+    shared: int = 0,
+    dims: tuple[int, ...] | None = None,
 ) -> None:
     """Launch kernel ``name`` on the caller's stream; nothing to do for an empty grid.
 
