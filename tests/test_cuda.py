@@ -284,6 +284,59 @@ def test_launches_do_not_grow_with_length(monkeypatch):
     assert not COPIES, f"operands copied to make them contiguous: {dict(COPIES)}"
 
 
+def test_offsets_in_64_bits_when_sizes_need_them(monkeypatch):
+    """32-bit offsets wherever every array of a launch allows; the 64-bit kernels give the same bits.
+
+    ``INDEX32_LIMIT`` is lowered so that this small problem takes the 64-bit variants of every
+    kernel of a chunked and a recurrent forward and backward (and the gate check).
+    """
+    import kda.cuda._launch as launch
+    from kda.cuda import _kernels
+
+    used = []
+    real = launch.compiled
+
+    def spy(name, dtype, index="uint32"):
+        used.append((name, index))
+        return real(name, dtype, index)
+
+    monkeypatch.setattr(launch, "compiled", spy)
+    arrays = problem(np.random.default_rng(5), 1, 2, 9, 4, 3, "reset")
+
+    def run_all():
+        used.clear()
+        out, grads = run_chunked(arrays, np.float32, 4)
+        q, k, v, g, beta, state, do, dstate = (to_dev(x.astype(np.float32)) for x in arrays)
+        rout = kda.recurrent_kda(q, k, v, g, beta, initial_state=state, backend="cuda")
+        rgrads = kda.recurrent_kda_backward(q, k, v, g, beta, do, dstate, initial_state=state, backend="cuda")
+        flags = kc.gate_flags(g)
+        results = [out.output, out.final_state, *grads, rout.output, rout.final_state, *rgrads, flags]
+        return [to_np(x) for x in results if x is not None], dict(used)
+
+    narrow, narrow_used = run_all()
+    monkeypatch.setattr(_kernels, "INDEX32_LIMIT", 16)
+    wide, wide_used = run_all()
+    assert set(narrow_used.values()) == {"uint32"}, narrow_used
+    assert set(wide_used.values()) == {"uint64"}, wide_used
+    assert set(narrow_used) == set(wide_used) >= {"chunk_local", "chunk_state_pass", "gate_flags"}
+    for a, b in zip(narrow, wide, strict=True):
+        assert np.array_equal(a, b)
+
+
+def test_index_type_by_size():
+    """The largest array or dimension of a launch decides: under 2**32 elements, 32-bit offsets."""
+    from kda.cuda._launch import index_type
+
+    class Sized:
+        def __init__(self, size):
+            self.size = size
+
+    assert index_type([Sized(2**32 - 1), Sized(3)], (7, 9)) == "uint32"
+    assert index_type([Sized(2**32), Sized(3)], (7,)) == "uint64"
+    assert index_type([Sized(5)], (2**32,)) == "uint64"
+    assert index_type([], ()) == "uint32"
+
+
 # ---------------------------------------------------------------- each primitive
 
 

@@ -25,14 +25,16 @@ from numba import cuda
 from kda.cuda._kernels import DTYPES, SIGNATURES, build_kernels, signature
 ptxas = sys.argv[1] if len(sys.argv) > 1 else ""
 report = {}
+# both dtypes with 32-bit offsets; the 64-bit variants in float32 (where a float64 would hide)
+variants = [(dtype, "uint32") for dtype in DTYPES] + [("float32", "uint64")]
 with tempfile.TemporaryDirectory() as tmp:
-    for dtype in DTYPES:
-        funcs = build_kernels(dtype)
+    for dtype, index in variants:
+        funcs = build_kernels(dtype, index)
         for name in SIGNATURES:
-            ptx, _ = cuda.compile_ptx(funcs[name], signature(name, dtype), cc=(9, 0))
+            ptx, _ = cuda.compile_ptx(funcs[name], signature(name, dtype, index), cc=(9, 0))
             info = {"bytes": len(ptx), "f64": len(re.findall(r"\.f64\b", ptx)), "entry": ".entry" in ptx}
             if ptxas and dtype == "float32":  # the dtype that matters for speed; ptxas is slow
-                path = os.path.join(tmp, f"{name}_{dtype}.ptx")
+                path = os.path.join(tmp, f"{name}_{dtype}_{index}.ptx")
                 with open(path, "w") as fh:
                     fh.write(ptx)
                 done = subprocess.run([ptxas, "-arch=sm_90", "-v", path, "-o", os.devnull],
@@ -43,7 +45,7 @@ with tempfile.TemporaryDirectory() as tmp:
                 spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
                 info["registers"] = int(regs[0]) if regs else None
                 info["spill_bytes"] = sum(int(a) + int(b) for a, b in spills)
-            report[f"{name}/{dtype}"] = info
+            report[f"{name}/{dtype}/{index}"] = info
 print(json.dumps(report))
 """
 
@@ -66,11 +68,11 @@ def test_ptx_compiles_for_cc90():
     )
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(report) == 2 * len(SIGNATURES)
+    assert len(report) == 3 * len(SIGNATURES)
     print("\nkernel/dtype: registers, spill bytes (ptxas -arch=sm_90)" if ptxas else "\n(no ptxas)")
     for key, info in sorted(report.items()):
         assert info["entry"], key
-        if key.endswith("float32"):
+        if "/float32/" in key:
             assert info["f64"] == 0, f"{key} uses float64 arithmetic ({info['f64']} .f64 operands)"
         if "ptxas_rc" in info:
             assert info["ptxas_rc"] == 0, f"ptxas rejected {key}"

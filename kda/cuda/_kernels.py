@@ -63,8 +63,8 @@ INDEX32_LIMIT = 2**32
 # array, then ":n" for the trailing tuple of n dimensions in the index type
 SIGNATURES = {
     "chunk_factors": "333s3333324",
-    "chunk_local": "33332s333233333",
-    "chunk_local_backward": "33332s3332333344333333333233332",
+    "chunk_local": "aaaaasaaaaaaaaa:3",
+    "chunk_local_backward": "aaaaasaaaaaaaaaaaaaaaaaaaaaaaaa:5",
     "chunk_pairs": "334s33",
     "unit_lower_inverse": "233",
     "chunk_state_pass": "aaaaaaajaaa:5",
@@ -73,7 +73,7 @@ SIGNATURES = {
     "chunk_gate_gradient": "33233",
     "recurrent_forward": "33332s333",
     "recurrent_backward": "33332s333i44333233",
-    "gate_flags": "1f",
+    "gate_flags": "af:1",
 }
 
 
@@ -150,6 +150,11 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
     one = fl(1)
 
     at2 = _offset_function(getattr(numba, index))  # element [i, j] of a C-contiguous [., J] array
+
+    @_inline
+    def at1(i):
+        """The offset ``i`` in the index type."""
+        return at2(0, i, 1)
 
     @_inline
     def at3(i, j, m, J, M):
@@ -281,7 +286,7 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
                 acc += L[n, i, m] * Tinv[n, m, j]
             Tinv[n, i, j] = -beta[n, i] * acc
 
-    def chunk_local(q, k, g, v, beta, scale, qg, kg, kt, total, A, L, Tinv, w, u0):
+    def chunk_local(q, k, g, v, beta, scale, qg, kg, kt, total, A, L, Tinv, w, u0, dims):
         """One block per chunk ``n``: all of its state-free work, without any factor array.
 
         1. decay factors as running products of ``exp(g)`` (one thread per channel): ``qg``,
@@ -301,8 +306,7 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
         n = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         nth = cuda.blockDim.x
-        Cp, K = q.shape[1], q.shape[2]
-        V = v.shape[2]
+        Cp, K, V = dims
         TK = LOCAL_TILE_K
         shared = cuda.shared.array(0, nbtype)
         bsh = shared[:Cp]
@@ -315,14 +319,16 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
         for d in range(tid, K, nth):
             p = one
             for i in range(Cp):
-                p *= math.exp(g[n, i, d])
-                qg[n, i, d] = scale * q[n, i, d] * p
-                kg[n, i, d] = k[n, i, d] * p
-            total[n, d] = p
+                o = at3(n, i, d, Cp, K)
+                p *= math.exp(g[o])
+                qg[o] = scale * q[o] * p
+                kg[o] = k[o] * p
+            total[at2(n, d, K)] = p
             s = one
             for i in range(Cp - 1, -1, -1):
-                kt[n, i, d] = k[n, i, d] * s
-                s *= math.exp(g[n, i, d])
+                o = at3(n, i, d, Cp, K)
+                kt[o] = k[o] * s
+                s *= math.exp(g[o])
         # 2. pairs: the diagonal and the upper triangle, then each level
         for idx in range(tid, Cp * Cp, nth):
             i = idx // Cp
@@ -331,9 +337,9 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
                 a = zero
                 if j == i:
                     for d in range(K):
-                        a += q[n, i, d] * k[n, i, d]
-                A[n, i, j] = scale * a
-                L[n, i, j] = zero
+                        a += q[at3(n, i, d, Cp, K)] * k[at3(n, i, d, Cp, K)]
+                A[at3(n, i, j, Cp, Cp)] = scale * a
+                L[at3(n, i, j, Cp, Cp)] = zero
         h = 1
         while h < Cp:
             nb = Cp // (2 * h)
@@ -349,11 +355,11 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
                         j = mid - 1 - m
                         i = mid + m
                         if d < K:
-                            P[j * TK + dd] = k[n, j, d] * c
-                            c *= math.exp(g[n, j, d])
-                            r *= math.exp(g[n, i, d])
-                            P[i * TK + dd] = q[n, i, d] * r
-                            Q[i * TK + dd] = k[n, i, d] * r
+                            P[j * TK + dd] = k[at3(n, j, d, Cp, K)] * c
+                            c *= math.exp(g[at3(n, j, d, Cp, K)])
+                            r *= math.exp(g[at3(n, i, d, Cp, K)])
+                            P[i * TK + dd] = q[at3(n, i, d, Cp, K)] * r
+                            Q[i * TK + dd] = k[at3(n, i, d, Cp, K)] * r
                         else:
                             P[j * TK + dd] = zero
                             P[i * TK + dd] = zero
@@ -370,16 +376,16 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
                         sa += P[i * TK + dd] * c
                         sl += Q[i * TK + dd] * c
                     if d0 == 0:
-                        A[n, i, j] = scale * sa
-                        L[n, i, j] = sl
+                        A[at3(n, i, j, Cp, Cp)] = scale * sa
+                        L[at3(n, i, j, Cp, Cp)] = sl
                     else:
-                        A[n, i, j] += scale * sa
-                        L[n, i, j] += sl
+                        A[at3(n, i, j, Cp, Cp)] += scale * sa
+                        L[at3(n, i, j, Cp, Cp)] += sl
                 cuda.syncthreads()
             h *= 2
         # 3. the inverse, by blocks
         for i in range(tid, Cp, nth):
-            bsh[i] = beta[n, i]
+            bsh[i] = beta[at2(n, i, Cp)]
         for idx in range(tid, Cp * Cp, nth):
             i = idx // Cp
             j = idx % Cp
@@ -397,7 +403,8 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
                 i = start + h + ii
                 acc = zero
                 for m in range(jj, h):
-                    acc += L[n, i, start + m] * T[(start + m) * (start + m + 1) // 2 + start + jj]
+                    row = (start + m) * (start + m + 1) // 2
+                    acc += L[at3(n, i, start + m, Cp, Cp)] * T[row + start + jj]
                 tmp[pair] = bsh[i] * acc
             cuda.syncthreads()
             for pair in range(tid, nb * h * h, nth):
@@ -417,23 +424,23 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
         for idx in range(tid, Cp * Cp, nth):
             i = idx // Cp
             j = idx % Cp
-            Tinv[n, i, j] = T[i * (i + 1) // 2 + j] if j <= i else zero
+            Tinv[at3(n, i, j, Cp, Cp)] = T[i * (i + 1) // 2 + j] if j <= i else zero
         for idx in range(tid, Cp * K, nth):
             i = idx // K
             d = idx % K
             row = i * (i + 1) // 2
             acc = zero
             for m in range(i + 1):
-                acc += T[row + m] * (bsh[m] * kg[n, m, d])
-            w[n, i, d] = acc
+                acc += T[row + m] * (bsh[m] * kg[at3(n, m, d, Cp, K)])
+            w[at3(n, i, d, Cp, K)] = acc
         for idx in range(tid, Cp * V, nth):
             i = idx // V
             c = idx % V
             row = i * (i + 1) // 2
             acc = zero
             for m in range(i + 1):
-                acc += T[row + m] * (bsh[m] * v[n, m, c])
-            u0[n, i, c] = acc
+                acc += T[row + m] * (bsh[m] * v[at3(n, m, c, Cp, V)])
+            u0[at3(n, i, c, Cp, V)] = acc
 
     def chunk_local_backward(
         q,
@@ -467,6 +474,7 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
         dv,
         dg,
         dbeta,
+        dims,
     ):
         """One block per chunk: every gradient of its state-free work (see ``chunk_local``).
 
@@ -488,11 +496,9 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
         n = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         nth = cuda.blockDim.x
-        NT = S.shape[0]
+        BH, NT, Cp, K, V = dims
         bh = n // NT
         c = n % NT
-        Cp, K = q.shape[1], q.shape[2]
-        V = v.shape[2]
         F = cuda.shared.array(0, nbtype)
         # 1.
         for idx in range(tid, Cp * K, nth):
@@ -502,26 +508,30 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
             b = zero
             e = zero
             for x in range(V):
-                s = S[c, bh, d, x]
-                a += do[n, i, x] * s
-                e += dU[n, i, x] * s
-                b += U[n, i, x] * dS[c, bh, d, x]
-            dqg[n, i, d] = a
-            dkt[n, i, d] = b
-            dg[n, i, d] = -e
+                dx = at4(c, bh, d, x, BH, K, V)
+                ix = at3(n, i, x, Cp, V)
+                s = S[dx]
+                a += do[ix] * s
+                e += dU[ix] * s
+                b += U[ix] * dS[dx]
+            o = at3(n, i, d, Cp, K)
+            dqg[o] = a
+            dkt[o] = b
+            dg[o] = -e
         for d in range(tid, K, nth):
             a = zero
             for x in range(V):
-                a += S[c, bh, d, x] * dS[c, bh, d, x]
-            dtot[n, d] = a
+                dx = at4(c, bh, d, x, BH, K, V)
+                a += S[dx] * dS[dx]
+            dtot[at2(n, d, K)] = a
         for idx in range(tid, Cp * Cp, nth):
             i = idx // Cp
             j = idx % Cp
             a = zero
             if j <= i:
                 for x in range(V):
-                    a += do[n, i, x] * U[n, j, x]
-            dA[n, i, j] = a
+                    a += do[at3(n, i, x, Cp, V)] * U[at3(n, j, x, Cp, V)]
+            dA[at3(n, i, j, Cp, Cp)] = a
         cuda.syncthreads()
         # 2.
         for idx in range(tid, Cp * K, nth):
@@ -529,15 +539,15 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
             d = idx % K
             a = zero
             for m in range(i, Cp):
-                a += Tinv[n, m, i] * dg[n, m, d]
-            dkw[n, i, d] = a
+                a += Tinv[at3(n, m, i, Cp, Cp)] * dg[at3(n, m, d, Cp, K)]
+            dkw[at3(n, i, d, Cp, K)] = a
         for idx in range(tid, Cp * V, nth):
             i = idx // V
             x = idx % V
             a = zero
             for m in range(i, Cp):
-                a += Tinv[n, m, i] * dU[n, m, x]
-            dku[n, i, x] = a
+                a += Tinv[at3(n, m, i, Cp, Cp)] * dU[at3(n, m, x, Cp, V)]
+            dku[at3(n, i, x, Cp, V)] = a
         cuda.syncthreads()
         # 3.
         for idx in range(tid, Cp * Cp, nth):
@@ -546,35 +556,40 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
             a = zero
             if j < i:
                 for d in range(K):
-                    a += dkw[n, i, d] * w[n, j, d]
+                    a += dkw[at3(n, i, d, Cp, K)] * w[at3(n, j, d, Cp, K)]
                 for x in range(V):
-                    a += dku[n, i, x] * u0[n, j, x]
-            dX[n, i, j] = -a
+                    a += dku[at3(n, i, x, Cp, V)] * u0[at3(n, j, x, Cp, V)]
+            dX[at3(n, i, j, Cp, Cp)] = -a
         cuda.syncthreads()
         # 4.
         for i in range(tid, Cp, nth):
-            bi = beta[n, i]
+            bi = beta[at2(n, i, Cp)]
             a = zero
             for j in range(i):
-                a += dX[n, i, j] * L[n, i, j]
-                dX[n, i, j] = bi * dX[n, i, j]
+                ij = at3(n, i, j, Cp, Cp)
+                a += dX[ij] * L[ij]
+                dX[ij] = bi * dX[ij]
             for d in range(K):
-                a += kg[n, i, d] * dkw[n, i, d]
+                o = at3(n, i, d, Cp, K)
+                a += kg[o] * dkw[o]
             for x in range(V):
-                a += v[n, i, x] * dku[n, i, x]
-            dbeta[n, i] = a
+                ix = at3(n, i, x, Cp, V)
+                a += v[ix] * dku[ix]
+            dbeta[at2(n, i, Cp)] = a
         for idx in range(tid, Cp * V, nth):
             i = idx // V
             x = idx % V
-            dv[n, i, x] = beta[n, i] * dku[n, i, x]
+            ix = at3(n, i, x, Cp, V)
+            dv[ix] = beta[at2(n, i, Cp)] * dku[ix]
         cuda.syncthreads()
         # 5. dL is in dX now
         for d in range(tid, K, nth):
             for i in range(Cp):
-                a = scale * dA[n, i, i]
-                dq[n, i, d] = a * k[n, i, d]
-                dk[n, i, d] = a * q[n, i, d]
-                dg[n, i, d] = zero
+                a = scale * dA[at3(n, i, i, Cp, Cp)]
+                o = at3(n, i, d, Cp, K)
+                dq[o] = a * k[o]
+                dk[o] = a * q[o]
+                dg[o] = zero
             h = 1
             while h < Cp:
                 for start in range(0, Cp, 2 * h):
@@ -583,8 +598,8 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
                     r = one
                     for m in range(h):
                         F[(mid - 1 - m) * nth + tid] = f
-                        f *= math.exp(g[n, mid - 1 - m, d])
-                        r *= math.exp(g[n, mid + m, d])
+                        f *= math.exp(g[at3(n, mid - 1 - m, d, Cp, K)])
+                        r *= math.exp(g[at3(n, mid + m, d, Cp, K)])
                         F[(mid + m) * nth + tid] = r
                     run = zero
                     for i in range(start + 2 * h - 1, mid - 1, -1):
@@ -592,43 +607,48 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
                         acc_q = zero
                         acc_k = zero
                         for j in range(start, mid):
-                            cj = k[n, j, d] * F[j * nth + tid] * fi
-                            acc_q += scale * dA[n, i, j] * cj
-                            acc_k += dX[n, i, j] * cj
-                        run += q[n, i, d] * acc_q + k[n, i, d] * acc_k
-                        dg[n, i, d] += run
-                        dq[n, i, d] += acc_q
-                        dk[n, i, d] += acc_k
+                            cj = k[at3(n, j, d, Cp, K)] * F[j * nth + tid] * fi
+                            ij = at3(n, i, j, Cp, Cp)
+                            acc_q += scale * dA[ij] * cj
+                            acc_k += dX[ij] * cj
+                        o = at3(n, i, d, Cp, K)
+                        run += q[o] * acc_q + k[o] * acc_k
+                        dg[o] += run
+                        dq[o] += acc_q
+                        dk[o] += acc_k
                     run = zero
                     for j in range(start, mid):
                         acc = zero
                         for i in range(mid, start + 2 * h):
-                            acc += (scale * dA[n, i, j] * q[n, i, d] + dX[n, i, j] * k[n, i, d]) * F[
-                                i * nth + tid
-                            ]
+                            ij = at3(n, i, j, Cp, Cp)
+                            o = at3(n, i, d, Cp, K)
+                            acc += (scale * dA[ij] * q[o] + dX[ij] * k[o]) * F[i * nth + tid]
                         fj = F[j * nth + tid]
-                        dg[n, j, d] += run
-                        run += k[n, j, d] * fj * acc
-                        dk[n, j, d] += acc * fj
+                        o = at3(n, j, d, Cp, K)
+                        dg[o] += run
+                        run += k[o] * fj * acc
+                        dk[o] += acc * fj
                 h *= 2
             # the factor gradients: prefix and suffix terms, total
-            tterm = total[n, d] * dtot[n, d]
+            tterm = total[at2(n, d, K)] * dtot[at2(n, d, K)]
             run = zero
             s = one
             for i in range(Cp - 1, -1, -1):
-                dkg = beta[n, i] * dkw[n, i, d]
-                run += qg[n, i, d] * dqg[n, i, d] + kg[n, i, d] * dkg
-                dg[n, i, d] += run + tterm
-                dk[n, i, d] += s * dkt[n, i, d]
-                s *= math.exp(g[n, i, d])
+                o = at3(n, i, d, Cp, K)
+                dkg = beta[at2(n, i, Cp)] * dkw[o]
+                run += qg[o] * dqg[o] + kg[o] * dkg
+                dg[o] += run + tterm
+                dk[o] += s * dkt[o]
+                s *= math.exp(g[o])
             run = zero
             p = one
             for i in range(Cp):
-                p *= math.exp(g[n, i, d])
-                dg[n, i, d] += run
-                run += kt[n, i, d] * dkt[n, i, d]
-                dq[n, i, d] += scale * p * dqg[n, i, d]
-                dk[n, i, d] += p * beta[n, i] * dkw[n, i, d]
+                o = at3(n, i, d, Cp, K)
+                p *= math.exp(g[o])
+                dg[o] += run
+                run += kt[o] * dkt[o]
+                dq[o] += scale * p * dqg[o]
+                dk[o] += p * beta[at2(n, i, Cp)] * dkw[o]
 
     def chunk_state_pass(qg, A, w, u0, kt, total, state, emit, out, boundaries, final, dims):
         """One block per (head, tile of ``blockDim.x`` value columns), looping over every chunk.
@@ -948,7 +968,7 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
                     cuda.atomic.add(dg, (bh, t, kk), dsd * sd)
                     dS[bh, kk, c] = e * dsd
 
-    def gate_flags(g, flags):
+    def gate_flags(g, flags, dims):
         """Count the log decays that are not ``<= 0``: ``flags[0]`` positive, ``flags[1]`` NaN.
 
         A grid-stride loop over the flattened ``g``; each thread adds its counts once (atomics
@@ -959,8 +979,8 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
         step = cuda.gridsize(1)
         pos = 0
         nan = 0
-        for idx in range(start, g.shape[0], step):
-            x = g[idx]
+        for idx in range(start, dims[0], step):
+            x = g[at1(idx)]
             if x != x:
                 nan += 1
             elif x > zero:

@@ -299,8 +299,8 @@ def chunk_local(q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float) -> Chun
     total = _empty(xp, q, (N, K))
     A, L, Tinv = (_empty(xp, q, (N, Cp, Cp)) for _ in range(3))
     u0 = _empty(xp, q, (N, Cp, V))
-    args = [_flat(xp, x, 3) for x in (q, k, g, v)] + [xp.reshape(beta, (N, Cp)), q.dtype.type(scale)]
-    _launch(name, dtype, N, LOCAL_THREADS, *args, qg, kg, kt, total, A, L, Tinv, w, u0, shared=shared)
+    args = (q, k, g, v, beta, q.dtype.type(scale), qg, kg, kt, total, A, L, Tinv, w, u0)
+    _launch(name, dtype, N, LOCAL_THREADS, *args, shared=shared, dims=(Cp, K, V))
     return ChunkLocal(
         *(xp.reshape(x, q.shape) for x in (qg, kg, kt)),
         xp.reshape(total, (*lead, K)),
@@ -357,19 +357,16 @@ def chunk_local_backward(
             sys.modules[__name__], q, k, g, v, beta, scale, loc, boundaries, dends, u, du, grad_output
         )
     N = B * H * NT
-    BH = B * H
     dqg, dkt, dkw, dq, dk, dg = (_empty(xp, q, (N, Cp, K)) for _ in range(6))
     dku, dv = (_empty(xp, q, (N, Cp, V)) for _ in range(2))
     dA, dX = (_empty(xp, q, (N, Cp, Cp)) for _ in range(2))
     dtot = _empty(xp, q, (N, K))
     dbeta = _empty(xp, q, (N, Cp))
-    args = [_flat(xp, x, 3) for x in (q, k, g, v)] + [xp.reshape(beta, (N, Cp)), q.dtype.type(scale)]
-    args += [xp.reshape(x, (N, *x.shape[3:])) for x in fields]
-    args += [xp.reshape(x, (NT, BH, K, V)) for x in (boundaries, dends)]
-    args += [_flat(xp, x, 3) for x in (u, du, grad_output)]
+    args = (q, k, g, v, beta, q.dtype.type(scale), *fields, boundaries, dends, u, du, grad_output)
     scratch = (dqg, dkt, dkw, dku, dA, dX, dtot)
     outs = (dq, dk, dv, dg, dbeta)
-    _launch(name, dtype, N, LOCAL_BACKWARD_THREADS, *args, *scratch, *outs, shared=shared)
+    dims = (B * H, NT, Cp, K, V)
+    _launch(name, dtype, N, LOCAL_BACKWARD_THREADS, *args, *scratch, *outs, shared=shared, dims=dims)
     return (
         *(xp.reshape(x, q.shape) for x in (dq, dk)),
         xp.reshape(dv, v.shape),
@@ -602,7 +599,7 @@ def gate_flags(g: Any) -> Any:
     flags = xp.zeros((2,), dtype=xp.int32, device=device(g))
     n = math.prod(g.shape)
     grid = min(_grid(n), 1024)
-    _launch(name, dname, grid, THREADS_PER_BLOCK, xp.reshape(g, (n,)), flags)
+    _launch(name, dname, grid, THREADS_PER_BLOCK, xp.reshape(g, (n,)), flags, dims=(n,))
     return flags
 
 
