@@ -310,17 +310,23 @@ def test_offsets_in_64_bits_when_sizes_need_them(monkeypatch):
         rout = kda.recurrent_kda(q, k, v, g, beta, initial_state=state, backend="cuda")
         rgrads = kda.recurrent_kda_backward(q, k, v, g, beta, do, dstate, initial_state=state, backend="cuda")
         flags = kc.gate_flags(g)
-        results = [out.output, out.final_state, *grads, rout.output, rout.final_state, *rgrads, flags]
-        return [to_np(x) for x in results if x is not None], dict(used)
+        exact = [out.output, out.final_state, *grads[:6], rout.output, rout.final_state, flags]
+        # the recurrent backward accumulates dq, dk, dg, dbeta with atomics: any order
+        atomic = list(rgrads[:6])
+        used_flat = {(n, i) for n, i in used if _kernels.flat_kernel(n)}
+        return [to_np(x) for x in exact], [to_np(x) for x in atomic], used_flat
 
-    narrow, narrow_used = run_all()
+    narrow, narrow_atomic, narrow_used = run_all()
     monkeypatch.setattr(_kernels, "INDEX32_LIMIT", 16)
-    wide, wide_used = run_all()
-    assert set(narrow_used.values()) == {"uint32"}, narrow_used
-    assert set(wide_used.values()) == {"uint64"}, wide_used
-    assert set(narrow_used) == set(wide_used) >= {"chunk_local", "chunk_state_pass", "gate_flags"}
-    for a, b in zip(narrow, wide, strict=True):
-        assert np.array_equal(a, b)
+    wide, wide_atomic, wide_used = run_all()
+    assert {i for _, i in narrow_used} == {"uint32"}, narrow_used
+    assert {i for _, i in wide_used} == {"uint64"}, wide_used
+    names = {n for n, _ in narrow_used}
+    assert names == {n for n, _ in wide_used} >= {"chunk_local", "chunk_state_pass", "gate_flags"}
+    for i, (a, b) in enumerate(zip(narrow, wide, strict=True)):
+        assert np.array_equal(a, b), (i, np.max(np.abs(a - b)))
+    for a, b in zip(narrow_atomic, wide_atomic, strict=True):
+        check("64-bit offsets, recurrent backward", a, b, np.float32)
 
 
 def test_index_type_by_size():
