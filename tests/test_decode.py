@@ -246,7 +246,7 @@ def test_cuda_kernel_compiled_once_per_dtype():
     for _ in range(2):
         kda.decode_kda(*(xp.asarray(x.astype(np.float32)) for x in inputs), dpool, [1, 0], backend="cuda")
         kernels.append(kd.compiled_decode("float32"))
-    assert kernels[0] is kernels[1] and kd._COMPILED["float32"] is kernels[0]
+    assert kernels[0] is kernels[1] and kd._COMPILED["float32", "uint32"] is kernels[0]
 
 
 PTX_SCRIPT = """
@@ -255,8 +255,10 @@ from numba import cuda
 from kda.cuda._decode import build_decode_kernel, decode_signature
 report = {}
 for dtype in ("float32", "float64"):
-    ptx, _ = cuda.compile_ptx(build_decode_kernel(dtype), decode_signature(dtype), cc=(9, 0))
-    report[dtype] = {"entry": ".entry" in ptx, "f64": len(re.findall(r"\\.f64", ptx))}
+    for index in ("uint32", "uint64"):
+        kernel, sig = build_decode_kernel(dtype, index), decode_signature(dtype, index)
+        ptx, _ = cuda.compile_ptx(kernel, sig, cc=(9, 0))
+        report[f"{dtype}/{index}"] = {"entry": ".entry" in ptx, "f64": len(re.findall(r"\\.f64", ptx))}
 print(json.dumps(report))
 """
 
@@ -274,5 +276,6 @@ def test_decode_kernel_compiles_to_ptx_cc90():
     )
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert report["float32"]["entry"] and report["float64"]["entry"]
-    assert report["float32"]["f64"] == 0, "the float32 decode kernel uses float64 arithmetic"
+    for index in ("uint32", "uint64"):
+        assert report[f"float32/{index}"]["entry"] and report[f"float64/{index}"]["entry"]
+        assert report[f"float32/{index}"]["f64"] == 0, f"the float32 {index} decode kernel uses float64"

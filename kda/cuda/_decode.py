@@ -9,7 +9,9 @@ share a column). Per step, with ``e = exp(g_t)``, it reads the column once for b
     S[d, c] = e[d] S[d, c] + k[d] u       (written back)
 
 Adjacent threads hold adjacent columns, so every pool access is coalesced. Padding requests
-(index ``-1``) write zero outputs and touch no state. The kernel is compiled once per dtype.
+(index ``-1``) write zero outputs and touch no state. Every array is passed flattened with its
+dimensions, offsets in 32 bits where the sizes allow (as in :mod:`._kernels`); the kernel is
+compiled once per (dtype, index type).
 """
 
 from __future__ import annotations
@@ -21,87 +23,123 @@ import numpy as np
 from array_api_compat import array_namespace, device, is_cupy_array
 from numba import cuda
 
-from ._kernels import DTYPES
+from ._kernels import DTYPES, INDEX32_LIMIT, INDEX_TYPES, offset_functions
 from ._launch import LAUNCHES
 
 __all__ = ["SIGNATURE", "build_decode_kernel", "compiled_decode", "decode_forward", "decode_signature"]
 
 NAME = "decode_forward"
 
-# q, k, g, v: 4-D; beta: 3-D; scale; pool: 4-D; indices: int64 1-D; output: 4-D
-SIGNATURE = "void({a4}, {a4}, {a4}, {a4}, {a3}, {s}, {a4}, int64[:], {a4})"
+# q, k, g, v, beta: flattened; scale; pool: flattened; indices: int64 1-D; output: flattened;
+# dims = (N, HV, T, K, V) in the index type
+SIGNATURE = "void({a}, {a}, {a}, {a}, {a}, {s}, {a}, int64[::1], {a}, UniTuple({d}, 5))"
 
 THREADS_PER_BLOCK = 128
 
-_COMPILED: dict[str, Any] = {}
+_COMPILED: dict[tuple[str, str], Any] = {}
 
 
-def decode_signature(dtype: str) -> str:
-    """The explicit Numba signature of the decode kernel for the floating ``dtype``."""
-    return SIGNATURE.format(a4=f"{dtype}[:, :, :, :]", a3=f"{dtype}[:, :, :]", s=dtype)
+def decode_signature(dtype: str, index: str = "uint32") -> str:
+    """The explicit Numba signature of the decode kernel for the floating ``dtype`` and ``index`` type.
+
+    Every array is passed flattened (C-contiguous, 1-D): the kernel computes its offsets in
+    ``index`` arithmetic from the trailing dimensions ``(N, HV, T, K, V)``, as the kernels of
+    :mod:`._kernels` do.
+    """
+    return SIGNATURE.format(a=f"{dtype}[::1]", s=dtype, d=INDEX_TYPES[index])
 
 
-def build_decode_kernel(dtype: str):
-    """The kernel's Python function, closed over the constants of ``dtype`` (no float64 promotion)."""
+def build_decode_kernel(dtype: str, index: str = "uint32"):
+    """The kernel's Python function, closed over the constants of ``dtype`` (no float64 promotion)
+    and the offset functions of ``index``."""
     zero = np.dtype(dtype).type(0)
+    at2, at3, _ = offset_functions(index)
 
-    def decode_forward(q, k, g, v, beta, scale, pool, indices, o):
+    def decode_forward(q, k, g, v, beta, scale, pool, indices, o, dims):
+        """``q, k, g``: ``[N, HV, T, K]``, ``v, o``: ``[N, HV, T, V]``, ``beta``: ``[N, HV, T]``
+        and ``pool``: ``[P, HV, K, V]``, all flattened; ``dims = (N, HV, T, K, V)``."""
         idx = cuda.grid(1)
-        N, HV, T, K = q.shape
-        V = v.shape[3]
-        if idx >= N * HV * V:
-            return
-        n = idx // (HV * V)
-        h = (idx // V) % HV
+        N, HV, T, K, V = dims
         c = idx % V
+        h = (idx // V) % HV
+        n = idx // V // HV  # not idx >= N * HV * V: uint32 products are uint64, compared in float64
+        if n >= N:
+            return
+        head = at2(n, h, HV)
         row = indices[n]
         if row < 0:
             for t in range(T):
-                o[n, h, t, c] = zero
+                o[at3(head, t, c, T, V)] = zero
             return
+        state = at2(row, h, HV)  # the [K, V] state of (row, h) in the pool
         for t in range(T):
+            step = at2(head, t, T)
             pred = zero
             qs = zero
             qk = zero
             for d in range(K):
-                s = math.exp(g[n, h, t, d]) * pool[row, h, d, c]
-                pred += k[n, h, t, d] * s
-                qs += q[n, h, t, d] * s
-                qk += q[n, h, t, d] * k[n, h, t, d]
-            u = beta[n, h, t] * (v[n, h, t, c] - pred)
-            o[n, h, t, c] = scale * (qs + qk * u)
+                td = at2(step, d, K)
+                s = math.exp(g[td]) * pool[at3(state, d, c, K, V)]
+                pred += k[td] * s
+                qs += q[td] * s
+                qk += q[td] * k[td]
+            u = beta[step] * (v[at2(step, c, V)] - pred)
+            o[at2(step, c, V)] = scale * (qs + qk * u)
             for d in range(K):
-                pool[row, h, d, c] = math.exp(g[n, h, t, d]) * pool[row, h, d, c] + k[n, h, t, d] * u
+                td = at2(step, d, K)
+                dc = at3(state, d, c, K, V)
+                pool[dc] = math.exp(g[td]) * pool[dc] + k[td] * u
 
     return decode_forward
 
 
-def compiled_decode(dtype: str):
-    """The decode kernel for ``dtype``, compiled on first use."""
-    kernel = _COMPILED.get(dtype)
+def compiled_decode(dtype: str, index: str = "uint32"):
+    """The decode kernel for ``dtype`` and ``index``, compiled on first use."""
+    key = (dtype, index)
+    kernel = _COMPILED.get(key)
     if kernel is None:
-        kernel = cuda.jit(decode_signature(dtype))(build_decode_kernel(dtype))
-        _COMPILED[dtype] = kernel
+        kernel = cuda.jit(decode_signature(dtype, index))(build_decode_kernel(dtype, index))
+        _COMPILED[key] = kernel
     return kernel
 
 
-def _launch(dtype: str, grid: int, *args: Any) -> None:
-    """One launch on the caller's CuPy stream (or the simulator's default stream)."""
-    kernel = compiled_decode(dtype)
+def _index_type(arrays: Any, dims: tuple[int, ...]) -> str:
+    """``"uint32"`` where every array and dimension is under ``INDEX32_LIMIT``, else ``"uint64"``."""
+    sizes = [int(a.size) for a in arrays] + [int(d) for d in dims]
+    return "uint32" if max(sizes, default=0) < INDEX32_LIMIT else "uint64"
+
+
+def _launch(dtype: str, grid: int, *args: Any, dims: tuple[int, ...]) -> None:
+    """One launch on the caller's CuPy stream (or the simulator's default stream).
+
+    Every array argument must be C-contiguous; each is passed as a flat view.
+    """
+    index = _index_type([a for a in args if getattr(a, "ndim", 0) > 0], dims)
+    kernel = compiled_decode(dtype, index)
+    args = tuple(a.reshape(-1) if getattr(a, "ndim", 0) > 1 else a for a in args)
     if any(is_cupy_array(a) for a in args):
         import cupy
 
         ptr = cupy.cuda.get_current_stream().ptr
         stream = cuda.external_stream(ptr) if ptr else cuda.default_stream()
         args = tuple(cuda.as_cuda_array(a, sync=False) if is_cupy_array(a) else a for a in args)
-    else:  # the simulator: inputs as contiguous host buffers; the pool itself, to update it in place
+        itype = getattr(np, INDEX_TYPES[index])
+    else:  # the simulator: it takes the dimensions as Python ints (faster there; it checks no types)
         stream = 0
-        pool = args[6]
-        args = tuple(
-            a if a is pool or not isinstance(a, np.ndarray) else np.ascontiguousarray(a) for a in args
-        )
-    kernel[grid, THREADS_PER_BLOCK, stream](*args)
+        itype = int
+    kernel[grid, THREADS_PER_BLOCK, stream](*args, tuple(itype(d) for d in dims))
     LAUNCHES[NAME] += 1
+
+
+def _c_contiguous(x: Any) -> Any:
+    """``x`` itself when C-contiguous, else a C-contiguous copy."""
+    if bool(x.flags.c_contiguous):
+        return x
+    if is_cupy_array(x):
+        import cupy
+
+        return cupy.ascontiguousarray(x)
+    return np.ascontiguousarray(x)
 
 
 def decode_forward(q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, pool: Any, indices: Any) -> Any:
@@ -109,7 +147,8 @@ def decode_forward(q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, pool
 
     ``q, k, g: [N, HV, T, K]``, ``v: [N, HV, T, V]``, ``beta: [N, HV, T]`` and
     ``pool: [P, HV, K, V]`` of one dtype (float32 or float64); ``indices``: ``N`` host ints.
-    Returns the output ``[N, HV, T, V]``; the named pool rows are updated in place.
+    Returns the output ``[N, HV, T, V]``; the named pool rows are updated in place (through a
+    C-contiguous copy of the pool, written back, where the pool itself is not C-contiguous).
     """
     xp = array_namespace(q, k, v, g, beta, pool)
     dtype = str(pool.dtype)
@@ -118,9 +157,14 @@ def decode_forward(q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, pool
         msg = f"decode_forward: all arrays must share one dtype in {DTYPES}; got {got}"
         raise TypeError(msg)
     N, HV, T, V = v.shape
+    K = q.shape[-1]
     out = xp.empty((N, HV, T, V), dtype=v.dtype, device=device(v))
     rows = xp.asarray(list(indices), dtype=xp.int64, device=device(pool))
     grid = -(-N * HV * V // THREADS_PER_BLOCK)
     if grid and T:
-        _launch(dtype, grid, q, k, g, v, beta, pool.dtype.type(scale), pool, rows, out)
+        work = _c_contiguous(pool)
+        inputs = (_c_contiguous(x) for x in (q, k, g, v, beta))
+        _launch(dtype, grid, *inputs, pool.dtype.type(scale), work, rows, out, dims=(N, HV, T, K, V))
+        if work is not pool:
+            pool[...] = work
     return out

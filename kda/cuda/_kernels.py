@@ -34,6 +34,7 @@ __all__ = [
     "build_kernels",
     "compiled",
     "flat_kernel",
+    "offset_functions",
     "signature",
 ]
 
@@ -62,17 +63,17 @@ INDEX32_LIMIT = 2**32
 # C-contiguous array), "s" a floating scalar, "j" an int32 scalar, "f" a C-contiguous 1-D int32
 # array, then ":n" for the trailing tuple of n dimensions in the index type
 SIGNATURES = {
-    "chunk_factors": "333s3333324",
+    "chunk_factors": "aaasaaaaaaa:4",
     "chunk_local": "aaaaasaaaaaaaaa:3",
     "chunk_local_backward": "aaaaasaaaaaaaaaaaaaaaaaaaaaaaaa:5",
-    "chunk_pairs": "334s33",
-    "unit_lower_inverse": "233",
+    "chunk_pairs": "aaasaa:4",
+    "unit_lower_inverse": "aaa:2",
     "chunk_state_pass": "aaaaaaajaaa:5",
     "chunk_state_grad_pass": "aaaaaaaaaaaaa:5",
-    "chunk_pairs_backward": "33334s333",
-    "chunk_gate_gradient": "33233",
-    "recurrent_forward": "33332s333",
-    "recurrent_backward": "33332s333i44333233",
+    "chunk_pairs_backward": "aaaaasaaa:4",
+    "chunk_gate_gradient": "aaaaa:3",
+    "recurrent_forward": "aaaaasaaa:4",
+    "recurrent_backward": "aaaaasaaaiaaaaaaaa:4",
     "gate_flags": "af:1",
 }
 
@@ -142,14 +143,15 @@ def _inline(func):
     return cuda.jit(device=True, inline="always")(func)
 
 
-def build_kernels(dtype: str, index: str = "uint32") -> dict:
-    """The Python functions of every kernel, specialised to ``dtype`` and ``index`` by their constants."""
-    fl = np.dtype(dtype).type
-    nbtype = numba.from_dtype(np.dtype(dtype))
-    zero = fl(0)
-    one = fl(1)
+def offset_functions(index: str) -> tuple:
+    """``(at2, at3, at4)``: the offsets of elements of C-contiguous arrays in the ``index`` type.
 
-    at2 = _offset_function(getattr(numba, index))  # element [i, j] of a C-contiguous [., J] array
+    ``at2(i, j, J)`` is element ``[i, j]`` of a ``[., J]`` array, ``at3(i, j, m, J, M)`` element
+    ``[i, j, m]`` of a ``[., J, M]`` one and ``at4(i, j, m, r, J, M, R)`` element ``[i, j, m, r]``
+    of a ``[., J, M, R]`` one: inline device functions on a GPU, plain functions under the
+    simulator (:func:`_offset_function`).
+    """
+    at2 = _offset_function(getattr(numba, index))
 
     @_inline
     def at1(i):
@@ -166,58 +168,85 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
         """The offset of element ``[i, j, m, r]`` of a C-contiguous ``[., J, M, R]`` array."""
         return at2(at3(i, j, m, J, M), r, R)
 
-    def chunk_factors(q, k, g, scale, prefix, suffix, qg, kg, kt, total, F):
-        """One thread per (chunk n, channel d): running products along the chunk."""
+    return at2, at3, at4
+
+
+def build_kernels(dtype: str, index: str = "uint32") -> dict:
+    """The Python functions of every kernel, specialised to ``dtype`` and ``index`` by their constants."""
+    fl = np.dtype(dtype).type
+    nbtype = numba.from_dtype(np.dtype(dtype))
+    zero = fl(0)
+    one = fl(1)
+
+    at2, at3, at4 = offset_functions(index)
+
+    @_inline
+    def at1(i):
+        """The offset ``i`` in the index type."""
+        return at2(0, i, 1)
+
+    def chunk_factors(q, k, g, scale, prefix, suffix, qg, kg, kt, total, F, dims):
+        """One thread per (chunk n, channel d): running products along the chunk.
+
+        ``dims = (N, NL, Cp, K)``; the arrays are flattened ``[N, Cp, K]`` (``q, k, g, prefix,
+        suffix, qg, kg, kt``), ``[N, K]`` (``total``) and ``[N, NL, Cp, K]`` (``F``).
+        """
         idx = cuda.grid(1)
-        N, Cp, K = q.shape
-        if idx >= N * K:
+        N, NL, Cp, K = dims
+        n = idx // K  # not idx >= N * K: a product of uint32 is a uint64, compared with idx in float64
+        if n >= N:
             return
-        n = idx // K
         d = idx % K
         p = one
         for i in range(Cp):
-            p *= math.exp(g[n, i, d])
-            prefix[n, i, d] = p
-            qg[n, i, d] = scale * q[n, i, d] * p
-            kg[n, i, d] = k[n, i, d] * p
-        total[n, d] = p
+            nid = at3(n, i, d, Cp, K)
+            p *= math.exp(g[nid])
+            prefix[nid] = p
+            qg[nid] = scale * q[nid] * p
+            kg[nid] = k[nid] * p
+        total[at2(n, d, K)] = p
         s = one
         for i in range(Cp - 1, -1, -1):
-            suffix[n, i, d] = s
-            kt[n, i, d] = k[n, i, d] * s
-            s *= math.exp(g[n, i, d])
+            nid = at3(n, i, d, Cp, K)
+            suffix[nid] = s
+            kt[nid] = k[nid] * s
+            s *= math.exp(g[nid])
         # per level: column factors over the first half, row factors over the second
         h = 1
         lv = 0
         while h < Cp:
+            level = at2(n, lv, NL)
             for start in range(0, Cp, 2 * h):
                 c = one
                 for j in range(start + h - 1, start - 1, -1):
-                    F[n, lv, j, d] = c
-                    c *= math.exp(g[n, j, d])
+                    F[at3(level, j, d, Cp, K)] = c
+                    c *= math.exp(g[at3(n, j, d, Cp, K)])
                 r = one
                 for i in range(start + h, start + 2 * h):
-                    r *= math.exp(g[n, i, d])
-                    F[n, lv, i, d] = r
+                    r *= math.exp(g[at3(n, i, d, Cp, K)])
+                    F[at3(level, i, d, Cp, K)] = r
             h *= 2
             lv += 1
 
-    def chunk_pairs(q, k, F, scale, A, L):
+    def chunk_pairs(q, k, F, scale, A, L, dims):
         """One thread per (chunk, row i, aligned group of ``PAIR_GROUP`` columns j).
 
-        Each pair (i, j < i) is a product through its split point, the highest bit where i and j
-        differ (the level ``lv``): ``k[j] F[lv, j] F[lv, i]``, both factors in [0, 1]. Columns of
-        one group left of i share that level, so the row's operands are loaded once for them.
+        ``dims = (N, NL, Cp, K)``; the arrays are flattened ``[N, Cp, K]`` (``q, k``),
+        ``[N, NL, Cp, K]`` (``F``) and ``[N, Cp, Cp]`` (``A, L``). Each pair (i, j < i) is a
+        product through its split point, the highest bit where i and j differ (the level
+        ``lv``): ``k[j] F[lv, j] F[lv, i]``, both factors in [0, 1]. Columns of one group left
+        of i share that level, so the row's operands are loaded once for them.
         """
         idx = cuda.grid(1)
-        N, Cp, K = q.shape
+        N, NL, Cp, K = dims
         groups = (Cp + PAIR_GROUP - 1) // PAIR_GROUP
-        if idx >= N * Cp * groups:
+        j0 = (idx % groups) * PAIR_GROUP
+        rest = idx // groups
+        i = rest % Cp
+        n = rest // Cp
+        if n >= N:
             return
-        n = idx // (Cp * groups)
-        rest = idx % (Cp * groups)
-        i = rest // groups
-        j0 = (rest % groups) * PAIR_GROUP
+        row = at2(n, i, Cp)  # row i of chunk n of A and L
         acc_a = cuda.local.array(PAIR_GROUP, nbtype)
         acc_l = cuda.local.array(PAIR_GROUP, nbtype)
         if j0 + PAIR_GROUP <= i:
@@ -226,65 +255,76 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
             while x > 1:
                 x >>= 1
                 lv += 1
+            level = at2(n, lv, NL)
             for r in range(PAIR_GROUP):
                 acc_a[r] = zero
                 acc_l[r] = zero
             for d in range(K):
-                fi = F[n, lv, i, d]
-                qi = q[n, i, d]
-                ki = k[n, i, d]
+                fi = F[at3(level, i, d, Cp, K)]
+                nid = at2(row, d, K)
+                qi = q[nid]
+                ki = k[nid]
                 for r in range(PAIR_GROUP):
-                    c = k[n, j0 + r, d] * F[n, lv, j0 + r, d] * fi
+                    c = k[at3(n, j0 + r, d, Cp, K)] * F[at3(level, j0 + r, d, Cp, K)] * fi
                     acc_a[r] += qi * c
                     acc_l[r] += ki * c
             for r in range(PAIR_GROUP):
-                A[n, i, j0 + r] = scale * acc_a[r]
-                L[n, i, j0 + r] = acc_l[r]
+                A[at2(row, j0 + r, Cp)] = scale * acc_a[r]
+                L[at2(row, j0 + r, Cp)] = acc_l[r]
             return
         for r in range(PAIR_GROUP):
             j = j0 + r
             if j >= Cp:
                 break
+            ij = at2(row, j, Cp)
             if j > i:
-                A[n, i, j] = zero
-                L[n, i, j] = zero
+                A[ij] = zero
+                L[ij] = zero
             elif j == i:
                 a = zero
                 for d in range(K):
-                    a += q[n, i, d] * k[n, i, d]
-                A[n, i, j] = scale * a
-                L[n, i, j] = zero
+                    nid = at2(row, d, K)
+                    a += q[nid] * k[nid]
+                A[ij] = scale * a
+                L[ij] = zero
             else:
                 x = i ^ j
                 lv = 0
                 while x > 1:
                     x >>= 1
                     lv += 1
+                level = at2(n, lv, NL)
                 a = zero
                 b = zero
                 for d in range(K):
-                    c = k[n, j, d] * F[n, lv, j, d] * F[n, lv, i, d]
-                    a += q[n, i, d] * c
-                    b += k[n, i, d] * c
-                A[n, i, j] = scale * a
-                L[n, i, j] = b
+                    nid = at2(row, d, K)
+                    c = k[at3(n, j, d, Cp, K)] * F[at3(level, j, d, Cp, K)] * F[at3(level, i, d, Cp, K)]
+                    a += q[nid] * c
+                    b += k[nid] * c
+                A[ij] = scale * a
+                L[ij] = b
 
-    def unit_lower_inverse(beta, L, Tinv):
-        """One thread per (chunk, column j): forward substitution of ``(I + diag(beta) L) T = I``."""
+    def unit_lower_inverse(beta, L, Tinv, dims):
+        """One thread per (chunk, column j): forward substitution of ``(I + diag(beta) L) T = I``.
+
+        ``dims = (N, Cp)``; the arrays are flattened ``[N, Cp]`` (``beta``) and ``[N, Cp, Cp]``
+        (``L, Tinv``).
+        """
         idx = cuda.grid(1)
-        N, Cp = beta.shape
-        if idx >= N * Cp:
-            return
+        N, Cp = dims
         n = idx // Cp
+        if n >= N:
+            return
         j = idx % Cp
         for i in range(j):
-            Tinv[n, i, j] = zero
-        Tinv[n, j, j] = one
+            Tinv[at3(n, i, j, Cp, Cp)] = zero
+        Tinv[at3(n, j, j, Cp, Cp)] = one
         for i in range(j + 1, Cp):
+            row = at2(n, i, Cp)
             acc = zero
             for m in range(j, i):
-                acc += L[n, i, m] * Tinv[n, m, j]
-            Tinv[n, i, j] = -beta[n, i] * acc
+                acc += L[at2(row, m, Cp)] * Tinv[at3(n, m, j, Cp, Cp)]
+            Tinv[at2(row, j, Cp)] = -beta[row] * acc
 
     def chunk_local(q, k, g, v, beta, scale, qg, kg, kt, total, A, L, Tinv, w, u0, dims):
         """One block per chunk ``n``: all of its state-free work, without any factor array.
@@ -801,172 +841,212 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
             for kk in range(ty, K, ny):
                 dinitial[at3(bh, kk, v, K, V)] = dS[at2(kk, tx, TV)]
 
-    def chunk_pairs_backward(dA, dL, q, k, F, scale, dq, dk, dg):
+    def chunk_pairs_backward(dA, dL, q, k, F, scale, dq, dk, dg, dims):
         """One thread per (chunk, channel d), visiting every pair twice (row side, column side).
 
-        The gate gradient of each off-diagonal block is summed inside that block over the steps
-        its factors span (suffix sums of row terms over its second half, prefix sums of column
-        terms over its first half): nothing is subtracted, and the diagonal (no decay) never
-        enters it.
+        ``dims = (N, NL, Cp, K)``; the arrays are flattened ``[N, Cp, Cp]`` (``dA, dL``),
+        ``[N, Cp, K]`` (``q, k, dq, dk, dg``) and ``[N, NL, Cp, K]`` (``F``). The gate gradient
+        of each off-diagonal block is summed inside that block over the steps its factors span
+        (suffix sums of row terms over its second half, prefix sums of column terms over its
+        first half): nothing is subtracted, and the diagonal (no decay) never enters it.
         """
         idx = cuda.grid(1)
-        N, Cp, K = q.shape
-        if idx >= N * K:
+        N, NL, Cp, K = dims
+        n = idx // K  # not idx >= N * K: a product of uint32 is a uint64, compared with idx in float64
+        if n >= N:
             return
-        n = idx // K
         d = idx % K
         for i in range(Cp):
-            a = scale * dA[n, i, i]
-            dq[n, i, d] = a * k[n, i, d]
-            dk[n, i, d] = a * q[n, i, d]
-            dg[n, i, d] = zero
+            a = scale * dA[at3(n, i, i, Cp, Cp)]
+            nid = at3(n, i, d, Cp, K)
+            dq[nid] = a * k[nid]
+            dk[nid] = a * q[nid]
+            dg[nid] = zero
         h = 1
         lv = 0
         while h < Cp:
+            level = at2(n, lv, NL)
             for start in range(0, Cp, 2 * h):
                 mid = start + h
                 run = zero
                 for i in range(start + 2 * h - 1, mid - 1, -1):
-                    fi = F[n, lv, i, d]
+                    row = at2(n, i, Cp)
+                    nid = at2(row, d, K)
+                    fi = F[at3(level, i, d, Cp, K)]
                     acc_q = zero
                     acc_k = zero
                     for j in range(start, mid):
-                        c = k[n, j, d] * F[n, lv, j, d] * fi
-                        acc_q += scale * dA[n, i, j] * c
-                        acc_k += dL[n, i, j] * c
-                    run += q[n, i, d] * acc_q + k[n, i, d] * acc_k
-                    dg[n, i, d] += run
-                    dq[n, i, d] += acc_q
-                    dk[n, i, d] += acc_k
+                        c = k[at3(n, j, d, Cp, K)] * F[at3(level, j, d, Cp, K)] * fi
+                        ij = at2(row, j, Cp)
+                        acc_q += scale * dA[ij] * c
+                        acc_k += dL[ij] * c
+                    run += q[nid] * acc_q + k[nid] * acc_k
+                    dg[nid] += run
+                    dq[nid] += acc_q
+                    dk[nid] += acc_k
                 run = zero
                 for j in range(start, mid):
                     acc = zero
                     for i in range(mid, start + 2 * h):
-                        acc += (scale * dA[n, i, j] * q[n, i, d] + dL[n, i, j] * k[n, i, d]) * F[n, lv, i, d]
-                    fj = F[n, lv, j, d]
-                    dg[n, j, d] += run
-                    run += k[n, j, d] * fj * acc
-                    dk[n, j, d] += acc * fj
+                        ij = at3(n, i, j, Cp, Cp)
+                        nid = at3(n, i, d, Cp, K)
+                        acc += (scale * dA[ij] * q[nid] + dL[ij] * k[nid]) * F[at3(level, i, d, Cp, K)]
+                    njd = at3(n, j, d, Cp, K)
+                    fj = F[at3(level, j, d, Cp, K)]
+                    dg[njd] += run
+                    run += k[njd] * fj * acc
+                    dk[njd] += acc * fj
             h *= 2
             lv += 1
 
-    def chunk_gate_gradient(prefix_terms, suffix_terms, total_terms, pair_terms, dg):
-        """One thread per (chunk, channel): a suffix sum and an exclusive prefix sum."""
+    def chunk_gate_gradient(prefix_terms, suffix_terms, total_terms, pair_terms, dg, dims):
+        """One thread per (chunk, channel): a suffix sum and an exclusive prefix sum.
+
+        ``dims = (N, Cp, K)``; the arrays are flattened ``[N, Cp, K]``, but ``total_terms``
+        ``[N, K]``.
+        """
         idx = cuda.grid(1)
-        N, Cp, K = prefix_terms.shape
-        if idx >= N * K:
+        N, Cp, K = dims
+        n = idx // K  # not idx >= N * K: a product of uint32 is a uint64, compared with idx in float64
+        if n >= N:
             return
-        n = idx // K
         d = idx % K
         run = zero
         for i in range(Cp - 1, -1, -1):
-            run += prefix_terms[n, i, d]
-            dg[n, i, d] = run
+            nid = at3(n, i, d, Cp, K)
+            run += prefix_terms[nid]
+            dg[nid] = run
         run = zero
+        total = total_terms[at2(n, d, K)]
         for i in range(Cp):
-            dg[n, i, d] = dg[n, i, d] + run + total_terms[n, d] + pair_terms[n, i, d]
-            run += suffix_terms[n, i, d]
+            nid = at3(n, i, d, Cp, K)
+            dg[nid] = dg[nid] + run + total + pair_terms[nid]
+            run += suffix_terms[nid]
 
-    def recurrent_forward(q, k, g, v, beta, scale, state, o, final):
-        """One thread per (head, value column v): every column of the state evolves alone."""
+    def recurrent_forward(q, k, g, v, beta, scale, state, o, final, dims):
+        """One thread per (head, value column v): every column of the state evolves alone.
+
+        ``dims = (BH, T, K, V)``; the arrays are flattened ``[BH, T, K]`` (``q, k, g``),
+        ``[BH, T, V]`` (``v, o``), ``[BH, T]`` (``beta``) and ``[BH, K, V]`` (``state, final``).
+        """
         idx = cuda.grid(1)
-        BH, T, K = q.shape
-        V = v.shape[2]
-        if idx >= BH * V:
-            return
+        BH, T, K, V = dims
         bh = idx // V
+        if bh >= BH:
+            return
         c = idx % V
         for kk in range(K):
-            final[bh, kk, c] = state[bh, kk, c]
+            kc = at3(bh, kk, c, K, V)
+            final[kc] = state[kc]
         for t in range(T):
+            step = at2(bh, t, T)
             pred = zero
             for kk in range(K):
-                s = math.exp(g[bh, t, kk]) * final[bh, kk, c]
-                final[bh, kk, c] = s
-                pred += k[bh, t, kk] * s
-            u = beta[bh, t] * (v[bh, t, c] - pred)
+                tk = at2(step, kk, K)
+                kc = at3(bh, kk, c, K, V)
+                s = math.exp(g[tk]) * final[kc]
+                final[kc] = s
+                pred += k[tk] * s
+            u = beta[step] * (v[at2(step, c, V)] - pred)
             out = zero
             for kk in range(K):
-                s = final[bh, kk, c] + k[bh, t, kk] * u
-                final[bh, kk, c] = s
-                out += q[bh, t, kk] * s
-            o[bh, t, c] = scale * out
+                tk = at2(step, kk, K)
+                kc = at3(bh, kk, c, K, V)
+                s = final[kc] + k[tk] * u
+                final[kc] = s
+                out += q[tk] * s
+            o[at2(step, c, V)] = scale * out
 
     def recurrent_backward(
-        q, k, g, v, beta, scale, state, do, dstate, stride, ckpt, seg, dq, dk, dg, dbeta, dv, dS
+        q, k, g, v, beta, scale, state, do, dstate, stride, ckpt, seg, dq, dk, dg, dbeta, dv, dS, dims
     ):
         """One thread per (head, value column); reductions over columns by atomics.
 
-        States are kept every ``stride`` steps (``ckpt``) and each segment is recomputed into
-        ``seg`` on the way back. ``dq, dk, dg, dbeta`` must be zero on entry.
+        ``dims = (BH, T, K, V)``; the arrays are flattened ``[BH, T, K]`` (``q, k, g, dq, dk,
+        dg``), ``[BH, T, V]`` (``v, do, dv``), ``[BH, T]`` (``beta, dbeta``), ``[BH, K, V]``
+        (``state, dstate, dS``) and ``[., BH, K, V]`` (``ckpt, seg``). States are kept every
+        ``stride`` steps (``ckpt``) and each segment is recomputed into ``seg`` on the way back.
+        ``dq, dk, dg, dbeta`` must be zero on entry.
         """
         idx = cuda.grid(1)
-        BH, T, K = q.shape
-        V = v.shape[2]
-        if idx >= BH * V:
-            return
+        BH, T, K, V = dims
         bh = idx // V
+        if bh >= BH:
+            return
         c = idx % V
         # forward, saving checkpoints; dS serves as the running state
         for kk in range(K):
-            dS[bh, kk, c] = state[bh, kk, c]
+            kc = at3(bh, kk, c, K, V)
+            dS[kc] = state[kc]
         for t in range(T):
+            step = at2(bh, t, T)
             if t % stride == 0:
                 for kk in range(K):
-                    ckpt[t // stride, bh, kk, c] = dS[bh, kk, c]
+                    ckpt[at4(t // stride, bh, kk, c, BH, K, V)] = dS[at3(bh, kk, c, K, V)]
             pred = zero
             for kk in range(K):
-                s = math.exp(g[bh, t, kk]) * dS[bh, kk, c]
-                dS[bh, kk, c] = s
-                pred += k[bh, t, kk] * s
-            u = beta[bh, t] * (v[bh, t, c] - pred)
+                tk = at2(step, kk, K)
+                kc = at3(bh, kk, c, K, V)
+                s = math.exp(g[tk]) * dS[kc]
+                dS[kc] = s
+                pred += k[tk] * s
+            u = beta[step] * (v[at2(step, c, V)] - pred)
             for kk in range(K):
-                dS[bh, kk, c] += k[bh, t, kk] * u
+                dS[at3(bh, kk, c, K, V)] += k[at2(step, kk, K)] * u
         for kk in range(K):
-            dS[bh, kk, c] = dstate[bh, kk, c]
+            kc = at3(bh, kk, c, K, V)
+            dS[kc] = dstate[kc]
         nseg = (T + stride - 1) // stride
         for sg in range(nseg - 1, -1, -1):
             start = sg * stride
             stop = min(start + stride, T)
             for kk in range(K):
-                seg[0, bh, kk, c] = ckpt[sg, bh, kk, c]
+                seg[at4(0, bh, kk, c, BH, K, V)] = ckpt[at4(sg, bh, kk, c, BH, K, V)]
             for t in range(start, stop - 1):
+                step = at2(bh, t, T)
                 s0 = t - start
                 pred = zero
                 for kk in range(K):
-                    s = math.exp(g[bh, t, kk]) * seg[s0, bh, kk, c]
-                    seg[s0 + 1, bh, kk, c] = s
-                    pred += k[bh, t, kk] * s
-                u = beta[bh, t] * (v[bh, t, c] - pred)
+                    tk = at2(step, kk, K)
+                    s = math.exp(g[tk]) * seg[at4(s0, bh, kk, c, BH, K, V)]
+                    seg[at4(s0 + 1, bh, kk, c, BH, K, V)] = s
+                    pred += k[tk] * s
+                u = beta[step] * (v[at2(step, c, V)] - pred)
                 for kk in range(K):
-                    seg[s0 + 1, bh, kk, c] += k[bh, t, kk] * u
+                    seg[at4(s0 + 1, bh, kk, c, BH, K, V)] += k[at2(step, kk, K)] * u
             for t in range(stop - 1, start - 1, -1):
+                step = at2(bh, t, T)
                 s0 = t - start
                 pred = zero
                 for kk in range(K):
-                    pred += k[bh, t, kk] * (math.exp(g[bh, t, kk]) * seg[s0, bh, kk, c])
-                r = v[bh, t, c] - pred
-                b = beta[bh, t]
+                    tk = at2(step, kk, K)
+                    pred += k[tk] * (math.exp(g[tk]) * seg[at4(s0, bh, kk, c, BH, K, V)])
+                r = v[at2(step, c, V)] - pred
+                b = beta[step]
                 u = b * r
-                dov = do[bh, t, c]
+                dov = do[at2(step, c, V)]
                 du = zero
                 for kk in range(K):
-                    sd = math.exp(g[bh, t, kk]) * seg[s0, bh, kk, c]
-                    cuda.atomic.add(dq, (bh, t, kk), scale * (sd + k[bh, t, kk] * u) * dov)
-                    ds = dS[bh, kk, c] + scale * q[bh, t, kk] * dov
-                    dS[bh, kk, c] = ds
-                    du += k[bh, t, kk] * ds
-                cuda.atomic.add(dbeta, (bh, t), du * r)
+                    tk = at2(step, kk, K)
+                    kc = at3(bh, kk, c, K, V)
+                    sd = math.exp(g[tk]) * seg[at4(s0, bh, kk, c, BH, K, V)]
+                    cuda.atomic.add(dq, tk, scale * (sd + k[tk] * u) * dov)
+                    ds = dS[kc] + scale * q[tk] * dov
+                    dS[kc] = ds
+                    du += k[tk] * ds
+                cuda.atomic.add(dbeta, step, du * r)
                 dr = b * du
-                dv[bh, t, c] = dr
+                dv[at2(step, c, V)] = dr
                 for kk in range(K):
-                    e = math.exp(g[bh, t, kk])
-                    sd = e * seg[s0, bh, kk, c]
-                    ds = dS[bh, kk, c]
-                    cuda.atomic.add(dk, (bh, t, kk), ds * u - sd * dr)
-                    dsd = ds - k[bh, t, kk] * dr
-                    cuda.atomic.add(dg, (bh, t, kk), dsd * sd)
-                    dS[bh, kk, c] = e * dsd
+                    tk = at2(step, kk, K)
+                    kc = at3(bh, kk, c, K, V)
+                    e = math.exp(g[tk])
+                    sd = e * seg[at4(s0, bh, kk, c, BH, K, V)]
+                    ds = dS[kc]
+                    cuda.atomic.add(dk, tk, ds * u - sd * dr)
+                    dsd = ds - k[tk] * dr
+                    cuda.atomic.add(dg, tk, dsd * sd)
+                    dS[kc] = e * dsd
 
     def gate_flags(g, flags, dims):
         """Count the log decays that are not ``<= 0``: ``flags[0]`` positive, ``flags[1]`` NaN.

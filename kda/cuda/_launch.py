@@ -222,7 +222,8 @@ def chunk_factors(q: Any, k: Any, g: Any, scale: float) -> ChunkFactors:
     total = _empty(xp, q, (N, K))
     F = _zeros(xp, q, (N, NL, Cp, K))
     flat = [_flat(xp, x, 3) for x in (q, k, g)]
-    _launch(name, dtype, _grid(N * K), THREADS_PER_BLOCK, *flat, q.dtype.type(scale), *outs, total, F)
+    args = (*flat, q.dtype.type(scale), *outs, total, F)
+    _launch(name, dtype, _grid(N * K), THREADS_PER_BLOCK, *args, dims=(N, NL, Cp, K))
     prefix, suffix, qg, kg, kt = (xp.reshape(x, q.shape) for x in outs)
     return ChunkFactors(prefix, suffix, xp.reshape(total, (B, H, NT, K)), qg, kg, kt, private=F)
 
@@ -242,7 +243,8 @@ def chunk_pairs(q: Any, k: Any, f: ChunkFactors, scale: float) -> tuple[Any, Any
     A = _empty(xp, q, (N, Cp, Cp))
     L = _empty(xp, q, (N, Cp, Cp))
     args = (_flat(xp, q, 3), _flat(xp, k, 3), f.private, q.dtype.type(scale), A, L)
-    _launch(name, dtype, _grid(N * Cp * -(-Cp // PAIR_GROUP)), THREADS_PER_BLOCK, *args)
+    dims = (N, f.private.shape[1], Cp, K)
+    _launch(name, dtype, _grid(N * Cp * -(-Cp // PAIR_GROUP)), THREADS_PER_BLOCK, *args, dims=dims)
     shape = (B, H, NT, Cp, Cp)
     return xp.reshape(A, shape), xp.reshape(L, shape)
 
@@ -257,7 +259,7 @@ def unit_lower_inverse(beta: Any, L: Any) -> Any:
     N = math.prod(lead)
     Tinv = _empty(xp, L, (N, Cp, Cp))
     args = (xp.reshape(beta, (N, Cp)), xp.reshape(L, (N, Cp, Cp)), Tinv)
-    _launch(name, dtype, _grid(N * Cp), THREADS_PER_BLOCK, *args)
+    _launch(name, dtype, _grid(N * Cp), THREADS_PER_BLOCK, *args, dims=(N, Cp))
     return xp.reshape(Tinv, L.shape)
 
 
@@ -487,7 +489,8 @@ def chunk_pairs_backward(
     dtype = _dtype_name(name, dA, dL, q, k, f.private)
     outs = [_empty(xp, q, (N, Cp, K)) for _ in range(3)]
     args = [_flat(xp, x, 3) for x in (dA, dL, q, k)]
-    _launch(name, dtype, _grid(N * K), THREADS_PER_BLOCK, *args, f.private, q.dtype.type(scale), *outs)
+    args += [f.private, q.dtype.type(scale), *outs]
+    _launch(name, dtype, _grid(N * K), THREADS_PER_BLOCK, *args, dims=(N, f.private.shape[1], Cp, K))
     dq, dk, dg = (xp.reshape(x, q.shape) for x in outs)
     return dq, dk, dg
 
@@ -505,7 +508,7 @@ def chunk_gate_gradient(prefix_terms: Any, suffix_terms: Any, total_terms: Any, 
     _check_shape(name, "total_terms", total_terms, (B, H, NT, K))
     dg = _empty(xp, prefix_terms, (N, Cp, K))
     args = [_flat(xp, x, 3) for x in (prefix_terms, suffix_terms, total_terms, pair_terms)]
-    _launch(name, dtype, _grid(N * K), THREADS_PER_BLOCK, *args, dg)
+    _launch(name, dtype, _grid(N * K), THREADS_PER_BLOCK, *args, dg, dims=(N, Cp, K))
     return xp.reshape(dg, prefix_terms.shape)
 
 
@@ -533,7 +536,8 @@ def recurrent_forward(q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, s
     o = (_empty if grid else _zeros)(xp, v, (BH, T, V))  # every element written by the kernel
     final = _empty(xp, state, (BH, K, V))
     args = [_flat(xp, x, 2) for x in (q, k, g, v, beta)]
-    _launch(name, dtype, grid, THREADS_PER_BLOCK, *args, q.dtype.type(scale), _flat(xp, state, 2), o, final)
+    args += [q.dtype.type(scale), _flat(xp, state, 2), o, final]
+    _launch(name, dtype, grid, THREADS_PER_BLOCK, *args, dims=(BH, T, K, V))
     if grid == 0:
         final = xp.asarray(state, copy=True)
     return xp.reshape(o, v.shape), xp.reshape(final, state.shape)
@@ -573,7 +577,8 @@ def recurrent_backward(
     flat = [_flat(xp, x, 2) for x in (q, k, g, v, beta)]
     tail = (_flat(xp, state, 2), _flat(xp, grad_output, 2), _flat(xp, grad_state, 2), stride, ckpt, seg)
     outs = (dq, dk, dg, dbeta, dv, dS)
-    _launch(name, dtype, grid, THREADS_PER_BLOCK, *flat, q.dtype.type(scale), *tail, *outs)
+    args = (*flat, q.dtype.type(scale), *tail, *outs)
+    _launch(name, dtype, grid, THREADS_PER_BLOCK, *args, dims=(BH, T, K, V))
     if grid == 0:
         dS = xp.asarray(grad_state, copy=True)
     dq, dk, dg = (xp.reshape(x, q.shape) for x in (dq, dk, dg))
