@@ -313,8 +313,7 @@ def test_offsets_in_64_bits_when_sizes_need_them(monkeypatch):
         exact = [out.output, out.final_state, *grads[:6], rout.output, rout.final_state, flags]
         # the recurrent backward accumulates dq, dk, dg, dbeta with atomics: any order
         atomic = list(rgrads[:6])
-        used_flat = {(n, i) for n, i in used if _kernels.flat_kernel(n)}
-        return [to_np(x) for x in exact], [to_np(x) for x in atomic], used_flat
+        return [to_np(x) for x in exact], [to_np(x) for x in atomic], set(used)
 
     narrow, narrow_atomic, narrow_used = run_all()
     monkeypatch.setattr(_kernels, "INDEX32_LIMIT", 16)
@@ -322,7 +321,19 @@ def test_offsets_in_64_bits_when_sizes_need_them(monkeypatch):
     assert {i for _, i in narrow_used} == {"uint32"}, narrow_used
     assert {i for _, i in wide_used} == {"uint64"}, wide_used
     names = {n for n, _ in narrow_used}
-    assert names == {n for n, _ in wide_used} >= {"chunk_local", "chunk_state_pass", "gate_flags"}
+    assert (
+        names
+        == {n for n, _ in wide_used}
+        == {
+            "chunk_local",
+            "chunk_state_pass",
+            "chunk_state_grad_pass",
+            "chunk_local_backward",
+            "recurrent_forward",
+            "recurrent_backward",
+            "gate_flags",
+        }
+    )
     for i, (a, b) in enumerate(zip(narrow, wide, strict=True)):
         assert np.array_equal(a, b), (i, np.max(np.abs(a - b)))
     for a, b in zip(narrow_atomic, wide_atomic, strict=True):
@@ -443,6 +454,33 @@ def test_chunk_local_and_its_backward(regime, Cp, fused, dtype, monkeypatch):
     got_c = kc.chunk_local_backward(*dev, scale, got_c, *ds)
     for name, r, c, w in zip(("dq", "dk", "dv", "dg", "dbeta"), got_r, got_c, want, strict=True):
         check_primitive(f"chunk_local_backward.{name}", r, c, w, dtype, regime)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_chunk_local_with_64_bit_offsets(fused, monkeypatch):
+    """The per-chunk kernels (fused, or the unfused ones they fall back to) in their 64-bit variants."""
+    import kda.cuda._launch as launch
+    from kda.cuda import _kernels
+
+    used = set()
+    real = launch.compiled
+
+    def spy(name, dtype, index="uint32"):
+        used.add((name, index))
+        return real(name, dtype, index)
+
+    monkeypatch.setattr(launch, "compiled", spy)
+    monkeypatch.setattr(_kernels, "INDEX32_LIMIT", 16)
+    test_chunk_local_and_its_backward("reset", 8, fused, np.float32, monkeypatch)
+    unfused = {
+        "chunk_factors",
+        "chunk_pairs",
+        "unit_lower_inverse",
+        "chunk_pairs_backward",
+        "chunk_gate_gradient",
+    }
+    want = {"chunk_local", "chunk_local_backward"} if fused else unfused
+    assert used == {(name, "uint64") for name in want}
 
 
 def test_gate_flags():

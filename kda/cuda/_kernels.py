@@ -33,7 +33,6 @@ __all__ = [
     "SIGNATURES",
     "build_kernels",
     "compiled",
-    "flat_kernel",
     "offset_functions",
     "signature",
 ]
@@ -60,8 +59,8 @@ INDEX_TYPES = {"uint32": "uint32", "uint64": "int64"}
 INDEX32_LIMIT = 2**32
 
 # kernel name -> argument kinds: "a" a C-contiguous 1-D array of the floating dtype (a flattened
-# C-contiguous array), "s" a floating scalar, "j" an int32 scalar, "f" a C-contiguous 1-D int32
-# array, then ":n" for the trailing tuple of n dimensions in the index type
+# C-contiguous array), "s" a floating scalar, "i" an int64 scalar, "j" an int32 scalar, "f" a
+# C-contiguous 1-D int32 array, then ":n" for the trailing tuple of n dimensions
 SIGNATURES = {
     "chunk_factors": "aaasaaaaaaa:4",
     "chunk_local": "aaaaasaaaaaaaaa:3",
@@ -81,33 +80,14 @@ SIGNATURES = {
 def signature(name: str, dtype: str, index: str = "uint32") -> str:
     """The explicit Numba signature of kernel ``name`` for the floating ``dtype`` and ``index`` type.
 
-    Every array is C-contiguous (layout ``C``) and, in the kernels converted to flat offsets
-    (a ``:n`` in :data:`SIGNATURES`), one-dimensional: an index is an offset computed in
-    ``index`` arithmetic, with no stride loads and no negative-index selects.
+    Every array is C-contiguous and one-dimensional (a flattened view): an element is an offset
+    computed in ``index`` arithmetic from the trailing tuple of dimensions, with no stride loads
+    and no negative-index selects.
     """
-    spec, _, ndims = SIGNATURES[name].partition(":")
-    kinds = []
-    for c in spec:
-        if c == "s":
-            kinds.append(dtype)
-        elif c == "i":
-            kinds.append("int64")
-        elif c == "j":
-            kinds.append("int32")
-        elif c == "f":
-            kinds.append("int32[::1]")
-        elif c == "a":
-            kinds.append(f"{dtype}[::1]")
-        else:
-            kinds.append(f"{dtype}[{', '.join([':'] * (int(c) - 1) + ['::1'])}]")
-    if ndims:
-        kinds.append(f"UniTuple({INDEX_TYPES[index]}, {int(ndims)})")
-    return f"void({', '.join(kinds)})"
-
-
-def flat_kernel(name: str) -> bool:
-    """Whether kernel ``name`` takes flattened arrays and a tuple of dimensions."""
-    return ":" in SIGNATURES[name]
+    spec, ndims = SIGNATURES[name].split(":")
+    kinds = {"a": f"{dtype}[::1]", "s": dtype, "i": "int64", "j": "int32", "f": "int32[::1]"}
+    args = [kinds[c] for c in spec] + [f"UniTuple({INDEX_TYPES[index]}, {int(ndims)})"]
+    return f"void({', '.join(args)})"
 
 
 def _offset_function(ix):

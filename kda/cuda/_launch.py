@@ -20,7 +20,7 @@ from numba import cuda
 
 from ..reference._chunk import ChunkFactors, ChunkLocal, from_chunks, local_backward, to_chunks
 from . import _kernels
-from ._kernels import DTYPES, LOCAL_TILE_K, PAIR_GROUP, compiled, flat_kernel
+from ._kernels import DTYPES, LOCAL_TILE_K, PAIR_GROUP, compiled
 
 __all__ = [
     "LAUNCHES",
@@ -125,31 +125,23 @@ def index_type(arrays: Any, dims: tuple[int, ...]) -> str:
 
 
 def _launch(
-    name: str,
-    dtype: str,
-    grid: int,
-    block: Any,
-    *args: Any,
-    shared: int = 0,
-    dims: tuple[int, ...] | None = None,
+    name: str, dtype: str, grid: int, block: Any, *args: Any, dims: tuple[int, ...], shared: int = 0
 ) -> None:
     """Launch kernel ``name`` on the caller's stream; nothing to do for an empty grid.
 
-    Every array argument must be C-contiguous (the kernels' signatures say so); ``shared`` is the
-    dynamic shared memory of a block in bytes. For a kernel that takes flattened arrays
-    (:func:`~._kernels.flat_kernel`), ``dims`` are the dimensions it indexes by: every array is
-    passed as a flat view and the offsets are computed in 32 bits where the sizes allow.
+    Every array argument must be C-contiguous (the kernels' signatures say so) and is passed as
+    a flat view; ``dims`` are the dimensions the kernel indexes by, and its offsets are 32-bit
+    where the sizes allow (:func:`index_type`). ``shared`` is the dynamic shared memory of a
+    block in bytes.
     """
     if grid == 0:
         return
     args = tuple(_c(name, a) for a in args)
-    index = "uint32"
-    if flat_kernel(name):
-        index = index_type([a for a in args if hasattr(a, "shape")], dims)
-        args = tuple(a.reshape(-1) if hasattr(a, "shape") and a.ndim > 1 else a for a in args)
-        # the simulator takes the dimensions as Python ints (faster there; it checks no types)
-        itype = getattr(np, _kernels.INDEX_TYPES[index]) if any(is_cupy_array(a) for a in args) else int
-        args = (*args, tuple(itype(d) for d in dims))
+    index = index_type([a for a in args if hasattr(a, "shape")], dims)
+    args = tuple(a.reshape(-1) if hasattr(a, "shape") and a.ndim > 1 else a for a in args)
+    # the simulator takes the dimensions as Python ints (faster there; it checks no types)
+    itype = getattr(np, _kernels.INDEX_TYPES[index]) if any(is_cupy_array(a) for a in args) else int
+    args = (*args, tuple(itype(d) for d in dims))
     kernel = compiled(name, dtype, index)
     if any(is_cupy_array(a) for a in args):
         import cupy
