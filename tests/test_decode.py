@@ -236,6 +236,22 @@ def test_cuda_one_launch_matches_reference(dtype, regime):
     _check(host(out), host(dpool), want_out.astype(dtype), want_pool.astype(dtype), before, idx, tol)
 
 
+def test_cuda_strided_pool_is_updated_in_place():
+    """A pool that is a strided view (every other row of a larger buffer) is updated in place."""
+    xp = _cuda_or_skip()
+    rng = np.random.default_rng(8)
+    *inputs, pool = _request_problem(rng, 2, 1, 1, 2, 3, 2, 3)
+    idx = np.array([2, 0])
+    want_out, want_pool = _alone(inputs, pool, idx)
+    buffer = xp.asarray(np.stack([pool, np.full_like(pool, 7.0)], axis=1).reshape(6, *pool.shape[1:]))
+    view = buffer[::2]
+    assert not view.flags.c_contiguous
+    out = kda.decode_kda(*(xp.asarray(x) for x in inputs), view, list(idx), backend="cuda")
+    host = (lambda a: a.get()) if xp is not np else np.asarray
+    _check(host(out), host(view), want_out, want_pool, pool, idx, TOLERANCE[np.dtype(np.float64)])
+    assert np.all(host(buffer[1::2]) == 7.0), "rows outside the view changed"
+
+
 def test_cuda_kernel_compiled_once_per_dtype():
     xp = _cuda_or_skip()
     from kda.cuda import _decode as kd
