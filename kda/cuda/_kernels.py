@@ -903,6 +903,19 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
             dg[nid] = dg[nid] + run + total + pair_terms[nid]
             run += suffix_terms[nid]
 
+    @_inline
+    def decay_and_predict(S, g, k, step, bh, c, K, V):
+        """Decay column ``c`` of head ``bh``'s state ``S`` by step ``step``'s ``exp(g)`` in place;
+        return the prediction ``k . S`` of the decayed column (one step of the recurrence)."""
+        pred = zero
+        for kk in range(K):
+            tk = at2(step, kk, K)
+            kc = at3(bh, kk, c, K, V)
+            s = math.exp(g[tk]) * S[kc]
+            S[kc] = s
+            pred += k[tk] * s
+        return pred
+
     def recurrent_forward(q, k, g, v, beta, scale, state, o, final, dims):
         """One thread per (head, value column v): every column of the state evolves alone.
 
@@ -920,13 +933,7 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
             final[kc] = state[kc]
         for t in range(T):
             step = at2(bh, t, T)
-            pred = zero
-            for kk in range(K):
-                tk = at2(step, kk, K)
-                kc = at3(bh, kk, c, K, V)
-                s = math.exp(g[tk]) * final[kc]
-                final[kc] = s
-                pred += k[tk] * s
+            pred = decay_and_predict(final, g, k, step, bh, c, K, V)
             u = beta[step] * (v[at2(step, c, V)] - pred)
             out = zero
             for kk in range(K):
@@ -963,13 +970,7 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
             if t % stride == 0:
                 for kk in range(K):
                     ckpt[at4(t // stride, bh, kk, c, BH, K, V)] = dS[at3(bh, kk, c, K, V)]
-            pred = zero
-            for kk in range(K):
-                tk = at2(step, kk, K)
-                kc = at3(bh, kk, c, K, V)
-                s = math.exp(g[tk]) * dS[kc]
-                dS[kc] = s
-                pred += k[tk] * s
+            pred = decay_and_predict(dS, g, k, step, bh, c, K, V)
             u = beta[step] * (v[at2(step, c, V)] - pred)
             for kk in range(K):
                 dS[at3(bh, kk, c, K, V)] += k[at2(step, kk, K)] * u
