@@ -17,14 +17,15 @@ compiled once per (dtype, index type).
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
 
 import numpy as np
 from array_api_compat import array_namespace, device, is_cupy_array
 from numba import cuda
 
-from ._kernels import DTYPES, INDEX32_LIMIT, INDEX_TYPES, offset_functions
-from ._launch import LAUNCHES
+from ._kernels import DTYPES, INDEX_TYPES, offset_functions
+from ._launch import launch
 
 __all__ = ["SIGNATURE", "build_decode_kernel", "compiled_decode", "decode_forward", "decode_signature"]
 
@@ -103,34 +104,6 @@ def compiled_decode(dtype: str, index: str = "uint32"):
     return kernel
 
 
-def _index_type(arrays: Any, dims: tuple[int, ...]) -> str:
-    """``"uint32"`` where every array and dimension is under ``INDEX32_LIMIT``, else ``"uint64"``."""
-    sizes = [int(a.size) for a in arrays] + [int(d) for d in dims]
-    return "uint32" if max(sizes, default=0) < INDEX32_LIMIT else "uint64"
-
-
-def _launch(dtype: str, grid: int, *args: Any, dims: tuple[int, ...]) -> None:
-    """One launch on the caller's CuPy stream (or the simulator's default stream).
-
-    Every array argument must be C-contiguous; each is passed as a flat view.
-    """
-    index = _index_type([a for a in args if getattr(a, "ndim", 0) > 0], dims)
-    kernel = compiled_decode(dtype, index)
-    args = tuple(a.reshape(-1) if getattr(a, "ndim", 0) > 1 else a for a in args)
-    if any(is_cupy_array(a) for a in args):
-        import cupy
-
-        ptr = cupy.cuda.get_current_stream().ptr
-        stream = cuda.external_stream(ptr) if ptr else cuda.default_stream()
-        args = tuple(cuda.as_cuda_array(a, sync=False) if is_cupy_array(a) else a for a in args)
-        itype = getattr(np, INDEX_TYPES[index])
-    else:  # the simulator: it takes the dimensions as Python ints (faster there; it checks no types)
-        stream = 0
-        itype = int
-    kernel[grid, THREADS_PER_BLOCK, stream](*args, tuple(itype(d) for d in dims))
-    LAUNCHES[NAME] += 1
-
-
 def _c_contiguous(x: Any) -> Any:
     """``x`` itself when C-contiguous, else a C-contiguous copy."""
     if bool(x.flags.c_contiguous):
@@ -162,9 +135,10 @@ def decode_forward(q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, pool
     rows = xp.asarray(list(indices), dtype=xp.int64, device=device(pool))
     grid = -(-N * HV * V // THREADS_PER_BLOCK)
     if grid and T:
-        work = _c_contiguous(pool)
-        inputs = (_c_contiguous(x) for x in (q, k, g, v, beta))
-        _launch(dtype, grid, *inputs, pool.dtype.type(scale), work, rows, out, dims=(N, HV, T, K, V))
+        work = _c_contiguous(pool)  # the kernel updates it in place: copied back below if need be
+        args = (q, k, g, v, beta, pool.dtype.type(scale), work, rows, out)
+        kernel_for = partial(compiled_decode, dtype)
+        launch(NAME, kernel_for, grid, THREADS_PER_BLOCK, *args, dims=(N, HV, T, K, V))
         if work is not pool:
             pool[...] = work
     return out

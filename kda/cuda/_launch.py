@@ -124,25 +124,22 @@ def index_type(arrays: Any, dims: tuple[int, ...]) -> str:
     return "uint32" if max(sizes, default=0) < _kernels.INDEX32_LIMIT else "uint64"
 
 
-def _launch(
-    name: str, dtype: str, grid: int, block: Any, *args: Any, dims: tuple[int, ...], shared: int = 0
+def launch(
+    name: str, kernel_for: Any, grid: int, block: Any, *args: Any, dims: tuple[int, ...], shared: int = 0
 ) -> None:
-    """Launch kernel ``name`` on the caller's stream; nothing to do for an empty grid.
+    """Launch ``kernel_for(index)`` on the caller's stream; nothing to do for an empty grid.
 
-    Every array argument must be C-contiguous (the kernels' signatures say so) and is passed as
-    a flat view; ``dims`` are the dimensions the kernel indexes by, and its offsets are 32-bit
-    where the sizes allow (:func:`index_type`). ``shared`` is the dynamic shared memory of a
-    block in bytes.
+    Every array argument must be C-contiguous (a strided one is copied and counted in
+    :data:`COPIES`) and is passed as a flat view; ``dims`` are the dimensions the kernel indexes
+    by, and ``index`` is the offset type the sizes allow (:func:`index_type`). ``shared`` is the
+    dynamic shared memory of a block in bytes. Counted in :data:`LAUNCHES` under ``name``.
     """
     if grid == 0:
         return
     args = tuple(_c(name, a) for a in args)
     index = index_type([a for a in args if hasattr(a, "shape")], dims)
     args = tuple(a.reshape(-1) if hasattr(a, "shape") and a.ndim > 1 else a for a in args)
-    # the simulator takes the dimensions as Python ints (faster there; it checks no types)
-    itype = getattr(np, _kernels.INDEX_TYPES[index]) if any(is_cupy_array(a) for a in args) else int
-    args = (*args, tuple(itype(d) for d in dims))
-    kernel = compiled(name, dtype, index)
+    kernel = kernel_for(index)
     if any(is_cupy_array(a) for a in args):
         import cupy
 
@@ -150,10 +147,19 @@ def _launch(
         stream = cuda.external_stream(ptr) if ptr else cuda.default_stream()
         # same stream as CuPy's work: no host synchronisation on the arrays' stream is needed
         args = tuple(cuda.as_cuda_array(a, sync=False) if is_cupy_array(a) else a for a in args)
+        dims = tuple(getattr(np, _kernels.INDEX_TYPES[index])(d) for d in dims)
     else:
-        stream = 0  # host arrays: the simulator
-    kernel[grid, block, stream, shared](*args)
+        stream = 0  # host arrays: the simulator, which takes the dimensions as Python ints
+        dims = tuple(int(d) for d in dims)
+    kernel[grid, block, stream, shared](*args, dims)
     LAUNCHES[name] += 1
+
+
+def _launch(
+    name: str, dtype: str, grid: int, block: Any, *args: Any, dims: tuple[int, ...], shared: int = 0
+) -> None:
+    """Launch kernel ``name`` of :mod:`._kernels` for ``dtype`` (see :func:`launch`)."""
+    launch(name, lambda index: compiled(name, dtype, index), grid, block, *args, dims=dims, shared=shared)
 
 
 def _grid(threads: int) -> int:
