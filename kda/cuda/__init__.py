@@ -3,7 +3,8 @@
 The backend-neutral algorithm of :mod:`kda._chunked` drives it unchanged. Arrays are CuPy
 arrays on a GPU (kernels run on CuPy's current stream), or NumPy arrays under Numba's CUDA
 simulator (``NUMBA_ENABLE_CUDASIM=1``). Kernels are compiled on first use, once per dtype
-(float32, float64). Launches per call do not depend on the sequence length: one kernel per
+(float32, float64) and offset width (32-bit wherever every array of a launch has fewer than
+2**32 elements, else 64-bit). Launches per call do not depend on the sequence length: one kernel per
 primitive (``kda.cuda._launch.LAUNCHES`` counts them), and the fused primitives
 (:func:`chunk_local`, :func:`chunk_state_pass`, :func:`chunk_state_grad_pass`,
 :func:`chunk_local_backward`) leave no array product to the caller: a forward is 2 kernels, a

@@ -2,12 +2,14 @@
 
 Each kernel is written once as a plain Python function by :func:`build_kernels`, closed over
 the constants of one floating dtype (so float32 work stays float32: no Python float literal
-ever promotes it to float64), and compiled lazily, once per dtype, with an explicit signature
-(:func:`compiled`). :data:`SIGNATURES` names every kernel with the kinds of its arguments; the
-PTX test compiles every entry for both dtypes.
+ever promotes it to float64) and the offset functions of one index type, and compiled lazily,
+once per (dtype, index type), with an explicit signature (:func:`compiled`). :data:`SIGNATURES`
+names every kernel with the kinds of its arguments; the PTX test compiles every entry for both
+dtypes, and the 64-bit offsets in float32.
 
-Layouts (every array is C-contiguous; the launch wrappers in :mod:`._launch` flatten the
-leading dimensions): ``N = B * H * NT`` chunks, ``BH = B * H`` heads, ``Cp`` padded chunk
+Layouts: every array is C-contiguous and passed flattened; a kernel indexes it by offsets
+(``at2``, ``at3``, ``at4``: unsigned, 32-bit where the launch's sizes allow) from the dimensions
+in its trailing ``dims`` tuple. ``N = B * H * NT`` chunks, ``BH = B * H`` heads, ``Cp`` padded chunk
 steps, ``K`` key and ``V`` value channels, ``NL`` halving levels. The forward and backward of
 the chunked algorithm run four of these kernels (``chunk_local``, ``chunk_state_pass``,
 ``chunk_state_grad_pass``, ``chunk_local_backward``; docs/gpu.md); the finer ones serve chunks
