@@ -548,6 +548,55 @@ def test_state_passes(Cp, K, V, limit, dtype, monkeypatch):
         check_primitive(f"chunk_state_grad_pass.{name}", r, c, x, dtype)
 
 
+@pytest.mark.parametrize(
+    ("Cp", "K", "V", "dtype"),
+    [
+        (8, 7, 5, np.float64),  # one partial slice of channels, one partial tile of columns
+        (16, 18, 21, np.float32),  # two slices (the second partial), two tiles (the second partial)
+        (64, 33, 16, np.float32),  # the default chunk's block: 128 threads, rows on whole warps
+        (1, 3, 2, np.float32),
+    ],
+)
+def test_staged_state_pass(Cp, K, V, dtype, monkeypatch):
+    """The re-cut forward state pass (rows on the lanes, staged tiles) against the reference."""
+    monkeypatch.setattr(kc._launch, "STATE_PASS", "staged")
+    rng = np.random.default_rng(Cp + K)
+    B, H, NT = 1, 2, 3
+    w, kt, qg = (rng.standard_normal((B, H, NT, Cp, K)) * 0.3 for _ in range(3))
+    u0 = rng.standard_normal((B, H, NT, Cp, V))
+    A = rng.standard_normal((B, H, NT, Cp, Cp)) * 0.3  # full: only the lower triangle may be read
+    total = rng.uniform(0, 1, (B, H, NT, K))
+    state = rng.standard_normal((B, H, K, V))
+    want = ref.chunk_state_pass(w, u0, kt, total, state, qg, A)
+    _, dev = both(dtype, w, u0, kt, total, state, qg, A)
+    LAUNCHES.clear()
+    got = kc.chunk_state_pass(*dev)
+    alone = kc.chunk_state_pass(*dev[:5])
+    assert dict(LAUNCHES) == {"chunk_state_pass_staged": 2}
+    for name, c, x in zip(("boundaries", "output", "final"), got, want):
+        check(f"cuda chunk_state_pass_staged.{name}", c, x, dtype)
+    assert alone[1] is None
+    check("cuda chunk_state_pass_staged.boundaries alone", alone[0], want[0], dtype)
+    check("cuda chunk_state_pass_staged.final alone", alone[2], want[2], dtype)
+
+
+def test_staged_state_pass_falls_back_and_runs_end_to_end(monkeypatch):
+    """Where its tiles do not fit, the broadcast pass runs; a whole call with it matches the oracle."""
+    monkeypatch.setattr(kc._launch, "STATE_PASS", "staged")
+    assert kc._launch._staged_block(128, 64, 4) is not None
+    assert kc._launch._staged_block(128, 1024, 4) is None  # 2048 threads
+    arrays = problem(np.random.default_rng(9), 1, 2, 19, 8, 20, "reset")
+    LAUNCHES.clear()
+    out, grads = run_chunked(arrays, np.float32, 7)
+    assert LAUNCHES["chunk_state_pass_staged"] == 1 and "chunk_state_pass" not in LAUNCHES
+    compare("chunk (staged state pass)", out, grads, *oracle(arrays), np.float32, "reset")
+    monkeypatch.setattr(kc._launch, "SHARED_LIMIT", 4 * (8 * 16 + 2 * 8 * 17 + 2 * 16 * 9) - 1)
+    LAUNCHES.clear()
+    shapes = [(1, 1, 1, 8, 8)] * 3 + [(1, 1, 1, 8), (1, 1, 8, 8)]  # w, u0, kt, total, state
+    kc.chunk_state_pass(*(to_dev(np.ones(s, np.float32)) for s in shapes))
+    assert "chunk_state_pass_staged" not in LAUNCHES and LAUNCHES["chunk_state_pass"] == 1
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_gate_gradient_and_layout(dtype):
     rng = np.random.default_rng(3)

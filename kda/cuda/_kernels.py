@@ -42,6 +42,11 @@ __all__ = [
 # rows of the state passes that one thread accumulates at once (registers)
 ROW_GROUP = 4
 
+# chunk_state_pass_staged: value columns per block, columns per thread, channels per staged slice
+STAGED_TILE_V = 16
+STAGED_COLUMNS = 8
+STAGED_SLICE = 16
+
 # channels per tile of chunk_local's pairwise products (shared memory: 2 Cp of them)
 LOCAL_TILE_K = 16
 
@@ -70,6 +75,7 @@ SIGNATURES = {
     "chunk_pairs": "aaasaa:4",
     "unit_lower_inverse": "aaa:2",
     "chunk_state_pass": "aaaaaaajaaa:5",
+    "chunk_state_pass_staged": "aaaaaaajaaa:5",
     "chunk_state_grad_pass": "aaaaaaaaaaaaa:5",
     "chunk_pairs_backward": "aaaaasaaa:4",
     "chunk_gate_gradient": "aaaaa:3",
@@ -720,7 +726,7 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
                         i = i0 + r * ny
                         if i < Cp:
                             ik = at3(chunk, i, kk, Cp, K)
-                            acc[r] -= w[ik] * s
+                            acc[r] = cuda.fma(-w[ik], s, acc[r])  # a -= b c is not fused
                             if emit:
                                 acco[r] += qg[ik] * s
                 for r in range(ROW_GROUP):
@@ -748,6 +754,132 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
         if active:
             for kk in range(ty, K, ny):
                 final[at3(bh, kk, v, K, V)] = S[at2(kk, tx, TV)]
+
+    def chunk_state_pass_staged(qg, A, w, u0, kt, total, state, emit, out, boundaries, final, dims):
+        """``chunk_state_pass`` re-cut with the chunk's rows on the lanes (docs/gpu.md, "What is open").
+
+        Same arguments and layouts. One block of ``Cp * STAGED_GROUPS`` threads per (head, tile
+        of ``STAGED_TILE_V`` value columns); thread ``t`` owns row ``i = t % Cp`` and the
+        ``STAGED_COLUMNS`` columns of group ``t // Cp``. Per chunk:
+
+        1. ``U = u0 - w S`` and ``qg S``: ``w`` and ``qg`` are staged into shared memory
+           transposed, ``STAGED_SLICE`` channels at a time, so that per channel a warp reads
+           consecutive rows (one wavefront) and broadcasts ``S[k, c..]``;
+        2. ``O = qg S + A U``, with ``A`` staged transposed the same way;
+        3. ``S' = total S + kt^T U`` with the channels on the lanes (``kt`` read coalesced).
+
+        ``u0`` and ``O`` go through shared memory so that their global accesses are coalesced.
+        Dynamic shared memory: ``K TV + 2 Cp (TV + 1) + 2 SLICE (Cp + 1)`` elements.
+        """
+        BH, NT, Cp, K, V = dims
+        TV = STAGED_TILE_V
+        CC = STAGED_COLUMNS
+        KS = STAGED_SLICE
+        tiles = (V + TV - 1) // TV
+        bh = cuda.blockIdx.x // tiles
+        v0 = (cuda.blockIdx.x % tiles) * TV
+        t = cuda.threadIdx.x
+        nth = cuda.blockDim.x
+        i = t % Cp  # this thread's row (steps 1 and 2)
+        c0 = (t // Cp) * CC  # and its first column in the tile
+        shared = cuda.shared.array(0, nbtype)
+        S = shared[: K * TV]  # S[k * TV + c]
+        Us = shared[K * TV : K * TV + Cp * (TV + 1)]  # u0, then U: [i * (TV + 1) + c]
+        Os = shared[K * TV + Cp * (TV + 1) : K * TV + 2 * Cp * (TV + 1)]  # O: [i * (TV + 1) + c]
+        base = K * TV + 2 * Cp * (TV + 1)
+        Wt = shared[base : base + KS * (Cp + 1)]  # w (then A) slices: [k * (Cp + 1) + i]
+        Qt = shared[base + KS * (Cp + 1) : base + 2 * KS * (Cp + 1)]  # qg slices
+        accu = cuda.local.array(STAGED_COLUMNS, nbtype)
+        accp = cuda.local.array(STAGED_COLUMNS, nbtype)
+        for e in range(t, K * TV, nth):
+            kk = e // TV
+            c = e % TV
+            S[at1(e)] = state[at3(bh, kk, v0 + c, K, V)] if v0 + c < V else zero
+        cuda.syncthreads()
+        for n in range(NT):
+            chunk = at2(bh, n, NT)
+            for e in range(t, K * TV, nth):
+                c = e % TV
+                if v0 + c < V:
+                    boundaries[at4(n, bh, e // TV, v0 + c, BH, K, V)] = S[at1(e)]
+            for e in range(t, Cp * TV, nth):
+                r = e // TV
+                c = e % TV
+                Us[at2(r, c, TV + 1)] = u0[at3(chunk, r, v0 + c, Cp, V)] if v0 + c < V else zero
+            for cc in range(CC):
+                accp[cc] = zero
+            # 1. U = u0 - w S and qg S, by slices of KS channels
+            for k0 in range(0, K, KS):
+                for e in range(t, KS * Cp, nth):
+                    r = e // KS
+                    dk = e % KS
+                    inside = k0 + dk < K
+                    Wt[at2(dk, r, Cp + 1)] = w[at3(chunk, r, k0 + dk, Cp, K)] if inside else zero
+                    if emit:
+                        Qt[at2(dk, r, Cp + 1)] = qg[at3(chunk, r, k0 + dk, Cp, K)] if inside else zero
+                cuda.syncthreads()
+                if k0 == 0:
+                    for cc in range(CC):
+                        accu[cc] = Us[at2(i, c0 + cc, TV + 1)]
+                for dk in range(min(KS, K - k0)):
+                    wi = at2(dk, i, Cp + 1)
+                    a = -Wt[wi]
+                    srow = at2(k0 + dk, c0, TV)
+                    if emit:
+                        b = Qt[wi]
+                        for cc in range(CC):
+                            x = S[at2(srow, cc, 1)]
+                            accu[cc] = cuda.fma(a, x, accu[cc])  # LLVM would unfuse a -= b c
+                            accp[cc] += b * x
+                    else:
+                        for cc in range(CC):
+                            accu[cc] = cuda.fma(a, S[at2(srow, cc, 1)], accu[cc])
+                cuda.syncthreads()
+            for cc in range(CC):
+                Us[at2(i, c0 + cc, TV + 1)] = accu[cc]
+            cuda.syncthreads()
+            # 2. O = qg S + A U (lower triangle of A), A staged transposed by slices of rows j
+            if emit:
+                for j0 in range(0, Cp, KS):
+                    for e in range(t, KS * Cp, nth):
+                        r = e // KS
+                        dj = e % KS
+                        Wt[at2(dj, r, Cp + 1)] = A[at3(chunk, r, j0 + dj, Cp, Cp)] if j0 + dj < Cp else zero
+                    cuda.syncthreads()
+                    for dj in range(min(KS, i + 1 - j0)):
+                        a = Wt[at2(dj, i, Cp + 1)]
+                        urow = at2(j0 + dj, c0, TV + 1)
+                        for cc in range(CC):
+                            accp[cc] += a * Us[at2(urow, cc, 1)]
+                    cuda.syncthreads()
+                for cc in range(CC):
+                    Os[at2(i, c0 + cc, TV + 1)] = accp[cc]
+            # 3. S' = total S + kt^T U, the channels on the lanes
+            for e in range(t, K * (TV // CC), nth):
+                kk = e % K
+                g0 = (e // K) * CC
+                tk = total[at2(chunk, kk, K)]
+                srow = at2(kk, g0, TV)
+                for cc in range(CC):
+                    accu[cc] = tk * S[at2(srow, cc, 1)]
+                for r in range(Cp):
+                    a = kt[at3(chunk, r, kk, Cp, K)]
+                    urow = at2(r, g0, TV + 1)
+                    for cc in range(CC):
+                        accu[cc] += a * Us[at2(urow, cc, 1)]
+                for cc in range(CC):
+                    S[at2(srow, cc, 1)] = accu[cc]
+            cuda.syncthreads()
+            if emit:
+                for e in range(t, Cp * TV, nth):
+                    r = e // TV
+                    c = e % TV
+                    if v0 + c < V:
+                        out[at3(chunk, r, v0 + c, Cp, V)] = Os[at2(r, c, TV + 1)]
+        for e in range(t, K * TV, nth):
+            c = e % TV
+            if v0 + c < V:
+                final[at3(bh, e // TV, v0 + c, K, V)] = S[at1(e)]
 
     def chunk_state_grad_pass(qg, A, w, u0, kt, total, do, boundaries, dstate, dends, U, dU, dinitial, dims):
         """The state-gradient recurrence, last chunk first; blocks, threads and layouts as the state pass.
@@ -802,7 +934,7 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
                         i = i0 + r * ny
                         if i < Cp:
                             ik = at3(chunk, i, kk, Cp, K)
-                            acc[r] -= w[ik] * s
+                            acc[r] = cuda.fma(-w[ik], s, acc[r])  # a -= b c is not fused
                             accd[r] += kt[ik] * ds
                 for r in range(ROW_GROUP):
                     i = i0 + r * ny
@@ -816,7 +948,8 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
                 s = total[at2(chunk, kk, K)] * dS[at2(kk, tx, TV)]
                 for i in range(Cp):
                     ik = at3(chunk, i, kk, Cp, K)
-                    s += qg[ik] * dOs[at2(i, tx, TV)] - w[ik] * dUs[at2(i, tx, TV)]
+                    s = cuda.fma(qg[ik], dOs[at2(i, tx, TV)], s)
+                    s = cuda.fma(-w[ik], dUs[at2(i, tx, TV)], s)
                 dS[at2(kk, tx, TV)] = s
             cuda.syncthreads()
         if active:
@@ -1060,6 +1193,7 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
         "chunk_pairs": chunk_pairs,
         "unit_lower_inverse": unit_lower_inverse,
         "chunk_state_pass": chunk_state_pass,
+        "chunk_state_pass_staged": chunk_state_pass_staged,
         "chunk_state_grad_pass": chunk_state_grad_pass,
         "chunk_pairs_backward": chunk_pairs_backward,
         "chunk_gate_gradient": chunk_gate_gradient,

@@ -20,7 +20,7 @@ from numba import cuda
 
 from ..reference._chunk import ChunkFactors, ChunkLocal, from_chunks, local_backward, to_chunks
 from . import _kernels
-from ._kernels import DTYPES, LOCAL_TILE_K, PAIR_GROUP, compiled
+from ._kernels import DTYPES, LOCAL_TILE_K, PAIR_GROUP, STAGED_COLUMNS, STAGED_SLICE, STAGED_TILE_V, compiled
 
 __all__ = [
     "LAUNCHES",
@@ -51,6 +51,10 @@ STATE_THREADS = 256
 # threads of chunk_local's block and of chunk_local_backward's (one block per chunk)
 LOCAL_THREADS = 128
 LOCAL_BACKWARD_THREADS = 64
+# the forward state pass: "broadcast" (chunk_state_pass: value columns on the lanes, w/qg/kt/A
+# read through L1) or "staged" (chunk_state_pass_staged: rows on the lanes, w/qg/A staged in
+# shared memory; docs/gpu.md). Not measured on a GPU yet: scripts/gpu_bench.py times both.
+STATE_PASS = "broadcast"
 # dynamic shared memory a block may use without opting in (bytes)
 SHARED_LIMIT = 48 * 1024
 
@@ -185,6 +189,15 @@ def _state_block(name: str, K: int, Cp: int, itemsize: int, rows: int) -> tuple[
         )
         raise InvalidInputError(msg)
     return (tv, STATE_THREADS // tv), rows * tv * itemsize
+
+
+def _staged_block(K: int, Cp: int, itemsize: int) -> tuple[int, int] | None:
+    """Threads and dynamic shared memory of ``chunk_state_pass_staged``, or None where it does not fit."""
+    threads = Cp * (STAGED_TILE_V // STAGED_COLUMNS)
+    elements = K * STAGED_TILE_V + 2 * Cp * (STAGED_TILE_V + 1) + 2 * STAGED_SLICE * (Cp + 1)
+    if threads > 1024 or elements * itemsize > SHARED_LIMIT:
+        return None
+    return threads, elements * itemsize
 
 
 def _flat(xp: Any, x: Any, lead: int) -> Any:
@@ -407,6 +420,10 @@ def chunk_state_pass(
         out = _zeros(xp, w, out.shape)
     block, shared = _state_block(name, K, Cp, w.dtype.itemsize, K + 2 * Cp)
     grid = BH * (-(-V // block[0])) if NT and K * V else 0
+    staged = _staged_block(K, Cp, w.dtype.itemsize) if STATE_PASS == "staged" else None
+    if staged is not None:
+        name, (block, shared) = "chunk_state_pass_staged", staged
+        grid = BH * (-(-V // STAGED_TILE_V)) if NT and K * V else 0
     if emit:
         dense = (_flat(xp, qg, 2), _flat(xp, A, 2))
     else:
