@@ -119,6 +119,18 @@ def time_kda(report: dict) -> None:
     report["timings_ms"]["kda.cuda float32 forward"] = cuda_time(forward)
     report["timings_ms"]["kda.cuda float32 forward+backward"] = cuda_time(forward_backward)
     report["launches"] = {"forward": fwd_launches, "forward+backward": fb_launches}
+    # the forward state pass's two cuts side by side, interleaved (kda.cuda._launch.STATE_PASS)
+    import kda.cuda._launch as launch
+
+    default = launch.STATE_PASS
+    try:
+        for variant in ("staged", "broadcast", "staged", "broadcast"):
+            launch.STATE_PASS = variant
+            ms = cuda_time(forward)
+            key = f"kda.cuda float32 forward ({variant} state pass)"
+            report["timings_ms"][key] = min(ms, report["timings_ms"].get(key, ms))
+    finally:
+        launch.STATE_PASS = default
     # the recurrence kernels, for scale
     report["timings_ms"]["kda.cuda float32 recurrent forward"] = cuda_time(
         lambda: kda.recurrent_kda(q, k, v, g, beta, initial_state=state), warmup=1, repeat=3

@@ -277,8 +277,9 @@ def test_launches_do_not_grow_with_length(monkeypatch):
         calls["recurrent"] = dict(LAUNCHES)
         counts.append(calls)
     assert counts[0] == counts[1]
-    assert counts[0]["forward"] == {"chunk_local": 1, "chunk_state_pass": 1}
-    assert counts[0]["backward"] == {"chunk_local": 1, "chunk_state_grad_pass": 1, "chunk_local_backward": 1}
+    assert counts[0]["forward"] == {"chunk_local": 1, "chunk_state_pass_staged": 1}
+    backward = {"chunk_local": 1, "chunk_state_grad_pass_staged": 1, "chunk_local_backward": 1}
+    assert counts[0]["backward"] == backward
     totals = {name: sum(c.values()) for name, c in counts[0].items()}
     assert totals == {"forward": 2, "backward": 3, "backward without boundaries": 5, "recurrent": 2}
     assert not COPIES, f"operands copied to make them contiguous: {dict(COPIES)}"
@@ -326,8 +327,8 @@ def test_offsets_in_64_bits_when_sizes_need_them(monkeypatch):
         == {n for n, _ in wide_used}
         == {
             "chunk_local",
-            "chunk_state_pass",
-            "chunk_state_grad_pass",
+            "chunk_state_pass_staged",
+            "chunk_state_grad_pass_staged",
             "chunk_local_backward",
             "recurrent_forward",
             "recurrent_backward",
@@ -517,9 +518,14 @@ STATE_PARAMS = [
 ]
 
 
+@pytest.mark.parametrize("variant", ["staged", "broadcast"])
 @pytest.mark.parametrize(("Cp", "K", "V", "limit", "dtype"), STATE_PARAMS)
-def test_state_passes(Cp, K, V, limit, dtype, monkeypatch):
-    """Both state passes, with the fused output and local gradient terms, in the real block shape."""
+def test_state_passes(Cp, K, V, limit, dtype, variant, monkeypatch):
+    """Both state passes, with the fused output and local gradient terms, in the real block shape.
+
+    ``variant``: the forward pass's two cuts (a small shared-memory limit runs the broadcast one).
+    """
+    monkeypatch.setattr(kc._launch, "STATE_PASS", variant)
     if limit is not None:
         monkeypatch.setattr(kc._launch, "SHARED_LIMIT", limit * np.dtype(dtype).itemsize // 4)
         size = np.dtype(dtype).itemsize
@@ -534,7 +540,10 @@ def test_state_passes(Cp, K, V, limit, dtype, monkeypatch):
     state, dstate = (rng.standard_normal((B, H, K, V)) for _ in range(2))
     want = ref.chunk_state_pass(w, u0, kt, total, state, qg, A)
     host, dev = both(dtype, w, u0, kt, total, state, qg, A)
+    LAUNCHES.clear()
     got_r, got_c = ref.chunk_state_pass(*host), kc.chunk_state_pass(*dev)
+    ran = "chunk_state_pass_staged" if variant == "staged" and limit is None else "chunk_state_pass"
+    assert dict(LAUNCHES) == {ran: 1}
     for name, r, c, x in zip(("boundaries", "output", "final"), got_r, got_c, want):
         check_primitive(f"chunk_state_pass.{name}", r, c, x, dtype)
     alone = kc.chunk_state_pass(*dev[:5])
@@ -543,7 +552,10 @@ def test_state_passes(Cp, K, V, limit, dtype, monkeypatch):
     args = (w, u0, kt, total, qg, A, do, want[0], dstate)
     want = ref.chunk_state_grad_pass(*args)
     host, dev = both(dtype, *args)
+    LAUNCHES.clear()
     got_r, got_c = ref.chunk_state_grad_pass(*host), kc.chunk_state_grad_pass(*dev)
+    ran = "chunk_state_grad_pass_staged" if variant == "staged" and limit is None else "chunk_state_grad_pass"
+    assert dict(LAUNCHES) == {ran: 1}
     for name, r, c, x in zip(("dends", "u", "du", "dinitial"), got_r, got_c, want):
         check_primitive(f"chunk_state_grad_pass.{name}", r, c, x, dtype)
 
@@ -558,7 +570,7 @@ def test_state_passes(Cp, K, V, limit, dtype, monkeypatch):
     ],
 )
 def test_staged_state_pass(Cp, K, V, dtype, monkeypatch):
-    """The re-cut forward state pass (rows on the lanes, staged tiles) against the reference."""
+    """The re-cut state passes (rows on the lanes, staged tiles) against the reference."""
     monkeypatch.setattr(kc._launch, "STATE_PASS", "staged")
     rng = np.random.default_rng(Cp + K)
     B, H, NT = 1, 2, 3
@@ -578,6 +590,14 @@ def test_staged_state_pass(Cp, K, V, dtype, monkeypatch):
     assert alone[1] is None
     check("cuda chunk_state_pass_staged.boundaries alone", alone[0], want[0], dtype)
     check("cuda chunk_state_pass_staged.final alone", alone[2], want[2], dtype)
+    do, dstate = rng.standard_normal((B, H, NT, Cp, V)), rng.standard_normal((B, H, K, V))
+    args = (w, u0, kt, total, qg, A, do, want[0], dstate)
+    want = ref.chunk_state_grad_pass(*args)
+    LAUNCHES.clear()
+    got = kc.chunk_state_grad_pass(*both(dtype, *args)[1])
+    assert dict(LAUNCHES) == {"chunk_state_grad_pass_staged": 1}
+    for name, c, x in zip(("dends", "u", "du", "dinitial"), got, want):
+        check(f"cuda chunk_state_grad_pass_staged.{name}", c, x, dtype)
 
 
 def test_staged_state_pass_falls_back_and_runs_end_to_end(monkeypatch):
@@ -589,6 +609,7 @@ def test_staged_state_pass_falls_back_and_runs_end_to_end(monkeypatch):
     LAUNCHES.clear()
     out, grads = run_chunked(arrays, np.float32, 7)
     assert LAUNCHES["chunk_state_pass_staged"] == 1 and "chunk_state_pass" not in LAUNCHES
+    assert LAUNCHES["chunk_state_grad_pass_staged"] == 1 and "chunk_state_grad_pass" not in LAUNCHES
     compare("chunk (staged state pass)", out, grads, *oracle(arrays), np.float32, "reset")
     monkeypatch.setattr(kc._launch, "SHARED_LIMIT", 4 * (8 * 16 + 2 * 8 * 17 + 2 * 16 * 9) - 1)
     LAUNCHES.clear()

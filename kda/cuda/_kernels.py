@@ -77,6 +77,7 @@ SIGNATURES = {
     "chunk_state_pass": "aaaaaaajaaa:5",
     "chunk_state_pass_staged": "aaaaaaajaaa:5",
     "chunk_state_grad_pass": "aaaaaaaaaaaaa:5",
+    "chunk_state_grad_pass_staged": "aaaaaaaaaaaaa:5",
     "chunk_pairs_backward": "aaaaasaaa:4",
     "chunk_gate_gradient": "aaaaa:3",
     "recurrent_forward": "aaaaasaaa:4",
@@ -956,6 +957,128 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
             for kk in range(ty, K, ny):
                 dinitial[at3(bh, kk, v, K, V)] = dS[at2(kk, tx, TV)]
 
+    def chunk_state_grad_pass_staged(
+        qg, A, w, u0, kt, total, do, boundaries, dstate, dends, U, dU, dinitial, dims
+    ):
+        """``chunk_state_grad_pass`` re-cut as ``chunk_state_pass_staged``: rows on the lanes.
+
+        Same arguments and layouts; blocks and threads as ``chunk_state_pass_staged``. The block
+        keeps its tile of ``dS`` in shared memory. Per chunk, last first:
+
+        1. stage the chunk-start state ``S`` (from the boundaries), ``dO`` and ``u0``;
+        2. ``U = u0 - w S`` and ``dU = A^T dO + kt dS`` (thread: one row, ``STAGED_COLUMNS``
+           columns): ``w`` and ``kt`` staged transposed by slices of channels as in the state
+           pass; ``A[j, i]`` for consecutive rows ``i`` is read coalesced from global memory;
+        3. ``dS_start = total dS + qg^T dO - w^T dU`` with the channels on the lanes (``qg`` and
+           ``w`` read coalesced), ``dO`` and ``dU`` broadcast from shared memory.
+
+        Dynamic shared memory: ``2 K TV + 3 Cp (TV + 1) + 2 SLICE (Cp + 1)`` elements.
+        """
+        BH, NT, Cp, K, V = dims
+        TV = STAGED_TILE_V
+        CC = STAGED_COLUMNS
+        KS = STAGED_SLICE
+        tiles = (V + TV - 1) // TV
+        bh = cuda.blockIdx.x // tiles
+        v0 = (cuda.blockIdx.x % tiles) * TV
+        t = cuda.threadIdx.x
+        nth = cuda.blockDim.x
+        i = t % Cp
+        c0 = (t // Cp) * CC
+        shared = cuda.shared.array(0, nbtype)
+        dS = shared[: K * TV]  # [k * TV + c]
+        S = shared[K * TV : 2 * K * TV]
+        rows = Cp * (TV + 1)  # [i * (TV + 1) + c]
+        dOs = shared[2 * K * TV : 2 * K * TV + rows]
+        Us = shared[2 * K * TV + rows : 2 * K * TV + 2 * rows]  # u0, then U
+        dUs = shared[2 * K * TV + 2 * rows : 2 * K * TV + 3 * rows]
+        base = 2 * K * TV + 3 * rows
+        Wt = shared[base : base + KS * (Cp + 1)]  # [k * (Cp + 1) + i]
+        Kt = shared[base + KS * (Cp + 1) : base + 2 * KS * (Cp + 1)]
+        accu = cuda.local.array(STAGED_COLUMNS, nbtype)
+        accd = cuda.local.array(STAGED_COLUMNS, nbtype)
+        for e in range(t, K * TV, nth):
+            c = e % TV
+            dS[at1(e)] = dstate[at3(bh, e // TV, v0 + c, K, V)] if v0 + c < V else zero
+        for n in range(NT - 1, -1, -1):
+            chunk = at2(bh, n, NT)
+            # 1.
+            for e in range(t, K * TV, nth):
+                kk = e // TV
+                c = e % TV
+                inside = v0 + c < V
+                S[at1(e)] = boundaries[at4(n, bh, kk, v0 + c, BH, K, V)] if inside else zero
+            for e in range(t, Cp * TV, nth):
+                r = e // TV
+                c = e % TV
+                inside = v0 + c < V
+                dOs[at2(r, c, TV + 1)] = do[at3(chunk, r, v0 + c, Cp, V)] if inside else zero
+                Us[at2(r, c, TV + 1)] = u0[at3(chunk, r, v0 + c, Cp, V)] if inside else zero
+            cuda.syncthreads()
+            for e in range(t, K * TV, nth):
+                c = e % TV
+                if v0 + c < V:
+                    dends[at4(n, bh, e // TV, v0 + c, BH, K, V)] = dS[at1(e)]
+            # 2. U = u0 - w S and dU = A^T dO + kt dS
+            for cc in range(CC):
+                accu[cc] = Us[at2(i, c0 + cc, TV + 1)]
+                accd[cc] = zero
+            for j in range(i, Cp):
+                a = A[at3(chunk, j, i, Cp, Cp)]
+                orow = at2(j, c0, TV + 1)
+                for cc in range(CC):
+                    accd[cc] += a * dOs[at2(orow, cc, 1)]
+            for k0 in range(0, K, KS):
+                for e in range(t, KS * Cp, nth):
+                    r = e // KS
+                    dk = e % KS
+                    inside = k0 + dk < K
+                    Wt[at2(dk, r, Cp + 1)] = w[at3(chunk, r, k0 + dk, Cp, K)] if inside else zero
+                    Kt[at2(dk, r, Cp + 1)] = kt[at3(chunk, r, k0 + dk, Cp, K)] if inside else zero
+                cuda.syncthreads()
+                for dk in range(min(KS, K - k0)):
+                    wi = at2(dk, i, Cp + 1)
+                    a = -Wt[wi]
+                    b = Kt[wi]
+                    srow = at2(k0 + dk, c0, TV)
+                    for cc in range(CC):
+                        accu[cc] = cuda.fma(a, S[at2(srow, cc, 1)], accu[cc])  # LLVM would unfuse -=
+                        accd[cc] += b * dS[at2(srow, cc, 1)]
+                cuda.syncthreads()
+            for cc in range(CC):
+                Us[at2(i, c0 + cc, TV + 1)] = accu[cc]
+                dUs[at2(i, c0 + cc, TV + 1)] = accd[cc]
+            cuda.syncthreads()
+            for e in range(t, Cp * TV, nth):
+                r = e // TV
+                c = e % TV
+                if v0 + c < V:
+                    U[at3(chunk, r, v0 + c, Cp, V)] = Us[at2(r, c, TV + 1)]
+                    dU[at3(chunk, r, v0 + c, Cp, V)] = dUs[at2(r, c, TV + 1)]
+            # 3. dS_start = total dS + qg^T dO - w^T dU, the channels on the lanes
+            for e in range(t, K * (TV // CC), nth):
+                kk = e % K
+                g0 = (e // K) * CC
+                srow = at2(kk, g0, TV)
+                tk = total[at2(chunk, kk, K)]
+                for cc in range(CC):
+                    accu[cc] = tk * dS[at2(srow, cc, 1)]
+                for r in range(Cp):
+                    rk = at3(chunk, r, kk, Cp, K)
+                    a = qg[rk]
+                    b = -w[rk]
+                    urow = at2(r, g0, TV + 1)
+                    for cc in range(CC):
+                        accu[cc] += a * dOs[at2(urow, cc, 1)]
+                        accu[cc] = cuda.fma(b, dUs[at2(urow, cc, 1)], accu[cc])
+                for cc in range(CC):
+                    dS[at2(srow, cc, 1)] = accu[cc]
+            cuda.syncthreads()
+        for e in range(t, K * TV, nth):
+            c = e % TV
+            if v0 + c < V:
+                dinitial[at3(bh, e // TV, v0 + c, K, V)] = dS[at1(e)]
+
     def chunk_pairs_backward(dA, dL, q, k, F, scale, dq, dk, dg, dims):
         """One thread per (chunk, channel d), visiting every pair twice (row side, column side).
 
@@ -1195,6 +1318,7 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
         "chunk_state_pass": chunk_state_pass,
         "chunk_state_pass_staged": chunk_state_pass_staged,
         "chunk_state_grad_pass": chunk_state_grad_pass,
+        "chunk_state_grad_pass_staged": chunk_state_grad_pass_staged,
         "chunk_pairs_backward": chunk_pairs_backward,
         "chunk_gate_gradient": chunk_gate_gradient,
         "recurrent_forward": recurrent_forward,

@@ -51,10 +51,12 @@ STATE_THREADS = 256
 # threads of chunk_local's block and of chunk_local_backward's (one block per chunk)
 LOCAL_THREADS = 128
 LOCAL_BACKWARD_THREADS = 64
-# the forward state pass: "broadcast" (chunk_state_pass: value columns on the lanes, w/qg/kt/A
-# read through L1) or "staged" (chunk_state_pass_staged: rows on the lanes, w/qg/A staged in
-# shared memory; docs/gpu.md). Not measured on a GPU yet: scripts/gpu_bench.py times both.
-STATE_PASS = "broadcast"
+# the state passes: "staged" (chunk_state_pass_staged, chunk_state_grad_pass_staged: the chunk's
+# rows on the lanes, w, qg, kt, A staged in shared memory), or "broadcast" (chunk_state_pass,
+# chunk_state_grad_pass: value columns on the lanes, w, qg, kt, A read through L1), which also
+# serves chunks over 128 steps and tiles over the shared-memory limit. Staged by the PTX's
+# instruction counts (docs/gpu.md); not measured on a GPU yet: scripts/gpu_bench.py times both.
+STATE_PASS = "staged"
 # dynamic shared memory a block may use without opting in (bytes)
 SHARED_LIMIT = 48 * 1024
 
@@ -191,10 +193,14 @@ def _state_block(name: str, K: int, Cp: int, itemsize: int, rows: int) -> tuple[
     return (tv, STATE_THREADS // tv), rows * tv * itemsize
 
 
-def _staged_block(K: int, Cp: int, itemsize: int) -> tuple[int, int] | None:
-    """Threads and dynamic shared memory of ``chunk_state_pass_staged``, or None where it does not fit."""
+def _staged_block(K: int, Cp: int, itemsize: int, backward: bool = False) -> tuple[int, int] | None:
+    """Threads and dynamic shared memory of the staged state pass (or its gradient pass with
+    ``backward``), or None where it does not fit: the broadcast pass runs instead."""
+    if STATE_PASS != "staged":
+        return None
     threads = Cp * (STAGED_TILE_V // STAGED_COLUMNS)
-    elements = K * STAGED_TILE_V + 2 * Cp * (STAGED_TILE_V + 1) + 2 * STAGED_SLICE * (Cp + 1)
+    tiles, rows = (2, 3) if backward else (1, 2)  # [K, TV] state tiles and [Cp, TV + 1] row tiles
+    elements = tiles * K * STAGED_TILE_V + rows * Cp * (STAGED_TILE_V + 1) + 2 * STAGED_SLICE * (Cp + 1)
     if threads > 1024 or elements * itemsize > SHARED_LIMIT:
         return None
     return threads, elements * itemsize
@@ -420,7 +426,7 @@ def chunk_state_pass(
         out = _zeros(xp, w, out.shape)
     block, shared = _state_block(name, K, Cp, w.dtype.itemsize, K + 2 * Cp)
     grid = BH * (-(-V // block[0])) if NT and K * V else 0
-    staged = _staged_block(K, Cp, w.dtype.itemsize) if STATE_PASS == "staged" else None
+    staged = _staged_block(K, Cp, w.dtype.itemsize)
     if staged is not None:
         name, (block, shared) = "chunk_state_pass_staged", staged
         grid = BH * (-(-V // STAGED_TILE_V)) if NT and K * V else 0
@@ -475,6 +481,10 @@ def chunk_state_grad_pass(
         U, dU = (_zeros(xp, w, (BH, NT, Cp, V)) for _ in range(2))
     block, shared = _state_block(name, K, Cp, w.dtype.itemsize, 2 * K + 2 * Cp)
     grid = BH * (-(-V // block[0])) if NT and K * V else 0
+    staged = _staged_block(K, Cp, w.dtype.itemsize, backward=True)
+    if staged is not None:
+        name, (block, shared) = "chunk_state_grad_pass_staged", staged
+        grid = BH * (-(-V // STAGED_TILE_V)) if NT and K * V else 0
     args = (qg, A, w, u0, kt, total, grad_output, boundaries, dstate, dends, U, dU, dinitial)
     _launch(name, dtype, grid, block, *args, shared=shared, dims=(BH, NT, Cp, K, V))
     shape = (NT, B, H, K, V)
