@@ -58,7 +58,7 @@ REGISTER_BUDGET = {
     "chunk_local": 90,
     "chunk_state_pass": 92,
     "chunk_state_pass_staged": 90,
-    "chunk_state_grad_pass_staged": 110,
+    "chunk_state_grad_pass_staged": 147,
     "chunk_state_grad_pass": 96,
     "chunk_local_backward": 192,
     "gate_flags": 40,

@@ -855,21 +855,33 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
                     cuda.syncthreads()
                 for cc in range(CC):
                     Os[at2(i, c0 + cc, TV + 1)] = accp[cc]
-            # 3. S' = total S + kt^T U, the channels on the lanes
-            for e in range(t, K * (TV // CC), nth):
-                kk = e % K
-                g0 = (e // K) * CC
-                tk = total[at2(chunk, kk, K)]
+            # 3. S' = total S + kt^T U, the channels on the lanes, two per thread (channels kk
+            #    and kk + KP share every broadcast U load)
+            KP = (K + 1) // 2
+            for e in range(t, KP * (TV // CC), nth):
+                kk = e % KP
+                k2 = kk + KP
+                two = k2 < K
+                g0 = (e // KP) * CC
                 srow = at2(kk, g0, TV)
+                srow2 = at2(k2 if two else kk, g0, TV)
+                tk = total[at2(chunk, kk, K)]
+                tk2 = total[at2(chunk, k2, K)] if two else zero
                 for cc in range(CC):
                     accu[cc] = tk * S[at2(srow, cc, 1)]
+                    accp[cc] = tk2 * S[at2(srow2, cc, 1)]
                 for r in range(Cp):
                     a = kt[at3(chunk, r, kk, Cp, K)]
+                    b = kt[at3(chunk, r, k2, Cp, K)] if two else zero
                     urow = at2(r, g0, TV + 1)
                     for cc in range(CC):
-                        accu[cc] += a * Us[at2(urow, cc, 1)]
+                        x = Us[at2(urow, cc, 1)]
+                        accu[cc] += a * x
+                        accp[cc] += b * x
                 for cc in range(CC):
                     S[at2(srow, cc, 1)] = accu[cc]
+                    if two:
+                        S[at2(srow2, cc, 1)] = accp[cc]
             cuda.syncthreads()
             if emit:
                 for e in range(t, Cp * TV, nth):
@@ -1055,24 +1067,41 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
                 if v0 + c < V:
                     U[at3(chunk, r, v0 + c, Cp, V)] = Us[at2(r, c, TV + 1)]
                     dU[at3(chunk, r, v0 + c, Cp, V)] = dUs[at2(r, c, TV + 1)]
-            # 3. dS_start = total dS + qg^T dO - w^T dU, the channels on the lanes
-            for e in range(t, K * (TV // CC), nth):
-                kk = e % K
-                g0 = (e // K) * CC
+            # 3. dS_start = total dS + qg^T dO - w^T dU, the channels on the lanes, two per thread
+            #    (channels kk and kk + KP share every broadcast dO and dU load)
+            KP = (K + 1) // 2
+            for e in range(t, KP * (TV // CC), nth):
+                kk = e % KP
+                k2 = kk + KP
+                two = k2 < K
+                g0 = (e // KP) * CC
                 srow = at2(kk, g0, TV)
+                srow2 = at2(k2 if two else kk, g0, TV)
                 tk = total[at2(chunk, kk, K)]
+                tk2 = total[at2(chunk, k2, K)] if two else zero
                 for cc in range(CC):
                     accu[cc] = tk * dS[at2(srow, cc, 1)]
+                    accd[cc] = tk2 * dS[at2(srow2, cc, 1)]
                 for r in range(Cp):
                     rk = at3(chunk, r, kk, Cp, K)
                     a = qg[rk]
                     b = -w[rk]
+                    a2 = zero
+                    b2 = zero
+                    if two:
+                        rk2 = at3(chunk, r, k2, Cp, K)
+                        a2 = qg[rk2]
+                        b2 = -w[rk2]
                     urow = at2(r, g0, TV + 1)
                     for cc in range(CC):
-                        accu[cc] += a * dOs[at2(urow, cc, 1)]
-                        accu[cc] = cuda.fma(b, dUs[at2(urow, cc, 1)], accu[cc])
+                        x = dOs[at2(urow, cc, 1)]
+                        y = dUs[at2(urow, cc, 1)]
+                        accu[cc] = cuda.fma(b, y, accu[cc] + a * x)  # LLVM would unfuse -=
+                        accd[cc] = cuda.fma(b2, y, accd[cc] + a2 * x)
                 for cc in range(CC):
                     dS[at2(srow, cc, 1)] = accu[cc]
+                    if two:
+                        dS[at2(srow2, cc, 1)] = accd[cc]
             cuda.syncthreads()
         for e in range(t, K * TV, nth):
             c = e % TV
