@@ -756,6 +756,65 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
             for kk in range(ty, K, ny):
                 final[at3(bh, kk, v, K, V)] = S[at2(kk, tx, TV)]
 
+    @_inline
+    def tile_in(dst, src, base, rows, pad, v0, V):
+        """Stage the block's ``[rows, STAGED_TILE_V]`` tile (columns ``v0..``, zero past ``V``) of
+        ``src[base]``, a ``[., rows, V]`` array, into ``dst`` with rows ``STAGED_TILE_V + pad`` apart."""
+        TV = STAGED_TILE_V
+        for e in range(cuda.threadIdx.x, rows * TV, cuda.blockDim.x):
+            r = e // TV
+            c = e % TV
+            dst[at2(r, c, TV + pad)] = src[at3(base, r, v0 + c, rows, V)] if v0 + c < V else zero
+
+    @_inline
+    def tile_out(dst, src, base, rows, pad, v0, V):
+        """The inverse of ``tile_in``: write the tile back to ``dst[base]`` (columns below ``V``)."""
+        TV = STAGED_TILE_V
+        for e in range(cuda.threadIdx.x, rows * TV, cuda.blockDim.x):
+            r = e // TV
+            c = e % TV
+            if v0 + c < V:
+                dst[at3(base, r, v0 + c, rows, V)] = src[at2(r, c, TV + pad)]
+
+    @_inline
+    def slice_transposed(dst, src, base, k0, rows, width):
+        """Stage columns ``k0 .. k0 + STAGED_SLICE`` (zero past ``width``) of ``src[base]``, a
+        ``[., rows, width]`` array, transposed: ``dst[k * (rows + 1) + r]`` (padded rows: no bank
+        conflicts when consecutive lanes read consecutive rows)."""
+        KS = STAGED_SLICE
+        for e in range(cuda.threadIdx.x, KS * rows, cuda.blockDim.x):
+            r = e // KS
+            dk = e % KS
+            inside = k0 + dk < width
+            dst[at2(dk, r, rows + 1)] = src[at3(base, r, k0 + dk, rows, width)] if inside else zero
+
+    @_inline
+    def pair_begin(e, K, chunk, total, tile, acc, acc2):
+        """Start work item ``e`` of a staged state update: channels ``kk`` and ``k2 = kk +
+        ceil(K / 2)`` (``two``: whether ``k2 < K``), columns ``g0 ..`` of the ``[K, TV]`` tile;
+        ``acc, acc2 = total * tile`` rows ``kk, k2``. Returns ``(kk, k2, two, row, row2, g0)``."""
+        KP = (K + 1) // 2
+        kk = e % KP
+        k2 = kk + KP
+        two = k2 < K
+        g0 = (e // KP) * STAGED_COLUMNS
+        row = at2(kk, g0, STAGED_TILE_V)
+        row2 = at2(k2 if two else kk, g0, STAGED_TILE_V)
+        t1 = total[at2(chunk, kk, K)]
+        t2 = total[at2(chunk, k2, K)] if two else zero
+        for cc in range(STAGED_COLUMNS):
+            acc[cc] = t1 * tile[at2(row, cc, 1)]
+            acc2[cc] = t2 * tile[at2(row2, cc, 1)]
+        return kk, k2, two, row, row2, g0
+
+    @_inline
+    def pair_end(tile, row, row2, two, acc, acc2):
+        """Write work item's accumulators back to its rows of the tile (see ``pair_begin``)."""
+        for cc in range(STAGED_COLUMNS):
+            tile[at2(row, cc, 1)] = acc[cc]
+            if two:
+                tile[at2(row2, cc, 1)] = acc2[cc]
+
     def chunk_state_pass_staged(qg, A, w, u0, kt, total, state, emit, out, boundaries, final, dims):
         """``chunk_state_pass`` re-cut with the chunk's rows on the lanes (docs/gpu.md, "What is open").
 
@@ -792,32 +851,19 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
         Qt = shared[base + KS * (Cp + 1) : base + 2 * KS * (Cp + 1)]  # qg slices
         accu = cuda.local.array(STAGED_COLUMNS, nbtype)
         accp = cuda.local.array(STAGED_COLUMNS, nbtype)
-        for e in range(t, K * TV, nth):
-            kk = e // TV
-            c = e % TV
-            S[at1(e)] = state[at3(bh, kk, v0 + c, K, V)] if v0 + c < V else zero
+        tile_in(S, state, bh, K, 0, v0, V)
         cuda.syncthreads()
         for n in range(NT):
             chunk = at2(bh, n, NT)
-            for e in range(t, K * TV, nth):
-                c = e % TV
-                if v0 + c < V:
-                    boundaries[at4(n, bh, e // TV, v0 + c, BH, K, V)] = S[at1(e)]
-            for e in range(t, Cp * TV, nth):
-                r = e // TV
-                c = e % TV
-                Us[at2(r, c, TV + 1)] = u0[at3(chunk, r, v0 + c, Cp, V)] if v0 + c < V else zero
+            tile_out(boundaries, S, at2(n, bh, BH), K, 0, v0, V)
+            tile_in(Us, u0, chunk, Cp, 1, v0, V)
             for cc in range(CC):
                 accp[cc] = zero
             # 1. U = u0 - w S and qg S, by slices of KS channels
             for k0 in range(0, K, KS):
-                for e in range(t, KS * Cp, nth):
-                    r = e // KS
-                    dk = e % KS
-                    inside = k0 + dk < K
-                    Wt[at2(dk, r, Cp + 1)] = w[at3(chunk, r, k0 + dk, Cp, K)] if inside else zero
-                    if emit:
-                        Qt[at2(dk, r, Cp + 1)] = qg[at3(chunk, r, k0 + dk, Cp, K)] if inside else zero
+                slice_transposed(Wt, w, chunk, k0, Cp, K)
+                if emit:
+                    slice_transposed(Qt, qg, chunk, k0, Cp, K)
                 cuda.syncthreads()
                 if k0 == 0:
                     for cc in range(CC):
@@ -842,10 +888,7 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
             # 2. O = qg S + A U (lower triangle of A), A staged transposed by slices of rows j
             if emit:
                 for j0 in range(0, Cp, KS):
-                    for e in range(t, KS * Cp, nth):
-                        r = e // KS
-                        dj = e % KS
-                        Wt[at2(dj, r, Cp + 1)] = A[at3(chunk, r, j0 + dj, Cp, Cp)] if j0 + dj < Cp else zero
+                    slice_transposed(Wt, A, chunk, j0, Cp, Cp)
                     cuda.syncthreads()
                     for dj in range(min(KS, i + 1 - j0)):
                         a = Wt[at2(dj, i, Cp + 1)]
@@ -857,19 +900,8 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
                     Os[at2(i, c0 + cc, TV + 1)] = accp[cc]
             # 3. S' = total S + kt^T U, the channels on the lanes, two per thread (channels kk
             #    and kk + KP share every broadcast U load)
-            KP = (K + 1) // 2
-            for e in range(t, KP * (TV // CC), nth):
-                kk = e % KP
-                k2 = kk + KP
-                two = k2 < K
-                g0 = (e // KP) * CC
-                srow = at2(kk, g0, TV)
-                srow2 = at2(k2 if two else kk, g0, TV)
-                tk = total[at2(chunk, kk, K)]
-                tk2 = total[at2(chunk, k2, K)] if two else zero
-                for cc in range(CC):
-                    accu[cc] = tk * S[at2(srow, cc, 1)]
-                    accp[cc] = tk2 * S[at2(srow2, cc, 1)]
+            for e in range(t, (K + 1) // 2 * (TV // CC), nth):
+                kk, k2, two, row, row2, g0 = pair_begin(e, K, chunk, total, S, accu, accp)
                 for r in range(Cp):
                     a = kt[at3(chunk, r, kk, Cp, K)]
                     b = kt[at3(chunk, r, k2, Cp, K)] if two else zero
@@ -878,21 +910,11 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
                         x = Us[at2(urow, cc, 1)]
                         accu[cc] += a * x
                         accp[cc] += b * x
-                for cc in range(CC):
-                    S[at2(srow, cc, 1)] = accu[cc]
-                    if two:
-                        S[at2(srow2, cc, 1)] = accp[cc]
+                pair_end(S, row, row2, two, accu, accp)
             cuda.syncthreads()
             if emit:
-                for e in range(t, Cp * TV, nth):
-                    r = e // TV
-                    c = e % TV
-                    if v0 + c < V:
-                        out[at3(chunk, r, v0 + c, Cp, V)] = Os[at2(r, c, TV + 1)]
-        for e in range(t, K * TV, nth):
-            c = e % TV
-            if v0 + c < V:
-                final[at3(bh, e // TV, v0 + c, K, V)] = S[at1(e)]
+                tile_out(out, Os, chunk, Cp, 1, v0, V)
+        tile_out(final, S, bh, K, 0, v0, V)
 
     def chunk_state_grad_pass(qg, A, w, u0, kt, total, do, boundaries, dstate, dends, U, dU, dinitial, dims):
         """The state-gradient recurrence, last chunk first; blocks, threads and layouts as the state pass.
@@ -1009,28 +1031,15 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
         Kt = shared[base + KS * (Cp + 1) : base + 2 * KS * (Cp + 1)]
         accu = cuda.local.array(STAGED_COLUMNS, nbtype)
         accd = cuda.local.array(STAGED_COLUMNS, nbtype)
-        for e in range(t, K * TV, nth):
-            c = e % TV
-            dS[at1(e)] = dstate[at3(bh, e // TV, v0 + c, K, V)] if v0 + c < V else zero
+        tile_in(dS, dstate, bh, K, 0, v0, V)
         for n in range(NT - 1, -1, -1):
             chunk = at2(bh, n, NT)
             # 1.
-            for e in range(t, K * TV, nth):
-                kk = e // TV
-                c = e % TV
-                inside = v0 + c < V
-                S[at1(e)] = boundaries[at4(n, bh, kk, v0 + c, BH, K, V)] if inside else zero
-            for e in range(t, Cp * TV, nth):
-                r = e // TV
-                c = e % TV
-                inside = v0 + c < V
-                dOs[at2(r, c, TV + 1)] = do[at3(chunk, r, v0 + c, Cp, V)] if inside else zero
-                Us[at2(r, c, TV + 1)] = u0[at3(chunk, r, v0 + c, Cp, V)] if inside else zero
+            tile_in(S, boundaries, at2(n, bh, BH), K, 0, v0, V)
+            tile_in(dOs, do, chunk, Cp, 1, v0, V)
+            tile_in(Us, u0, chunk, Cp, 1, v0, V)
             cuda.syncthreads()
-            for e in range(t, K * TV, nth):
-                c = e % TV
-                if v0 + c < V:
-                    dends[at4(n, bh, e // TV, v0 + c, BH, K, V)] = dS[at1(e)]
+            tile_out(dends, dS, at2(n, bh, BH), K, 0, v0, V)
             # 2. U = u0 - w S and dU = A^T dO + kt dS
             for cc in range(CC):
                 accu[cc] = Us[at2(i, c0 + cc, TV + 1)]
@@ -1041,12 +1050,8 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
                 for cc in range(CC):
                     accd[cc] += a * dOs[at2(orow, cc, 1)]
             for k0 in range(0, K, KS):
-                for e in range(t, KS * Cp, nth):
-                    r = e // KS
-                    dk = e % KS
-                    inside = k0 + dk < K
-                    Wt[at2(dk, r, Cp + 1)] = w[at3(chunk, r, k0 + dk, Cp, K)] if inside else zero
-                    Kt[at2(dk, r, Cp + 1)] = kt[at3(chunk, r, k0 + dk, Cp, K)] if inside else zero
+                slice_transposed(Wt, w, chunk, k0, Cp, K)
+                slice_transposed(Kt, kt, chunk, k0, Cp, K)
                 cuda.syncthreads()
                 for dk in range(min(KS, K - k0)):
                     wi = at2(dk, i, Cp + 1)
@@ -1061,27 +1066,12 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
                 Us[at2(i, c0 + cc, TV + 1)] = accu[cc]
                 dUs[at2(i, c0 + cc, TV + 1)] = accd[cc]
             cuda.syncthreads()
-            for e in range(t, Cp * TV, nth):
-                r = e // TV
-                c = e % TV
-                if v0 + c < V:
-                    U[at3(chunk, r, v0 + c, Cp, V)] = Us[at2(r, c, TV + 1)]
-                    dU[at3(chunk, r, v0 + c, Cp, V)] = dUs[at2(r, c, TV + 1)]
+            tile_out(U, Us, chunk, Cp, 1, v0, V)
+            tile_out(dU, dUs, chunk, Cp, 1, v0, V)
             # 3. dS_start = total dS + qg^T dO - w^T dU, the channels on the lanes, two per thread
             #    (channels kk and kk + KP share every broadcast dO and dU load)
-            KP = (K + 1) // 2
-            for e in range(t, KP * (TV // CC), nth):
-                kk = e % KP
-                k2 = kk + KP
-                two = k2 < K
-                g0 = (e // KP) * CC
-                srow = at2(kk, g0, TV)
-                srow2 = at2(k2 if two else kk, g0, TV)
-                tk = total[at2(chunk, kk, K)]
-                tk2 = total[at2(chunk, k2, K)] if two else zero
-                for cc in range(CC):
-                    accu[cc] = tk * dS[at2(srow, cc, 1)]
-                    accd[cc] = tk2 * dS[at2(srow2, cc, 1)]
+            for e in range(t, (K + 1) // 2 * (TV // CC), nth):
+                kk, k2, two, row, row2, g0 = pair_begin(e, K, chunk, total, dS, accu, accd)
                 for r in range(Cp):
                     rk = at3(chunk, r, kk, Cp, K)
                     a = qg[rk]
@@ -1098,15 +1088,9 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
                         y = dUs[at2(urow, cc, 1)]
                         accu[cc] = cuda.fma(b, y, accu[cc] + a * x)  # LLVM would unfuse -=
                         accd[cc] = cuda.fma(b2, y, accd[cc] + a2 * x)
-                for cc in range(CC):
-                    dS[at2(srow, cc, 1)] = accu[cc]
-                    if two:
-                        dS[at2(srow2, cc, 1)] = accd[cc]
+                pair_end(dS, row, row2, two, accu, accd)
             cuda.syncthreads()
-        for e in range(t, K * TV, nth):
-            c = e % TV
-            if v0 + c < V:
-                dinitial[at3(bh, e // TV, v0 + c, K, V)] = dS[at1(e)]
+        tile_out(dinitial, dS, bh, K, 0, v0, V)
 
     def chunk_pairs_backward(dA, dL, q, k, F, scale, dq, dk, dg, dims):
         """One thread per (chunk, channel d), visiting every pair twice (row side, column side).
