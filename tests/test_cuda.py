@@ -603,8 +603,9 @@ def test_staged_state_pass(Cp, K, V, dtype, monkeypatch):
 def test_staged_state_pass_falls_back_and_runs_end_to_end(monkeypatch):
     """Where its tiles do not fit, the broadcast pass runs; a whole call with it matches the oracle."""
     monkeypatch.setattr(kc._launch, "STATE_PASS", "staged")
-    assert kc._launch._staged_block(128, 64, 4) is not None
-    assert kc._launch._staged_block(128, 1024, 4) is None  # 2048 threads
+    kernel = kc._launch._state_kernel
+    assert kernel("chunk_state_pass", 1, 1, 64, 128, 128, 4)[0] == "chunk_state_pass_staged"
+    assert kernel("chunk_state_pass", 1, 1, 1024, 128, 128, 4)[0] == "chunk_state_pass"  # 2048 threads
     arrays = problem(np.random.default_rng(9), 1, 2, 19, 8, 20, "reset")
     LAUNCHES.clear()
     out, grads = run_chunked(arrays, np.float32, 7)

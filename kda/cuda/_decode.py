@@ -21,11 +21,11 @@ from functools import partial
 from typing import Any
 
 import numpy as np
-from array_api_compat import array_namespace, device, is_cupy_array
+from array_api_compat import array_namespace, device
 from numba import cuda
 
 from ._kernels import DTYPES, INDEX_TYPES, offset_functions
-from ._launch import launch
+from ._launch import _c, launch
 
 __all__ = ["SIGNATURE", "build_decode_kernel", "compiled_decode", "decode_forward", "decode_signature"]
 
@@ -104,17 +104,6 @@ def compiled_decode(dtype: str, index: str = "uint32"):
     return kernel
 
 
-def _c_contiguous(x: Any) -> Any:
-    """``x`` itself when C-contiguous, else a C-contiguous copy."""
-    if bool(x.flags.c_contiguous):
-        return x
-    if is_cupy_array(x):
-        import cupy
-
-        return cupy.ascontiguousarray(x)
-    return np.ascontiguousarray(x)
-
-
 def decode_forward(q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, pool: Any, indices: Any) -> Any:
     """The CUDA backend of :func:`kda.reference.decode_forward`, in one kernel launch.
 
@@ -135,7 +124,7 @@ def decode_forward(q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, pool
     rows = xp.asarray(list(indices), dtype=xp.int64, device=device(pool))
     grid = -(-N * HV * V // THREADS_PER_BLOCK)
     if grid and T:
-        work = _c_contiguous(pool)  # the kernel updates it in place: copied back below if need be
+        work = _c(NAME, pool)  # the kernel updates it in place: copied back below if need be
         args = (q, k, g, v, beta, pool.dtype.type(scale), work, rows, out)
         kernel_for = partial(compiled_decode, dtype)
         launch(NAME, kernel_for, grid, THREADS_PER_BLOCK, *args, dims=(N, HV, T, K, V))

@@ -1,11 +1,12 @@
 """Launch wrappers: the primitive interface of :mod:`kda.reference`, run by Numba-CUDA kernels.
 
-Each wrapper validates its arrays, flattens the leading dimensions (views: the arrays it is
-given are C-contiguous), allocates the outputs in the caller's namespace (``empty`` wherever the
-kernel writes every element), sizes the grid and launches one kernel on the current CuPy stream
-(CuPy arrays) or on the default stream (NumPy arrays under Numba's CUDA simulator). Every
-launch is counted in :data:`LAUNCHES`; every operand that had to be copied to make it
-C-contiguous (none, on the chunked algorithm's path) in :data:`COPIES`.
+Each wrapper validates its arrays, allocates the outputs in the caller's namespace (``empty``
+wherever the kernel writes every element), sizes the grid and launches one kernel through
+:func:`launch`, which passes every array flattened (a view: the arrays are C-contiguous) with
+the kernel's dimensions, on the current CuPy stream (CuPy arrays) or on the default stream
+(NumPy arrays under Numba's CUDA simulator). Every launch is counted in :data:`LAUNCHES`;
+every operand that had to be copied to make it C-contiguous (none, on the chunked algorithm's
+path) in :data:`COPIES`.
 """
 
 from __future__ import annotations
@@ -118,11 +119,6 @@ def _c(name: str, a: Any) -> Any:
     return np.ascontiguousarray(a)
 
 
-def _contiguous(a: Any) -> Any:
-    """``a`` or a C-contiguous copy of it (kept for the decode kernels' launcher)."""
-    return _c("_contiguous", a)
-
-
 def index_type(arrays: Any, dims: tuple[int, ...]) -> str:
     """``"uint32"`` where every array and dimension of a launch is under ``INDEX32_LIMIT``, else
     ``"uint64"``."""
@@ -193,22 +189,23 @@ def _state_block(name: str, K: int, Cp: int, itemsize: int, rows: int) -> tuple[
     return (tv, STATE_THREADS // tv), rows * tv * itemsize
 
 
-def _staged_block(K: int, Cp: int, itemsize: int, backward: bool = False) -> tuple[int, int] | None:
-    """Threads and dynamic shared memory of the staged state pass (or its gradient pass with
-    ``backward``), or None where it does not fit: the broadcast pass runs instead."""
-    if STATE_PASS != "staged":
-        return None
+def _state_kernel(
+    name: str, BH: int, NT: int, Cp: int, K: int, V: int, itemsize: int, backward: bool = False
+) -> tuple[str, int, Any, int]:
+    """``(kernel, grid, block, shared)`` of a state pass (its gradient pass with ``backward``).
+
+    The staged kernel where :data:`STATE_PASS` asks for it and its tiles fit (at most 1024
+    threads, :data:`SHARED_LIMIT`); otherwise the broadcast kernel ``name``.
+    """
+    work = NT and K * V  # else an empty grid: nothing to launch
     threads = Cp * (STAGED_TILE_V // STAGED_COLUMNS)
     tiles, rows = (2, 3) if backward else (1, 2)  # [K, TV] state tiles and [Cp, TV + 1] row tiles
     elements = tiles * K * STAGED_TILE_V + rows * Cp * (STAGED_TILE_V + 1) + 2 * STAGED_SLICE * (Cp + 1)
-    if threads > 1024 or elements * itemsize > SHARED_LIMIT:
-        return None
-    return threads, elements * itemsize
-
-
-def _flat(xp: Any, x: Any, lead: int) -> Any:
-    """Merge the first ``lead`` dimensions of ``x`` into one."""
-    return xp.reshape(x, (math.prod(x.shape[:lead]), *x.shape[lead:]))
+    if STATE_PASS == "staged" and threads <= 1024 and elements * itemsize <= SHARED_LIMIT:
+        grid = BH * -(-V // STAGED_TILE_V) if work else 0
+        return f"{name}_staged", grid, threads, elements * itemsize
+    block, shared = _state_block(name, K, Cp, itemsize, 2 * K + 2 * Cp if backward else K + 2 * Cp)
+    return name, BH * -(-V // block[0]) if work else 0, block, shared
 
 
 def _factors_match(f: Any, N: int, Cp: int, K: int) -> bool:
@@ -238,8 +235,7 @@ def chunk_factors(q: Any, k: Any, g: Any, scale: float) -> ChunkFactors:
     outs = [_empty(xp, q, (N, Cp, K)) for _ in range(5)]
     total = _empty(xp, q, (N, K))
     F = _zeros(xp, q, (N, NL, Cp, K))
-    flat = [_flat(xp, x, 3) for x in (q, k, g)]
-    args = (*flat, q.dtype.type(scale), *outs, total, F)
+    args = (q, k, g, q.dtype.type(scale), *outs, total, F)
     _launch(name, dtype, _grid(N * K), THREADS_PER_BLOCK, *args, dims=(N, NL, Cp, K))
     prefix, suffix, qg, kg, kt = (xp.reshape(x, q.shape) for x in outs)
     return ChunkFactors(prefix, suffix, xp.reshape(total, (B, H, NT, K)), qg, kg, kt, private=F)
@@ -259,7 +255,7 @@ def chunk_pairs(q: Any, k: Any, f: ChunkFactors, scale: float) -> tuple[Any, Any
     dtype = _dtype_name(name, q, k, f.private)
     A = _empty(xp, q, (N, Cp, Cp))
     L = _empty(xp, q, (N, Cp, Cp))
-    args = (_flat(xp, q, 3), _flat(xp, k, 3), f.private, q.dtype.type(scale), A, L)
+    args = (q, k, f.private, q.dtype.type(scale), A, L)
     dims = (N, f.private.shape[1], Cp, K)
     _launch(name, dtype, _grid(N * Cp * -(-Cp // PAIR_GROUP)), THREADS_PER_BLOCK, *args, dims=dims)
     shape = (B, H, NT, Cp, Cp)
@@ -275,7 +271,7 @@ def unit_lower_inverse(beta: Any, L: Any) -> Any:
     *lead, Cp = beta.shape
     N = math.prod(lead)
     Tinv = _empty(xp, L, (N, Cp, Cp))
-    args = (xp.reshape(beta, (N, Cp)), xp.reshape(L, (N, Cp, Cp)), Tinv)
+    args = (beta, L, Tinv)
     _launch(name, dtype, _grid(N * Cp), THREADS_PER_BLOCK, *args, dims=(N, Cp))
     return xp.reshape(Tinv, L.shape)
 
@@ -424,14 +420,9 @@ def chunk_state_pass(
     if NT == 0 or K * V == 0:
         final = xp.asarray(state, copy=True)
         out = _zeros(xp, w, out.shape)
-    block, shared = _state_block(name, K, Cp, w.dtype.itemsize, K + 2 * Cp)
-    grid = BH * (-(-V // block[0])) if NT and K * V else 0
-    staged = _staged_block(K, Cp, w.dtype.itemsize)
-    if staged is not None:
-        name, (block, shared) = "chunk_state_pass_staged", staged
-        grid = BH * (-(-V // STAGED_TILE_V)) if NT and K * V else 0
+    name, grid, block, shared = _state_kernel(name, BH, NT, Cp, K, V, w.dtype.itemsize)
     if emit:
-        dense = (_flat(xp, qg, 2), _flat(xp, A, 2))
+        dense = (qg, A)
     else:
         dense = (_empty(xp, w, (1, 1, 1, K)), _empty(xp, w, (1, 1, 1, 1)))
     args = (*dense, w, u0, kt, total, state, np.int32(emit), out, boundaries, final)
@@ -479,12 +470,7 @@ def chunk_state_grad_pass(
     if NT == 0 or K * V == 0:
         dinitial = xp.asarray(dstate, copy=True)
         U, dU = (_zeros(xp, w, (BH, NT, Cp, V)) for _ in range(2))
-    block, shared = _state_block(name, K, Cp, w.dtype.itemsize, 2 * K + 2 * Cp)
-    grid = BH * (-(-V // block[0])) if NT and K * V else 0
-    staged = _staged_block(K, Cp, w.dtype.itemsize, backward=True)
-    if staged is not None:
-        name, (block, shared) = "chunk_state_grad_pass_staged", staged
-        grid = BH * (-(-V // STAGED_TILE_V)) if NT and K * V else 0
+    name, grid, block, shared = _state_kernel(name, BH, NT, Cp, K, V, w.dtype.itemsize, backward=True)
     args = (qg, A, w, u0, kt, total, grad_output, boundaries, dstate, dends, U, dU, dinitial)
     _launch(name, dtype, grid, block, *args, shared=shared, dims=(BH, NT, Cp, K, V))
     shape = (NT, B, H, K, V)
@@ -513,8 +499,7 @@ def chunk_pairs_backward(
         raise ValueError(msg)
     dtype = _dtype_name(name, dA, dL, q, k, f.private)
     outs = [_empty(xp, q, (N, Cp, K)) for _ in range(3)]
-    args = [_flat(xp, x, 3) for x in (dA, dL, q, k)]
-    args += [f.private, q.dtype.type(scale), *outs]
+    args = (dA, dL, q, k, f.private, q.dtype.type(scale), *outs)
     _launch(name, dtype, _grid(N * K), THREADS_PER_BLOCK, *args, dims=(N, f.private.shape[1], Cp, K))
     dq, dk, dg = (xp.reshape(x, q.shape) for x in outs)
     return dq, dk, dg
@@ -532,8 +517,8 @@ def chunk_gate_gradient(prefix_terms: Any, suffix_terms: Any, total_terms: Any, 
     _check_shape(name, "pair_terms", pair_terms, prefix_terms.shape)
     _check_shape(name, "total_terms", total_terms, (B, H, NT, K))
     dg = _empty(xp, prefix_terms, (N, Cp, K))
-    args = [_flat(xp, x, 3) for x in (prefix_terms, suffix_terms, total_terms, pair_terms)]
-    _launch(name, dtype, _grid(N * K), THREADS_PER_BLOCK, *args, dg, dims=(N, Cp, K))
+    args = (prefix_terms, suffix_terms, total_terms, pair_terms, dg)
+    _launch(name, dtype, _grid(N * K), THREADS_PER_BLOCK, *args, dims=(N, Cp, K))
     return xp.reshape(dg, prefix_terms.shape)
 
 
@@ -560,8 +545,7 @@ def recurrent_forward(q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, s
     grid = _grid(BH * V) if K else 0
     o = (_empty if grid else _zeros)(xp, v, (BH, T, V))  # every element written by the kernel
     final = _empty(xp, state, (BH, K, V))
-    args = [_flat(xp, x, 2) for x in (q, k, g, v, beta)]
-    args += [q.dtype.type(scale), _flat(xp, state, 2), o, final]
+    args = (q, k, g, v, beta, q.dtype.type(scale), state, o, final)
     _launch(name, dtype, grid, THREADS_PER_BLOCK, *args, dims=(BH, T, K, V))
     if grid == 0:
         final = xp.asarray(state, copy=True)
@@ -599,10 +583,9 @@ def recurrent_backward(
     grid = _grid(BH * V) if K else 0
     dv = (_empty if grid else _zeros)(xp, v, (BH, T, V))  # every element written by the kernel
     dS = _empty(xp, state, (BH, K, V))
-    flat = [_flat(xp, x, 2) for x in (q, k, g, v, beta)]
-    tail = (_flat(xp, state, 2), _flat(xp, grad_output, 2), _flat(xp, grad_state, 2), stride, ckpt, seg)
+    tail = (state, grad_output, grad_state, stride, ckpt, seg)
     outs = (dq, dk, dg, dbeta, dv, dS)
-    args = (*flat, q.dtype.type(scale), *tail, *outs)
+    args = (q, k, g, v, beta, q.dtype.type(scale), *tail, *outs)
     _launch(name, dtype, grid, THREADS_PER_BLOCK, *args, dims=(BH, T, K, V))
     if grid == 0:
         dS = xp.asarray(grad_state, copy=True)
@@ -629,7 +612,7 @@ def gate_flags(g: Any) -> Any:
     flags = xp.zeros((2,), dtype=xp.int32, device=device(g))
     n = math.prod(g.shape)
     grid = min(_grid(n), 1024)
-    _launch(name, dname, grid, THREADS_PER_BLOCK, xp.reshape(g, (n,)), flags, dims=(n,))
+    _launch(name, dname, grid, THREADS_PER_BLOCK, g, flags, dims=(n,))
     return flags
 
 
