@@ -285,23 +285,31 @@ def test_launches_do_not_grow_with_length(monkeypatch):
     assert not COPIES, f"operands copied to make them contiguous: {dict(COPIES)}"
 
 
-def test_offsets_in_64_bits_when_sizes_need_them(monkeypatch):
+@pytest.fixture
+def compiled_calls(monkeypatch):
+    """The ``(kernel, index type)`` of every kernel the launcher asks for, in order."""
+    import kda.cuda._launch as launch
+
+    calls = []
+    real = launch.compiled
+
+    def spy(name, dtype, index="uint32"):
+        calls.append((name, index))
+        return real(name, dtype, index)
+
+    monkeypatch.setattr(launch, "compiled", spy)
+    return calls
+
+
+def test_offsets_in_64_bits_when_sizes_need_them(compiled_calls, monkeypatch):
     """32-bit offsets wherever every array of a launch allows; the 64-bit kernels give the same bits.
 
     ``INDEX32_LIMIT`` is lowered so that this small problem takes the 64-bit variants of every
     kernel of a chunked and a recurrent forward and backward (and the gate check).
     """
-    import kda.cuda._launch as launch
     from kda.cuda import _kernels
 
-    used = []
-    real = launch.compiled
-
-    def spy(name, dtype, index="uint32"):
-        used.append((name, index))
-        return real(name, dtype, index)
-
-    monkeypatch.setattr(launch, "compiled", spy)
+    used = compiled_calls
     arrays = problem(np.random.default_rng(5), 1, 2, 9, 4, 3, "reset")
 
     def run_all():
@@ -458,19 +466,10 @@ def test_chunk_local_and_its_backward(regime, Cp, fused, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("fused", [True, False])
-def test_chunk_local_with_64_bit_offsets(fused, monkeypatch):
+def test_chunk_local_with_64_bit_offsets(fused, compiled_calls, monkeypatch):
     """The per-chunk kernels (fused, or the unfused ones they fall back to) in their 64-bit variants."""
-    import kda.cuda._launch as launch
     from kda.cuda import _kernels
 
-    used = set()
-    real = launch.compiled
-
-    def spy(name, dtype, index="uint32"):
-        used.add((name, index))
-        return real(name, dtype, index)
-
-    monkeypatch.setattr(launch, "compiled", spy)
     monkeypatch.setattr(_kernels, "INDEX32_LIMIT", 16)
     test_chunk_local_and_its_backward("reset", 8, fused, np.float32, monkeypatch)
     unfused = {
@@ -481,7 +480,7 @@ def test_chunk_local_with_64_bit_offsets(fused, monkeypatch):
         "chunk_gate_gradient",
     }
     want = {"chunk_local", "chunk_local_backward"} if fused else unfused
-    assert used == {(name, "uint64") for name in want}
+    assert set(compiled_calls) == {(name, "uint64") for name in want}
 
 
 def test_gate_flags():
