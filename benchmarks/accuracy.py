@@ -9,7 +9,7 @@ array is max|chunked - recurrence| / max|recurrence|, the recurrence run in floa
 (rounded) inputs. The regimes are those of tests/helpers.py (zero, weak, mild, strong, hard, reset).
 K = 1 is left out here: there the initial-state gradient is ill-conditioned in the chunked form (see
 tests/test_chunked.py, DEGENERATE_INITIAL_STATE_TOLERANCE). Small key sizes with large chunks are
-measured separately (kda/_checks.py, FLOAT32_MAX_CHUNK; tests/test_accuracy.py holds that envelope).
+measured separately (kda/_engine/widening.py, FLOAT32_MAX_CHUNK; tests/test_accuracy.py holds that envelope).
 """
 
 from __future__ import annotations

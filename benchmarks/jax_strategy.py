@@ -3,7 +3,7 @@
 1. ``callback``: ``jax.pure_callback`` to kda's NumPy path (forward, and the chunked backward
    through a ``jax.custom_vjp``): XLA sees one opaque call.
 2. ``trace``: kda's array-API reference traced with ``jax.numpy`` (JAX arrays are immutable, so the
-   non-writable code path of :mod:`kda._chunked` runs, concatenating slab results): XLA compiles
+   non-writable code path of :mod:`kda._engine.chunked` runs, concatenating slab results): XLA compiles
    the whole unrolled algorithm (every slab and every chunk of the state pass).
 
 For each: the time to trace + compile under ``jax.jit`` and the median run time of the jitted
@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import kda
-from kda import reference
-from kda._chunked import chunk_backward, chunk_forward
+from kda._backends import reference
+from kda._engine.chunked import chunk_backward, chunk_forward
 
 
 def _inputs(B: int, H: int, T: int, K: int, V: int, seed: int = 0) -> list[np.ndarray]:

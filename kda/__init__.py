@@ -5,7 +5,8 @@ for any array library that follows the Python array API standard.
 >>> out = kda.chunk_kda(q, k, v, g, beta, save_boundaries=True)   # doctest: +SKIP
 """
 
-from ._api import (
+from ._backends import BACKENDS
+from ._entry.api import (
     KdaGradients,
     KdaOutput,
     chunk_kda,
@@ -13,11 +14,10 @@ from ._api import (
     recurrent_kda,
     recurrent_kda_backward,
 )
-from ._backends import BACKENDS
-from ._decode import decode_kda
+from ._entry.decode import decode_kda
+from ._entry.plan import prepare_chunk_kda, prepare_chunk_kda_backward
+from ._entry.transition import KdaTransition, chunk_kda_transition, chunk_kda_transition_backward
 from ._errors import InvalidInputError, InvalidTypeError, KdaError, KdaWarning
-from ._plan import prepare_chunk_kda, prepare_chunk_kda_backward
-from ._transition import KdaTransition, chunk_kda_transition, chunk_kda_transition_backward
 
 __version__ = "0.1.0"
 

@@ -87,7 +87,7 @@ def available_backends() -> dict[str, Any]:
         import cupy
 
         cupy.zeros(1)  # raises where there is no usable GPU
-        import kda.cuda  # noqa: F401
+        import kda._backends.cuda  # noqa: F401
 
         backends["cuda"] = cupy.asarray
     except Exception:
@@ -194,11 +194,11 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
-        from . import _bench
+        from .bench import chunk as _bench
 
         return _bench.main(argv[1:])
     if argv[:1] == ["bench-dask"]:
-        from . import _bench_dask
+        from .bench import dask as _bench_dask
 
         return _bench_dask.main(argv[1:])
     return check(_parser().parse_args(argv))

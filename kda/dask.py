@@ -39,12 +39,12 @@ except ImportError as err:  # pragma: no cover - exercised without dask installe
 import array_api_compat
 import numpy as np
 
-from ._api import KdaGradients, KdaOutput
-from ._api import chunk_kda as _chunk_kda
-from ._api import chunk_kda_backward as _chunk_kda_backward
+from ._entry.api import KdaGradients, KdaOutput
+from ._entry.api import chunk_kda as _chunk_kda
+from ._entry.api import chunk_kda_backward as _chunk_kda_backward
+from ._entry.transition import chunk_kda_transition, chunk_kda_transition_backward
 from ._errors import InvalidInputError, InvalidTypeError
-from ._transition import chunk_kda_transition, chunk_kda_transition_backward
-from ._validation import check_choice, check_chunk_size
+from ._options.validation import check_choice, check_chunk_size
 
 __all__ = ["chunk_kda", "chunk_kda_backward"]
 

@@ -28,9 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _api
-from ._errors import InvalidInputError, InvalidTypeError
-from ._fla import (
+from ._entry import api as _api
+from ._entry.fla import (
     CHUNK_KEYWORDS,
     RECURRENT_KEYWORDS,
     FlaCall,
@@ -40,6 +39,7 @@ from ._fla import (
     packed_chunks,
     translate,
 )
+from ._errors import InvalidInputError, InvalidTypeError
 
 __all__ = ["chunk_kda", "fused_recurrent_kda"]
 

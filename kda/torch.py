@@ -14,7 +14,7 @@ therefore traces a model that calls it with ``fullgraph=True``.
 CPU tensors reach kda's NumPy path as NumPy views (no copy); CUDA tensors reach the ``cuda``
 backend as CuPy arrays through DLPack (no copy), on PyTorch's current stream. float16 and
 bfloat16 compute in float32 and return their own dtype. The keywords are fla 0.6's; see
-:data:`kda._fla.KEYWORD_TABLE` for what each does here. Unknown keywords raise ``TypeError``.
+:data:`kda._entry.fla.KEYWORD_TABLE` for what each does here. Unknown keywords raise ``TypeError``.
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _api
-from ._errors import InvalidInputError, InvalidTypeError
-from ._fla import (
+from ._entry import api as _api
+from ._entry.fla import (
     CHUNK_KEYWORDS,
     RECURRENT_KEYWORDS,
     FlaCall,
@@ -38,6 +37,7 @@ from ._fla import (
     packed_chunks,
     translate,
 )
+from ._errors import InvalidInputError, InvalidTypeError
 
 __all__ = ["chunk_kda", "fused_recurrent_kda"]
 
@@ -295,7 +295,7 @@ def chunk_kda(
     output_final_state : bool
         Return the final state (same shape as ``initial_state``), else None.
     use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound
-        The model-level options, as in fla: see :data:`kda._fla.KEYWORD_TABLE`.
+        The model-level options, as in fla: see :data:`kda._entry.fla.KEYWORD_TABLE`.
     safe_gate, disable_recompute, cu_seqlens_cpu, use_graph, max_num_seqs
         Accepted; no effect on the result (they choose among fla's kernels).
     return_intermediate_states, cp_context

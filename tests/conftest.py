@@ -27,3 +27,20 @@ settings.register_profile(
     print_blob=True,
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+import importlib  # noqa: E402
+
+import pytest  # noqa: E402
+from helpers import BACKENDS  # noqa: E402
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> str:
+    """Every backend that can run here, by name (cuda under Numba's simulator without a GPU)."""
+    return request.param
+
+
+@pytest.fixture
+def ops(backend):
+    """The backend module of :func:`backend` (the primitives of kda._backends.interface)."""
+    return importlib.import_module(f"kda._backends.{backend}")

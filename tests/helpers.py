@@ -11,6 +11,27 @@ import numpy as np
 # mild: -U(0, 1); strong: -1e-3 .. -1e3; hard: some -1e4; reset: some -inf
 REGIMES = ("zero", "weak", "mild", "strong", "hard", "reset")
 
+def _backends() -> tuple[str, ...]:
+    """The backends whose tests run here: the reference always; cuda where numba-cuda imports
+    (on the simulator without a GPU: tests/conftest.py sets NUMBA_ENABLE_CUDASIM first)."""
+    import importlib.util
+
+    names = ["reference"]
+    if importlib.util.find_spec("numba") is not None and importlib.util.find_spec("numba.cuda") is not None:
+        names.append("cuda")
+    return tuple(names)
+
+
+BACKENDS = _backends()
+
+
+def has_gpu() -> bool:
+    """Whether a real CUDA GPU is present (the one place the tests decide it)."""
+    import os
+
+    return os.path.exists("/dev/nvidiactl")
+
+
 # max-abs error over max-abs of the float64 recurrence
 TOLERANCE = {np.dtype(np.float64): 1e-10, np.dtype(np.float32): 1e-5}
 

@@ -11,7 +11,7 @@ import pytest
 from helpers import TOLERANCE, Problem, assert_close, make_problem
 
 import kda
-from kda._checks import FLOAT32_MAX_CHUNK, chunk_compute_dtype
+from kda._engine.widening import FLOAT32_MAX_CHUNK, chunk_compute_dtype
 
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 F32 = TOLERANCE[np.dtype(np.float32)]

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kda import _bench
+from kda.bench import chunk as _bench
 
 TINY = [
     "--parts",
@@ -167,7 +167,7 @@ def test_bench_inference_parts(tmp_path, capsys):
 
 
 def test_crossover():
-    from kda._bench_inference import crossover
+    from kda.bench.inference import crossover
 
     def rows(wins):
         out = []

@@ -1,4 +1,4 @@
-"""The Numba-CUDA backend (``kda.cuda``) against the float64 reference.
+"""The Numba-CUDA backend (``kda._backends.cuda``) against the float64 reference.
 
 Without a GPU the kernels run under Numba's CUDA simulator on NumPy arrays (tiny shapes: the
 simulator costs ~0.2 ms per thread); with one (``/dev/nvidiactl``) they run on CuPy arrays.
@@ -25,10 +25,10 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import kda  # noqa: E402
-import kda.reference as ref  # noqa: E402
+import kda._backends.reference as ref  # noqa: E402
 
-kc = pytest.importorskip("kda.cuda")
-from kda.cuda._launch import COPIES, LAUNCHES  # noqa: E402
+kc = pytest.importorskip("kda._backends.cuda")
+from kda._backends.cuda._launch import COPIES, LAUNCHES  # noqa: E402
 
 if HAS_GPU:
     cupy = pytest.importorskip("cupy", reason="a GPU is present but CuPy is not installed")
@@ -158,10 +158,12 @@ def compare(prefix, got_out, got_grads, want_out, want_grads, dtype, regime):
 
 
 def test_exports():
+    """The cuda backend provides every name of the interface (kda._backends.interface.Backend)."""
+    from kda._backends.interface import Backend
+
     assert kc.NAME == "cuda"
-    assert sorted(kc.__all__) == sorted(ref.__all__)
-    for name in kc.__all__:
-        assert hasattr(kc, name)
+    for name in (*Backend.__annotations__, *(n for n in vars(Backend) if not n.startswith("_"))):
+        assert hasattr(kc, name), name
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -242,7 +244,7 @@ def test_empty_sequence():
 def test_launches_do_not_grow_with_length(monkeypatch):
     """A fixed number of kernels per call (2 and 5 chunks), and no glue: no array product, no copy.
 
-    The cuda backend asks for one slab at any size (``kda.cuda.SLAB_ELEMENTS``), so these are
+    The cuda backend asks for one slab at any size (``kda._backends.cuda.SLAB_ELEMENTS``), so these are
     the counts of a whole call: forward 2 (the state-free work, the state pass with the output);
     backward 3 (the state-free work again, the state-gradient pass, the state-free gradients),
     5 without saved boundaries (the forward's two first, for the states alone).
@@ -288,7 +290,7 @@ def test_launches_do_not_grow_with_length(monkeypatch):
 @pytest.fixture
 def compiled_calls(monkeypatch):
     """The ``(kernel, index type)`` of every kernel the launcher asks for, in order."""
-    import kda.cuda._launch as launch
+    import kda._backends.cuda._launch as launch
 
     calls = []
     real = launch.compiled
@@ -307,7 +309,7 @@ def test_offsets_in_64_bits_when_sizes_need_them(compiled_calls, monkeypatch):
     ``INDEX32_LIMIT`` is lowered so that this small problem takes the 64-bit variants of every
     kernel of a chunked and a recurrent forward and backward (and the gate check).
     """
-    from kda.cuda import _kernels
+    from kda._backends.cuda import _kernels
 
     used = compiled_calls
     arrays = problem(np.random.default_rng(5), 1, 2, 9, 4, 3, "reset")
@@ -351,7 +353,7 @@ def test_offsets_in_64_bits_when_sizes_need_them(compiled_calls, monkeypatch):
 
 def test_index_type_by_size():
     """The largest array or dimension of a launch decides: under 2**32 elements, 32-bit offsets."""
-    from kda.cuda._launch import index_type
+    from kda._backends.cuda._launch import index_type
 
     class Sized:
         def __init__(self, size):
@@ -386,63 +388,9 @@ def check_primitive(name, got_ref, got_cuda, want, dtype, regime="-"):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("regime", ["mild", "strong", "reset"])
-@pytest.mark.parametrize("Cp", [1, 8])
-def test_factors_pairs_and_their_backward(Cp, regime, dtype):
-    rng = np.random.default_rng(Cp)
-    q, k, g = chunked_inputs(rng, regime, Cp=Cp)
-    scale = 0.7
-    f64 = ref.chunk_factors(q, k, g, scale)
-    (hq, hk, hg), (dq_, dk_, dg_) = both(dtype, q, k, g)
-    fr = ref.chunk_factors(hq, hk, hg, scale)
-    fc = kc.chunk_factors(dq_, dk_, dg_, scale)
-    for field in ("prefix", "suffix", "total", "qg", "kg", "kt"):
-        check_primitive(
-            f"chunk_factors.{field}",
-            getattr(fr, field),
-            getattr(fc, field),
-            getattr(f64, field),
-            dtype,
-            regime,
-        )
-    A64, L64 = ref.chunk_pairs(q, k, f64, scale)
-    Ar, Lr = ref.chunk_pairs(hq, hk, fr, scale)
-    Ac, Lc = kc.chunk_pairs(dq_, dk_, fc, scale)
-    check_primitive("chunk_pairs.A", Ar, Ac, A64, dtype, regime)
-    check_primitive("chunk_pairs.L", Lr, Lc, L64, dtype, regime)
-    # full random dA, dL: only their lower (strictly lower) triangles may be read
-    dA = rng.standard_normal(A64.shape)
-    dL = rng.standard_normal(L64.shape)
-    want = ref.chunk_pairs_backward(dA, dL, q, k, f64, scale)
-    (hdA, hdL), (ddA, ddL) = both(dtype, dA, dL)
-    got_r = ref.chunk_pairs_backward(hdA, hdL, hq, hk, fr, scale)
-    got_c = kc.chunk_pairs_backward(ddA, ddL, dq_, dk_, fc, scale)
-    for name, r, c, w in zip(("dq", "dk", "dg"), got_r, got_c, want):
-        check_primitive(f"chunk_pairs_backward.{name}", r, c, w, dtype, regime)
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_unit_lower_inverse(dtype):
-    rng = np.random.default_rng(1)
-    beta = rng.uniform(0, 1, (2, 1, 3, 8))
-    L = rng.standard_normal((2, 1, 3, 8, 8)) * 0.3  # the upper triangle must be ignored
-    want = ref.unit_lower_inverse(beta, L)
-    (hb, hL), (db, dL) = both(dtype, beta, L)
-    check_primitive(
-        "unit_lower_inverse", ref.unit_lower_inverse(hb, hL), kc.unit_lower_inverse(db, dL), want, dtype
-    )
-    X = np.eye(8) + beta[..., :, None] * np.tril(L, -1)
-    assert np.allclose(to_np(kc.unit_lower_inverse(db, dL)) @ X, np.eye(8), atol=1e-5)
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize(
-    ("regime", "Cp", "fused"), [("mild", 8, True), ("reset", 8, True), ("extreme", 4, False)]
-)
-def test_chunk_local_and_its_backward(regime, Cp, fused, dtype, monkeypatch):
-    """The fused per-chunk kernels (their real blocks), or the unfused path they fall back to."""
-    if not fused:  # chunks whose shared memory would not fit: factors, pairs, inverse, products
-        monkeypatch.setattr(kc._launch, "SHARED_LIMIT", 0)
+@pytest.mark.parametrize(("regime", "Cp"), [("mild", 8), ("reset", 8), ("extreme", 4), ("mild", 64)])
+def test_chunk_local_and_its_backward(regime, Cp, dtype):
+    """The per-chunk kernels with their real blocks, up to the longest chunk they hold."""
     rng = np.random.default_rng(Cp)
     B, H, NT, K, V = 2, 1, 2, 18, 3  # K > 16: two tiles of channels, the second partly idle
     q, k, g = chunked_inputs(rng, regime, B, H, NT, Cp, K)
@@ -465,22 +413,31 @@ def test_chunk_local_and_its_backward(regime, Cp, fused, dtype, monkeypatch):
         check_primitive(f"chunk_local_backward.{name}", r, c, w, dtype, regime)
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_chunk_local_with_64_bit_offsets(fused, compiled_calls, monkeypatch):
-    """The per-chunk kernels (fused, or the unfused ones they fall back to) in their 64-bit variants."""
-    from kda.cuda import _kernels
+def test_chunk_local_with_64_bit_offsets(compiled_calls, monkeypatch):
+    """The per-chunk kernels in their 64-bit variants."""
+    from kda._backends.cuda import _kernels
 
     monkeypatch.setattr(_kernels, "INDEX32_LIMIT", 16)
-    test_chunk_local_and_its_backward("reset", 8, fused, np.float32, monkeypatch)
-    unfused = {
-        "chunk_factors",
-        "chunk_pairs",
-        "unit_lower_inverse",
-        "chunk_pairs_backward",
-        "chunk_gate_gradient",
-    }
-    want = {"chunk_local", "chunk_local_backward"} if fused else unfused
-    assert set(compiled_calls) == {(name, "uint64") for name in want}
+    test_chunk_local_and_its_backward("reset", 8, np.float32)
+    assert set(compiled_calls) == {(name, "uint64") for name in ("chunk_local", "chunk_local_backward")}
+
+
+def test_chunks_longer_than_a_block_run_on_the_reference(monkeypatch):
+    """Padded chunks over MAX_CHUNK steps: no cuda kernel runs, the reference backend does, and
+    the results match the recurrence; the kernels refuse such chunks themselves."""
+    from kda._backends import resolve
+
+    assert resolve(kc, kc.MAX_CHUNK) is kc
+    assert resolve(kc, 2 * kc.MAX_CHUNK) is ref
+    arrays = problem(np.random.default_rng(11), 1, 1, 150, 3, 2, "mild")
+    want_out, want_grads = oracle(arrays)
+    kc._launch.LAUNCHES.clear()
+    out, grads = run_chunked(arrays, np.float64, kc.MAX_CHUNK + 1)
+    compare("chunk", out, grads, want_out, want_grads, np.float64, "mild")
+    assert not any(name.startswith("chunk_") for name in kc._launch.LAUNCHES)
+    q = np.zeros((1, 1, 1, 2 * kc.MAX_CHUNK, 3))
+    with pytest.raises(ValueError, match="at most 64 steps"):
+        kc.chunk_local(q, q, q, q[..., :2], q[..., 0], 1.0)
 
 
 def test_gate_flags():
@@ -619,34 +576,6 @@ def test_staged_state_pass_falls_back_and_runs_end_to_end(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_gate_gradient_and_layout(dtype):
-    rng = np.random.default_rng(3)
-    shape = (2, 1, 3, 8, 4)
-    args = [
-        rng.standard_normal(shape),
-        rng.standard_normal(shape),
-        rng.standard_normal(shape[:3] + shape[4:]),
-    ]
-    args.append(rng.standard_normal(shape))
-    want = ref.chunk_gate_gradient(*args)
-    host, dev = both(dtype, *args)
-    check_primitive(
-        "chunk_gate_gradient", ref.chunk_gate_gradient(*host), kc.chunk_gate_gradient(*dev), want, dtype
-    )
-    x = rng.standard_normal((2, 1, 11, 3))
-    (hx,), (dx,) = both(dtype, x)
-    chunks = kc.to_chunks(dx, 3, 4)
-    check_primitive("to_chunks", ref.to_chunks(hx, 3, 4), chunks, ref.to_chunks(x, 3, 4), dtype)
-    check_primitive(
-        "from_chunks",
-        ref.from_chunks(ref.to_chunks(hx, 3, 4), 3, 11),
-        kc.from_chunks(chunks, 3, 11),
-        x,
-        dtype,
-    )
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("regime", ["mild", "reset"])
 def test_recurrent_primitives(regime, dtype):
     rng = np.random.default_rng(4)
@@ -670,17 +599,16 @@ def test_recurrent_primitives(regime, dtype):
 def test_wrapper_errors():
     rng = np.random.default_rng(5)
     q, k, g = (to_dev(x.astype(np.float32)) for x in chunked_inputs(rng, "mild", Cp=4))
+    v, beta = q[..., :2], q[..., 0]
     with pytest.raises(TypeError, match="float32 or float64"):
         half = to_dev(np.zeros((1, 1, 1, 4, 2), np.float16))
-        kc.chunk_factors(half, half, half, 1.0)
+        kc.chunk_local(half, half, half, half, half[..., 0], 1.0)
     with pytest.raises(TypeError, match="share one dtype"):
-        kc.chunk_factors(q, k, g.astype(np.float64), 1.0)
+        kc.chunk_local(q, k, g.astype(np.float64), v, beta, 1.0)
     with pytest.raises(ValueError, match="shape"):
-        kc.chunk_factors(q, k[..., :1], g, 1.0)
+        kc.chunk_local(q, k[..., :1], g, v, beta, 1.0)
     with pytest.raises(ValueError, match="power of two"):
-        kc.chunk_factors(q[..., :3, :], k[..., :3, :], g[..., :3, :], 1.0)
-    with pytest.raises(ValueError, match="chunk_factors"):
-        kc.chunk_pairs(q, k, ref.chunk_factors(q, k, g, 1.0), 1.0)
+        kc.chunk_local(q[..., :3, :], k[..., :3, :], g[..., :3, :], v[..., :3, :], beta[..., :3], 1.0)
 
 
 # ---------------------------------------------------------------- CuPy arrays on a GPU

@@ -213,7 +213,7 @@ def test_bench_dask_runs(tmp_path):
     """``python -m kda bench-dask`` on a tiny problem: the work ratios and the accuracy rows."""
     import json
 
-    from kda import _bench_dask
+    from kda.bench import dask as _bench_dask
 
     argv = [
         "--T",

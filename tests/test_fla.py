@@ -23,7 +23,7 @@ TOLERANCE = 1e-5
 
 @pytest.fixture(scope="module")
 def fla():
-    from kda._bench import _load_fla_naive
+    from kda.bench.chunk import _load_fla_naive
 
     module, reason = _load_fla_naive()
     if module is None:

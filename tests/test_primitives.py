@@ -18,19 +18,8 @@ K, V = 3, 2
 SCALE = 0.7
 
 
-def _backends() -> list[str]:
-    names = ["reference"]
-    try:
-        importlib.import_module("kda.cuda")
-        names.append("cuda")
-    except ImportError:
-        pass
-    return names
-
-
-@pytest.fixture(params=_backends())
-def ops(request):
-    return importlib.import_module(f"kda.{request.param}")
+# the reference backend's own finer steps (chunk_local and chunk_local_backward are built of them)
+REFERENCE = importlib.import_module("kda._backends.reference")
 
 
 def _inputs(regime: str, seed: int = 0):
@@ -68,9 +57,9 @@ REGIMES = ["mild", "strong", "reset"]
 
 
 @pytest.mark.parametrize("regime", REGIMES)
-def test_chunk_factors(ops, regime):
+def test_chunk_factors(regime):
     q, k, g, _ = _inputs(regime)
-    f = ops.chunk_factors(q, k, g, SCALE)
+    f = REFERENCE.chunk_factors(q, k, g, SCALE)
     Cp = SHAPE[-1]
     prefix = np.stack([_segment(g, -1, i) for i in range(Cp)], axis=-2)
     suffix = np.stack([_segment(g, j, Cp - 1) for j in range(Cp)], axis=-2)
@@ -86,9 +75,9 @@ def test_chunk_factors(ops, regime):
 
 
 @pytest.mark.parametrize("regime", REGIMES)
-def test_chunk_pairs(ops, regime):
+def test_chunk_pairs(regime):
     q, k, g, _ = _inputs(regime)
-    A, L = ops.chunk_pairs(q, k, ops.chunk_factors(q, k, g, SCALE), SCALE)
+    A, L = REFERENCE.chunk_pairs(q, k, REFERENCE.chunk_factors(q, k, g, SCALE), SCALE)
     A_want, L_want = oracle_pairs(q, k, g)
     assert_close(A, A_want, tol=1e-13, name="A")
     assert_close(L, L_want, tol=1e-13, name="L")
@@ -166,12 +155,12 @@ def test_chunk_local_backward(ops):
         assert_close(got, w, tol=1e-7, name=name)
 
 
-def test_unit_lower_inverse(ops):
+def test_unit_lower_inverse():
     q, k, g, rng = _inputs("mild")
     beta = rng.uniform(0, 2, SHAPE)
     _, L = oracle_pairs(q, k, g)
     want = np.linalg.inv(np.eye(SHAPE[-1]) + beta[..., :, None] * L)
-    assert_close(ops.unit_lower_inverse(beta, L), want, tol=1e-12, name="inverse")
+    assert_close(REFERENCE.unit_lower_inverse(beta, L), want, tol=1e-12, name="inverse")
 
 
 def _state_pass_inputs(rng):
@@ -222,7 +211,7 @@ def test_state_passes(ops):
 
 
 @pytest.mark.parametrize("regime", REGIMES)
-def test_chunk_pairs_backward(ops, regime):
+def test_chunk_pairs_backward(regime):
     """Gradients of sum(dA * A + dL * L) with respect to q, k and g, pair by pair."""
     q, k, g, rng = _inputs(regime)
     Cp = SHAPE[-1]
@@ -242,13 +231,13 @@ def test_chunk_pairs_backward(ops, regime):
                 dk[..., j, :] += b * k[..., i, :]
                 P = P + b * k[..., i, :] * k[..., j, :]
             dg[..., j + 1 : i + 1, :] += P[..., None, :]  # every step the factor spans
-    f = ops.chunk_factors(q, k, g, SCALE)
-    got = ops.chunk_pairs_backward(dA, dL, q, k, f, SCALE)
+    f = REFERENCE.chunk_factors(q, k, g, SCALE)
+    got = REFERENCE.chunk_pairs_backward(dA, dL, q, k, f, SCALE)
     for name, a, b in zip(("dq", "dk", "dg"), got, (dq, dk, dg), strict=True):
         assert_close(a, b, tol=1e-12, name=name)
 
 
-def test_chunk_gate_gradient(ops):
+def test_chunk_gate_gradient():
     rng = np.random.default_rng(2)
     prefix_terms, suffix_terms, pair_terms = (rng.standard_normal((*SHAPE, K)) for _ in range(3))
     total_terms = rng.standard_normal((*SHAPE[:-1], K))
@@ -260,7 +249,7 @@ def test_chunk_gate_gradient(ops):
             + total_terms
             + pair_terms[..., l, :]
         )
-    got = ops.chunk_gate_gradient(prefix_terms, suffix_terms, total_terms, pair_terms)
+    got = REFERENCE.chunk_gate_gradient(prefix_terms, suffix_terms, total_terms, pair_terms)
     assert_close(got, want, tol=1e-13, name="dg")
 
 
@@ -272,3 +261,23 @@ def test_chunk_layout_round_trip(ops, T, C):
     assert chunks.shape == (2, 3, -(-T // C), Cp, 4)
     np.testing.assert_array_equal(chunks[:, :, 0, : min(C, T)], x[:, :, : min(C, T)])
     np.testing.assert_array_equal(ops.from_chunks(chunks, C, T), x)
+
+
+def test_every_backend_implements_the_interface(ops):
+    """Each backend module provides every primitive and hook of kda._backends.interface.Backend,
+    and no backend imports another (they share only the interface module)."""
+    import inspect
+
+    from kda._backends.interface import Backend
+
+    names = [*Backend.__annotations__, *(n for n in vars(Backend) if not n.startswith("_"))]
+    missing = [n for n in names if not hasattr(ops, n)]
+    assert not missing, f"{ops.NAME} lacks {missing}"
+    folder = inspect.getfile(ops).rsplit("/", 1)[0]
+    import pathlib
+
+    others = {"reference", "cuda", "cpu"} - {ops.NAME}
+    for path in pathlib.Path(folder).glob("*.py"):
+        text = path.read_text()
+        for other in others:
+            assert f"..{other}" not in text and f"_backends.{other}" not in text, (path, other)

@@ -13,7 +13,7 @@ import pytest
 from helpers import make_problem
 
 import kda
-from kda import _checks
+from kda._options import checks as _checks
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_GPU = Path("/dev/nvidiactl").exists()
@@ -46,7 +46,7 @@ def blas_at_two():
     silently; a test that pinned from this thread would stop the calls under test from pinning.)
     """
     threadpoolctl = pytest.importorskip("threadpoolctl")
-    from kda.reference._scheduling import _no_controlling_thread
+    from kda._backends.reference._scheduling import _no_controlling_thread
 
     with _no_controlling_thread():
         limiter = threadpoolctl.ThreadpoolController().limit(limits=2, user_api="blas")
@@ -57,7 +57,7 @@ def blas_at_two():
 
 def test_blas_pin_restores_only_after_the_last_holder(blas_at_two):
     """Holders in two threads (A in, B in, A out, B out): BLAS at 1 until B leaves, then as found."""
-    from kda.reference._scheduling import BlasPin
+    from kda._backends.reference._scheduling import BlasPin
 
     pin = BlasPin()
     a, b = pin.hold(), pin.hold()
@@ -95,13 +95,13 @@ def test_overlapping_calls_pin_blas_and_restore_it_after_the_last_one(monkeypatc
     Inside, BLAS runs one thread; after, it is as found. (A per-call pin fails this: B records
     the 1 that A set, and restores it last.)
     """
-    import kda.reference
+    import kda._backends.reference
 
-    monkeypatch.setattr(kda.reference, "workers", lambda xp, heads: min(heads, 2))
+    monkeypatch.setattr(kda._backends.reference, "workers", lambda xp, heads: min(heads, 2))
     chunks = {"A": 5, "B": 6}
     inside = {n: threading.Event() for n in chunks}
     release = {n: threading.Event() for n in chunks}
-    state_pass = kda.reference.chunk_state_pass
+    state_pass = kda._backends.reference.chunk_state_pass
 
     def held(w, *args):  # each call waits inside the pin until it is released
         name = next(n for n, c in chunks.items() if c == w.shape[2])
@@ -109,7 +109,7 @@ def test_overlapping_calls_pin_blas_and_restore_it_after_the_last_one(monkeypatc
         assert release[name].wait(60)
         return state_pass(w, *args)
 
-    monkeypatch.setattr(kda.reference, "chunk_state_pass", held)
+    monkeypatch.setattr(kda._backends.reference, "chunk_state_pass", held)
     threads = {}
     try:
         for seed, (name, n) in enumerate(chunks.items()):
@@ -129,9 +129,9 @@ def test_overlapping_calls_pin_blas_and_restore_it_after_the_last_one(monkeypatc
 
 def test_concurrent_calls_are_bitwise_serial_and_leave_blas_as_found(monkeypatch, blas_at_two):
     """4 threads x 4 calls at once: each result bitwise equal to its serial call; BLAS threads unchanged."""
-    import kda.reference
+    import kda._backends.reference
 
-    monkeypatch.setattr(kda.reference, "workers", lambda xp, heads: min(heads, 2))  # groups on any machine
+    monkeypatch.setattr(kda._backends.reference, "workers", lambda xp, heads: min(heads, 2))  # groups on any machine
     # sizes differ, so that the threads' calls enter and leave at staggered times
     problems = [make_problem(50 + i, 1, 3, 40 + 30 * i, 12, 9, "mild").astype(np.float32) for i in range(4)]
     serial = [_call(p) for p in problems]
@@ -216,9 +216,9 @@ def test_import_kda_imports_neither_numba_nor_cupy():
 def test_python_m_kda_fails_on_a_broken_primitive(monkeypatch, capsys):
     """The self-check exits non-zero when the chunked result is wrong (here: a state pass off by 1e-3)."""
     import kda.__main__ as cli
-    import kda.reference
+    import kda._backends.reference
 
-    good = kda.reference.chunk_state_pass
+    good = kda._backends.reference.chunk_state_pass
 
     def broken(*args):
         boundaries, u, final = good(*args)
@@ -226,7 +226,7 @@ def test_python_m_kda_fails_on_a_broken_primitive(monkeypatch, capsys):
 
     argv = ["--H", "1", "--T", "96", "--K", "8", "--V", "8", "--chunk-size", "32"]
     assert cli.main(argv) == 0
-    monkeypatch.setattr(kda.reference, "chunk_state_pass", broken)
+    monkeypatch.setattr(kda._backends.reference, "chunk_state_pass", broken)
     assert cli.main(argv) == 1
     assert "FAIL" in capsys.readouterr().out
 

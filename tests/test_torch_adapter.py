@@ -419,7 +419,7 @@ def test_half_precision_computes_in_float32(dtype):
 def test_cpu_tensors_reach_kda_without_copies(monkeypatch):
     (q, k, v, g, beta), s0 = _plain()
     seen = {}
-    real = kda._api.chunk_kda
+    real = kda._entry.api.chunk_kda
 
     def spy(*arrays, **kw):
         seen.update(zip(NAMES[:5], arrays), initial_state=kw["initial_state"])
@@ -489,7 +489,7 @@ def test_cuda_bfloat16_and_zero_copy(monkeypatch):
     x = make_inputs(12, T=64, H=2, K=16, V=16, dtype=torch.float32)
     xc = {n: t.detach().cuda() for n, t in x.items()}
     seen = {}
-    real = kda._api.chunk_kda
+    real = kda._entry.api.chunk_kda
 
     def spy(*arrays, **kw):
         seen["q"] = arrays[0]

@@ -1,4 +1,8 @@
-"""Choose the primitive backend from the inputs' array namespace.
+"""Backends: the dispatch from the inputs' array namespace to a backend module.
+
+Each backend is a folder beside this file implementing :mod:`kda._backends.interface`; adding one
+is that folder plus its line in :data:`BACKENDS` (and, to be chosen by default, in
+:func:`get_backend`).
 
 Nothing here imports an array library the caller has not already imported: the CUDA
 backend (Numba-CUDA kernels) is imported only for CuPy arrays or when asked for by name.
@@ -16,12 +20,12 @@ from typing import Any
 
 import array_api_compat
 
-from ._errors import InvalidInputError
+from .._errors import InvalidInputError
 
-__all__ = ["BACKENDS", "cuda_problem", "get_backend"]
+__all__ = ["BACKENDS", "cuda_problem", "get_backend", "resolve"]
 
-# name -> module implementing the primitive interface of ``kda.reference``
-BACKENDS = {"reference": "kda.reference", "cuda": "kda.cuda"}
+# name -> module implementing the primitive interface of ``kda._backends.reference``
+BACKENDS = {"reference": "kda._backends.reference", "cuda": "kda._backends.cuda"}
 
 _CUDA_FIX = (
     "Use backend='reference' (NumPy or any array-API arrays on the CPU), or run on a machine with an "
@@ -88,3 +92,12 @@ def get_backend(xp: Any, backend: str | None) -> ModuleType:
     except ImportError as err:
         msg = f"backend {backend!r} is not available here: {err}. Install it with `pip install kda[cuda]`."
         raise InvalidInputError(msg) from err
+
+
+def resolve(ops: ModuleType, padded_chunk: int) -> ModuleType:
+    """The backend that runs chunks of ``padded_chunk`` steps: ``ops``, or the reference backend
+    (on the same arrays) when they are longer than ``ops.MAX_CHUNK``."""
+    limit = ops.MAX_CHUNK
+    if limit is None or padded_chunk <= limit:
+        return ops
+    return importlib.import_module(BACKENDS["reference"])

@@ -15,7 +15,7 @@ the chunked algorithm run four of these kernels (``chunk_local``, ``chunk_state_
 ``chunk_state_grad_pass``, ``chunk_local_backward``; docs/gpu.md); the finer ones serve chunks
 too large for the fused kernels' shared memory.
 
-Numerical contract (``design.md``): every decay is a running product of ``exp(g)`` over
+Numerical contract (``docs/design.md``): every decay is a running product of ``exp(g)`` over
 exactly the steps it spans, so it lies in ``[0, 1]``, a hard reset (``g = -inf``) gives an
 exact 0 and no difference of cumulative sums is ever formed.
 """
@@ -50,9 +50,6 @@ STAGED_SLICE = 16
 # channels per tile of chunk_local's pairwise products (shared memory: 2 Cp of them)
 LOCAL_TILE_K = 16
 
-# columns of chunk_pairs that one thread computes at once (a power of two)
-PAIR_GROUP = 4
-
 # floating dtypes the kernels are compiled for
 DTYPES = ("float32", "float64")
 
@@ -69,17 +66,12 @@ INDEX32_LIMIT = 2**32
 # C-contiguous array), "s" a floating scalar, "i" an int64 scalar, "j" an int32 scalar, "f" a
 # C-contiguous 1-D int32 array, then ":n" for the trailing tuple of n dimensions
 SIGNATURES = {
-    "chunk_factors": "aaasaaaaaaa:4",
     "chunk_local": "aaaaasaaaaaaaaa:3",
     "chunk_local_backward": "aaaaasaaaaaaaaaaaaaaaaaaaaaaaaa:5",
-    "chunk_pairs": "aaasaa:4",
-    "unit_lower_inverse": "aaa:2",
     "chunk_state_pass": "aaaaaaajaaa:5",
     "chunk_state_pass_staged": "aaaaaaajaaa:5",
     "chunk_state_grad_pass": "aaaaaaaaaaaaa:5",
     "chunk_state_grad_pass_staged": "aaaaaaaaaaaaa:5",
-    "chunk_pairs_backward": "aaaaasaaa:4",
-    "chunk_gate_gradient": "aaaaa:3",
     "recurrent_forward": "aaaaasaaa:4",
     "recurrent_backward": "aaaaasaaaiaaaaaaaa:4",
     "gate_flags": "af:1",
@@ -143,11 +135,6 @@ def offset_functions(index: str) -> tuple:
     at2 = _offset_function(getattr(numba, index))
 
     @_inline
-    def at1(i):
-        """The offset ``i`` in the index type."""
-        return at2(0, i, 1)
-
-    @_inline
     def at3(i, j, m, J, M):
         """The offset of element ``[i, j, m]`` of a C-contiguous ``[., J, M]`` array."""
         return at2(at2(i, j, J), m, M)
@@ -173,147 +160,6 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
     def at1(i):
         """The offset ``i`` in the index type."""
         return at2(0, i, 1)
-
-    def chunk_factors(q, k, g, scale, prefix, suffix, qg, kg, kt, total, F, dims):
-        """One thread per (chunk n, channel d): running products along the chunk.
-
-        ``dims = (N, NL, Cp, K)``; the arrays are flattened ``[N, Cp, K]`` (``q, k, g, prefix,
-        suffix, qg, kg, kt``), ``[N, K]`` (``total``) and ``[N, NL, Cp, K]`` (``F``).
-        """
-        idx = cuda.grid(1)
-        N, NL, Cp, K = dims
-        n = idx // K  # not idx >= N * K: a product of uint32 is a uint64, compared with idx in float64
-        if n >= N:
-            return
-        d = idx % K
-        p = one
-        for i in range(Cp):
-            nid = at3(n, i, d, Cp, K)
-            p *= math.exp(g[nid])
-            prefix[nid] = p
-            qg[nid] = scale * q[nid] * p
-            kg[nid] = k[nid] * p
-        total[at2(n, d, K)] = p
-        s = one
-        for i in range(Cp - 1, -1, -1):
-            nid = at3(n, i, d, Cp, K)
-            suffix[nid] = s
-            kt[nid] = k[nid] * s
-            s *= math.exp(g[nid])
-        # per level: column factors over the first half, row factors over the second
-        h = 1
-        lv = 0
-        while h < Cp:
-            level = at2(n, lv, NL)
-            for start in range(0, Cp, 2 * h):
-                c = one
-                for j in range(start + h - 1, start - 1, -1):
-                    F[at3(level, j, d, Cp, K)] = c
-                    c *= math.exp(g[at3(n, j, d, Cp, K)])
-                r = one
-                for i in range(start + h, start + 2 * h):
-                    r *= math.exp(g[at3(n, i, d, Cp, K)])
-                    F[at3(level, i, d, Cp, K)] = r
-            h *= 2
-            lv += 1
-
-    def chunk_pairs(q, k, F, scale, A, L, dims):
-        """One thread per (chunk, row i, aligned group of ``PAIR_GROUP`` columns j).
-
-        ``dims = (N, NL, Cp, K)``; the arrays are flattened ``[N, Cp, K]`` (``q, k``),
-        ``[N, NL, Cp, K]`` (``F``) and ``[N, Cp, Cp]`` (``A, L``). Each pair (i, j < i) is a
-        product through its split point, the highest bit where i and j differ (the level
-        ``lv``): ``k[j] F[lv, j] F[lv, i]``, both factors in [0, 1]. Columns of one group left
-        of i share that level, so the row's operands are loaded once for them.
-        """
-        idx = cuda.grid(1)
-        N, NL, Cp, K = dims
-        groups = (Cp + PAIR_GROUP - 1) // PAIR_GROUP
-        j0 = (idx % groups) * PAIR_GROUP
-        rest = idx // groups
-        i = rest % Cp
-        n = rest // Cp
-        if n >= N:
-            return
-        row = at2(n, i, Cp)  # row i of chunk n of A and L
-        acc_a = cuda.local.array(PAIR_GROUP, nbtype)
-        acc_l = cuda.local.array(PAIR_GROUP, nbtype)
-        if j0 + PAIR_GROUP <= i:
-            x = i ^ j0
-            lv = 0
-            while x > 1:
-                x >>= 1
-                lv += 1
-            level = at2(n, lv, NL)
-            for r in range(PAIR_GROUP):
-                acc_a[r] = zero
-                acc_l[r] = zero
-            for d in range(K):
-                fi = F[at3(level, i, d, Cp, K)]
-                nid = at2(row, d, K)
-                qi = q[nid]
-                ki = k[nid]
-                for r in range(PAIR_GROUP):
-                    c = k[at3(n, j0 + r, d, Cp, K)] * F[at3(level, j0 + r, d, Cp, K)] * fi
-                    acc_a[r] += qi * c
-                    acc_l[r] += ki * c
-            for r in range(PAIR_GROUP):
-                A[at2(row, j0 + r, Cp)] = scale * acc_a[r]
-                L[at2(row, j0 + r, Cp)] = acc_l[r]
-            return
-        for r in range(PAIR_GROUP):
-            j = j0 + r
-            if j >= Cp:
-                break
-            ij = at2(row, j, Cp)
-            if j > i:
-                A[ij] = zero
-                L[ij] = zero
-            elif j == i:
-                a = zero
-                for d in range(K):
-                    nid = at2(row, d, K)
-                    a += q[nid] * k[nid]
-                A[ij] = scale * a
-                L[ij] = zero
-            else:
-                x = i ^ j
-                lv = 0
-                while x > 1:
-                    x >>= 1
-                    lv += 1
-                level = at2(n, lv, NL)
-                a = zero
-                b = zero
-                for d in range(K):
-                    nid = at2(row, d, K)
-                    c = k[at3(n, j, d, Cp, K)] * F[at3(level, j, d, Cp, K)] * F[at3(level, i, d, Cp, K)]
-                    a += q[nid] * c
-                    b += k[nid] * c
-                A[ij] = scale * a
-                L[ij] = b
-
-    def unit_lower_inverse(beta, L, Tinv, dims):
-        """One thread per (chunk, column j): forward substitution of ``(I + diag(beta) L) T = I``.
-
-        ``dims = (N, Cp)``; the arrays are flattened ``[N, Cp]`` (``beta``) and ``[N, Cp, Cp]``
-        (``L, Tinv``).
-        """
-        idx = cuda.grid(1)
-        N, Cp = dims
-        n = idx // Cp
-        if n >= N:
-            return
-        j = idx % Cp
-        for i in range(j):
-            Tinv[at3(n, i, j, Cp, Cp)] = zero
-        Tinv[at3(n, j, j, Cp, Cp)] = one
-        for i in range(j + 1, Cp):
-            row = at2(n, i, Cp)
-            acc = zero
-            for m in range(j, i):
-                acc += L[at2(row, m, Cp)] * Tinv[at3(n, m, j, Cp, Cp)]
-            Tinv[at2(row, j, Cp)] = -beta[row] * acc
 
     def chunk_local(q, k, g, v, beta, scale, qg, kg, kt, total, A, L, Tinv, w, u0, dims):
         """One block per chunk ``n``: all of its state-free work, without any factor array.
@@ -818,7 +664,7 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
     def chunk_state_pass_staged(qg, A, w, u0, kt, total, state, emit, out, boundaries, final, dims):
         """``chunk_state_pass`` re-cut with the chunk's rows on the lanes (docs/gpu.md, "What is open").
 
-        Same arguments and layouts. One block of ``Cp * STAGED_GROUPS`` threads per (head, tile
+        Same arguments and layouts. One block of ``2 * Cp`` threads per (head, tile
         of ``STAGED_TILE_V`` value columns); thread ``t`` owns row ``i = t % Cp`` and the
         ``STAGED_COLUMNS`` columns of group ``t // Cp``. Per chunk:
 
@@ -1092,88 +938,6 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
             cuda.syncthreads()
         tile_out(dinitial, dS, bh, K, 0, v0, V)
 
-    def chunk_pairs_backward(dA, dL, q, k, F, scale, dq, dk, dg, dims):
-        """One thread per (chunk, channel d), visiting every pair twice (row side, column side).
-
-        ``dims = (N, NL, Cp, K)``; the arrays are flattened ``[N, Cp, Cp]`` (``dA, dL``),
-        ``[N, Cp, K]`` (``q, k, dq, dk, dg``) and ``[N, NL, Cp, K]`` (``F``). The gate gradient
-        of each off-diagonal block is summed inside that block over the steps its factors span
-        (suffix sums of row terms over its second half, prefix sums of column terms over its
-        first half): nothing is subtracted, and the diagonal (no decay) never enters it.
-        """
-        idx = cuda.grid(1)
-        N, NL, Cp, K = dims
-        n = idx // K  # not idx >= N * K: a product of uint32 is a uint64, compared with idx in float64
-        if n >= N:
-            return
-        d = idx % K
-        for i in range(Cp):
-            a = scale * dA[at3(n, i, i, Cp, Cp)]
-            nid = at3(n, i, d, Cp, K)
-            dq[nid] = a * k[nid]
-            dk[nid] = a * q[nid]
-            dg[nid] = zero
-        h = 1
-        lv = 0
-        while h < Cp:
-            level = at2(n, lv, NL)
-            for start in range(0, Cp, 2 * h):
-                mid = start + h
-                run = zero
-                for i in range(start + 2 * h - 1, mid - 1, -1):
-                    row = at2(n, i, Cp)
-                    nid = at2(row, d, K)
-                    fi = F[at3(level, i, d, Cp, K)]
-                    acc_q = zero
-                    acc_k = zero
-                    for j in range(start, mid):
-                        c = k[at3(n, j, d, Cp, K)] * F[at3(level, j, d, Cp, K)] * fi
-                        ij = at2(row, j, Cp)
-                        acc_q += scale * dA[ij] * c
-                        acc_k += dL[ij] * c
-                    run += q[nid] * acc_q + k[nid] * acc_k
-                    dg[nid] += run
-                    dq[nid] += acc_q
-                    dk[nid] += acc_k
-                run = zero
-                for j in range(start, mid):
-                    acc = zero
-                    for i in range(mid, start + 2 * h):
-                        ij = at3(n, i, j, Cp, Cp)
-                        nid = at3(n, i, d, Cp, K)
-                        acc += (scale * dA[ij] * q[nid] + dL[ij] * k[nid]) * F[at3(level, i, d, Cp, K)]
-                    njd = at3(n, j, d, Cp, K)
-                    fj = F[at3(level, j, d, Cp, K)]
-                    dg[njd] += run
-                    run += k[njd] * fj * acc
-                    dk[njd] += acc * fj
-            h *= 2
-            lv += 1
-
-    def chunk_gate_gradient(prefix_terms, suffix_terms, total_terms, pair_terms, dg, dims):
-        """One thread per (chunk, channel): a suffix sum and an exclusive prefix sum.
-
-        ``dims = (N, Cp, K)``; the arrays are flattened ``[N, Cp, K]``, but ``total_terms``
-        ``[N, K]``.
-        """
-        idx = cuda.grid(1)
-        N, Cp, K = dims
-        n = idx // K  # not idx >= N * K: a product of uint32 is a uint64, compared with idx in float64
-        if n >= N:
-            return
-        d = idx % K
-        run = zero
-        for i in range(Cp - 1, -1, -1):
-            nid = at3(n, i, d, Cp, K)
-            run += prefix_terms[nid]
-            dg[nid] = run
-        run = zero
-        total = total_terms[at2(n, d, K)]
-        for i in range(Cp):
-            nid = at3(n, i, d, Cp, K)
-            dg[nid] = dg[nid] + run + total + pair_terms[nid]
-            run += suffix_terms[nid]
-
     @_inline
     def decay_and_predict(S, g, k, step, bh, c, K, V):
         """Decay column ``c`` of head ``bh``'s state ``S`` by step ``step``'s ``exp(g)`` in place;
@@ -1323,17 +1087,12 @@ def build_kernels(dtype: str, index: str = "uint32") -> dict:
             cuda.atomic.add(flags, 1, nan)
 
     return {
-        "chunk_factors": chunk_factors,
         "chunk_local": chunk_local,
         "chunk_local_backward": chunk_local_backward,
-        "chunk_pairs": chunk_pairs,
-        "unit_lower_inverse": unit_lower_inverse,
         "chunk_state_pass": chunk_state_pass,
         "chunk_state_pass_staged": chunk_state_pass_staged,
         "chunk_state_grad_pass": chunk_state_grad_pass,
         "chunk_state_grad_pass_staged": chunk_state_grad_pass_staged,
-        "chunk_pairs_backward": chunk_pairs_backward,
-        "chunk_gate_gradient": chunk_gate_gradient,
         "recurrent_forward": recurrent_forward,
         "recurrent_backward": recurrent_backward,
         "gate_flags": gate_flags,

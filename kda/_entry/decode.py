@@ -12,12 +12,12 @@ from typing import Any
 
 import array_api_compat
 
-from ._backends import get_backend
-from ._checks import check_finite as _check_finite
-from ._checks import warn_if_diverged
-from ._errors import InvalidInputError, InvalidTypeError
-from ._options import Options, head_first, prepare_core_inputs
-from ._validation import STATE_DTYPE_RULE, Problem, _host_integers, check_array, check_options_call
+from .._errors import InvalidInputError, InvalidTypeError
+from .._options.checks import warn_if_diverged
+from .._options.maps import head_first
+from .._options.table import Choices, takes_options
+from .._options.validation import STATE_DTYPE_RULE, Problem, _host_integers, check_array
+from .call import open_call
 
 __all__ = ["decode_kda"]
 
@@ -73,11 +73,7 @@ def check_indices(state_indices: Any, N: int, P: int) -> tuple[int, ...]:
     return tuple(int(i) for i in host)
 
 
-def _check_values(xp: Any, o: Options, arrays: dict[str, Any]) -> None:
-    for name, x in arrays.items():
-        _check_finite(xp, name, x, allow_neg_inf=name == "g" and o.gate == "log")
-
-
+@takes_options(exclude=("cu_seqlens",))
 def decode_kda(
     q: Any,
     k: Any,
@@ -88,15 +84,8 @@ def decode_kda(
     state_indices: Any,
     *,
     scale: float | None = None,
-    layout: str = "head_first",
-    qk_l2norm: bool = False,
-    gate: str = "log",
-    A_log: Any = None,
-    dt_bias: Any = None,
-    lower_bound: float | None = None,
-    beta_activation: str | None = None,
-    check_finite: bool = True,
     backend: str | None = None,
+    opts: Choices,
 ) -> Any:
     """A few KDA steps of a batch of requests, each continuing the state held in a pool row.
 
@@ -122,11 +111,10 @@ def decode_kda(
         zeros and it reads and writes no state). Non-negative indices must be distinct.
     scale : float, optional
         Query scale; default ``K ** -0.5``.
-    layout, qk_l2norm, gate, A_log, dt_bias, lower_bound, beta_activation, check_finite
-        The model-level options, as for :func:`kda.chunk_kda`. The pool itself is not scanned
-        for non-finite values (that would read every row); only the inputs are.
     backend : {None, "reference", "cuda"}
         ``None`` picks from the arrays' namespace; CuPy arrays run one CUDA kernel.
+{options}
+        (``check_finite`` scans the inputs, not the pool: that would read every row.)
 
     Returns
     -------
@@ -140,22 +128,14 @@ def decode_kda(
     InvalidTypeError
         Wrong dtypes (the pool must be the compute dtype) or array types.
     """
-    p, o = check_options_call(
-        q, k, v, g, beta, scale, layout=layout, qk_l2norm=qk_l2norm, gate=gate, A_log=A_log,
-        dt_bias=dt_bias, lower_bound=lower_bound, beta_activation=beta_activation, cu_seqlens=None,
-    )  # fmt: skip
-    xp = p.xp
+    call = open_call(q, k, v, g, beta, scale, opts, backend=backend)
+    p, xp = call.p, call.p.xp
     P = check_pool(state_pool, p)
     indices = check_indices(state_indices, p.B, P)
-    if check_finite:
-        _check_values(
-            xp, o, {"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": o.A_log, "dt_bias": o.dt_bias}
-        )
-    ops = get_backend(xp, backend)
-    inputs = [head_first(xp, xp.astype(x, p.compute_dtype, copy=False), layout) for x in (q, k, v, g, beta)]
-    c = prepare_core_inputs(xp, *inputs, o, p.HV)
-    out = ops.decode_forward(c.q, c.k, c.v, c.g, c.beta, p.scale, state_pool, indices)
-    out = head_first(xp, xp.astype(out, p.dtype, copy=False), layout)
-    if check_finite:
+    call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta)
+    c = call.core_inputs(q, k, v, g, beta)
+    out = call.core.ops.decode_forward(c.q, c.k, c.v, c.g, c.beta, p.scale, state_pool, indices)
+    out = head_first(xp, xp.astype(out, p.dtype, copy=False), p.layout)
+    if call.check:
         warn_if_diverged(xp, out)
     return out

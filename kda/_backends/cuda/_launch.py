@@ -1,4 +1,4 @@
-"""Launch wrappers: the primitive interface of :mod:`kda.reference`, run by Numba-CUDA kernels.
+"""Launch wrappers: the primitives of :mod:`kda._backends.interface`, run by Numba-CUDA kernels.
 
 Each wrapper validates its arrays, allocates the outputs in the caller's namespace (``empty``
 wherever the kernel writes every element), sizes the grid and launches one kernel through
@@ -19,18 +19,14 @@ import numpy as np
 from array_api_compat import array_namespace, device, is_cupy_array
 from numba import cuda
 
-from ..reference._chunk import ChunkFactors, ChunkLocal, from_chunks, local_backward, to_chunks
+from ..interface import ChunkLocal, from_chunks, to_chunks
 from . import _kernels
-from ._kernels import DTYPES, LOCAL_TILE_K, PAIR_GROUP, STAGED_COLUMNS, STAGED_SLICE, STAGED_TILE_V, compiled
+from ._kernels import DTYPES, LOCAL_TILE_K, STAGED_COLUMNS, STAGED_SLICE, STAGED_TILE_V, compiled
 
 __all__ = [
     "LAUNCHES",
-    "chunk_factors",
-    "chunk_gate_gradient",
     "chunk_local",
     "chunk_local_backward",
-    "chunk_pairs",
-    "chunk_pairs_backward",
     "chunk_state_grad_pass",
     "chunk_state_pass",
     "from_chunks",
@@ -39,7 +35,6 @@ __all__ = [
     "recurrent_backward",
     "recurrent_forward",
     "to_chunks",
-    "unit_lower_inverse",
 ]
 
 # threads per block of the one-thread-per-output kernels
@@ -60,6 +55,10 @@ LOCAL_BACKWARD_THREADS = 64
 STATE_PASS = "staged"
 # dynamic shared memory a block may use without opting in (bytes)
 SHARED_LIMIT = 48 * 1024
+# the longest padded chunk whose work fits chunk_local's and chunk_local_backward's blocks in
+# SHARED_LIMIT, in float32 and float64 (float32 at 128 steps needs 49 KiB in chunk_local);
+# longer chunks run on the array-API reference backend (kda._backends.resolve)
+MAX_CHUNK = 64
 
 # kernel name -> number of launches since import (or since the last clear())
 LAUNCHES: Counter = Counter()
@@ -178,7 +177,7 @@ def _state_block(name: str, K: int, Cp: int, itemsize: int, rows: int) -> tuple[
     while tv > 1 and rows * tv * itemsize > SHARED_LIMIT:
         tv //= 2
     if rows * tv * itemsize > SHARED_LIMIT:
-        from .._errors import InvalidInputError
+        from ..._errors import InvalidInputError
 
         msg = (
             f"{name}: K={K} with a padded chunk of {Cp} steps needs {rows * itemsize} bytes of shared "
@@ -208,74 +207,6 @@ def _state_kernel(
     return name, BH * -(-V // block[0]) if work else 0, block, shared
 
 
-def _factors_match(f: Any, N: int, Cp: int, K: int) -> bool:
-    F = getattr(f, "private", None)
-    shape = tuple(getattr(F, "shape", ()))
-    return len(shape) == 4 and (shape[0], *shape[2:]) == (N, Cp, K)
-
-
-def chunk_factors(q: Any, k: Any, g: Any, scale: float) -> ChunkFactors:
-    """Decay factors and gated queries and keys of every chunk (``q, k, g: [..., Cp, K]``).
-
-    ``private`` holds the factors of every halving level, ``[N, NL, Cp, K]`` with
-    ``N = B * H * NT``: column factors over each block's first half, row factors over its second.
-    """
-    name = "chunk_factors"
-    xp = array_namespace(q, k, g)
-    dtype = _dtype_name(name, q, k, g)
-    _check_ndim(name, "q", q, 5)
-    _check_shape(name, "k", k, q.shape)
-    _check_shape(name, "g", g, q.shape)
-    B, H, NT, Cp, K = q.shape
-    if Cp & (Cp - 1):
-        msg = f"{name}: the padded chunk size must be a power of two; got {Cp}"
-        raise ValueError(msg)
-    N = B * H * NT
-    NL = max(Cp.bit_length() - 1, 1)
-    outs = [_empty(xp, q, (N, Cp, K)) for _ in range(5)]
-    total = _empty(xp, q, (N, K))
-    F = _zeros(xp, q, (N, NL, Cp, K))
-    args = (q, k, g, q.dtype.type(scale), *outs, total, F)
-    _launch(name, dtype, _grid(N * K), THREADS_PER_BLOCK, *args, dims=(N, NL, Cp, K))
-    prefix, suffix, qg, kg, kt = (xp.reshape(x, q.shape) for x in outs)
-    return ChunkFactors(prefix, suffix, xp.reshape(total, (B, H, NT, K)), qg, kg, kt, private=F)
-
-
-def chunk_pairs(q: Any, k: Any, f: ChunkFactors, scale: float) -> tuple[Any, Any]:
-    """Decayed pairwise products ``A`` (lower, diagonal included) and ``L`` (strictly lower)."""
-    name = "chunk_pairs"
-    xp = array_namespace(q, k)
-    _check_ndim(name, "q", q, 5)
-    _check_shape(name, "k", k, q.shape)
-    B, H, NT, Cp, K = q.shape
-    N = B * H * NT
-    if not _factors_match(f, N, Cp, K):
-        msg = f"{name}: f must come from kda.cuda.chunk_factors of the same chunks"
-        raise ValueError(msg)
-    dtype = _dtype_name(name, q, k, f.private)
-    A = _empty(xp, q, (N, Cp, Cp))
-    L = _empty(xp, q, (N, Cp, Cp))
-    args = (q, k, f.private, q.dtype.type(scale), A, L)
-    dims = (N, f.private.shape[1], Cp, K)
-    _launch(name, dtype, _grid(N * Cp * -(-Cp // PAIR_GROUP)), THREADS_PER_BLOCK, *args, dims=dims)
-    shape = (B, H, NT, Cp, Cp)
-    return xp.reshape(A, shape), xp.reshape(L, shape)
-
-
-def unit_lower_inverse(beta: Any, L: Any) -> Any:
-    """``(I + diag(beta) L)^-1`` of every chunk (``beta: [..., Cp]``, ``L: [..., Cp, Cp]``)."""
-    name = "unit_lower_inverse"
-    xp = array_namespace(beta, L)
-    dtype = _dtype_name(name, beta, L)
-    _check_shape(name, "L", L, (*beta.shape, beta.shape[-1]))
-    *lead, Cp = beta.shape
-    N = math.prod(lead)
-    Tinv = _empty(xp, L, (N, Cp, Cp))
-    args = (beta, L, Tinv)
-    _launch(name, dtype, _grid(N * Cp), THREADS_PER_BLOCK, *args, dims=(N, Cp))
-    return xp.reshape(Tinv, L.shape)
-
-
 def _local_shared(Cp: int, itemsize: int) -> int:
     """Bytes of dynamic shared memory of :func:`chunk_local`'s block."""
     return (Cp + Cp * (Cp + 1) // 2 + max(2 * Cp * LOCAL_TILE_K, Cp * Cp // 4)) * itemsize
@@ -284,9 +215,8 @@ def _local_shared(Cp: int, itemsize: int) -> int:
 def chunk_local(q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float) -> ChunkLocal:
     """The state-free work of every chunk in one kernel, one block per chunk (no factor array).
 
-    ``q, k, g: [..., Cp, K]``, ``v: [..., Cp, V]``, ``beta: [..., Cp]``. When a chunk's inverse
-    and tiles do not fit in :data:`SHARED_LIMIT` (float32 beyond 64 padded steps, float64
-    beyond 64), the unfused kernels run instead: factors, pairs, inverse and two products.
+    ``q, k, g: [..., Cp, K]``, ``v: [..., Cp, V]``, ``beta: [..., Cp]``, ``Cp <= MAX_CHUNK``
+    (longer chunks run on the reference backend: :func:`kda._backends.resolve`).
     """
     name = "chunk_local"
     xp = array_namespace(q, k, g, v, beta)
@@ -302,13 +232,9 @@ def chunk_local(q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float) -> Chun
         msg = f"{name}: the padded chunk size must be a power of two; got {Cp}"
         raise ValueError(msg)
     shared = _local_shared(Cp, q.dtype.itemsize)
-    if shared > SHARED_LIMIT:
-        f = chunk_factors(q, k, g, scale)
-        A, L = chunk_pairs(q, k, f, scale)
-        Tinv = unit_lower_inverse(beta, L)
-        b = beta[..., None]
-        w, u0 = xp.matmul(Tinv, b * f.kg), xp.matmul(Tinv, b * v)
-        return ChunkLocal(f.qg, f.kg, f.kt, f.total, A, L, Tinv, w, u0, private=f)
+    if Cp > MAX_CHUNK:
+        msg = f"{name}: padded chunks of at most {MAX_CHUNK} steps fit a block; got {Cp}"
+        raise ValueError(msg)
     N = math.prod(lead)
     qg, kg, kt, w = (_empty(xp, q, (N, Cp, K)) for _ in range(4))
     total = _empty(xp, q, (N, K))
@@ -341,9 +267,7 @@ def chunk_local_backward(
 ) -> tuple[Any, Any, Any, Any, Any]:
     """Gradients of every chunk's state-free work in one kernel, one block per chunk.
 
-    Returns ``dq, dk, dv, dg, dbeta`` (see :mod:`kda.reference`). When a block's factor columns
-    do not fit in :data:`SHARED_LIMIT` (float64 beyond 64 padded steps, float32 beyond 128), the
-    unfused kernels and array products run instead.
+    Returns ``dq, dk, dv, dg, dbeta`` (see :mod:`kda._backends.interface`); ``Cp <= MAX_CHUNK``.
     """
     name = "chunk_local_backward"
     xp = array_namespace(q, k, g, v, beta, boundaries, dends, u, du, grad_output)
@@ -365,12 +289,9 @@ def chunk_local_backward(
     fields = (loc.qg, loc.kg, loc.kt, loc.total, loc.L, loc.Tinv, loc.w, loc.u0)
     dtype = _dtype_name(name, q, k, g, v, beta, boundaries, dends, u, du, grad_output, *fields)
     shared = Cp * LOCAL_BACKWARD_THREADS * q.dtype.itemsize
-    if shared > SHARED_LIMIT:
-        import sys
-
-        return local_backward(
-            sys.modules[__name__], q, k, g, v, beta, scale, loc, boundaries, dends, u, du, grad_output
-        )
+    if Cp > MAX_CHUNK:
+        msg = f"{name}: padded chunks of at most {MAX_CHUNK} steps fit a block; got {Cp}"
+        raise ValueError(msg)
     N = B * H * NT
     dqg, dkt, dkw, dq, dk, dg = (_empty(xp, q, (N, Cp, K)) for _ in range(6))
     dku, dv = (_empty(xp, q, (N, Cp, V)) for _ in range(2))
@@ -482,46 +403,6 @@ def chunk_state_grad_pass(
     )
 
 
-def chunk_pairs_backward(
-    dA: Any, dL: Any, q: Any, k: Any, f: ChunkFactors, scale: float
-) -> tuple[Any, Any, Any]:
-    """Gradients through :func:`chunk_pairs`: ``dq, dk, dg``, each ``[..., Cp, K]``."""
-    name = "chunk_pairs_backward"
-    xp = array_namespace(dA, dL, q, k)
-    _check_ndim(name, "q", q, 5)
-    B, H, NT, Cp, K = q.shape
-    N = B * H * NT
-    _check_shape(name, "k", k, q.shape)
-    _check_shape(name, "dA", dA, (B, H, NT, Cp, Cp))
-    _check_shape(name, "dL", dL, (B, H, NT, Cp, Cp))
-    if not _factors_match(f, N, Cp, K):
-        msg = f"{name}: f must come from kda.cuda.chunk_factors of the same chunks"
-        raise ValueError(msg)
-    dtype = _dtype_name(name, dA, dL, q, k, f.private)
-    outs = [_empty(xp, q, (N, Cp, K)) for _ in range(3)]
-    args = (dA, dL, q, k, f.private, q.dtype.type(scale), *outs)
-    _launch(name, dtype, _grid(N * K), THREADS_PER_BLOCK, *args, dims=(N, f.private.shape[1], Cp, K))
-    dq, dk, dg = (xp.reshape(x, q.shape) for x in outs)
-    return dq, dk, dg
-
-
-def chunk_gate_gradient(prefix_terms: Any, suffix_terms: Any, total_terms: Any, pair_terms: Any) -> Any:
-    """Gradient of ``g`` from the gradients of the decay factors (see :mod:`kda.reference`)."""
-    name = "chunk_gate_gradient"
-    xp = array_namespace(prefix_terms, suffix_terms, total_terms, pair_terms)
-    dtype = _dtype_name(name, prefix_terms, suffix_terms, total_terms, pair_terms)
-    _check_ndim(name, "prefix_terms", prefix_terms, 5)
-    B, H, NT, Cp, K = prefix_terms.shape
-    N = B * H * NT
-    _check_shape(name, "suffix_terms", suffix_terms, prefix_terms.shape)
-    _check_shape(name, "pair_terms", pair_terms, prefix_terms.shape)
-    _check_shape(name, "total_terms", total_terms, (B, H, NT, K))
-    dg = _empty(xp, prefix_terms, (N, Cp, K))
-    args = (prefix_terms, suffix_terms, total_terms, pair_terms, dg)
-    _launch(name, dtype, _grid(N * K), THREADS_PER_BLOCK, *args, dims=(N, Cp, K))
-    return xp.reshape(dg, prefix_terms.shape)
-
-
 def _check_recurrent(name: str, q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any) -> tuple[int, ...]:
     _check_ndim(name, "q", q, 4)
     _check_ndim(name, "v", v, 4)
@@ -618,7 +499,7 @@ def gate_flags(g: Any) -> Any:
 
 def raise_for_gates(flags: Any) -> None:
     """Raise :class:`kda.InvalidInputError` if :func:`gate_flags` found invalid decays (reads them)."""
-    from .._errors import InvalidInputError
+    from ..._errors import InvalidInputError
 
     n_pos, n_nan = (int(x) for x in flags)
     if n_pos or n_nan:

@@ -1,12 +1,17 @@
-"""The array-API reference backend: every primitive, written with ``array_namespace``.
+"""The array-API reference backend: every primitive of :mod:`kda._backends.interface`, written
+with ``array_namespace``.
 
-It serves NumPy and any other namespace that follows the array API standard
-(array-api-strict, PyTorch on CPU through array-api-compat, ...).
+It serves NumPy and any other namespace that follows the array API standard (array-api-strict,
+PyTorch on CPU through array-api-compat, CuPy, ...). ``chunk_local`` and ``chunk_local_backward``
+are built from finer steps that stay in this backend (:func:`chunk_factors`, :func:`chunk_pairs`,
+:func:`unit_lower_inverse`, :func:`chunk_pairs_backward`, :func:`chunk_gate_gradient`).
 """
 
+from typing import Any
+
+from ..interface import ChunkLocal, from_chunks, to_chunks
 from ._chunk import (
     ChunkFactors,
-    ChunkLocal,
     chunk_factors,
     chunk_gate_gradient,
     chunk_local,
@@ -15,8 +20,6 @@ from ._chunk import (
     chunk_pairs_backward,
     chunk_state_grad_pass,
     chunk_state_pass,
-    from_chunks,
-    to_chunks,
     unit_lower_inverse,
 )
 from ._decode import decode_forward
@@ -24,8 +27,16 @@ from ._recurrent import recurrent_backward, recurrent_forward
 from ._scheduling import SLAB_ELEMENTS, worker_context, workers
 
 NAME = "reference"
+MAX_CHUNK = None  # any chunk length
+
+
+def launch_gate_check(g: Any) -> None:
+    """No device-side check: validation checks ``g`` on the host."""
+    return None
+
 
 __all__ = [
+    "MAX_CHUNK",
     "NAME",
     "SLAB_ELEMENTS",
     "ChunkFactors",
@@ -40,6 +51,7 @@ __all__ = [
     "chunk_state_pass",
     "decode_forward",
     "from_chunks",
+    "launch_gate_check",
     "recurrent_backward",
     "recurrent_forward",
     "to_chunks",

@@ -2,7 +2,7 @@
 
 - ``short``: :func:`kda.chunk_kda` against :func:`kda.recurrent_kda` for ``T`` in 1..64 (default
   B=8, H=16, K=V=128, float32), forward and forward+backward. ``chunk_kda`` is timed twice: as
-  shipped (it runs the step recurrence for ``T <= kda._core.RECURRENT_MAX_T``) and with the
+  shipped (it runs the step recurrence for ``T <= kda._engine.core.RECURRENT_MAX_T``) and with the
   chunked algorithm forced at every ``T`` (``RECURRENT_MAX_T`` set to 0 for the measurement and
   restored), which gives the crossover: the smallest ``T`` from which the chunked algorithm is
   faster than the recurrence at every measured length. Target: shipped ``chunk_kda`` at ``T=1``
@@ -116,7 +116,7 @@ def _inputs(x: dict[str, np.ndarray]) -> tuple[np.ndarray, ...]:
 
 def _short_fns(x: dict[str, np.ndarray]) -> dict[str, dict[str, Callable[[], Any]]]:
     import kda
-    from kda import _core
+    from kda._engine import core as _core
 
     args, s0, do = _inputs(x), x["state"], x["do"]
 
@@ -169,7 +169,7 @@ def crossover(rows: list[dict[str, Any]], pass_: str) -> int | None:
 
 
 def run_short(cfg: InferenceConfig, step: Callable[[str], None]) -> dict[str, Any]:
-    from kda import _core
+    from kda._engine import core as _core
 
     B, H, K, V = cfg.short_shape
     rows = []

@@ -10,7 +10,7 @@ For each sequence length ``T`` it times the forward and the forward+backward of
 
 next to this machine's float32 GEMM rate, prints a table, and writes ``bench.json`` and
 ``bench.png`` to ``--out``. ``--parts`` adds (by default) or selects the inference parts of
-:mod:`kda._bench_inference`: short sequences (``chunk_kda`` against ``recurrent_kda`` for T in
+:mod:`kda.bench.inference`: short sequences (``chunk_kda`` against ``recurrent_kda`` for T in
 1..64 and their crossover), decoding from a state pool (against a copy of the touched states) and
 prepared plans (against plain calls); ``--parts short decode plan`` runs only those. A separate
 pass measures the peak memory of the chunked forward+backward with :mod:`tracemalloc`. Nothing
@@ -125,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _inference_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of the short-sequence, decode and plan parts (``kda/_bench_inference.py``)."""
-    from ._bench_inference import SHORT_T
+    from ..bench.inference import SHORT_T
 
     p.add_argument(
         "--parts",
@@ -790,7 +790,7 @@ def _run_sweep(args: argparse.Namespace, progress: _Progress) -> tuple[dict[str,
 
 
 def _inference_config(args: argparse.Namespace) -> Any:
-    from ._bench_inference import InferenceConfig
+    from ..bench.inference import InferenceConfig
 
     return InferenceConfig(
         short_shape=tuple(args.short_shape),
@@ -808,7 +808,7 @@ def _inference_config(args: argparse.Namespace) -> Any:
 
 
 def _progress_total(args: argparse.Namespace, inference: list[str]) -> int:
-    from ._bench_inference import steps
+    from ..bench.inference import steps
 
     total = steps(_inference_config(args), inference) if inference else 0
     if "sweep" in args.parts:
@@ -839,7 +839,7 @@ def main(argv: list[str] | None = None) -> int:
             sweep_report, lines = _run_sweep(args, progress)
             report |= sweep_report
         if inference:
-            from . import _bench_inference
+            from ..bench import inference as _bench_inference
 
             def step(label: str) -> None:
                 progress.describe(label)
@@ -874,7 +874,7 @@ def _write_report(args, argv, machine: dict[str, Any], report: dict[str, Any], l
         if part == "sweep":
             note = _plot(report["results"], png_path, title)
         else:
-            from ._bench_inference import plot
+            from ..bench.inference import plot
 
             note = plot(report["inference"], png_path, title)
         lines.append(f"plot: {note}" if note else f"plot: {png_path}")

@@ -14,8 +14,9 @@ from typing import Any
 
 import array_api_compat
 
-from ._errors import InvalidInputError, InvalidTypeError
-from ._options import BETA_ACTIVATIONS, GATES, LAYOUTS, Options
+from .._errors import InvalidInputError, InvalidTypeError
+from .maps import Options
+from .table import LAYOUTS, OPTIONS, Choices
 
 __all__ = ["Problem", "check_options_call", "validate_options", "validate_problem"]
 
@@ -176,14 +177,15 @@ def validate_problem(
     *,
     layout: str = "head_first",
     log_gate: bool = True,
-    defer_gate_check: bool = False,
+    gate_check: Any = None,
 ) -> Problem:
     """Check ``q, k, v, g, beta`` and ``scale``; return the problem's sizes and dtypes.
 
     ``log_gate``: ``g`` is a log decay (``<= 0``, ``-inf`` a reset); otherwise a raw gate.
-    ``defer_gate_check``: on a GPU namespace, launch the ``g <= 0`` check on the device and keep
-    its flags on the problem instead of synchronising now; the caller must then call
-    :func:`raise_for_gates` once its own work is queued.
+    ``gate_check``: the backend's deferred device check of ``g <= 0`` (its
+    ``launch_gate_check``), or None. When it returns flags, they are kept on the problem instead
+    of synchronising now, and the caller reads them with :func:`raise_for_gates` once its own
+    work is queued; when it returns None (or there is none), ``g`` is checked here.
     """
     names = ["q", "k", "v", "g", "beta"]
     arrays = [q, k, v, g, beta]
@@ -205,27 +207,16 @@ def validate_problem(
     for name, x in zip(names[1:], arrays[1:]):
         check_dtype(name, x, q.dtype, "the dtype of q")
     compute_dtype = xp.float64 if q.dtype == xp.float64 else xp.float32
-    flags = None
-    if log_gate and defer_gate_check and device_gate_check(xp):
-        from .cuda import gate_flags
-
-        flags = gate_flags(g)
-    elif log_gate:
+    flags = gate_check(g) if log_gate and gate_check is not None else None
+    if log_gate and flags is None:
         check_log_decay(xp, g)
     return replace(p, compute_dtype=compute_dtype, scale=check_scale(scale, K), gate_flags=flags)
-
-
-def device_gate_check(xp: Any) -> bool:
-    """Whether the ``g <= 0`` check runs on the device, read after the call's work (CuPy)."""
-    return bool(array_api_compat.is_cupy_namespace(xp))
 
 
 def raise_for_gates(p: Problem) -> None:
     """Read a deferred device gate check (one host synchronisation) and raise if it failed."""
     if p.gate_flags is not None:
-        from .cuda import raise_for_gates as read
-
-        read(p.gate_flags)
+        p.gate_flags.raise_if_bad()
 
 
 def check_choice(name: str, value: Any, allowed: tuple[Any, ...]) -> Any:
@@ -353,58 +344,33 @@ def check_cu_seqlens(cu_seqlens: Any, B: int, T: int) -> tuple[int, ...] | None:
     return tuple(int(n) for n in host)
 
 
-def validate_options(
-    p: Problem,
-    *,
-    qk_l2norm: Any,
-    gate: str,
-    A_log: Any,
-    dt_bias: Any,
-    lower_bound: Any,
-    beta_activation: Any,
-    cu_seqlens: Any,
-) -> tuple[Problem, Options]:
+def _check_choices(opts: Choices) -> None:
+    """Every option with a fixed set of values (the table's ``choices``) has one of them."""
+    for option in OPTIONS:
+        if option.choices is not None:
+            check_choice(option.name, getattr(opts, option.name), option.choices)
+
+
+def validate_options(p: Problem, opts: Choices) -> tuple[Problem, Options]:
     """Check the model-level options against the problem; return it with ``cu_seqlens`` set."""
-    if not isinstance(qk_l2norm, bool):
-        msg = f"qk_l2norm must be True or False; got {qk_l2norm!r}"
+    if not isinstance(opts.qk_l2norm, bool):
+        msg = f"qk_l2norm must be True or False; got {opts.qk_l2norm!r}"
         raise InvalidTypeError(msg)
-    check_choice("beta_activation", beta_activation, BETA_ACTIVATIONS)
-    A_log, dt_bias, lower_bound = _check_gate(p, gate, A_log, dt_bias, lower_bound)
-    offsets = check_cu_seqlens(cu_seqlens, p.B, p.T)
-    options = Options(p.layout, qk_l2norm, gate, A_log, dt_bias, lower_bound, beta_activation, offsets)
+    A_log, dt_bias, lower_bound = _check_gate(p, opts.gate, opts.A_log, opts.dt_bias, opts.lower_bound)
+    offsets = check_cu_seqlens(opts.cu_seqlens, p.B, p.T)
+    options = Options(opts.qk_l2norm, opts.gate, A_log, dt_bias, lower_bound, opts.beta_activation)
     return replace(p, offsets=offsets), options
 
 
 def check_options_call(
-    q: Any,
-    k: Any,
-    v: Any,
-    g: Any,
-    beta: Any,
-    scale: Any,
-    *,
-    layout: str,
-    qk_l2norm: Any,
-    gate: str,
-    A_log: Any,
-    dt_bias: Any,
-    lower_bound: Any,
-    beta_activation: Any,
-    cu_seqlens: Any,
-    defer_gate_check: bool = False,
+    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: Any, opts: Choices, gate_check: Any = None
 ) -> tuple[Problem, Options]:
-    """:func:`validate_problem` then :func:`validate_options`: everything about the inputs."""
-    gate = check_choice("gate", gate, GATES)
+    """:func:`validate_problem` then :func:`validate_options`: everything about the inputs.
+
+    ``gate_check``: the backend's deferred device gate check, if any (see :func:`validate_problem`).
+    """
+    _check_choices(opts)
     p = validate_problem(
-        q, k, v, g, beta, scale, layout=layout, log_gate=gate == "log", defer_gate_check=defer_gate_check
+        q, k, v, g, beta, scale, layout=opts.layout, log_gate=opts.gate == "log", gate_check=gate_check
     )
-    return validate_options(
-        p,
-        qk_l2norm=qk_l2norm,
-        gate=gate,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        lower_bound=lower_bound,
-        beta_activation=beta_activation,
-        cu_seqlens=cu_seqlens,
-    )
+    return validate_options(p, opts)

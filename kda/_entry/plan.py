@@ -28,19 +28,16 @@ What ``run()`` costs beyond the computation:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import array_api_compat
 
-from . import _api
-from ._api import KdaGradients, KdaOutput
-from ._backends import get_backend
-from ._chunked import chunk_backward, chunk_forward
-from ._core import ChunkCore
-from ._errors import InvalidInputError, InvalidTypeError
-from ._options import Options, head_first
-from ._validation import STATE_DTYPE_RULE, Problem, check_array, check_chunk_size, check_options_call
+from .._errors import InvalidInputError, InvalidTypeError
+from .._options.maps import Options, head_first
+from .._options.table import Choices, takes_options
+from .._options.validation import STATE_DTYPE_RULE, Problem, check_array
+from .call import Call, KdaGradients, KdaOutput, open_call
 
 __all__ = ["BackwardPlan", "ForwardPlan", "prepare_chunk_kda", "prepare_chunk_kda_backward"]
 
@@ -95,45 +92,29 @@ class _Buffers:
 
 def _is_plain(p: Problem, o: Options) -> bool:
     """No element-wise map between the bound arrays and the core: runs write in place."""
-    return (
-        o.gate == "log"
-        and not o.qk_l2norm
-        and o.beta_activation is None
-        and o.cu_seqlens is None
-        and p.H == p.HV
-        and p.dtype == p.compute_dtype
-    )
+    return o.is_identity and p.offsets is None and p.H == p.HV and p.dtype == p.compute_dtype
 
 
 @dataclass
 class _Runner:
-    """What both plans share: the bound arrays, the core, the fast path and the CUDA graph.
+    """What both plans share: the call (the core with its options), the bound arrays and the
+    CUDA graph. Runs go through the same :class:`~kda._entry.call.Call` methods as the plain
+    functions, so their results are bitwise those of the plain calls."""
 
-    ``chunk`` is the chunk size that the fast path runs (the bound arrays straight into the
-    plan's buffers), or None where the options' maps or the step recurrence run instead.
-    """
-
-    p: Problem
-    o: Options
-    core: ChunkCore
+    call: Call
     inputs: tuple  # raw q, k, v, g, beta (and A_log, dt_bias for the backward)
     state: Any
-    chunk: int | None
     graph: Any = None
     graph_resources: tuple = field(default_factory=tuple)
 
     @property
     def xp(self) -> Any:
-        return self.p.xp
-
-    def views(self, *arrays: Any) -> list[Any]:
-        """Head-first views of bound arrays (the arrays themselves for the head-first layout)."""
-        return [head_first(self.xp, x, self.p.layout) for x in arrays]
+        return self.call.p.xp
 
     def recheck_gate(self) -> None:
         """``max(g) <= 0`` on host arrays with a log gate (see the module notes)."""
         g = self.inputs[3]
-        if self.o.gate != "log" or array_api_compat.is_cupy_namespace(self.xp) or g.size == 0:
+        if self.call.o.gate != "log" or array_api_compat.is_cupy_namespace(self.xp) or g.size == 0:
             return
         if not bool(self.xp.max(g) <= 0):
             msg = "g must hold log decays <= 0 (-inf allowed); the refilled g has a positive or NaN element"
@@ -179,9 +160,8 @@ class ForwardPlan:
         The buffers that every :meth:`run` fills (``boundaries`` is None unless saved or given).
     """
 
-    def __init__(self, runner: _Runner, out: KdaOutput, boundaries: Any) -> None:
+    def __init__(self, runner: _Runner, out: KdaOutput) -> None:
         self._r = runner
-        self._boundaries = boundaries  # out.boundaries, or the plan's workspace for them
         self.out = out
 
     def run(self) -> KdaOutput:
@@ -190,16 +170,8 @@ class ForwardPlan:
         return self.out
 
     def _compute(self) -> None:
-        r, p = self._r, self._r.p
-        if r.chunk is not None:
-            bufs = (r.views(self.out.output)[0], self.out.final_state, self._boundaries)
-            chunk_forward(r.core.ops, r.xp, *r.views(*r.inputs), p.scale, r.state, r.chunk, out=bufs)
-            return
-        result = _api._forward(p, r.o, r.core, r.inputs, r.state, False, True)
-        self.out.output[...] = result.output
-        self.out.final_state[...] = result.final_state
-        if result.boundaries is not None:
-            self._boundaries[...] = result.boundaries
+        r = self._r
+        r.call.forward(r.inputs, r.state, self.out.boundaries is not None, out=self.out)
 
 
 class BackwardPlan:
@@ -223,47 +195,25 @@ class BackwardPlan:
         return self.out
 
     def _compute(self) -> None:
-        r, p = self._r, self._r.p
+        r, p = self._r, self._r.call.p
         boundaries, do, dstate = self._bound
-        if r.chunk is not None:
-            grads = (*r.views(*self.out[:5]), self.out.initial_state)
-            ws = (self._workspace,) if boundaries is None else ()
-            args = (p.scale, r.state, boundaries, r.views(do)[0], dstate, r.chunk)
-            chunk_backward(r.core.ops, r.xp, *r.views(*r.inputs[:5]), *args, out=(*grads, *ws))
-            return
-        do_core = r.views(r.xp.astype(do, p.compute_dtype, copy=False))[0]
-        result = _api._backward(p, r.o, r.core, r.inputs, r.state, boundaries, do_core, dstate, False)
-        for buf, x in zip(self.out, result, strict=True):
-            if buf is not None:
-                buf[...] = x
+        do = head_first(r.xp, r.xp.astype(do, p.compute_dtype, copy=False), p.layout)
+        r.call.backward(r.inputs, r.state, boundaries, do, dstate, out=self.out, workspace=self._workspace)
 
 
-def _prepare(q, k, v, g, beta, scale, chunk_size, backend, initial_state, check_finite, options):
-    """Validation shared by both plans: ``(problem, options, core, state, fast-path chunk)``."""
-    p, o = check_options_call(q, k, v, g, beta, scale, **options)
+def _prepare(q, k, v, g, beta, scale, chunk_size, backend, initial_state, opts: Choices) -> tuple[Call, Any]:
+    """Validation shared by both plans: ``(call, initial state)``; the call checks nothing at runs."""
+    call = open_call(q, k, v, g, beta, scale, opts, backend=backend, chunk_size=chunk_size)
     if not array_api_compat.is_writeable_array(q):
         msg = f"prepared KDA needs arrays that can be written in place; {type(q).__module__} arrays cannot"
         raise InvalidInputError(msg)
-    core = ChunkCore(get_backend(p.xp, backend), p.scale, check_chunk_size(chunk_size))
-    state = _api._state_or_zeros(p, "initial_state", initial_state)
-    _api._check_inputs_finite(p, o, check_finite, q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
-    chunk = core._plan(head_first(p.xp, q, p.layout))  # also refuses pair matrices that cannot fit
-    return p, o, core, state, chunk if _is_plain(p, o) else None
+    state = call.state_or_zeros("initial_state", initial_state)
+    call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+    call.core.route(head_first(call.p.xp, q, call.p.layout))  # refuses pair matrices that cannot fit
+    return replace(call, check=False), state
 
 
-def _options(layout, qk_l2norm, gate, A_log, dt_bias, lower_bound, beta_activation, cu_seqlens) -> dict:
-    return dict(
-        layout=layout,
-        qk_l2norm=qk_l2norm,
-        gate=gate,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        lower_bound=lower_bound,
-        beta_activation=beta_activation,
-        cu_seqlens=cu_seqlens,
-    )
-
-
+@takes_options()
 def prepare_chunk_kda(
     q: Any,
     k: Any,
@@ -277,15 +227,7 @@ def prepare_chunk_kda(
     chunk_size: int = 64,
     save_boundaries: bool = False,
     backend: str | None = None,
-    layout: str = "head_first",
-    qk_l2norm: bool = False,
-    gate: str = "log",
-    A_log: Any = None,
-    dt_bias: Any = None,
-    lower_bound: float | None = None,
-    beta_activation: str | None = None,
-    cu_seqlens: Any = None,
-    check_finite: bool = True,
+    opts: Choices,
 ) -> ForwardPlan:
     """Prepare :func:`kda.chunk_kda` on bound arrays, to run many times.
 
@@ -301,6 +243,7 @@ def prepare_chunk_kda(
         ``final_state`` (``[B, HV, K, V]``, ``[N, HV, K, V]`` with ``cu_seqlens``) and
         ``boundaries`` (``[NT, B, HV, K, V]``, required with ``save_boundaries=True``, filled
         whenever given); states float32 (float64 for float64 inputs). None: the plan allocates.
+{options}
 
     Returns
     -------
@@ -328,10 +271,8 @@ def prepare_chunk_kda(
     one slab's work per run, nothing that grows with ``T``. On CuPy the first run also captures
     a CUDA graph that later runs replay.
     """
-    options = _options(layout, qk_l2norm, gate, A_log, dt_bias, lower_bound, beta_activation, cu_seqlens)
-    p, o, core, state, chunk = _prepare(
-        q, k, v, g, beta, scale, chunk_size, backend, initial_state, check_finite, options
-    )
+    call, state = _prepare(q, k, v, g, beta, scale, chunk_size, backend, initial_state, opts)
+    p = call.p
     out = KdaOutput(None, None, None) if out is None else out
     if not isinstance(out, KdaOutput):
         msg = f"out must be a kda.KdaOutput of buffers or None; got {type(out).__name__}"
@@ -345,15 +286,15 @@ def prepare_chunk_kda(
         "output", out.output, p.shape(p.HV, p.V), p.letters("HV", "V"), p.dtype, "the dtype of q"
     )
     final = make.state("final_state", out.final_state, (p.N, p.HV, p.K, p.V), f"{rows}, HV, K, V")
-    bshape = (p.num_chunks(core.chunk_size), p.B, p.HV, p.K, p.V)
-    boundaries = make.state("boundaries", out.boundaries, bshape, "NT, B, HV, K, V")
+    boundaries = None
+    if save_boundaries or out.boundaries is not None:
+        boundaries = make.state("boundaries", out.boundaries, call.boundaries_shape(), "NT, B, HV, K, V")
     bound = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state}
     _check_bindings({**bound, "out.output": output, "out.final_state": final, "out.boundaries": boundaries})
-    runner = _Runner(p, o, core, (q, k, v, g, beta), state, chunk)
-    saved = boundaries if save_boundaries or out.boundaries is not None else None
-    return ForwardPlan(runner, KdaOutput(output, final, saved), boundaries)
+    return ForwardPlan(_Runner(call, (q, k, v, g, beta), state), KdaOutput(output, final, boundaries))
 
 
+@takes_options()
 def prepare_chunk_kda_backward(
     q: Any,
     k: Any,
@@ -369,15 +310,7 @@ def prepare_chunk_kda_backward(
     initial_state: Any = None,
     chunk_size: int = 64,
     backend: str | None = None,
-    layout: str = "head_first",
-    qk_l2norm: bool = False,
-    gate: str = "log",
-    A_log: Any = None,
-    dt_bias: Any = None,
-    lower_bound: float | None = None,
-    beta_activation: str | None = None,
-    cu_seqlens: Any = None,
-    check_finite: bool = True,
+    opts: Choices,
 ) -> BackwardPlan:
     """Prepare :func:`kda.chunk_kda_backward` on bound arrays, to run many times.
 
@@ -392,32 +325,30 @@ def prepare_chunk_kda_backward(
         Caller-owned gradient buffers, each with its input's shape and dtype (``initial_state``:
         ``[B, HV, K, V]`` in the states' dtype; ``A_log`` and ``dt_bias`` only where the gate
         uses them, else None). None: the plan allocates.
+{options}
 
     Returns
     -------
     BackwardPlan
         ``plan.run()`` returns ``plan.out``, a :class:`~kda.KdaGradients` of the plan's buffers.
     """
-    options = _options(layout, qk_l2norm, gate, A_log, dt_bias, lower_bound, beta_activation, cu_seqlens)
-    p, o, core, state, chunk = _prepare(
-        q, k, v, g, beta, scale, chunk_size, backend, initial_state, check_finite, options
-    )
-    _api._check_boundaries(p, boundaries, core.chunk_size)
+    call, state = _prepare(q, k, v, g, beta, scale, chunk_size, backend, initial_state, opts)
+    p, o = call.p, call.o
+    call.check_boundaries(boundaries)
     check_array(
         "grad_output", grad_output, p, p.shape(p.HV, p.V), p.letters("HV", "V"), p.dtype, "the dtype of q"
     )
-    dstate = _api._state_or_zeros(p, "grad_final_state", grad_final_state)
+    dstate = call.state_or_zeros("grad_final_state", grad_final_state)
     finite = {"boundaries": boundaries, "grad_output": grad_output, "grad_final_state": grad_final_state}
-    _api._check_inputs_finite(p, o, check_finite, **finite)
+    replace(call, check=opts.check_finite).check_inputs_finite(**finite)
     make = _Buffers(p, array_api_compat.device(q))
-    grads = _gradient_buffers(p, o, make, out, (q, k, v, g, beta, state, A_log, dt_bias))
+    grads = _gradient_buffers(p, o, make, out, (q, k, v, g, beta, state, opts.A_log, opts.dt_bias))
     bound = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state, **finite}
     _check_bindings({**bound, **{f"out.{n}": x for n, x in zip(KdaGradients._fields, grads)}})
     workspace = None
-    if boundaries is None and chunk is not None:
-        bshape = (p.num_chunks(core.chunk_size), p.B, p.HV, p.K, p.V)
-        workspace = make.state("boundaries workspace", None, bshape, "NT, B, HV, K, V")
-    runner = _Runner(p, o, core, (q, k, v, g, beta, A_log, dt_bias), state, chunk)
+    if boundaries is None and _is_plain(p, o):  # recomputed boundaries, written in place
+        workspace = make.state("boundaries workspace", None, call.boundaries_shape(), "NT, B, HV, K, V")
+    runner = _Runner(call, (q, k, v, g, beta, opts.A_log, opts.dt_bias), state)
     return BackwardPlan(runner, grads, (boundaries, grad_output, dstate), workspace)
 
 

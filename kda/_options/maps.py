@@ -33,24 +33,27 @@ __all__ = [
     "sum_heads",
 ]
 
-LAYOUTS = ("head_first", "time_major")
-GATES = ("log", "softplus", "lower_bound")
-BETA_ACTIVATIONS = (None, "sigmoid", "sigmoid2")
 L2NORM_EPS = 1e-6
 
 
 @dataclass(frozen=True)
 class Options:
-    """Validated model-level options of one call (arrays in the compute dtype, head-first)."""
+    """Validated element-wise options of one call (arrays in the compute dtype, head-first).
 
-    layout: str = "head_first"
+    The layout and the packed-sequence offsets are the problem's (:class:`~kda._options.validation.Problem`).
+    """
+
     qk_l2norm: bool = False
     gate: str = "log"
     A_log: Any = None  # [HV]
     dt_bias: Any = None  # [HV, K]
     lower_bound: float | None = None
     beta_activation: str | None = None
-    cu_seqlens: tuple[int, ...] | None = None  # host offsets, N + 1 of them
+
+    @property
+    def is_identity(self) -> bool:
+        """No element-wise map at all: the core's inputs are the raw inputs."""
+        return self.gate == "log" and not self.qk_l2norm and self.beta_activation is None
 
 
 def head_first(xp: Any, x: Any, layout: str) -> Any:

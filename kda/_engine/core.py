@@ -1,14 +1,19 @@
-"""The cores that the public functions run (on head-first inputs of the compute dtype), and the
-loop over groups of packed sequences around them.
+"""The core: the one way into the chunked algorithm, and the loop over groups of packed sequences.
+
+Every entry point (plain calls, plans, transition maps, Dask blocks, the adapters) reaches the
+chunked algorithm of :mod:`kda._engine.chunked` through :class:`ChunkCore`, which owns the
+compute dtype (widening), the chunk clamp, the short-sequence routing, the memory check, the
+choice of a backend that can hold the chunks, and caller-owned output buffers. So a plan, which is
+this core with bound inputs and buffers, gives bitwise the results of the plain call.
 
 A core computes KDA on ready inputs ``q, k, g: [B, HV, T, K]``, ``v: [B, HV, T, V]``,
 ``beta: [B, HV, T]`` (``B`` rows that are independent sequences):
 
-- :class:`ChunkCore`: the chunked algorithm of :mod:`kda._chunked`. A chunk is clamped to the
+- :class:`ChunkCore`: the chunked algorithm of :mod:`kda._engine.chunked`. A chunk is clamped to the
   sequence (``T < chunk_size`` computes one ``T``-step chunk: the same boundaries, ``NT = 1``),
   and a sequence of at most :data:`RECURRENT_MAX_T` steps in one chunk runs the step recurrence.
   float32 problems with few key channels and long chunks compute in float64
-  (:func:`kda._checks.chunk_compute_dtype`: their WY chunk maps lose float32 accuracy).
+  (:func:`kda._engine.widening.chunk_compute_dtype`: their WY chunk maps lose float32 accuracy).
 - :class:`RecurrentCore`: the step recurrence, the oracle.
 """
 
@@ -19,11 +24,12 @@ from typing import Any, Protocol
 
 import array_api_compat
 
-from . import _varlen
-from ._checks import chunk_compute_dtype
-from ._chunked import chunk_backward, chunk_forward, padded_chunk_size
-from ._errors import InvalidInputError
-from ._options import CoreInputs
+from .._backends import resolve
+from .._errors import InvalidInputError
+from .._options.maps import CoreInputs
+from . import varlen as _varlen
+from .chunked import chunk_backward, chunk_end_state, chunk_forward, chunk_state_gradient, padded_chunk_size
+from .widening import chunk_compute_dtype
 
 __all__ = ["RECURRENT_MAX_T", "ChunkCore", "Core", "RecurrentCore", "run_backward", "run_forward"]
 
@@ -41,9 +47,11 @@ PAIR_BYTES_LIMIT = 1 << 31
 class Core(Protocol):
     chunk_size: int
 
-    def forward(self, q, k, v, g, beta, state, keep: bool = True) -> tuple[Any, Any, Any]: ...
+    def forward(self, q, k, v, g, beta, state, keep: bool = True, out=None) -> tuple[Any, Any, Any]: ...
 
-    def backward(self, q, k, v, g, beta, state, boundaries, do, dstate, out=None) -> tuple[Any, ...]: ...
+    def backward(
+        self, q, k, v, g, beta, state, boundaries, do, dstate, out=None, workspace=None
+    ) -> tuple[Any, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -54,11 +62,13 @@ class RecurrentCore:
     scale: float
     chunk_size: int = 1  # packed sequences are grouped by exact length
 
-    def forward(self, q, k, v, g, beta, state, keep: bool = True) -> tuple[Any, Any, Any]:
+    def forward(self, q, k, v, g, beta, state, keep: bool = True, out=None) -> tuple[Any, Any, Any]:
         o, final = self.ops.recurrent_forward(q, k, v, g, beta, self.scale, state)
-        return o, final, None
+        return _into(out, (o, final, None))
 
-    def backward(self, q, k, v, g, beta, state, boundaries, do, dstate, out=None) -> tuple[Any, ...]:
+    def backward(
+        self, q, k, v, g, beta, state, boundaries, do, dstate, out=None, workspace=None
+    ) -> tuple[Any, ...]:
         return _into(out, self.ops.recurrent_backward(q, k, v, g, beta, self.scale, state, do, dstate))
 
 
@@ -77,56 +87,102 @@ def _check_pair_memory(rows: int, C: int, T: int, itemsize: int) -> None:
 
 @dataclass(frozen=True)
 class ChunkCore:
-    """The chunked algorithm on a backend, with short sequences handled as described above."""
+    """The one way into the chunked algorithm (see the module notes).
+
+    Every method takes the core's inputs (head-first, compute dtype, options applied) and
+    decides, from their sizes, the chunk length (clamped to the sequence), the route (the step
+    recurrence for ``0 < T <= RECURRENT_MAX_T``), the pair-memory limit, the backend that can
+    hold such chunks (:func:`kda._backends.resolve`) and the dtype to compute in
+    (:func:`~kda._engine.widening.chunk_compute_dtype`). Results come back in the inputs' dtype;
+    ``out`` buffers (compute dtype) receive them in place.
+    """
 
     ops: Any
     scale: float
     chunk_size: int
 
-    def _plan(self, q) -> int | None:
-        """The chunk size to run for these inputs, or None for the step recurrence."""
+    def route(self, q) -> tuple[Any, int, Any] | None:
+        """``(backend, chunk length, dtype to compute in)``, or None for the step recurrence."""
         B, HV, T = q.shape[:3]
         C = min(self.chunk_size, max(T, 1))
         if 0 < T <= min(RECURRENT_MAX_T, self.chunk_size):
             return None
         _check_pair_memory(B * HV, C, T, 8)
-        return C
-
-    def forward(self, q, k, v, g, beta, state, keep: bool = True) -> tuple[Any, Any, Any]:
-        """``(output, final_state, boundaries)``; ``keep=False`` may return None boundaries."""
-        C = self._plan(q)
-        if C is None:
-            o, final = self.ops.recurrent_forward(q, k, v, g, beta, self.scale, state)
-            return o, final, (_start_boundaries(state, q.shape[2]) if keep else None)
         xp = _namespace(q)
-        narrow, wide = q.dtype, chunk_compute_dtype(xp, q.shape[-1], C, q.dtype)
-        args = _cast(xp, wide, q, k, v, g, beta, state)
-        results = chunk_forward(self.ops, xp, *args[:5], self.scale, args[5], C)
-        return tuple(_cast(xp, narrow, *results))
+        return resolve(self.ops, padded_chunk_size(C)), C, chunk_compute_dtype(xp, q.shape[-1], C, q.dtype)
 
-    def backward(self, q, k, v, g, beta, state, boundaries, do, dstate, out=None) -> tuple[Any, ...]:
-        """The six gradients; ``out``, six writable buffers of their shapes, receives them."""
-        C = self._plan(q)
-        if C is None:  # the one boundary, when given, is the initial state
+    def forward(self, q, k, v, g, beta, state, keep: bool = True, out=None) -> tuple[Any, Any, Any]:
+        """``(output, final_state, boundaries)``; ``keep=False`` may return None boundaries.
+
+        ``out``: ``(output, final_state, boundaries or None)`` buffers, filled and returned.
+        """
+        route = self.route(q)
+        if route is None:
+            o, final = self.ops.recurrent_forward(q, k, v, g, beta, self.scale, state)
+            return _into(out, (o, final, _start_boundaries(state, q.shape[2]) if keep else None))
+        ops, C, wide = route
+        xp = _namespace(q)
+        if wide == q.dtype:
+            return chunk_forward(ops, xp, q, k, v, g, beta, self.scale, state, C, out=out)
+        args = _cast(xp, wide, q, k, v, g, beta, state)
+        results = chunk_forward(ops, xp, *args[:5], self.scale, args[5], C)
+        return _into(out, _cast(xp, q.dtype, *results))
+
+    def backward(
+        self, q, k, v, g, beta, state, boundaries, do, dstate, out=None, workspace=None
+    ) -> tuple[Any, ...]:
+        """The six gradients. ``out``: six buffers of their shapes that receive them;
+        ``workspace``: a ``[NT, B, HV, K, V]`` buffer for the recomputed boundaries (with
+        ``boundaries=None`` and ``out``)."""
+        route = self.route(q)
+        if route is None:  # the one boundary, when given, is the initial state
             state = state if boundaries is None or boundaries.shape[0] == 0 else boundaries[0, ...]
             return _into(out, self.ops.recurrent_backward(q, k, v, g, beta, self.scale, state, do, dstate))
+        ops, C, wide = route
         xp = _namespace(q)
-        narrow, wide = q.dtype, chunk_compute_dtype(xp, q.shape[-1], C, q.dtype)
-        if out is not None and wide == narrow:  # written in place by the chunked backward
+        if wide == q.dtype:
+            bufs = None if out is None else (*out, *(() if workspace is None else (workspace,)))
             return chunk_backward(
-                self.ops, xp, q, k, v, g, beta, self.scale, state, boundaries, do, dstate, C, out
+                ops, xp, q, k, v, g, beta, self.scale, state, boundaries, do, dstate, C, bufs
             )
         args = _cast(xp, wide, q, k, v, g, beta, state, boundaries, do, dstate)
-        grads = chunk_backward(self.ops, xp, *args[:5], self.scale, *args[5:], C)
-        return _into(out, _cast(xp, narrow, *grads))
+        grads = chunk_backward(ops, xp, *args[:5], self.scale, *args[5:], C)
+        return _into(out, _cast(xp, q.dtype, *grads))
+
+    def end_state(self, q, k, v, g, beta, start) -> Any:
+        """The state after the inputs from ``start`` (no outputs formed)."""
+        route = self.route(q)
+        if route is None:
+            return self.ops.recurrent_forward(q, k, v, g, beta, self.scale, start)[1]
+        ops, C, wide = route
+        xp = _namespace(q)
+        args = _cast(xp, wide, q, k, v, g, beta, start)
+        with ops.worker_context():  # one BLAS thread: small products
+            end = chunk_end_state(ops, xp, *args[:5], self.scale, args[5], C)
+        return xp.astype(end, q.dtype, copy=False)
+
+    def state_gradient(self, q, k, v, g, beta, do) -> Any:
+        """The start-state gradient when the end-state gradient is zero (``D`` of a transition)."""
+        route = self.route(q)
+        xp = _namespace(q)
+        if route is None:
+            B, HV, _, K = q.shape
+            zeros = xp.zeros((B, HV, K, v.shape[-1]), dtype=q.dtype, device=q.device)
+            return self.ops.recurrent_backward(q, k, v, g, beta, self.scale, zeros, do, zeros)[5]
+        ops, C, wide = route
+        args = _cast(xp, wide, q, k, v, g, beta, do)
+        with ops.worker_context():
+            D = chunk_state_gradient(ops, xp, *args[:5], self.scale, args[5], C)
+        return xp.astype(D, q.dtype, copy=False)
 
 
 def _into(out: Any, results: Any) -> tuple[Any, ...]:
-    """``results``, or copied into the buffers ``out`` (returned) when given."""
+    """``results``, or copied into the buffers ``out`` (returned; a None buffer is skipped)."""
     if out is None:
         return tuple(results)
     for buf, x in zip(out, results, strict=True):
-        buf[...] = x
+        if buf is not None and x is not None:
+            buf[...] = x
     return tuple(out)
 
 
@@ -154,13 +210,20 @@ def run_forward(
     state: Any,
     offsets: tuple[int, ...] | None,
     keep_boundaries: bool = True,
+    out: Any = None,
 ):
     """``(output, final_state, boundaries)`` of the core on ``c``, per group of packed sequences.
 
-    With packed sequences, ``boundaries`` is None unless ``keep_boundaries``.
+    With packed sequences, ``boundaries`` is None unless ``keep_boundaries``. ``out``: buffers
+    (compute dtype, head-first) that receive the results (written straight in without packed
+    sequences, copied in with them).
     """
     if offsets is None:
-        return core.forward(c.q, c.k, c.v, c.g, c.beta, state, keep_boundaries)
+        return core.forward(c.q, c.k, c.v, c.g, c.beta, state, keep_boundaries, out=out)
+    return _into(out, _run_packed_forward(core, xp, c, state, offsets, keep_boundaries))
+
+
+def _run_packed_forward(core: Core, xp: Any, c: CoreInputs, state: Any, offsets, keep_boundaries: bool):
     plan = _varlen.plan_sequences(offsets, core.chunk_size)
     outs, finals, starts = [], [], []
     for group in plan.groups:
@@ -183,16 +246,29 @@ def run_forward(
 
 
 def run_backward(
-    core: Core, xp: Any, c: CoreInputs, state: Any, boundaries: Any, do: Any, dstate: Any, offsets
+    core: Core,
+    xp: Any,
+    c: CoreInputs,
+    state: Any,
+    boundaries: Any,
+    do: Any,
+    dstate: Any,
+    offsets,
+    out: Any = None,
+    workspace: Any = None,
 ) -> tuple[Any, ...]:
     """Gradients ``(dq, dk, dv, dg, dbeta, dstate)`` of the core's inputs, per group of sequences.
 
     Where arrays are writable, a group of one sequence writes its gradients straight into views
     of the packed gradients, and other groups are copied in by slices; elsewhere the groups'
-    gradients are concatenated.
+    gradients are concatenated. ``out``: six buffers that receive the gradients.
     """
     if offsets is None:
-        return core.backward(c.q, c.k, c.v, c.g, c.beta, state, boundaries, do, dstate)
+        return core.backward(c.q, c.k, c.v, c.g, c.beta, state, boundaries, do, dstate, out, workspace)
+    return _into(out, _run_packed_backward(core, xp, c, state, boundaries, do, dstate, offsets))
+
+
+def _run_packed_backward(core: Core, xp: Any, c: CoreInputs, state, boundaries, do, dstate, offsets):
     plan = _varlen.plan_sequences(offsets, core.chunk_size)
     packed = [xp.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (c.q, c.k, c.v, c.g, c.beta)]
     in_place = bool(array_api_compat.is_writeable_array(packed[0]))

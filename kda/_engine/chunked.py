@@ -1,10 +1,10 @@
 """The backend-neutral chunked KDA forward and backward.
 
-Written once against the primitive interface that :mod:`kda.reference` (and the CUDA
+Written once against the primitive interface that :mod:`kda._backends.reference` (and the CUDA
 backend) implement, plus plain array-API glue (matrix products, concatenation, masks) on
 the namespace ``xp`` of the inputs. It imports no array library.
 
-Per chunk, with ``S`` the state at its start (see ``design.md``)::
+Per chunk, with ``S`` the state at its start (see ``docs/design.md``)::
 
     T  = (I + diag(beta) L)^-1
     W  = T diag(beta) kg            U0 = T diag(beta) v             # state-free
@@ -19,6 +19,9 @@ may run in concurrent groups when the backend asks for workers (the CPU referenc
 Besides the primitives, a backend module provides ``SLAB_ELEMENTS`` (the size of a slab's
 arrays), ``workers(xp, heads)`` (how many head groups to run at once) and
 ``worker_context()`` (entered around concurrent groups).
+
+Only the core (:mod:`kda._engine.core`) calls these functions: it chooses the chunk length, the
+compute dtype and the backend, and routes the sequences that are too short for chunks.
 """
 
 from __future__ import annotations
@@ -28,7 +31,14 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["chunk_backward", "chunk_forward", "padded_chunk_size", "slabs"]
+__all__ = [
+    "chunk_backward",
+    "chunk_end_state",
+    "chunk_forward",
+    "chunk_state_gradient",
+    "padded_chunk_size",
+    "slabs",
+]
 
 
 def padded_chunk_size(chunk_size: int) -> int:
@@ -301,3 +311,41 @@ def _backward_slab(
     )
     grads = [ops.from_chunks(x, C, T) for x in (dq, dk, dv, dg)]
     return [*grads, ops.from_chunks(dbeta[..., None], C, T)[..., 0]], dstate
+
+
+def chunk_end_state(ops: Any, xp: Any, q, k, v, g, beta, scale: float, start: Any, chunk_size: int) -> Any:
+    """The state after the inputs from ``start``: the state pass alone, no outputs, no boundaries."""
+    B, H, T, K = q.shape
+    if T == 0 or B * H == 0:
+        return xp.asarray(start, copy=True)
+    state = start
+    for n0, n1 in slabs(q.shape, chunk_size, max(K, v.shape[-1]), ops.SLAB_ELEMENTS):
+        t = _steps(n0, n1, chunk_size, T)
+        loc = _prepare(ops, xp, *(x[:, :, t, ...] for x in (q, k, v, g, beta)), scale, chunk_size).local
+        state = ops.chunk_state_pass(loc.w, loc.u0, loc.kt, loc.total, state)[2]
+    return state
+
+
+def chunk_state_gradient(
+    ops: Any, xp: Any, q, k, v, g, beta, scale: float, grad_output: Any, chunk_size: int
+):
+    """The start-state gradient when the end-state gradient is zero, by the state-gradient pass alone.
+
+    Per chunk, from the last: ``dU = A^T dO + kt dS`` and ``dS <- total * dS + qg^T dO - W^T dU``;
+    it depends on neither the states nor ``v``, so the pass runs from zero states.
+    """
+    B, H, T, K = q.shape
+    V = v.shape[-1]
+    dstate = xp.zeros((B, H, K, V), dtype=q.dtype, device=q.device)
+    if T == 0 or B * H == 0:
+        return dstate
+    C, Cp = chunk_size, padded_chunk_size(chunk_size)
+    for n0, n1 in reversed(slabs(q.shape, C, max(K, V), ops.SLAB_ELEMENTS)):
+        t = _steps(n0, n1, C, T)
+        loc = _prepare(ops, xp, *(x[:, :, t, ...] for x in (q, k, v, g, beta)), scale, C).local
+        dO = ops.to_chunks(grad_output[:, :, t, ...], C, Cp)
+        zeros = xp.zeros((n1 - n0, *dstate.shape), dtype=dstate.dtype, device=dstate.device)
+        dstate = ops.chunk_state_grad_pass(
+            loc.w, loc.u0, loc.kt, loc.total, loc.qg, loc.A, dO, zeros, dstate
+        )[3]
+    return dstate

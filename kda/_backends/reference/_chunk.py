@@ -5,7 +5,7 @@ with zero rows to ``Cp`` (the next power of two, for the recursive halving of
 :mod:`._blocks`). Padding rows carry ``q = k = v = 0``, ``beta = 0`` and ``g = 0``, so they
 add nothing and decay nothing. ``...`` stands for the leading ``[B, H, NT]``.
 
-Decay factors follow the numerical contract of ``design.md``: each is a product of
+Decay factors follow the numerical contract of ``docs/design.md``: each is a product of
 ``exp(g)`` over exactly the steps it spans, so every factor lies in ``[0, 1]`` when
 ``g <= 0``, and ``-inf`` (a hard reset) gives an exact 0 and never a NaN.
 """
@@ -18,6 +18,7 @@ from typing import Any
 import array_api_compat
 from array_api_compat import array_namespace
 
+from ..interface import ChunkLocal
 from ._blocks import (
     add_halves,
     assemble_lower,
@@ -32,7 +33,6 @@ from ._blocks import (
 
 __all__ = [
     "ChunkFactors",
-    "ChunkLocal",
     "chunk_factors",
     "chunk_gate_gradient",
     "chunk_local",
@@ -41,8 +41,6 @@ __all__ = [
     "chunk_pairs_backward",
     "chunk_state_grad_pass",
     "chunk_state_pass",
-    "from_chunks",
-    "to_chunks",
     "unit_lower_inverse",
 ]
 
@@ -74,28 +72,6 @@ class ChunkFactors:
     kg: Any
     kt: Any
     private: Any = None
-
-
-def to_chunks(x: Any, chunk_size: int, padded_size: int) -> Any:
-    """``[B, H, T, D]`` -> ``[B, H, NT, Cp, D]``, zero-padded in time and within each chunk."""
-    xp = array_namespace(x)
-    B, H, T, D = x.shape
-    C, Cp = chunk_size, padded_size
-    NT = -(-T // C)
-    if NT * C > T:
-        x = xp.concat([x, xp.zeros((B, H, NT * C - T, D), dtype=x.dtype, device=x.device)], axis=2)
-    x = xp.reshape(x, (B, H, NT, C, D))
-    if Cp > C:
-        x = xp.concat([x, xp.zeros((B, H, NT, Cp - C, D), dtype=x.dtype, device=x.device)], axis=3)
-    return x
-
-
-def from_chunks(x: Any, chunk_size: int, length: int) -> Any:
-    """Inverse of :func:`to_chunks`: ``[B, H, NT, Cp, D]`` -> ``[B, H, T, D]`` with ``T = length``."""
-    xp = array_namespace(x)
-    B, H, NT, _, D = x.shape
-    x = xp.reshape(x[..., :chunk_size, :], (B, H, NT * chunk_size, D))
-    return x[:, :, :length, :]
 
 
 def _decay_tree(xp: Any, e: Any) -> tuple[Any, Any, list[Any], list[Any]]:
@@ -187,35 +163,6 @@ def unit_lower_inverse(beta: Any, L: Any) -> Any:
         off = -xp.matmul(xp.matmul(t22, beta_rows * L_off), t11)
         blocks = join_blocks(xp, blocks, off)
     return blocks[..., 0, :, :]
-
-
-@dataclass
-class ChunkLocal:
-    """The state-free work of every chunk that the forward needs, from :func:`chunk_local`.
-
-    Attributes
-    ----------
-    qg, kg, kt : ``[..., Cp, K]``, as in :class:`ChunkFactors`.
-    total : ``[..., K]``, the decay over the whole chunk.
-    A : ``[..., Cp, Cp]`` lower triangular; L : ``[..., Cp, Cp]`` strictly lower triangular
-        (:func:`chunk_pairs`).
-    Tinv : ``[..., Cp, Cp]``, ``T = (I + diag(beta) L)^-1`` (:func:`unit_lower_inverse`).
-    w : ``[..., Cp, K]``, ``T diag(beta) kg``; u0 : ``[..., Cp, V]``, ``T diag(beta) v``, with
-        ``T = (I + diag(beta) L)^-1``.
-    private : whatever the backend keeps for its own :func:`chunk_local_backward`; here the
-        :class:`ChunkFactors`, so that the backward does not build them again.
-    """
-
-    qg: Any
-    kg: Any
-    kt: Any
-    total: Any
-    A: Any
-    L: Any
-    Tinv: Any
-    w: Any
-    u0: Any
-    private: Any = None
 
 
 def chunk_local(q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float) -> ChunkLocal:

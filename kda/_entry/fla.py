@@ -26,8 +26,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from ._errors import InvalidInputError
-from ._validation import check_chunk_size, check_scale
+from .._errors import InvalidInputError
+from .._options.validation import check_chunk_size, check_scale
 
 __all__ = ["KEYWORD_TABLE", "FlaCall", "boundary_bound", "core_options", "packed_chunks", "translate"]
 

@@ -1,0 +1,84 @@
+"""The Numba-CUDA backend: the primitives of :mod:`kda._backends.interface`, run by CUDA kernels.
+
+The backend-neutral algorithm of :mod:`kda._engine.chunked` drives it unchanged. Arrays are CuPy
+arrays on a GPU (kernels run on CuPy's current stream), or NumPy arrays under Numba's CUDA
+simulator (``NUMBA_ENABLE_CUDASIM=1``). Kernels are compiled on first use, once per dtype
+(float32, float64) and offset width (32-bit wherever every array of a launch has fewer than
+2**32 elements, else 64-bit). One kernel per primitive, and launches per call do not depend on the
+sequence length (``kda._backends.cuda._launch.LAUNCHES`` counts them): a forward is 2 kernels, a
+backward 3 (docs/gpu.md). Padded chunks longer than :data:`MAX_CHUNK` do not fit a block:
+:func:`kda._backends.resolve` runs those problems on the array-API reference backend (on CuPy).
+:func:`launch_gate_check` checks the log decays on the device.
+"""
+
+import contextlib
+from typing import Any
+
+from array_api_compat import is_cupy_array
+
+from ..interface import ChunkLocal
+from ._decode import decode_forward
+from ._launch import (
+    MAX_CHUNK,
+    chunk_local,
+    chunk_local_backward,
+    chunk_state_grad_pass,
+    chunk_state_pass,
+    from_chunks,
+    gate_flags,
+    raise_for_gates,
+    recurrent_backward,
+    recurrent_forward,
+    to_chunks,
+)
+
+NAME = "cuda"
+
+__all__ = [
+    "MAX_CHUNK",
+    "NAME",
+    "SLAB_ELEMENTS",
+    "ChunkLocal",
+    "chunk_local",
+    "chunk_local_backward",
+    "chunk_state_grad_pass",
+    "chunk_state_pass",
+    "decode_forward",
+    "from_chunks",
+    "gate_flags",
+    "launch_gate_check",
+    "raise_for_gates",
+    "recurrent_backward",
+    "recurrent_forward",
+    "to_chunks",
+    "worker_context",
+    "workers",
+]
+
+# How the chunked algorithm drives this backend: one slab at any realistic size, so kernel
+# launches per call do not grow with T, and no concurrent head groups (one stream).
+SLAB_ELEMENTS = 1 << 62
+
+
+def workers(xp: object, heads: int) -> int:
+    """Head groups to run at once: always one on the GPU."""
+    return 1
+
+
+def worker_context() -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+class _GateFlags:
+    """:func:`gate_flags` in flight; :meth:`raise_if_bad` reads them (one synchronisation)."""
+
+    def __init__(self, flags: Any) -> None:
+        self.flags = flags
+
+    def raise_if_bad(self) -> None:
+        raise_for_gates(self.flags)
+
+
+def launch_gate_check(g: Any) -> "_GateFlags | None":
+    """The device-side ``g <= 0`` check for CuPy arrays (None for host arrays: checked there)."""
+    return _GateFlags(gate_flags(g)) if is_cupy_array(g) else None

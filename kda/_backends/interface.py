@@ -1,0 +1,163 @@
+"""The backend interface: the primitives the chunked algorithm is written against, and the hooks.
+
+A backend is a module (``kda/_backends/<name>/``) that provides every name of :class:`Backend`.
+The chunked algorithm (:mod:`kda._engine.chunked`), the cores (:mod:`kda._engine.core`) and the
+entry points call backends only through these names. Backends import nothing from each other:
+what they share (the :class:`ChunkLocal` record, the generic :func:`to_chunks` /
+:func:`from_chunks`) lives here.
+
+Shapes: ``B`` batch rows, ``H`` heads (value heads: the core's q and k are already expanded),
+``T`` steps, ``K`` key and ``V`` value channels; ``NT`` chunks of ``C`` steps padded with zero
+rows to ``Cp`` (a power of two). A chunked array is ``[B, H, NT, Cp, D]``; ``...`` stands for the
+leading ``[B, H, NT]``. Padding rows carry ``q = k = v = 0``, ``beta = 0`` and ``g = 0``: they
+add nothing and decay nothing. Every primitive takes and returns arrays of one floating dtype
+(the compute dtype) in the namespace of its inputs.
+
+Numerical contract (``docs/design.md``): every decay factor is a product of ``exp(g)`` over
+exactly the steps it spans, so every factor lies in ``[0, 1]`` and ``g = -inf`` gives an exact 0.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from array_api_compat import array_namespace
+
+__all__ = ["Backend", "ChunkLocal", "GateFlags", "from_chunks", "to_chunks"]
+
+
+@dataclass
+class ChunkLocal:
+    """The state-free work of every chunk that the forward needs (from ``chunk_local``).
+
+    Attributes
+    ----------
+    qg : ``[..., Cp, K]``, ``scale * q * prefix`` (``prefix[i]``: the decay from the chunk start
+        through step ``i``).
+    kg : ``[..., Cp, K]``, ``k * prefix``.
+    kt : ``[..., Cp, K]``, ``k * suffix`` (``suffix[j]``: the decay after step ``j`` to the end).
+    total : ``[..., K]``, the decay over the whole chunk.
+    A : ``[..., Cp, Cp]`` lower triangular, ``A[i, j] = scale sum_d q[i,d] k[j,d] decay(j..i]``.
+    L : ``[..., Cp, Cp]`` strictly lower triangular, the same with ``k`` for ``q``.
+    Tinv : ``[..., Cp, Cp]``, ``T = (I + diag(beta) L)^-1``.
+    w : ``[..., Cp, K]``, ``T diag(beta) kg``; u0 : ``[..., Cp, V]``, ``T diag(beta) v``.
+    private : whatever the backend keeps for its own ``chunk_local_backward``; the algorithm
+        never reads it.
+    """
+
+    qg: Any
+    kg: Any
+    kt: Any
+    total: Any
+    A: Any
+    L: Any
+    Tinv: Any
+    w: Any
+    u0: Any
+    private: Any = None
+
+
+class GateFlags(Protocol):
+    """A device-side check of ``g <= 0`` in flight; reading it synchronises."""
+
+    def raise_if_bad(self) -> None:
+        """Raise :class:`kda.InvalidInputError` if the check found a positive or NaN decay."""
+
+
+class Backend(Protocol):
+    """What a backend module provides: primitives, then hooks."""
+
+    NAME: str
+    SLAB_ELEMENTS: int  # elements of one [B, H, NT, Cp, max(K, V)] array of a slab of chunks
+    MAX_CHUNK: int | None  # the longest padded chunk Cp it computes (None: any)
+
+    # --- layout
+    def to_chunks(self, x: Any, chunk_size: int, padded_size: int) -> Any:
+        """``[B, H, T, D]`` -> ``[B, H, NT, Cp, D]``, zero-padded in time and within each chunk."""
+
+    def from_chunks(self, x: Any, chunk_size: int, length: int) -> Any:
+        """``[B, H, NT, Cp, D]`` -> ``[B, H, T, D]`` with ``T = length``."""
+
+    # --- forward
+    def chunk_local(self, q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float) -> ChunkLocal:
+        """Every chunk's state-free work. ``q, k, g: [..., Cp, K]``, ``v: [..., Cp, V]``,
+        ``beta: [..., Cp]``."""
+
+    def chunk_state_pass(
+        self, w: Any, u0: Any, kt: Any, total: Any, state: Any, qg: Any = None, A: Any = None
+    ) -> tuple[Any, Any, Any]:
+        """The state recurrence over the chunks of a slab, the output fused in.
+
+        Per chunk from ``S``: ``U = u0 - w S``, ``O = qg S + A U``, ``S <- total * S + kt^T U``.
+        ``state: [B, H, K, V]``. Returns ``boundaries [NT, B, H, K, V]`` (the chunk-start
+        states), ``O [B, H, NT, Cp, V]`` (None without ``qg`` and ``A``) and the final state.
+        """
+
+    # --- backward
+    def chunk_state_grad_pass(
+        self, w: Any, u0: Any, kt: Any, total: Any, qg: Any, A: Any, grad_output: Any, boundaries: Any,
+        dstate: Any,
+    ) -> tuple[Any, Any, Any, Any]:
+        """The state-gradient recurrence, last chunk first: ``dU = A^T dO + kt dS`` and
+        ``dS <- total * dS + qg^T dO - w^T dU``. Returns ``dends [NT, B, H, K, V]`` (the gradient
+        of each chunk's end state), ``U`` and ``dU`` (``[B, H, NT, Cp, V]``) and the gradient of
+        the state before the first chunk."""  # fmt: skip
+
+    def chunk_local_backward(
+        self, q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float, loc: ChunkLocal, boundaries: Any,
+        dends: Any, u: Any, du: Any, grad_output: Any,
+    ) -> tuple[Any, Any, Any, Any, Any]:
+        """Gradients of every chunk's state-free work: ``dq, dk, dg [..., Cp, K]``,
+        ``dv [..., Cp, V]``, ``dbeta [..., Cp]``."""  # fmt: skip
+
+    # --- the step recurrence (the oracle, T == 1, decoding)
+    def recurrent_forward(
+        self, q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any
+    ) -> tuple[Any, Any]:
+        """``[B, H, T, *]`` inputs from ``state [B, H, K, V]``: ``(output [B, H, T, V], final)``."""
+
+    def recurrent_backward(
+        self, q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any, grad_output: Any,
+        grad_state: Any,
+    ) -> tuple[Any, Any, Any, Any, Any, Any]:
+        """Gradients ``(dq, dk, dv, dg, dbeta, dstate)`` of the recurrence."""  # fmt: skip
+
+    def decode_forward(
+        self, q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, pool: Any, indices: Any
+    ) -> Any:
+        """``T`` steps of ``N`` requests from rows ``indices`` (``-1``: padding) of
+        ``pool [P, H, K, V]``, written back in place; returns ``output [N, H, T, V]``."""
+
+    # --- hooks
+    def workers(self, xp: Any, heads: int) -> int:
+        """How many head groups the algorithm runs at once (1: no concurrency)."""
+
+    def worker_context(self) -> AbstractContextManager:
+        """Entered around concurrent head groups (e.g. to pin BLAS threads)."""
+
+    def launch_gate_check(self, g: Any) -> GateFlags | None:
+        """Start a device-side ``g <= 0`` check and return its flags; None: check on the host."""
+
+
+def to_chunks(x: Any, chunk_size: int, padded_size: int) -> Any:
+    """``[B, H, T, D]`` -> ``[B, H, NT, Cp, D]``, zero-padded in time and within each chunk."""
+    xp = array_namespace(x)
+    B, H, T, D = x.shape
+    C, Cp = chunk_size, padded_size
+    NT = -(-T // C)
+    if NT * C > T:
+        x = xp.concat([x, xp.zeros((B, H, NT * C - T, D), dtype=x.dtype, device=x.device)], axis=2)
+    x = xp.reshape(x, (B, H, NT, C, D))
+    if Cp > C:
+        x = xp.concat([x, xp.zeros((B, H, NT, Cp - C, D), dtype=x.dtype, device=x.device)], axis=3)
+    return x
+
+
+def from_chunks(x: Any, chunk_size: int, length: int) -> Any:
+    """Inverse of :func:`to_chunks`: ``[B, H, NT, Cp, D]`` -> ``[B, H, T, D]`` with ``T = length``."""
+    xp = array_namespace(x)
+    B, H, NT, _, D = x.shape
+    x = xp.reshape(x[..., :chunk_size, :], (B, H, NT * chunk_size, D))
+    return x[:, :, :length, :]

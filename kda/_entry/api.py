@@ -1,0 +1,211 @@
+"""The public functions: open a :class:`~kda._entry.call.Call` (validation), then run it.
+
+The chunked functions run the core's chunked algorithm; the recurrent ones the step recurrence
+(the oracle). Options come from the table (:mod:`kda._options.table`) through
+:func:`~kda._options.table.takes_options`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._options.table import Choices, takes_options
+from .call import KdaGradients, KdaOutput, open_call
+
+__all__ = [
+    "KdaGradients",
+    "KdaOutput",
+    "chunk_kda",
+    "chunk_kda_backward",
+    "recurrent_kda",
+    "recurrent_kda_backward",
+]
+
+INPUTS_DOC = """
+    q, k : array, shape ``[B, H, T, K]``
+        Queries and keys (``[B, T, H, K]`` with ``layout="time_major"``).
+    v : array, shape ``[B, HV, T, V]``
+        Values; ``HV`` is a multiple of ``H`` (grouped value heads: value head ``i`` reads
+        q/k head ``i // (HV // H)``).
+    g : array, shape ``[B, HV, T, K]``
+        With ``gate="log"``: log decays, every element ``<= 0``, ``-inf`` a hard reset of that
+        channel (positive and NaN values raise :class:`~kda.InvalidInputError`). With
+        ``gate="softplus"`` or ``"lower_bound"``: the raw gate, any finite value.
+    beta : array, shape ``[B, HV, T]``
+        Delta-rule step sizes, or their logits with ``beta_activation``.
+"""
+
+
+@takes_options()
+def chunk_kda(
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    *,
+    scale: float | None = None,
+    initial_state: Any = None,
+    chunk_size: int = 64,
+    save_boundaries: bool = False,
+    backend: str | None = None,
+    opts: Choices,
+) -> KdaOutput:
+    """Kimi Delta Attention, chunked forward.
+
+    Per batch and value head, with state ``S: [K, V]``::
+
+        S_t = diag(exp(g_t)) S_{t-1};  u_t = beta_t (v_t - S_t^T k_t)
+        S_t = S_t + k_t u_t^T;         o_t = scale S_t^T q_t
+
+    computed chunk by chunk: the state-free work of all chunks at once, then the state
+    recurrence over chunks. A chunk is never longer than the sequence (``T < chunk_size``
+    computes one ``T``-step chunk), and ``T == 1`` runs one step of the recurrence.
+
+    Parameters
+    ----------{inputs}
+    scale : float, optional
+        Query scale; default ``K ** -0.5``.
+    initial_state : array, shape ``[B, HV, K, V]``, optional
+        State before the first step, float32 (float64 for float64 inputs); zeros when None.
+    chunk_size : int, default 64
+        Steps per chunk ``C``.
+    save_boundaries : bool, default False
+        Also return the chunk-start states, ``[NT, B, HV, K, V]`` with ``NT = ceil(T / C)``,
+        for :func:`chunk_kda_backward`.
+    backend : {None, "reference", "cuda"}
+        ``None`` picks from the arrays' namespace.{options}
+
+    Returns
+    -------
+    KdaOutput
+        ``(output, final_state, boundaries or None)``. float16 and bfloat16 inputs compute in
+        float32 and return their own dtype.
+    """
+    c = open_call(q, k, v, g, beta, scale, opts, backend=backend, chunk_size=chunk_size, defer_gate=True)
+    state = c.state_or_zeros("initial_state", initial_state)
+    c.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+    return c.forward((q, k, v, g, beta), state, save_boundaries)
+
+
+@takes_options()
+def chunk_kda_backward(
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    boundaries: Any,
+    grad_output: Any,
+    grad_final_state: Any = None,
+    *,
+    scale: float | None = None,
+    initial_state: Any = None,
+    chunk_size: int = 64,
+    backend: str | None = None,
+    opts: Choices,
+) -> KdaGradients:
+    """Kimi Delta Attention, chunked backward.
+
+    Parameters
+    ----------{inputs}
+    boundaries : array, shape ``[NT, B, HV, K, V]``, or None
+        Chunk-start states from ``chunk_kda(..., save_boundaries=True)`` with the same
+        ``chunk_size``; None recomputes them from ``initial_state`` (less memory, more time).
+    grad_output : array, shape of the output
+        Gradient of ``output``, dtype of the inputs.
+    grad_final_state : array, shape ``[B, HV, K, V]``, optional
+        Gradient of ``final_state``; zeros when None.
+    scale, initial_state, chunk_size, backend
+        As for :func:`chunk_kda`.{options}
+
+    Returns
+    -------
+    KdaGradients
+        ``(q, k, v, g, beta, initial_state, A_log, dt_bias)``, each shaped like its input.
+    """
+    c = open_call(q, k, v, g, beta, scale, opts, backend=backend, chunk_size=chunk_size, defer_gate=True)
+    state = c.state_or_zeros("initial_state", initial_state)
+    c.check_boundaries(boundaries)
+    do = c.grad_output(grad_output)
+    dstate = c.state_or_zeros("grad_final_state", grad_final_state)
+    c.check_inputs_finite(
+        q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, boundaries=boundaries,
+        grad_output=grad_output, grad_final_state=grad_final_state,
+    )  # fmt: skip
+    return c.backward((q, k, v, g, beta, opts.A_log, opts.dt_bias), state, boundaries, do, dstate)
+
+
+@takes_options()
+def recurrent_kda(
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    *,
+    scale: float | None = None,
+    initial_state: Any = None,
+    backend: str | None = None,
+    opts: Choices,
+) -> KdaOutput:
+    """Kimi Delta Attention, step by step: the definition, and the oracle of the chunked form.
+
+    Parameters
+    ----------{inputs}
+    scale, initial_state, backend
+        As for :func:`chunk_kda`.{options}
+
+    Returns
+    -------
+    KdaOutput
+        ``(output, final_state, None)``.
+    """
+    c = open_call(q, k, v, g, beta, scale, opts, backend=backend, defer_gate=True)
+    state = c.state_or_zeros("initial_state", initial_state)
+    c.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+    return c.forward((q, k, v, g, beta), state, False)
+
+
+@takes_options()
+def recurrent_kda_backward(
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    grad_output: Any,
+    grad_final_state: Any = None,
+    *,
+    scale: float | None = None,
+    initial_state: Any = None,
+    backend: str | None = None,
+    opts: Choices,
+) -> KdaGradients:
+    """Gradients of :func:`recurrent_kda`, by a hand-written backward through the steps.
+
+    Parameters
+    ----------{inputs}
+    grad_output, grad_final_state
+        As for :func:`chunk_kda_backward`.
+    scale, initial_state, backend
+        As for :func:`chunk_kda`.{options}
+
+    Returns
+    -------
+    KdaGradients
+        ``(q, k, v, g, beta, initial_state, A_log, dt_bias)``, each shaped like its input.
+    """
+    c = open_call(q, k, v, g, beta, scale, opts, backend=backend, defer_gate=True)
+    state = c.state_or_zeros("initial_state", initial_state)
+    do = c.grad_output(grad_output)
+    dstate = c.state_or_zeros("grad_final_state", grad_final_state)
+    c.check_inputs_finite(
+        q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, grad_output=grad_output,
+        grad_final_state=grad_final_state,
+    )  # fmt: skip
+    return c.backward((q, k, v, g, beta, opts.A_log, opts.dt_bias), state, None, do, dstate)
+
+
+for _f in (chunk_kda, chunk_kda_backward, recurrent_kda, recurrent_kda_backward):
+    _f.__doc__ = _f.__doc__.replace("{inputs}", INPUTS_DOC.rstrip())

@@ -1,0 +1,229 @@
+"""What every entry point does around the core: validate, map the options, run, apply chain rules.
+
+A :class:`Call` is one validated problem bound to a core. The public functions, the plans, the
+transition maps and (through them) Dask blocks and the adapters all run through its methods, so
+they compute the same thing the same way:
+
+    raw inputs --(layout, dtype, options' maps)--> core inputs --(core)--> results
+               <--(chain rules, layout, dtype)--
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from .._backends import get_backend
+from .._engine.core import ChunkCore, Core, RecurrentCore, run_backward, run_forward
+from .._options.checks import check_finite as _check_finite
+from .._options.checks import floating_point_quiet, warn_if_diverged
+from .._options.maps import (
+    CoreInputs,
+    Options,
+    beta_backward,
+    gate_backward,
+    head_first,
+    prepare_core_inputs,
+    qk_backward,
+)
+from .._options.table import Choices
+from .._options.validation import (
+    STATE_DTYPE_RULE,
+    Problem,
+    check_array,
+    check_chunk_size,
+    check_options_call,
+    check_state,
+    namespace_of,
+    raise_for_gates,
+)
+
+__all__ = ["Call", "KdaGradients", "KdaOutput", "open_call"]
+
+
+class KdaOutput(NamedTuple):
+    """Result of a KDA forward.
+
+    Attributes
+    ----------
+    output : ``[B, HV, T, V]`` (``[B, T, HV, V]`` time-major), dtype of the inputs.
+    final_state : ``[B, HV, K, V]`` (``[N, HV, K, V]`` with ``cu_seqlens``), float32 (float64
+        for float64 inputs).
+    boundaries : ``[NT, B, HV, K, V]``, the state at the start of each chunk (same dtype as
+        ``final_state``), or ``None`` when not asked for.
+    """
+
+    output: Any
+    final_state: Any
+    boundaries: Any
+
+
+class KdaGradients(NamedTuple):
+    """Gradients of a KDA forward with respect to each input, each shaped like that input.
+
+    ``q, k, v, g, beta`` have the inputs' dtype and are taken with respect to the raw inputs
+    that were passed (before normalisation and activations); ``initial_state`` is float32
+    (float64 for float64 inputs); ``A_log`` and ``dt_bias`` have their inputs' dtype, and are
+    None when the gate does not use them.
+    """
+
+    q: Any
+    k: Any
+    v: Any
+    g: Any
+    beta: Any
+    initial_state: Any
+    A_log: Any = None
+    dt_bias: Any = None
+
+
+def open_call(
+    q, k, v, g, beta, scale: Any, opts: Choices, *, backend: str | None, chunk_size: Any = None,
+    defer_gate: bool = False,
+) -> Call:  # fmt: skip
+    """Validate a call's inputs and options and bind them to a core.
+
+    ``chunk_size=None`` binds the step recurrence. ``defer_gate``: let a GPU backend check
+    ``g <= 0`` on the device, read after the call's work is queued (:meth:`Call.forward` and
+    :meth:`Call.backward` read it).
+    """
+    ops = get_backend(namespace_of(["q", "k", "v", "g", "beta"], [q, k, v, g, beta]), backend)
+    gate_check = ops.launch_gate_check if defer_gate else None
+    p, o = check_options_call(q, k, v, g, beta, scale, opts, gate_check)
+    if chunk_size is None:
+        core: Core = RecurrentCore(ops, p.scale)
+    else:
+        core = ChunkCore(ops, p.scale, check_chunk_size(chunk_size))
+    return Call(p, o, core, bool(opts.check_finite))
+
+
+@dataclass(frozen=True)
+class Call:
+    """One validated call: the problem, its options, its core and whether to check finiteness."""
+
+    p: Problem
+    o: Options
+    core: Core
+    check: bool
+
+    # --- checks of the other arguments
+
+    def check_inputs_finite(self, **arrays: Any) -> None:
+        """Refuse NaN / infinite values (``-inf`` allowed in a log gate), when asked to check."""
+        if not self.check:
+            return
+        log_gate = self.o.gate == "log"
+        for name, x in arrays.items():
+            _check_finite(self.p.xp, name, x, allow_neg_inf=name == "g" and log_gate)
+        for name, x in (("A_log", self.o.A_log), ("dt_bias", self.o.dt_bias)):
+            _check_finite(self.p.xp, name, x)
+
+    def state_or_zeros(self, name: str, state: Any) -> Any:
+        """A checked ``[N, HV, K, V]`` state, or zeros for None."""
+        p = self.p
+        state = check_state(name, state, p)
+        if state is not None:
+            return state
+        return p.xp.zeros((p.N, p.HV, p.K, p.V), dtype=p.compute_dtype)
+
+    def grad_output(self, grad_output: Any) -> Any:
+        """The checked output gradient, head-first in the compute dtype."""
+        p = self.p
+        shape, letters = p.shape(p.HV, p.V), p.letters("HV", "V")
+        do = check_array("grad_output", grad_output, p, shape, letters, p.dtype, "the dtype of q")
+        return head_first(p.xp, p.xp.astype(do, p.compute_dtype, copy=False), p.layout)
+
+    def boundaries_shape(self) -> tuple[int, ...]:
+        p = self.p
+        return (p.num_chunks(self.core.chunk_size), p.B, p.HV, p.K, p.V)
+
+    def check_boundaries(self, boundaries: Any) -> None:
+        if boundaries is not None:
+            why = STATE_DTYPE_RULE
+            check_array("boundaries", boundaries, self.p, self.boundaries_shape(), "NT, B, HV, K, V",
+                        self.p.compute_dtype, why)  # fmt: skip
+
+    # --- the computation
+
+    def core_inputs(self, q, k, v, g, beta) -> CoreInputs:
+        """The core's inputs: head-first, in the compute dtype, with every option applied."""
+        p, xp = self.p, self.p.xp
+        arrays = [head_first(xp, xp.astype(x, p.compute_dtype, copy=False), p.layout) for x in (q, k, v, g, beta)]
+        with floating_point_quiet(xp):
+            return prepare_core_inputs(xp, *arrays, self.o, p.HV)
+
+    def forward(self, inputs: tuple, state: Any, keep: bool, out: KdaOutput | None = None) -> KdaOutput:
+        """The forward of raw ``inputs = (q, k, v, g, beta)`` from ``state``.
+
+        ``out``: a :class:`KdaOutput` of buffers (the output's dtype and layout; states in the
+        compute dtype; ``boundaries`` may be None) that receive the results and are returned.
+        """
+        p, xp = self.p, self.p.xp
+        c = self.core_inputs(*inputs)
+        direct = out is not None and p.dtype == p.compute_dtype
+        bufs = (head_first(xp, out.output, p.layout), out.final_state, out.boundaries) if direct else None
+        with floating_point_quiet(xp):
+            o, final, boundaries = run_forward(self.core, xp, c, state, p.offsets, keep, bufs)
+        raise_for_gates(p)  # a deferred device check, read once the work is queued
+        if self.check:
+            warn_if_diverged(xp, o, final, stacklevel=5)
+        result = KdaOutput(xp.astype(head_first(xp, o, p.layout), p.dtype, copy=False), final, boundaries)
+        if out is None:
+            return result if keep else result._replace(boundaries=None)
+        if not direct:
+            _copy_into(out, result)
+        return out
+
+    def backward(
+        self, inputs: tuple, state: Any, boundaries: Any, do: Any, dstate: Any,
+        out: KdaGradients | None = None, workspace: Any = None,
+    ) -> KdaGradients:  # fmt: skip
+        """Gradients of raw ``inputs = (q, k, v, g, beta, A_log, dt_bias)``.
+
+        ``do``: head-first output gradient in the compute dtype. ``out``: a
+        :class:`KdaGradients` of buffers (each its input's dtype and shape) that receive the
+        gradients and are returned; ``workspace`` holds recomputed boundaries on the way.
+        """
+        p, xp, o = self.p, self.p.xp, self.o
+        c = self.core_inputs(*inputs[:5])
+        direct = out is not None and p.dtype == p.compute_dtype and o.is_identity and p.H == p.HV
+        bufs = None
+        if direct:
+            bufs = (*(head_first(xp, x, p.layout) for x in out[:5]), out.initial_state)
+        with floating_point_quiet(xp):
+            dq, dk, dv, dlog, dbeta, dstate = run_backward(
+                self.core, xp, c, state, boundaries, do, dstate, p.offsets, bufs, workspace
+            )
+            dg, dA_log, ddt_bias = gate_backward(xp, dlog, c, o)
+            dq, dk = qk_backward(xp, dq, dk, c, o, p.H)
+            dbeta = beta_backward(xp, dbeta, c, o)
+        raise_for_gates(p)
+        if self.check:
+            warn_if_diverged(xp, dq, dk, dv, dg, dbeta, dstate, stacklevel=5)
+        grads = [xp.astype(head_first(xp, x, p.layout), p.dtype, copy=False) for x in (dq, dk, dv, dg, dbeta)]
+        params = [
+            None if d is None else xp.astype(d, x.dtype, copy=False)
+            for d, x in ((dA_log, inputs[5]), (ddt_bias, inputs[6]))
+        ]
+        result = KdaGradients(*grads, dstate, *params)
+        if out is None:
+            return result
+        if not direct:
+            _copy_into(out, result)
+        return out
+
+    def end_state(self, c: CoreInputs, start: Any) -> Any:
+        """The state after the core inputs ``c`` from ``start`` (no outputs formed)."""
+        with floating_point_quiet(self.p.xp):
+            return self.core.end_state(c.q, c.k, c.v, c.g, c.beta, start)
+
+    def state_gradient(self, c: CoreInputs, do: Any) -> Any:
+        """The start-state gradient when the end-state gradient is zero."""
+        with floating_point_quiet(self.p.xp):
+            return self.core.state_gradient(c.q, c.k, c.v, c.g, c.beta, do)
+
+
+def _copy_into(out: tuple, result: tuple) -> None:
+    for buf, x in zip(out, result, strict=True):
+        if buf is not None and x is not None:
+            buf[...] = x

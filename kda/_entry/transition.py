@@ -1,0 +1,171 @@
+"""Segment transition maps: what sequence (context) parallelism over time rests on.
+
+Over a segment of steps the state map is affine (``design.md``, ``docs/sequence_parallel.md``)::
+
+    S_end   = A S_start + N             A: [K, K] per head, N: [K, V]
+    dS_start = A^T dS_end + D           D: [K, V], the start-state gradient when dS_end = 0
+
+``A`` is the product of the chunk maps ``diag(total) - kt^T W``, which do not depend on ``v``;
+``N`` is the end state from a zero start; ``D`` depends on neither ``S_start`` nor ``v``. Both are
+computed by the ordinary chunked passes: one forward with the value width widened to ``K + V``
+(values ``[0, v]``, start state ``[I, 0]``, so that its end state is ``[A, N]``), and one backward
+from a zero start with ``grad_final_state = 0``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import array_api_compat
+
+from .._options.checks import warn_if_diverged
+from .._options.table import Choices, takes_options
+from .api import chunk_kda, chunk_kda_backward
+from .call import open_call
+
+__all__ = ["KdaTransition", "chunk_kda_transition", "chunk_kda_transition_backward"]
+
+
+class KdaTransition(NamedTuple):
+    """The affine state map of a segment: ``S_end = A @ S_start + N`` per batch row and value head.
+
+    Attributes
+    ----------
+    A : ``[B, HV, K, K]`` (``[N, HV, K, K]`` with ``cu_seqlens``), float32 (float64 for float64
+        inputs).
+    N : ``[B, HV, K, V]`` (``[N, HV, K, V]`` with ``cu_seqlens``), same dtype: the end state
+        from a zero start state.
+    """
+
+    A: Any
+    N: Any
+
+
+@takes_options()
+def chunk_kda_transition(
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    *,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    backend: str | None = None,
+    opts: Choices,
+) -> KdaTransition:
+    """The affine state map of a segment of steps: ``S_end = A @ S_start + N``.
+
+    For a sequence cut into consecutive segments (shards), every segment's map can be computed
+    independently (in parallel); a scan ``S_{i+1} = A_i @ S_i + N_i`` over the small maps then
+    gives every segment its true start state, from which :func:`kda.chunk_kda` computes that
+    segment's outputs exactly. See ``docs/sequence_parallel.md``.
+
+    Parameters
+    ----------
+    q, k, v, g, beta : array
+        One segment's inputs, exactly as for :func:`kda.chunk_kda` (shapes by ``layout``; grouped
+        value heads ``HV``). ``v`` does not enter ``A``; it only enters ``N``.
+    scale, chunk_size, backend
+        As for :func:`kda.chunk_kda`. The result does not depend on ``chunk_size`` beyond rounding.
+{options}
+        With ``cu_seqlens``: one map per sequence, ``A: [N, HV, K, K]``.
+
+    Returns
+    -------
+    KdaTransition
+        ``(A [B, HV, K, K], N [B, HV, K, V])``, float32 (float64 for float64 inputs). For
+        ``T == 0``, ``A`` is the identity and ``N`` zero.
+
+    Notes
+    -----
+    Runs the state recurrence of one chunked forward whose value width is ``K + V`` (values
+    ``[0, v]`` from the start state ``[I, 0]``, whose end state is ``[A, N]``), without forming
+    outputs. With ``cu_seqlens`` it runs the ordinary forward so widened.
+    """
+    if opts.cu_seqlens is not None:  # one map per sequence: the ordinary forward, widened
+        return _packed_transition(q, k, v, g, beta, scale, chunk_size, backend, opts)
+    call = open_call(q, k, v, g, beta, scale, opts, backend=backend, chunk_size=chunk_size)
+    p, xp = call.p, call.p.xp
+    call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta)
+    c = call.core_inputs(q, k, v, g, beta)
+    wide_v, start = _widened(xp, c.v, p.N, p.HV, p.K, p.compute_dtype)
+    c.v = wide_v
+    end = call.end_state(c, start)
+    if call.check:
+        warn_if_diverged(xp, end, stacklevel=4)
+    return KdaTransition(end[..., : p.K], end[..., p.K :])
+
+
+def _widened(xp: Any, v: Any, N: int, HV: int, K: int, dtype: Any) -> tuple[Any, Any]:
+    """Values ``[0, v]`` and the start state ``[I, 0]``: from them the end state is ``[A, N]``."""
+    device = array_api_compat.device(v)
+    wide_v = xp.concat([xp.zeros((*v.shape[:-1], K), dtype=v.dtype, device=device), v], axis=-1)
+    eye = xp.eye(K, K + v.shape[-1], dtype=dtype, device=device)
+    return wide_v, xp.broadcast_to(eye, (N, HV, K, K + v.shape[-1]))
+
+
+def _packed_transition(q, k, v, g, beta, scale, chunk_size, backend, opts: Choices) -> KdaTransition:
+    """The maps of packed sequences: the public forward with values ``[0, v]`` from ``[I, 0]``."""
+    p = open_call(q, k, v, g, beta, scale, opts, backend=backend, chunk_size=chunk_size).p
+    wide_v, start = _widened(p.xp, v, p.N, p.HV, p.K, p.compute_dtype)  # V is last in either layout
+    out = chunk_kda(
+        q, k, wide_v, g, beta, scale=scale, initial_state=start, chunk_size=chunk_size, backend=backend,
+        **opts.keywords(),
+    )  # fmt: skip
+    return KdaTransition(out.final_state[..., : p.K], out.final_state[..., p.K :])
+
+
+@takes_options()
+def chunk_kda_transition_backward(
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    grad_output: Any,
+    *,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    backend: str | None = None,
+    opts: Choices,
+) -> Any:
+    """The start-state gradient of a segment when its end-state gradient is zero: ``D``.
+
+    With ``A`` from :func:`chunk_kda_transition`, the gradient of a segment's start state is
+    ``dS_start = A^T @ dS_end + D`` (``A^T`` is ``matrix_transpose(A)``). A reverse scan over
+    the segments gives every segment its true end-state gradient, from which
+    :func:`kda.chunk_kda_backward` computes the exact gradients of that segment's inputs.
+
+    Parameters
+    ----------
+    q, k, v, g, beta : array
+        One segment's inputs, as for :func:`kda.chunk_kda`. ``D`` depends on neither ``v`` nor
+        the start state.
+    grad_output : array
+        Gradient of the segment's output, shaped and typed like that output.
+    scale, chunk_size, backend
+        As for :func:`chunk_kda_transition`.
+{options}
+
+    Returns
+    -------
+    array, shape ``[B, HV, K, V]`` (``[N, HV, K, V]`` with ``cu_seqlens``)
+        ``D``, float32 (float64 for float64 inputs).
+
+    Notes
+    -----
+    Runs only the state-gradient recurrence of the chunked backward (the state-free work of each
+    chunk and one ``[K, V]`` product pair per chunk): no states, no gradients of the inputs. With
+    ``cu_seqlens`` it runs the ordinary backward and returns its initial-state gradient.
+    """
+    if opts.cu_seqlens is not None:  # one D per sequence: the ordinary backward's initial-state gradient
+        grads = chunk_kda_backward(
+            q, k, v, g, beta, None, grad_output, None, scale=scale, chunk_size=chunk_size, backend=backend,
+            **opts.keywords(),
+        )  # fmt: skip
+        return grads.initial_state
+    call = open_call(q, k, v, g, beta, scale, opts, backend=backend, chunk_size=chunk_size)
+    do = call.grad_output(grad_output)
+    call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta, grad_output=grad_output)
+    return call.state_gradient(call.core_inputs(q, k, v, g, beta), do)

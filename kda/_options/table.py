@@ -1,0 +1,158 @@
+"""The model-level options, declared once.
+
+Every public entry point takes the same keyword options. Each is declared here, once: its name,
+default, allowed values and documentation. From this table come
+
+- the options part of every public signature (:func:`takes_options` appends them, keyword-only,
+  to the function it decorates: ``inspect.signature`` and ``help`` show them, an unknown keyword
+  raises ``TypeError`` as for any Python function);
+- the :class:`Choices` object an entry point receives them in, and its forwarding as keywords
+  (:meth:`Choices.keywords`) to plans, transitions, Dask blocks and the adapters;
+- the "options" section of every docstring (:func:`options_doc`);
+- the checks of the allowed values (:func:`kda._options.validation.validate_options`).
+
+Adding an option: a row here, its check in ``validation.py`` and its map in ``maps.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, make_dataclass
+from typing import Any
+
+__all__ = ["OPTIONS", "Choices", "Option", "option_names", "options_doc", "takes_options"]
+
+LAYOUTS = ("head_first", "time_major")
+GATES = ("log", "softplus", "lower_bound")
+BETA_ACTIVATIONS = (None, "sigmoid", "sigmoid2")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One model-level option: ``doc`` is its numpydoc entry's body (indented by 8 spaces)."""
+
+    name: str
+    default: Any
+    annotation: str
+    doc: str
+    choices: tuple[Any, ...] | None = None
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option(
+        "layout", "head_first", "str",
+        """``"time_major"`` takes and returns ``[B, T, heads, ...]`` arrays. States are always
+        ``[B, HV, K, V]``, boundaries ``[NT, B, HV, K, V]``.""",
+        LAYOUTS,
+    ),
+    Option(
+        "qk_l2norm", False, "bool",
+        """Replace q and k by ``x / sqrt(sum(x**2, over K) + 1e-6)`` per step and head.""",
+    ),
+    Option(
+        "gate", "log", "str",
+        """The log decay: ``g`` itself; ``-exp(A_log[h]) * softplus(g + dt_bias[h])``; or
+        ``lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias[h]))`` (factor 1 when ``A_log``
+        is None).""",
+        GATES,
+    ),
+    Option(
+        "A_log", None, "Any",
+        """shape ``[HV]``. Required for ``"softplus"``, optional for ``"lower_bound"``, refused
+        for ``"log"``.""",
+    ),
+    Option("dt_bias", None, "Any", """shape ``[HV, K]``. Gate bias (zeros when None); refused for ``"log"``."""),
+    Option("lower_bound", None, "float | None", """A float < 0, required for ``"lower_bound"`` only."""),
+    Option(
+        "beta_activation", None, "str | None",
+        """Use ``beta``, ``sigmoid(beta)`` or ``2 * sigmoid(beta)`` (negative eigenvalues allowed).""",
+        BETA_ACTIVATIONS,
+    ),
+    Option(
+        "cu_seqlens", None, "Any",
+        """1-D integer array of ``N + 1`` offsets. With ``B == 1``: the row holds ``N``
+        independent sequences, sequence ``i`` at steps ``cu_seqlens[i]:cu_seqlens[i + 1]``;
+        states are ``[N, HV, K, V]``, boundaries ``[NT, 1, HV, K, V]`` with
+        ``NT = sum(ceil(len_i / C))``, in sequence order.""",
+    ),
+    Option(
+        "check_finite", True, "bool",
+        """Refuse NaN or infinite inputs (``-inf`` stays legal in a log gate) with
+        :class:`~kda.InvalidInputError`, and warn with :class:`~kda.KdaWarning` when finite
+        inputs give non-finite results (the delta rule diverged). False skips both.""",
+    ),
+)  # fmt: skip
+
+_BY_NAME = {o.name: o for o in OPTIONS}
+
+
+def option_names(exclude: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The options' names in table order, less ``exclude``."""
+    return tuple(o.name for o in OPTIONS if o.name not in exclude)
+
+
+def _keywords(self: Any) -> dict[str, Any]:
+    """The options as keywords for another entry point (no copies of arrays)."""
+    return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+# The options of one call, as given (validated by kda._options.validation.validate_options).
+Choices = make_dataclass(
+    "Choices",
+    [(o.name, Any, field(default=o.default)) for o in OPTIONS],
+    frozen=True,
+    namespace={"keywords": _keywords, "__module__": __name__},
+)
+
+
+def options_doc(exclude: tuple[str, ...] = ()) -> str:
+    """The numpydoc entries of the options (each ``name : type, default ...``)."""
+    lines = []
+    for o in OPTIONS:
+        if o.name in exclude:
+            continue
+        kind = " | ".join(map(repr, o.choices)).replace("'", '"') if o.choices else o.annotation
+        kind = f"{{{kind}}}" if o.choices else kind
+        lines.append(f"    {o.name} : {kind}, default {o.default!r}")
+        lines.append(f"        {o.doc}")
+    return "\n" + "\n".join(lines)
+
+
+def _public_signature(impl: Callable, exclude: tuple[str, ...]) -> inspect.Signature:
+    sig = inspect.signature(impl)
+    own = [p for p in sig.parameters.values() if p.name != "opts"]
+    added = [
+        inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=o.annotation)
+        for o in OPTIONS
+        if o.name not in exclude
+    ]
+    return sig.replace(parameters=own + added)
+
+
+def takes_options(exclude: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
+    """Make ``impl(..., opts)`` an entry point that takes the table's options as keywords.
+
+    ``impl``'s last parameter is ``opts`` (a :class:`Choices`); the entry point's signature is
+    ``impl``'s own parameters followed by the options (keyword-only), ``exclude`` left out (they
+    keep their defaults). ``{options}`` in ``impl``'s docstring becomes the options' entries.
+    """
+
+    def wrap(impl: Callable) -> Callable:
+        signature = _public_signature(impl, exclude)
+        names = option_names(exclude)
+
+        @functools.wraps(impl)
+        def entry(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)  # TypeError for an unknown keyword
+            arguments = bound.arguments
+            chosen = Choices(**{n: arguments.pop(n) for n in names if n in arguments})
+            return impl(*bound.args, **bound.kwargs, opts=chosen)
+
+        entry.__signature__ = signature  # type: ignore[attr-defined]
+        entry.__doc__ = (impl.__doc__ or "").replace("{options}", options_doc(exclude))
+        return entry
+
+    return wrap
+
