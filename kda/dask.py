@@ -44,11 +44,11 @@ from ._entry.api import chunk_kda as _chunk_kda
 from ._entry.api import chunk_kda_backward as _chunk_kda_backward
 from ._entry.transition import chunk_kda_transition, chunk_kda_transition_backward
 from ._errors import InvalidInputError, InvalidTypeError
+from ._options.table import LAYOUTS, Choices, takes_options
 from ._options.validation import check_choice, check_chunk_size
 
 __all__ = ["chunk_kda", "chunk_kda_backward"]
 
-LAYOUTS = ("head_first", "time_major")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -389,23 +389,14 @@ def _backward_scan(x: _Inputs, ib: int, ih: int, dend: Any, maps: list, do: Any,
 # The public functions
 
 
-def _block_options(
-    scale, chunk_size, backend, layout, qk_l2norm, gate, lower_bound, beta_activation, check_finite
-):
-    """The keywords every block's call gets (the same for all blocks)."""
-    return {
-        "scale": scale,
-        "chunk_size": chunk_size,
-        "backend": backend,
-        "layout": layout,
-        "qk_l2norm": qk_l2norm,
-        "gate": gate,
-        "lower_bound": lower_bound,
-        "beta_activation": beta_activation,
-        "check_finite": check_finite,
-    }
+def _block_options(scale, chunk_size: int, backend, opts: Choices) -> dict[str, Any]:
+    """The keywords every block's call gets (the same for all blocks): the options of the table
+    but the per-head arrays (``A_log``, ``dt_bias``: blocks of their own) and ``cu_seqlens``."""
+    blockwise = {n: v for n, v in opts.keywords().items() if n not in ("A_log", "dt_bias", "cu_seqlens")}
+    return {"scale": scale, "chunk_size": chunk_size, "backend": backend, **blockwise}
 
 
+@takes_options()
 def chunk_kda(
     q: Any,
     k: Any,
@@ -418,15 +409,7 @@ def chunk_kda(
     chunk_size: int = 64,
     save_boundaries: bool = False,
     backend: str | None = None,
-    layout: str = "head_first",
-    qk_l2norm: bool = False,
-    gate: str = "log",
-    A_log: Any = None,
-    dt_bias: Any = None,
-    lower_bound: float | None = None,
-    beta_activation: str | None = None,
-    cu_seqlens: Any = None,
-    check_finite: bool = True,
+    opts: Choices,
 ) -> KdaOutput:
     """:func:`kda.chunk_kda` on Dask arrays, split over batch, heads and time.
 
@@ -440,12 +423,11 @@ def chunk_kda(
         ``chunk_size`` (each boundary to the nearest; blocks shorter than half a chunk merge).
     initial_state : array, shape ``[B, HV, K, V]``, optional
         Dask, NumPy or CuPy; zeros when None.
-    scale, chunk_size, save_boundaries, backend, layout, qk_l2norm, gate, A_log, dt_bias, \
-lower_bound, beta_activation, check_finite
+    scale, chunk_size, save_boundaries, backend
         As for :func:`kda.chunk_kda`; ``backend`` is applied to every block.
-    cu_seqlens : None
-        Packed sequences are refused (:class:`~kda.InvalidInputError`): the state crossing a time
-        block belongs to one sequence per batch row. Give sequences as batch rows.
+{options}
+        ``cu_seqlens`` must be None here (:class:`~kda.InvalidInputError`): the state crossing a
+        time block belongs to one sequence per batch row. Give sequences as batch rows.
 
     Returns
     -------
@@ -455,10 +437,9 @@ lower_bound, beta_activation, check_finite
         Values are those of the single-process :func:`kda.chunk_kda` up to rounding. Bad values
         (positive ``g``, non-finite inputs, wrong dtypes) raise when computed.
     """
-    plan = _plan(q, k, v, g, beta, layout, chunk_size, cu_seqlens)
-    options = _block_options(
-        scale, plan.chunk_size, backend, layout, qk_l2norm, gate, lower_bound, beta_activation, check_finite
-    )
+    plan = _plan(q, k, v, g, beta, opts.layout, chunk_size, opts.cu_seqlens)
+    options = _block_options(scale, plan.chunk_size, backend, opts)
+    A_log, dt_bias = opts.A_log, opts.dt_bias
     graph = _Graph(plan)
     x = _inputs(graph, q, k, v, g, beta, A_log, dt_bias)
     initial = _states(graph, initial_state, "initial_state")
@@ -480,6 +461,7 @@ lower_bound, beta_activation, check_finite
     return KdaOutput(output, final, graph.array("boundaries", boundaries, chunks, plan.state_dtype))
 
 
+@takes_options()
 def chunk_kda_backward(
     q: Any,
     k: Any,
@@ -494,15 +476,7 @@ def chunk_kda_backward(
     scale: float | None = None,
     chunk_size: int = 64,
     backend: str | None = None,
-    layout: str = "head_first",
-    qk_l2norm: bool = False,
-    gate: str = "log",
-    A_log: Any = None,
-    dt_bias: Any = None,
-    lower_bound: float | None = None,
-    beta_activation: str | None = None,
-    cu_seqlens: Any = None,
-    check_finite: bool = True,
+    opts: Choices,
 ) -> KdaGradients:
     """:func:`kda.chunk_kda_backward` on Dask arrays, split over batch, heads and time.
 
@@ -518,9 +492,9 @@ def chunk_kda_backward(
         Gradient of ``output``, shaped like ``v``.
     grad_final_state : array, shape ``[B, HV, K, V]``, optional
         Dask, NumPy or CuPy; zeros when None.
-    initial_state, scale, chunk_size, backend, layout, qk_l2norm, gate, A_log, dt_bias, \
-lower_bound, beta_activation, cu_seqlens, check_finite
+    initial_state, scale, chunk_size, backend
         As for :func:`chunk_kda`.
+{options}
 
     Returns
     -------
@@ -528,10 +502,9 @@ lower_bound, beta_activation, cu_seqlens, check_finite
         Dask arrays, each gradient chunked like its input (``initial_state``: like batch and value
         heads; ``A_log``, ``dt_bias``: summed over batch and time blocks, None when not given).
     """
-    plan = _plan(q, k, v, g, beta, layout, chunk_size, cu_seqlens)
-    options = _block_options(
-        scale, plan.chunk_size, backend, layout, qk_l2norm, gate, lower_bound, beta_activation, check_finite
-    )
+    plan = _plan(q, k, v, g, beta, opts.layout, chunk_size, opts.cu_seqlens)
+    options = _block_options(scale, plan.chunk_size, backend, opts)
+    A_log, dt_bias = opts.A_log, opts.dt_bias
     graph = _Graph(plan)
     x = _inputs(graph, q, k, v, g, beta, A_log, dt_bias)
     do = graph.add(_as_dask("grad_output", grad_output), plan.sequence_chunks(plan.heads, plan.V))

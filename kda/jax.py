@@ -30,12 +30,12 @@ import numpy as np
 
 from ._entry import api as _api
 from ._entry.fla import (
-    CHUNK_KEYWORDS,
-    RECURRENT_KEYWORDS,
+    CHUNK_DOC,
+    RECURRENT_DOC,
     FlaCall,
     boundary_bound,
-    check_keywords,
     core_options,
+    fla_function,
     packed_chunks,
     translate,
 )
@@ -188,95 +188,19 @@ def _call(name: str, q, k, v, g, beta, kw: dict[str, Any]):
     return _apply(*arrays.values(), *extra.values(), call)
 
 
-def chunk_kda(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    g: jax.Array,
-    beta: jax.Array,
-    scale: float | None = None,
-    initial_state: jax.Array | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    use_gate_in_kernel: bool = False,
-    use_beta_sigmoid_in_kernel: bool = False,
-    allow_neg_eigval: bool = False,
-    safe_gate: bool = False,
-    lower_bound: float | None = None,
-    disable_recompute: bool = False,
-    return_intermediate_states: bool = False,
-    state_v_first: bool = False,
-    cu_seqlens: jax.Array | None = None,
-    cu_seqlens_cpu: Any = None,
-    cp_context: Any = None,
-    use_graph: bool = False,
-    max_num_seqs: int | None = None,
-    **kwargs: Any,
-) -> tuple[jax.Array, jax.Array | None]:
-    """KDA, chunked, differentiable (``jax.grad``) and jittable; the arguments of
-    :func:`kda.torch.chunk_kda` on JAX arrays.
-
-    Parameters
-    ----------
-    q, k : array, shape ``[B, T, H, K]``
-    v : array, shape ``[B, T, HV, V]``
-    g : array, shape ``[B, T, HV, K]``
-        Log decays, or the raw gate with ``use_gate_in_kernel=True``.
-    beta : array, shape ``[B, T, HV]``
-    scale, initial_state, output_final_state, ..., max_num_seqs, **kwargs
-        As for :func:`kda.torch.chunk_kda` (``A_log``, ``dt_bias``, ``chunk_size`` and the
-        deprecated ``transpose_state_layout`` in ``**kwargs``; anything else raises ``TypeError``).
-        Under :func:`jax.jit`, the keywords that are not arrays must be static.
-
-    Returns
-    -------
-    tuple
-        ``(o [B, T, HV, V], final_state [N, HV, K, V] or None)``. float16/bfloat16 compute in
-        float32 and ``o`` has the dtype of ``q``; float64 needs ``jax_enable_x64``.
-    """
-    kw = dict(
-        scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        safe_gate=safe_gate, lower_bound=lower_bound, disable_recompute=disable_recompute,
-        return_intermediate_states=return_intermediate_states, state_v_first=state_v_first,
-        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context,
-        use_graph=use_graph, max_num_seqs=max_num_seqs,
-    )  # fmt: skip
-    check_keywords("chunk_kda", kwargs, CHUNK_KEYWORDS)
-    kw.update(kwargs)
+def _chunk(q, k, v, g, beta, kw: dict[str, Any]):
     return _call("chunk_kda", q, k, v, g, beta, kw)
 
 
-def fused_recurrent_kda(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    g: jax.Array,
-    beta: jax.Array,
-    A_log: jax.Array | None = None,
-    dt_bias: jax.Array | None = None,
-    scale: float | None = None,
-    initial_state: jax.Array | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    use_gate_in_kernel: bool = False,
-    use_beta_sigmoid_in_kernel: bool = False,
-    allow_neg_eigval: bool = False,
-    lower_bound: float | None = None,
-    state_v_first: bool = False,
-    cu_seqlens: jax.Array | None = None,
-    **kwargs: Any,
-) -> tuple[jax.Array, jax.Array | None]:
-    """KDA step by step (:func:`kda.recurrent_kda`), differentiable; the arguments of
-    :func:`kda.torch.fused_recurrent_kda` on JAX arrays."""
-    kw = dict(
-        A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, state_v_first=state_v_first,
-        cu_seqlens=cu_seqlens,
-    )  # fmt: skip
-    check_keywords("fused_recurrent_kda", kwargs, RECURRENT_KEYWORDS)
-    kw.update(kwargs)
+def _recurrent(q, k, v, g, beta, kw: dict[str, Any]):
     return _call("fused_recurrent_kda", q, k, v, g, beta, kw)
+
+
+_JAX_NOTE = """
+    On JAX: differentiable (``jax.grad``) and jittable; under :func:`jax.jit` the keywords that
+    are not arrays must be static. float64 needs ``jax_enable_x64``.
+"""
+chunk_kda = fla_function(
+    "chunk_kda", _chunk, __name__, CHUNK_DOC.format(array="array", framework="JAX") + _JAX_NOTE
+)
+fused_recurrent_kda = fla_function("fused_recurrent_kda", _recurrent, __name__, RECURRENT_DOC + _JAX_NOTE)

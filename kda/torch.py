@@ -28,12 +28,12 @@ import torch
 
 from ._entry import api as _api
 from ._entry.fla import (
-    CHUNK_KEYWORDS,
-    RECURRENT_KEYWORDS,
+    CHUNK_DOC,
+    RECURRENT_DOC,
     FlaCall,
     boundary_bound,
-    check_keywords,
     core_options,
+    fla_function,
     packed_chunks,
     translate,
 )
@@ -251,120 +251,16 @@ def _apply(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, call: Fl
     return o, (final.transpose(-1, -2) if call.state_v_first else final)
 
 
-def chunk_kda(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    use_gate_in_kernel: bool = False,
-    use_beta_sigmoid_in_kernel: bool = False,
-    allow_neg_eigval: bool = False,
-    safe_gate: bool = False,
-    lower_bound: float | None = None,
-    disable_recompute: bool = False,
-    return_intermediate_states: bool = False,
-    state_v_first: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
-    cu_seqlens_cpu: torch.Tensor | None = None,
-    cp_context: Any = None,
-    use_graph: bool = False,
-    max_num_seqs: int | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """KDA, chunked, differentiable; fla 0.6's ``fla.ops.kda.chunk_kda`` signature and semantics.
-
-    Parameters
-    ----------
-    q, k : Tensor, shape ``[B, T, H, K]``
-    v : Tensor, shape ``[B, T, HV, V]``
-        ``HV`` a multiple of ``H``: value head ``i`` reads q/k head ``i // (HV // H)``.
-    g : Tensor, shape ``[B, T, HV, K]``
-        Log decays (``<= 0``), or the raw gate with ``use_gate_in_kernel=True``.
-    beta : Tensor, shape ``[B, T, HV]``
-        Step sizes, or their logits with ``use_beta_sigmoid_in_kernel=True``.
-    scale : float, optional
-        Query scale; ``K ** -0.5`` when None.
-    initial_state : Tensor, shape ``[N, HV, K, V]``, optional
-        ``N = B``, or the number of sequences with ``cu_seqlens``; ``[N, HV, V, K]`` with
-        ``state_v_first``.
-    output_final_state : bool
-        Return the final state (same shape as ``initial_state``), else None.
-    use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound
-        The model-level options, as in fla: see :data:`kda._entry.fla.KEYWORD_TABLE`.
-    safe_gate, disable_recompute, cu_seqlens_cpu, use_graph, max_num_seqs
-        Accepted; no effect on the result (they choose among fla's kernels).
-    return_intermediate_states, cp_context
-        Refused unless False / None.
-    state_v_first : bool
-        States as ``[N, HV, V, K]``.
-    cu_seqlens : Tensor, shape ``[N + 1]``, optional
-        Offsets of packed sequences (``B == 1``).
-    **kwargs
-        ``A_log [HV]``, ``dt_bias`` (``HV * K`` elements), ``chunk_size`` (default 64) and the
-        deprecated ``transpose_state_layout``; anything else raises ``TypeError``.
-
-    Returns
-    -------
-    tuple
-        ``(o [B, T, HV, V], final_state or None)``; ``o`` has the dtype of ``q``, the state is
-        float32 (float64 for float64 inputs).
-    """
-    kw = dict(
-        scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        safe_gate=safe_gate, lower_bound=lower_bound, disable_recompute=disable_recompute,
-        return_intermediate_states=return_intermediate_states, state_v_first=state_v_first,
-        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context,
-        use_graph=use_graph, max_num_seqs=max_num_seqs,
-    )  # fmt: skip
-    check_keywords("chunk_kda", kwargs, CHUNK_KEYWORDS)
-    kw.update(kwargs)
+def _chunk(q, k, v, g, beta, kw: dict[str, Any]):
     return _call("chunk", q, k, v, g, beta, kw)
 
 
-def fused_recurrent_kda(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    A_log: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    use_gate_in_kernel: bool = False,
-    use_beta_sigmoid_in_kernel: bool = False,
-    allow_neg_eigval: bool = False,
-    lower_bound: float | None = None,
-    state_v_first: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """KDA step by step (:func:`kda.recurrent_kda`), differentiable; fla 0.6's
-    ``fla.ops.kda.fused_recurrent_kda`` signature (``A_log``, ``dt_bias`` are positional there).
-
-    The arguments are those of :func:`chunk_kda` (no chunk size, no kernel choices); only the
-    deprecated ``transpose_state_layout`` is accepted in ``**kwargs``. Unlike fla's, this one has
-    a backward (:func:`kda.recurrent_kda_backward`).
-    """
-    kw = dict(
-        A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, state_v_first=state_v_first,
-        cu_seqlens=cu_seqlens,
-    )  # fmt: skip
-    check_keywords("fused_recurrent_kda", kwargs, RECURRENT_KEYWORDS)
-    kw.update(kwargs)
+def _recurrent(q, k, v, g, beta, kw: dict[str, Any]):
     return _call("recurrent", q, k, v, g, beta, kw)
+
+
+chunk_kda = fla_function("chunk_kda", _chunk, __name__, CHUNK_DOC.format(array="Tensor", framework="PyTorch"))
+fused_recurrent_kda = fla_function("fused_recurrent_kda", _recurrent, __name__, RECURRENT_DOC)
 
 
 def _call(method: str, q, k, v, g, beta, kw: dict[str, Any]):

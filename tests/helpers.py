@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -148,3 +148,73 @@ def make_problem(
     do = rng.standard_normal((B, H, T, V))
     ds = rng.standard_normal((B, H, K, V)) if with_grad_state else None
     return Problem(q, k, v, g, beta, s0, do, ds)
+
+
+@dataclass
+class ModelProblem:
+    """A float64 problem with options; ``kwargs`` are the keyword options of the call."""
+
+    inputs: tuple[np.ndarray, ...]
+    initial_state: np.ndarray
+    grad_output: np.ndarray
+    grad_final_state: np.ndarray
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def astype(self, dtype) -> ModelProblem:
+        state = np.float64 if np.dtype(dtype) == np.float64 else np.float32
+        kwargs = {
+            n: (x.astype(dtype) if isinstance(x, np.ndarray) and n != "cu_seqlens" else x)
+            for n, x in self.kwargs.items()
+        }
+        return ModelProblem(
+            tuple(x.astype(dtype) for x in self.inputs),
+            self.initial_state.astype(state),
+            self.grad_output.astype(dtype),
+            self.grad_final_state.astype(state),
+            kwargs,
+        )
+
+
+def make_model_problem(
+    seed: int, B: int, H: int, T: int, K: int, V: int, *, G: int = 1, layout: str = "head_first",
+    gate: str = "log", qk_l2norm: bool = False, beta_activation: str | None = None,
+    cu_seqlens: tuple[int, ...] | None = None, regime: str = "mild", no_A_log: bool = False,
+) -> ModelProblem:  # fmt: skip
+    """Inputs as a layer feeds them: raw gates and beta logits where the options take them."""
+    rng = np.random.default_rng(seed)
+    HV = H * G
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
+    q = rng.standard_normal((B, H, T, K))
+    k = rng.standard_normal((B, H, T, K))
+    if qk_l2norm:
+        k = k * rng.uniform(0.2, 3.0, (B, H, T, 1))  # unnormalised: the option normalises
+    else:
+        k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((B, HV, T, V))
+    kwargs: dict[str, Any] = {"layout": layout}
+    if gate == "log":
+        g = gates(rng, (B, HV, T, K), regime)
+    else:
+        g = 3 * rng.standard_normal((B, HV, T, K))
+        kwargs.update(gate=gate, dt_bias=rng.standard_normal((HV, K)))
+        if not (gate == "lower_bound" and no_A_log):
+            kwargs["A_log"] = rng.uniform(-2.0, 1.0, HV)
+        if gate == "lower_bound":
+            kwargs["lower_bound"] = -5.0
+    if beta_activation is None:
+        beta = rng.uniform(0.0, 1.0, (B, HV, T))
+    else:
+        beta = 2 * rng.standard_normal((B, HV, T))
+        kwargs["beta_activation"] = beta_activation
+    if qk_l2norm:
+        kwargs["qk_l2norm"] = True
+    if cu_seqlens is not None:
+        kwargs["cu_seqlens"] = np.asarray(cu_seqlens, dtype=np.int64)
+    arrays = [q, k, v, g, beta]
+    do = rng.standard_normal((B, HV, T, V))
+    if layout == "time_major":
+        arrays = [np.ascontiguousarray(np.swapaxes(x, 1, 2)) for x in arrays]
+        do = np.ascontiguousarray(np.swapaxes(do, 1, 2))
+    s0 = rng.standard_normal((N, HV, K, V))
+    ds = rng.standard_normal((N, HV, K, V))
+    return ModelProblem(tuple(arrays), s0, do, ds, kwargs)

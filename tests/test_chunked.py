@@ -228,8 +228,8 @@ def test_default_scale_is_inverse_sqrt_k():
 @pytest.mark.parametrize("slab_elements", [1, 1000])
 def test_slabs_give_the_same_result(monkeypatch, slab_elements):
     """Large problems run slab by slab (bounded memory); the result must not depend on it."""
-    import kda._engine.chunked
     import kda._backends.reference
+    import kda._engine.chunked
 
     p = make_problem(9, 2, 2, 77, 6, 5, "reset")
     whole_out, whole_grads = run_chunked(p, 8)

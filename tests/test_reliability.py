@@ -131,7 +131,8 @@ def test_concurrent_calls_are_bitwise_serial_and_leave_blas_as_found(monkeypatch
     """4 threads x 4 calls at once: each result bitwise equal to its serial call; BLAS threads unchanged."""
     import kda._backends.reference
 
-    monkeypatch.setattr(kda._backends.reference, "workers", lambda xp, heads: min(heads, 2))  # groups on any machine
+    # groups on any machine
+    monkeypatch.setattr(kda._backends.reference, "workers", lambda xp, heads: min(heads, 2))
     # sizes differ, so that the threads' calls enter and leave at staggered times
     problems = [make_problem(50 + i, 1, 3, 40 + 30 * i, 12, 9, "mild").astype(np.float32) for i in range(4)]
     serial = [_call(p) for p in problems]

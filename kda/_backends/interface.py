@@ -97,7 +97,15 @@ class Backend(Protocol):
 
     # --- backward
     def chunk_state_grad_pass(
-        self, w: Any, u0: Any, kt: Any, total: Any, qg: Any, A: Any, grad_output: Any, boundaries: Any,
+        self,
+        w: Any,
+        u0: Any,
+        kt: Any,
+        total: Any,
+        qg: Any,
+        A: Any,
+        grad_output: Any,
+        boundaries: Any,
         dstate: Any,
     ) -> tuple[Any, Any, Any, Any]:
         """The state-gradient recurrence, last chunk first: ``dU = A^T dO + kt dS`` and
@@ -106,8 +114,19 @@ class Backend(Protocol):
         the state before the first chunk."""  # fmt: skip
 
     def chunk_local_backward(
-        self, q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float, loc: ChunkLocal, boundaries: Any,
-        dends: Any, u: Any, du: Any, grad_output: Any,
+        self,
+        q: Any,
+        k: Any,
+        g: Any,
+        v: Any,
+        beta: Any,
+        scale: float,
+        loc: ChunkLocal,
+        boundaries: Any,
+        dends: Any,
+        u: Any,
+        du: Any,
+        grad_output: Any,
     ) -> tuple[Any, Any, Any, Any, Any]:
         """Gradients of every chunk's state-free work: ``dq, dk, dg [..., Cp, K]``,
         ``dv [..., Cp, V]``, ``dbeta [..., Cp]``."""  # fmt: skip
@@ -119,7 +138,15 @@ class Backend(Protocol):
         """``[B, H, T, *]`` inputs from ``state [B, H, K, V]``: ``(output [B, H, T, V], final)``."""
 
     def recurrent_backward(
-        self, q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any, grad_output: Any,
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        g: Any,
+        beta: Any,
+        scale: float,
+        state: Any,
+        grad_output: Any,
         grad_state: Any,
     ) -> tuple[Any, Any, Any, Any, Any, Any]:
         """Gradients ``(dq, dk, dv, dg, dbeta, dstate)`` of the recurrence."""  # fmt: skip

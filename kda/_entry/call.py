@@ -148,7 +148,9 @@ class Call:
     def core_inputs(self, q, k, v, g, beta) -> CoreInputs:
         """The core's inputs: head-first, in the compute dtype, with every option applied."""
         p, xp = self.p, self.p.xp
-        arrays = [head_first(xp, xp.astype(x, p.compute_dtype, copy=False), p.layout) for x in (q, k, v, g, beta)]
+        arrays = [
+            head_first(xp, xp.astype(x, p.compute_dtype, copy=False), p.layout) for x in (q, k, v, g, beta)
+        ]
         with floating_point_quiet(xp):
             return prepare_core_inputs(xp, *arrays, self.o, p.HV)
 

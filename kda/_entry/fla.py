@@ -66,24 +66,100 @@ KEYWORD_TABLE: dict[str, tuple[str, str]] = {
     "cp_context": ("refused unless None", "context parallelism across devices"),
 }
 
+# fla 0.6's named parameters after ``q, k, v, g, beta``, in its order, with their defaults; the
+# adapters' signatures are generated from these (:func:`fla_function`). Keywords fla reads from
+# ``**kwargs`` are the rest of KEYWORD_TABLE.
+CHUNK_PARAMS: tuple[tuple[str, Any], ...] = (
+    ("scale", None), ("initial_state", None), ("output_final_state", False),
+    ("use_qk_l2norm_in_kernel", False), ("use_gate_in_kernel", False), ("use_beta_sigmoid_in_kernel", False),
+    ("allow_neg_eigval", False), ("safe_gate", False), ("lower_bound", None), ("disable_recompute", False),
+    ("return_intermediate_states", False), ("state_v_first", False), ("cu_seqlens", None),
+    ("cu_seqlens_cpu", None), ("cp_context", None), ("use_graph", False), ("max_num_seqs", None),
+)  # fmt: skip
+RECURRENT_PARAMS: tuple[tuple[str, Any], ...] = (
+    ("A_log", None), ("dt_bias", None), ("scale", None), ("initial_state", None),
+    ("output_final_state", False),
+    ("use_qk_l2norm_in_kernel", False), ("use_gate_in_kernel", False), ("use_beta_sigmoid_in_kernel", False),
+    ("allow_neg_eigval", False), ("lower_bound", None), ("state_v_first", False), ("cu_seqlens", None),
+)  # fmt: skip
 CHUNK_KEYWORDS = frozenset(KEYWORD_TABLE)
-RECURRENT_KEYWORDS = frozenset(
-    {
-        "scale",
-        "initial_state",
-        "output_final_state",
-        "use_qk_l2norm_in_kernel",
-        "use_gate_in_kernel",
-        "use_beta_sigmoid_in_kernel",
-        "allow_neg_eigval",
-        "lower_bound",
-        "A_log",
-        "dt_bias",
-        "cu_seqlens",
-        "state_v_first",
-        "transpose_state_layout",
-    }
-)
+RECURRENT_KEYWORDS = frozenset({*(n for n, _ in RECURRENT_PARAMS), "transpose_state_layout"})
+SIGNATURES = {
+    "chunk_kda": (CHUNK_PARAMS, CHUNK_KEYWORDS),
+    "fused_recurrent_kda": (RECURRENT_PARAMS, RECURRENT_KEYWORDS),
+}
+
+
+CHUNK_DOC = """KDA, chunked, differentiable; fla 0.6's ``fla.ops.kda.chunk_kda`` signature and semantics
+({framework}).
+
+    Parameters
+    ----------
+    q, k : {array}, shape ``[B, T, H, K]``
+    v : {array}, shape ``[B, T, HV, V]``
+        ``HV`` a multiple of ``H``: value head ``i`` reads q/k head ``i // (HV // H)``.
+    g : {array}, shape ``[B, T, HV, K]``
+        Log decays (``<= 0``), or the raw gate with ``use_gate_in_kernel=True``.
+    beta : {array}, shape ``[B, T, HV]``
+        Step sizes, or their logits with ``use_beta_sigmoid_in_kernel=True``.
+    scale : float, optional
+        Query scale; ``K ** -0.5`` when None.
+    initial_state : {array}, shape ``[N, HV, K, V]``, optional
+        ``N = B``, or the number of sequences with ``cu_seqlens``; ``[N, HV, V, K]`` with
+        ``state_v_first``.
+    output_final_state : bool
+        Return the final state (same shape as ``initial_state``), else None.
+    use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound
+        The model-level options, as in fla: see :data:`kda._entry.fla.KEYWORD_TABLE`.
+    safe_gate, disable_recompute, cu_seqlens_cpu, use_graph, max_num_seqs
+        Accepted; no effect on the result (they choose among fla's kernels).
+    return_intermediate_states, cp_context
+        Refused unless False / None.
+    state_v_first : bool
+        States as ``[N, HV, V, K]``.
+    cu_seqlens : {array}, shape ``[N + 1]``, optional
+        Offsets of packed sequences (``B == 1``).
+    **kwargs
+        ``A_log [HV]``, ``dt_bias`` (``HV * K`` elements), ``chunk_size`` (default 64) and the
+        deprecated ``transpose_state_layout``; anything else raises ``TypeError``.
+
+    Returns
+    -------
+    tuple
+        ``(o [B, T, HV, V], final_state or None)``; ``o`` has the dtype of ``q``, the state is
+        float32 (float64 for float64 inputs).
+    """
+
+RECURRENT_DOC = """KDA step by step (:func:`kda.recurrent_kda`), differentiable; fla 0.6's
+    ``fla.ops.kda.fused_recurrent_kda`` signature (``A_log``, ``dt_bias`` are positional there).
+
+    The arguments are those of :func:`chunk_kda` (no chunk size, no kernel choices); only the
+    deprecated ``transpose_state_layout`` is accepted in ``**kwargs``. Unlike fla's, this one has
+    a backward (:func:`kda.recurrent_kda_backward`).
+    """
+
+
+def fla_function(name: str, call: Any, module: str, doc: str) -> Any:
+    """fla's ``name`` (``"chunk_kda"`` or ``"fused_recurrent_kda"``) with its exact signature.
+
+    The function is generated from :data:`CHUNK_PARAMS` / :data:`RECURRENT_PARAMS` as plain
+    Python (``torch.compile`` traces it): it collects the named parameters and the extra
+    keywords, refuses unknown keywords with ``TypeError`` and calls
+    ``call(q, k, v, g, beta, keywords)``.
+    """
+    params, allowed = SIGNATURES[name]
+    named = ", ".join(f"{n}={d!r}" for n, d in params)
+    collected = ", ".join(f"{n!r}: {n}" for n, _ in params)
+    source = (
+        f"def {name}(q, k, v, g, beta, {named}, **kwargs):\n"
+        f"    _check(_name, kwargs, _allowed)\n"
+        f"    return _call(q, k, v, g, beta, {{{collected}, **kwargs}})\n"
+    )
+    namespace = {"_check": check_keywords, "_name": name, "_allowed": allowed, "_call": call}
+    exec(compile(source, f"<kda.fla {name}>", "exec"), namespace)
+    function = namespace[name]
+    function.__module__, function.__qualname__, function.__doc__ = module, name, doc
+    return function
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,9 @@ OPTIONS: tuple[Option, ...] = (
         """shape ``[HV]``. Required for ``"softplus"``, optional for ``"lower_bound"``, refused
         for ``"log"``.""",
     ),
-    Option("dt_bias", None, "Any", """shape ``[HV, K]``. Gate bias (zeros when None); refused for ``"log"``."""),
+    Option(
+        "dt_bias", None, "Any", """shape ``[HV, K]``. Gate bias (zeros when None); refused for ``"log"``."""
+    ),
     Option("lower_bound", None, "float | None", """A float < 0, required for ``"lower_bound"`` only."""),
     Option(
         "beta_activation", None, "str | None",
@@ -155,4 +157,3 @@ def takes_options(exclude: tuple[str, ...] = ()) -> Callable[[Callable], Callabl
         return entry
 
     return wrap
-
