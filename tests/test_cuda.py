@@ -290,16 +290,16 @@ def test_launches_do_not_grow_with_length(monkeypatch):
 @pytest.fixture
 def compiled_calls(monkeypatch):
     """The ``(kernel, index type)`` of every kernel the launcher asks for, in order."""
-    import kda._backends.cuda._launch as launch
+    from kda._backends.cuda._device import Family
 
     calls = []
-    real = launch.compiled
+    real = Family.compiled
 
-    def spy(name, dtype, index="uint32"):
+    def spy(self, name, dtype, index="uint32"):
         calls.append((name, index))
-        return real(name, dtype, index)
+        return real(self, name, dtype, index)
 
-    monkeypatch.setattr(launch, "compiled", spy)
+    monkeypatch.setattr(Family, "compiled", spy)
     return calls
 
 
@@ -309,7 +309,7 @@ def test_offsets_in_64_bits_when_sizes_need_them(compiled_calls, monkeypatch):
     ``INDEX32_LIMIT`` is lowered so that this small problem takes the 64-bit variants of every
     kernel of a chunked and a recurrent forward and backward (and the gate check).
     """
-    from kda._backends.cuda import _kernels
+    from kda._backends.cuda import _device
 
     used = compiled_calls
     arrays = problem(np.random.default_rng(5), 1, 2, 9, 4, 3, "reset")
@@ -327,7 +327,7 @@ def test_offsets_in_64_bits_when_sizes_need_them(compiled_calls, monkeypatch):
         return [to_np(x) for x in exact], [to_np(x) for x in atomic], set(used)
 
     narrow, narrow_atomic, narrow_used = run_all()
-    monkeypatch.setattr(_kernels, "INDEX32_LIMIT", 16)
+    monkeypatch.setattr(_device, "INDEX32_LIMIT", 16)
     wide, wide_atomic, wide_used = run_all()
     assert {i for _, i in narrow_used} == {"uint32"}, narrow_used
     assert {i for _, i in wide_used} == {"uint64"}, wide_used
@@ -415,9 +415,9 @@ def test_chunk_local_and_its_backward(regime, Cp, dtype):
 
 def test_chunk_local_with_64_bit_offsets(compiled_calls, monkeypatch):
     """The per-chunk kernels in their 64-bit variants."""
-    from kda._backends.cuda import _kernels
+    from kda._backends.cuda import _device
 
-    monkeypatch.setattr(_kernels, "INDEX32_LIMIT", 16)
+    monkeypatch.setattr(_device, "INDEX32_LIMIT", 16)
     test_chunk_local_and_its_backward("reset", 8, np.float32)
     assert set(compiled_calls) == {(name, "uint64") for name in ("chunk_local", "chunk_local_backward")}
 
@@ -481,12 +481,12 @@ def test_state_passes(Cp, K, V, limit, dtype, variant, monkeypatch):
 
     ``variant``: the forward pass's two cuts (a small shared-memory limit runs the broadcast one).
     """
-    monkeypatch.setattr(kc._launch, "STATE_PASS", variant)
+    monkeypatch.setattr(kc.state_pass, "STATE_PASS", variant)
     if limit is not None:
-        monkeypatch.setattr(kc._launch, "SHARED_LIMIT", limit * np.dtype(dtype).itemsize // 4)
+        monkeypatch.setattr(kc.state_pass, "SHARED_LIMIT", limit * np.dtype(dtype).itemsize // 4)
         size = np.dtype(dtype).itemsize
-        assert kc._launch._state_block("", K, Cp, size, K + 2 * Cp)[0] == (4, 64)
-        assert kc._launch._state_block("", K, Cp, size, 2 * K + 2 * Cp)[0] == (2, 128)
+        assert kc.state_pass._state_block("", K, Cp, size, K + 2 * Cp)[0] == (4, 64)
+        assert kc.state_pass._state_block("", K, Cp, size, 2 * K + 2 * Cp)[0] == (2, 128)
     rng = np.random.default_rng(2)
     B, H, NT = (2, 1, 3) if Cp <= 8 else (1, 1, 2)
     w, kt, qg = (rng.standard_normal((B, H, NT, Cp, K)) * 0.3 for _ in range(3))
@@ -527,7 +527,7 @@ def test_state_passes(Cp, K, V, limit, dtype, variant, monkeypatch):
 )
 def test_staged_state_pass(Cp, K, V, dtype, monkeypatch):
     """The re-cut state passes (rows on the lanes, staged tiles) against the reference."""
-    monkeypatch.setattr(kc._launch, "STATE_PASS", "staged")
+    monkeypatch.setattr(kc.state_pass, "STATE_PASS", "staged")
     rng = np.random.default_rng(Cp + K)
     B, H, NT = 1, 2, 3
     w, kt, qg = (rng.standard_normal((B, H, NT, Cp, K)) * 0.3 for _ in range(3))
@@ -558,8 +558,8 @@ def test_staged_state_pass(Cp, K, V, dtype, monkeypatch):
 
 def test_staged_state_pass_falls_back_and_runs_end_to_end(monkeypatch):
     """Where its tiles do not fit, the broadcast pass runs; a whole call with it matches the oracle."""
-    monkeypatch.setattr(kc._launch, "STATE_PASS", "staged")
-    kernel = kc._launch._state_kernel
+    monkeypatch.setattr(kc.state_pass, "STATE_PASS", "staged")
+    kernel = kc.state_pass._state_kernel
     assert kernel("chunk_state_pass", 1, 1, 64, 128, 128, 4)[0] == "chunk_state_pass_staged"
     assert kernel("chunk_state_pass", 1, 1, 1024, 128, 128, 4)[0] == "chunk_state_pass"  # 2048 threads
     arrays = problem(np.random.default_rng(9), 1, 2, 19, 8, 20, "reset")
@@ -568,7 +568,7 @@ def test_staged_state_pass_falls_back_and_runs_end_to_end(monkeypatch):
     assert LAUNCHES["chunk_state_pass_staged"] == 1 and "chunk_state_pass" not in LAUNCHES
     assert LAUNCHES["chunk_state_grad_pass_staged"] == 1 and "chunk_state_grad_pass" not in LAUNCHES
     compare("chunk (staged state pass)", out, grads, *oracle(arrays), np.float32, "reset")
-    monkeypatch.setattr(kc._launch, "SHARED_LIMIT", 4 * (8 * 16 + 2 * 8 * 17 + 2 * 16 * 9) - 1)
+    monkeypatch.setattr(kc.state_pass, "SHARED_LIMIT", 4 * (8 * 16 + 2 * 8 * 17 + 2 * 16 * 9) - 1)
     LAUNCHES.clear()
     shapes = [(1, 1, 1, 8, 8)] * 3 + [(1, 1, 1, 8), (1, 1, 8, 8)]  # w, u0, kt, total, state
     kc.chunk_state_pass(*(to_dev(np.ones(s, np.float32)) for s in shapes))

@@ -23,16 +23,18 @@ pytest.importorskip("numba.cuda", reason="numba-cuda is not installed (pip insta
 PTX_SCRIPT = r"""
 import json, os, re, subprocess, sys, tempfile
 from numba import cuda
-from kda._backends.cuda._kernels import DTYPES, SIGNATURES, build_kernels, signature
+import kda._backends.cuda
+from kda._backends.cuda._device import DTYPES, FAMILIES
 ptxas = sys.argv[1] if len(sys.argv) > 1 else ""
 report = {}
 # both dtypes with 32-bit offsets; the 64-bit variants in float32 (where a float64 would hide)
 variants = [(dtype, "uint32") for dtype in DTYPES] + [("float32", "uint64")]
 with tempfile.TemporaryDirectory() as tmp:
     for dtype, index in variants:
-        funcs = build_kernels(dtype, index)
-        for name in SIGNATURES:
-            ptx, _ = cuda.compile_ptx(funcs[name], signature(name, dtype, index), cc=(9, 0))
+      for family in FAMILIES:
+        funcs = family.build(dtype, index)
+        for name in family.signatures:
+            ptx, _ = cuda.compile_ptx(funcs[name], family.signature(name, dtype, index), cc=(9, 0))
             info = {"bytes": len(ptx), "f64": len(re.findall(r"\.f64\b", ptx)), "entry": ".entry" in ptx}
             if ptxas and dtype == "float32":  # the dtype that matters for speed; ptxas is slow
                 path = os.path.join(tmp, f"{name}_{dtype}_{index}.ptx")
@@ -67,7 +69,8 @@ REGISTER_BUDGET = {
 
 def test_ptx_compiles_for_cc90():
     """Every kernel, both dtypes: PTX for cc 9.0; no float64 in float32 kernels; no spills (float32)."""
-    from kda._backends.cuda._kernels import SIGNATURES
+    import kda._backends.cuda  # noqa: F401  (registers every family)
+    from kda._backends.cuda._device import FAMILIES
 
     env = {name: value for name, value in os.environ.items() if name != "NUMBA_ENABLE_CUDASIM"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,7 +86,7 @@ def test_ptx_compiles_for_cc90():
     )
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(report) == 3 * len(SIGNATURES)
+    assert len(report) == 3 * sum(len(f.signatures) for f in FAMILIES)
     print("\nkernel/dtype: registers, spill bytes (ptxas -arch=sm_90)" if ptxas else "\n(no ptxas)")
     for key, info in sorted(report.items()):
         assert info["entry"], key

@@ -4,7 +4,11 @@ The backend-neutral algorithm of :mod:`kda._engine.chunked` drives it unchanged.
 arrays on a GPU (kernels run on CuPy's current stream), or NumPy arrays under Numba's CUDA
 simulator (``NUMBA_ENABLE_CUDASIM=1``). Kernels are compiled on first use, once per dtype
 (float32, float64) and offset width (32-bit wherever every array of a launch has fewer than
-2**32 elements, else 64-bit). One kernel per primitive, and launches per call do not depend on the
+2**32 elements, else 64-bit). Kernels are grouped by family, each beside its launch wrappers:
+``local.py`` (the per-chunk work and its gradient), ``state_pass.py`` (the state recurrence and
+its gradient), ``recurrent.py`` (the step recurrence), ``_decode.py`` (decoding from a pool) and
+``gate.py`` (the device-side gate check), on ``_device.py`` (offsets, signatures, compilation)
+and ``_launch.py`` (the launcher). One kernel per primitive, and launches per call do not depend on the
 sequence length (``kda._backends.cuda._launch.LAUNCHES`` counts them): a forward is 2 kernels, a
 backward 3 (docs/gpu.md). Padded chunks longer than :data:`MAX_CHUNK` do not fit a block:
 :func:`kda._backends.resolve` runs those problems on the array-API reference backend (on CuPy).
@@ -16,21 +20,12 @@ from typing import Any
 
 from array_api_compat import is_cupy_array
 
-from ..interface import ChunkLocal
+from ..interface import ChunkLocal, from_chunks, to_chunks
 from ._decode import decode_forward
-from ._launch import (
-    MAX_CHUNK,
-    chunk_local,
-    chunk_local_backward,
-    chunk_state_grad_pass,
-    chunk_state_pass,
-    from_chunks,
-    gate_flags,
-    raise_for_gates,
-    recurrent_backward,
-    recurrent_forward,
-    to_chunks,
-)
+from .gate import gate_flags, raise_for_gates
+from .local import MAX_CHUNK, chunk_local, chunk_local_backward
+from .recurrent import recurrent_backward, recurrent_forward
+from .state_pass import chunk_state_grad_pass, chunk_state_pass
 
 NAME = "cuda"
 

@@ -24,7 +24,7 @@ import numpy as np
 from array_api_compat import array_namespace, device
 from numba import cuda
 
-from ._kernels import DTYPES, INDEX_TYPES, offset_functions
+from ._device import DTYPES, INDEX_TYPES, offset_functions
 from ._launch import _c, launch
 
 __all__ = ["SIGNATURE", "build_decode_kernel", "compiled_decode", "decode_forward", "decode_signature"]

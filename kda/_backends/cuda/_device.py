@@ -1,0 +1,166 @@
+"""What every kernel family shares: dtypes, offset types, offsets, signatures, compilation.
+
+A family (``local.py``, ``state_pass.py``, ``recurrent.py``, ``gate.py``) writes its kernels once
+as plain Python functions in a ``build(dtype, index)`` factory, closed over the constants of one
+floating dtype (:func:`constants`: so float32 work stays float32, no Python float literal ever
+promotes it to float64) and the offset functions of one index type (:func:`offset_functions`),
+and declares their argument kinds; a :class:`Family` compiles each kernel lazily, once per
+(dtype, index type), with an explicit signature. :data:`FAMILIES` lists them all: the PTX test
+compiles every kernel for both dtypes, and the 64-bit offsets in float32.
+
+Layouts: every array is C-contiguous and passed flattened; a kernel indexes it by offsets
+(``at2``, ``at3``, ``at4``: unsigned, 32-bit where the launch's sizes allow) from the dimensions
+in its trailing ``dims`` tuple. ``N = B * H * NT`` chunks, ``BH = B * H`` heads, ``Cp`` padded chunk
+steps, ``K`` key and ``V`` value channels, ``NL`` halving levels. The forward and backward of
+the chunked algorithm run four kernels (``chunk_local``, a state pass, a state-gradient pass,
+``chunk_local_backward``; docs/gpu.md).
+
+Numerical contract (``docs/design.md``): every decay is a running product of ``exp(g)`` over
+exactly the steps it spans, so it lies in ``[0, 1]``, a hard reset (``g = -inf``) gives an
+exact 0 and no difference of cumulative sums is ever formed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numba
+import numpy as np
+from numba import cuda
+
+__all__ = [
+    "DTYPES",
+    "FAMILIES",
+    "INDEX32_LIMIT",
+    "INDEX_TYPES",
+    "Family",
+    "constants",
+    "inline",
+    "offset_functions",
+    "signature",
+]
+
+# floating dtypes the kernels are compiled for
+DTYPES = ("float32", "float64")
+
+# index types: every array is passed flattened, and the kernels compute their offsets into it
+# in 32 bits (unsigned: no negative-index fix-ups) wherever every array and every dimension of
+# the launch has fewer than INDEX32_LIMIT elements, in 64 bits otherwise; the launcher
+# picks (kda._backends.cuda._launch.index_type)
+# index type -> the type of the dimensions passed with it (signed in 64 bits: Numba types a mix
+# of uint64 and signed integers as float64)
+INDEX_TYPES = {"uint32": "uint32", "uint64": "int64"}
+INDEX32_LIMIT = 2**32
+
+# argument kinds of a family's signatures: "a" a C-contiguous 1-D array of the floating dtype (a
+# flattened C-contiguous array), "s" a floating scalar, "i" an int64 scalar, "j" an int32 scalar,
+# "f" a C-contiguous 1-D int32 array, then ":n" for the trailing tuple of n dimensions
+KINDS = {"a": "{dtype}[::1]", "s": "{dtype}", "i": "int64", "j": "int32", "f": "int32[::1]"}
+
+
+def signature(spec: str, dtype: str, index: str = "uint32") -> str:
+    """The explicit Numba signature of argument kinds ``spec`` for ``dtype`` and ``index``.
+
+    Every array is C-contiguous and one-dimensional (a flattened view): an element is an offset
+    computed in ``index`` arithmetic from the trailing tuple of dimensions, with no stride loads
+    and no negative-index selects.
+    """
+    kinds, ndims = spec.split(":")
+    args = [KINDS[c].format(dtype=dtype) for c in kinds] + [f"UniTuple({INDEX_TYPES[index]}, {int(ndims)})"]
+    return f"void({', '.join(args)})"
+
+
+def constants(dtype: str) -> tuple:
+    """``(fl, nbtype, zero, one)``: the scalar type of ``dtype``, its Numba type, 0 and 1 in it."""
+    fl = np.dtype(dtype).type
+    return fl, numba.from_dtype(np.dtype(dtype)), fl(0), fl(1)
+
+
+class Family:
+    """One kernel family: its ``build(dtype, index)`` factory and each kernel's argument kinds.
+
+    :meth:`compiled` compiles a kernel once per (dtype, index type) and caches it.
+    """
+
+    def __init__(self, name: str, build: Callable[[str, str], dict], signatures: dict[str, str]) -> None:
+        self.name = name
+        self.build = build
+        self.signatures = signatures
+        self._functions: dict[tuple[str, str], dict] = {}
+        self._compiled: dict[tuple[str, str, str], Any] = {}
+        FAMILIES.append(self)
+
+    def signature(self, kernel: str, dtype: str, index: str = "uint32") -> str:
+        return signature(self.signatures[kernel], dtype, index)
+
+    def compiled(self, kernel: str, dtype: str, index: str = "uint32") -> Any:
+        """Kernel ``kernel`` for ``dtype`` and ``index``, compiled on first use."""
+        key = (kernel, dtype, index)
+        found = self._compiled.get(key)
+        if found is None:
+            if (dtype, index) not in self._functions:
+                self._functions[dtype, index] = self.build(dtype, index)
+            found = cuda.jit(self.signature(kernel, dtype, index))(self._functions[dtype, index][kernel])
+            self._compiled[key] = found
+        return found
+
+
+# every family, in import order (kda._backends.cuda imports them all)
+FAMILIES: list[Family] = []
+
+
+def _offset_function(ix):
+    """``at2(i, j, J)``: the offset ``i * J + j`` in the index type ``ix``, as an inline device function.
+
+    Under Numba's CUDA simulator a plain function of Python integers instead: there a device
+    call is a switch of thread context and a Numba cast a microsecond, which made the offsets 30
+    times slower than the arithmetic they hold. A negative offset (which the unsigned type would
+    wrap far out of bounds on a GPU) raises there.
+    """
+    if numba.config.ENABLE_CUDASIM:
+
+        def at2(i, j, J):
+            offset = i * J + j
+            if offset < 0:
+                msg = f"negative array offset {i} * {J} + {j}"
+                raise IndexError(msg)
+            return offset
+
+        return at2
+
+    @cuda.jit(device=True, inline="always")
+    def at2(i, j, J):
+        return ix(ix(i) * ix(J) + ix(j))
+
+    return at2
+
+
+def inline(func):
+    """An inline device function on a GPU; the plain function under the simulator."""
+    if numba.config.ENABLE_CUDASIM:
+        return func
+    return cuda.jit(device=True, inline="always")(func)
+
+
+def offset_functions(index: str) -> tuple:
+    """``(at2, at3, at4)``: the offsets of elements of C-contiguous arrays in the ``index`` type.
+
+    ``at2(i, j, J)`` is element ``[i, j]`` of a ``[., J]`` array, ``at3(i, j, m, J, M)`` element
+    ``[i, j, m]`` of a ``[., J, M]`` one and ``at4(i, j, m, r, J, M, R)`` element ``[i, j, m, r]``
+    of a ``[., J, M, R]`` one: inline device functions on a GPU, plain functions under the
+    simulator (:func:`_offset_function`).
+    """
+    at2 = _offset_function(getattr(numba, index))
+
+    @inline
+    def at3(i, j, m, J, M):
+        """The offset of element ``[i, j, m]`` of a C-contiguous ``[., J, M]`` array."""
+        return at2(at2(i, j, J), m, M)
+
+    @inline
+    def at4(i, j, m, r, J, M, R):
+        """The offset of element ``[i, j, m, r]`` of a C-contiguous ``[., J, M, R]`` array."""
+        return at2(at3(i, j, m, J, M), r, R)
+
+    return at2, at3, at4
