@@ -97,37 +97,18 @@ class Backend(Protocol):
 
     # --- backward
     def chunk_state_grad_pass(
-        self,
-        w: Any,
-        u0: Any,
-        kt: Any,
-        total: Any,
-        qg: Any,
-        A: Any,
-        grad_output: Any,
-        boundaries: Any,
+        self, w: Any, u0: Any, kt: Any, total: Any, qg: Any, A: Any, grad_output: Any, boundaries: Any,
         dstate: Any,
-    ) -> tuple[Any, Any, Any, Any]:
+    ) -> tuple[Any, Any, Any, Any]:  # fmt: skip
         """The state-gradient recurrence, last chunk first: ``dU = A^T dO + kt dS`` and
         ``dS <- total * dS + qg^T dO - w^T dU``. Returns ``dends [NT, B, H, K, V]`` (the gradient
         of each chunk's end state), ``U`` and ``dU`` (``[B, H, NT, Cp, V]``) and the gradient of
         the state before the first chunk."""  # fmt: skip
 
     def chunk_local_backward(
-        self,
-        q: Any,
-        k: Any,
-        g: Any,
-        v: Any,
-        beta: Any,
-        scale: float,
-        loc: ChunkLocal,
-        boundaries: Any,
-        dends: Any,
-        u: Any,
-        du: Any,
-        grad_output: Any,
-    ) -> tuple[Any, Any, Any, Any, Any]:
+        self, q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float, loc: ChunkLocal, boundaries: Any,
+        dends: Any, u: Any, du: Any, grad_output: Any,
+    ) -> tuple[Any, Any, Any, Any, Any]:  # fmt: skip
         """Gradients of every chunk's state-free work: ``dq, dk, dg [..., Cp, K]``,
         ``dv [..., Cp, V]``, ``dbeta [..., Cp]``."""  # fmt: skip
 
@@ -138,17 +119,9 @@ class Backend(Protocol):
         """``[B, H, T, *]`` inputs from ``state [B, H, K, V]``: ``(output [B, H, T, V], final)``."""
 
     def recurrent_backward(
-        self,
-        q: Any,
-        k: Any,
-        v: Any,
-        g: Any,
-        beta: Any,
-        scale: float,
-        state: Any,
-        grad_output: Any,
+        self, q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any, grad_output: Any,
         grad_state: Any,
-    ) -> tuple[Any, Any, Any, Any, Any, Any]:
+    ) -> tuple[Any, Any, Any, Any, Any, Any]:  # fmt: skip
         """Gradients ``(dq, dk, dv, dg, dbeta, dstate)`` of the recurrence."""  # fmt: skip
 
     def decode_forward(

@@ -7,9 +7,7 @@ The chunked functions run the core's chunked algorithm; the recurrent ones the s
 
 from __future__ import annotations
 
-from typing import Any
-
-from .._options.table import Choices, takes_options
+from .._options.table import Array, Choices, takes_options
 from .call import KdaGradients, KdaOutput, open_call
 
 __all__ = [
@@ -38,19 +36,10 @@ INPUTS_DOC = """
 
 @takes_options()
 def chunk_kda(
-    q: Any,
-    k: Any,
-    v: Any,
-    g: Any,
-    beta: Any,
-    *,
-    scale: float | None = None,
-    initial_state: Any = None,
-    chunk_size: int = 64,
-    save_boundaries: bool = False,
-    backend: str | None = None,
-    opts: Choices,
-) -> KdaOutput:
+    q: Array, k: Array, v: Array, g: Array, beta: Array, *, scale: float | None = None,
+    initial_state: Array | None = None, chunk_size: int = 64, save_boundaries: bool = False,
+    backend: str | None = None, opts: Choices,
+) -> KdaOutput:  # fmt: skip
     """Kimi Delta Attention, chunked forward.
 
     Per batch and value head, with state ``S: [K, V]``::
@@ -90,21 +79,10 @@ def chunk_kda(
 
 @takes_options()
 def chunk_kda_backward(
-    q: Any,
-    k: Any,
-    v: Any,
-    g: Any,
-    beta: Any,
-    boundaries: Any,
-    grad_output: Any,
-    grad_final_state: Any = None,
-    *,
-    scale: float | None = None,
-    initial_state: Any = None,
-    chunk_size: int = 64,
-    backend: str | None = None,
-    opts: Choices,
-) -> KdaGradients:
+    q: Array, k: Array, v: Array, g: Array, beta: Array, boundaries: Array, grad_output: Array,
+    grad_final_state: Array | None = None, *, scale: float | None = None,
+    initial_state: Array | None = None, chunk_size: int = 64, backend: str | None = None, opts: Choices,
+) -> KdaGradients:  # fmt: skip
     """Kimi Delta Attention, chunked backward.
 
     Parameters
@@ -138,17 +116,9 @@ def chunk_kda_backward(
 
 @takes_options()
 def recurrent_kda(
-    q: Any,
-    k: Any,
-    v: Any,
-    g: Any,
-    beta: Any,
-    *,
-    scale: float | None = None,
-    initial_state: Any = None,
-    backend: str | None = None,
-    opts: Choices,
-) -> KdaOutput:
+    q: Array, k: Array, v: Array, g: Array, beta: Array, *, scale: float | None = None,
+    initial_state: Array | None = None, backend: str | None = None, opts: Choices,
+) -> KdaOutput:  # fmt: skip
     """Kimi Delta Attention, step by step: the definition, and the oracle of the chunked form.
 
     Parameters
@@ -169,19 +139,10 @@ def recurrent_kda(
 
 @takes_options()
 def recurrent_kda_backward(
-    q: Any,
-    k: Any,
-    v: Any,
-    g: Any,
-    beta: Any,
-    grad_output: Any,
-    grad_final_state: Any = None,
-    *,
-    scale: float | None = None,
-    initial_state: Any = None,
-    backend: str | None = None,
-    opts: Choices,
-) -> KdaGradients:
+    q: Array, k: Array, v: Array, g: Array, beta: Array, grad_output: Array,
+    grad_final_state: Array | None = None, *, scale: float | None = None,
+    initial_state: Array | None = None, backend: str | None = None, opts: Choices,
+) -> KdaGradients:  # fmt: skip
     """Gradients of :func:`recurrent_kda`, by a hand-written backward through the steps.
 
     Parameters

@@ -15,7 +15,7 @@ import array_api_compat
 from .._errors import InvalidInputError, InvalidTypeError
 from .._options.checks import warn_if_diverged
 from .._options.maps import head_first
-from .._options.table import Choices, takes_options
+from .._options.table import Array, Choices, takes_options
 from .._options.validation import STATE_DTYPE_RULE, Problem, _host_integers, check_array
 from .call import open_call
 
@@ -75,18 +75,9 @@ def check_indices(state_indices: Any, N: int, P: int) -> tuple[int, ...]:
 
 @takes_options(exclude=("cu_seqlens",))
 def decode_kda(
-    q: Any,
-    k: Any,
-    v: Any,
-    g: Any,
-    beta: Any,
-    state_pool: Any,
-    state_indices: Any,
-    *,
-    scale: float | None = None,
-    backend: str | None = None,
-    opts: Choices,
-) -> Any:
+    q: Array, k: Array, v: Array, g: Array, beta: Array, state_pool: Array, state_indices: Array, *,
+    scale: float | None = None, backend: str | None = None, opts: Choices,
+) -> Any:  # fmt: skip
     """A few KDA steps of a batch of requests, each continuing the state held in a pool row.
 
         Request ``n`` starts from ``state_pool[state_indices[n]]``, runs its ``T`` steps of the

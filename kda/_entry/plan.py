@@ -35,7 +35,7 @@ import array_api_compat
 
 from .._errors import InvalidInputError, InvalidTypeError
 from .._options.maps import Options, head_first
-from .._options.table import Choices, takes_options
+from .._options.table import Array, Choices, takes_options
 from .._options.validation import STATE_DTYPE_RULE, Problem, check_array
 from .call import Call, KdaGradients, KdaOutput, open_call
 
@@ -215,20 +215,10 @@ def _prepare(q, k, v, g, beta, scale, chunk_size, backend, initial_state, opts: 
 
 @takes_options()
 def prepare_chunk_kda(
-    q: Any,
-    k: Any,
-    v: Any,
-    g: Any,
-    beta: Any,
-    *,
-    initial_state: Any = None,
-    out: KdaOutput | None = None,
-    scale: float | None = None,
-    chunk_size: int = 64,
-    save_boundaries: bool = False,
-    backend: str | None = None,
-    opts: Choices,
-) -> ForwardPlan:
+    q: Array, k: Array, v: Array, g: Array, beta: Array, *, initial_state: Array | None = None,
+    out: KdaOutput | None = None, scale: float | None = None, chunk_size: int = 64,
+    save_boundaries: bool = False, backend: str | None = None, opts: Choices,
+) -> ForwardPlan:  # fmt: skip
     """Prepare :func:`kda.chunk_kda` on bound arrays, to run many times.
 
         The arguments are those of :func:`kda.chunk_kda` (validated here, once, with the same
@@ -296,22 +286,10 @@ def prepare_chunk_kda(
 
 @takes_options()
 def prepare_chunk_kda_backward(
-    q: Any,
-    k: Any,
-    v: Any,
-    g: Any,
-    beta: Any,
-    boundaries: Any,
-    grad_output: Any,
-    grad_final_state: Any = None,
-    *,
-    out: KdaGradients | None = None,
-    scale: float | None = None,
-    initial_state: Any = None,
-    chunk_size: int = 64,
-    backend: str | None = None,
-    opts: Choices,
-) -> BackwardPlan:
+    q: Array, k: Array, v: Array, g: Array, beta: Array, boundaries: Array, grad_output: Array,
+    grad_final_state: Array | None = None, *, out: KdaGradients | None = None, scale: float | None = None,
+    initial_state: Array | None = None, chunk_size: int = 64, backend: str | None = None, opts: Choices,
+) -> BackwardPlan:  # fmt: skip
     """Prepare :func:`kda.chunk_kda_backward` on bound arrays, to run many times.
 
         The arguments are those of :func:`kda.chunk_kda_backward`, plus ``out``; as for

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import array_api_compat
 
 from .._options.checks import warn_if_diverged
-from .._options.table import Choices, takes_options
+from .._options.table import Array, Choices, takes_options
 from .api import chunk_kda, chunk_kda_backward
 from .call import open_call
 
@@ -43,17 +43,9 @@ class KdaTransition(NamedTuple):
 
 @takes_options()
 def chunk_kda_transition(
-    q: Any,
-    k: Any,
-    v: Any,
-    g: Any,
-    beta: Any,
-    *,
-    scale: float | None = None,
-    chunk_size: int = 64,
-    backend: str | None = None,
-    opts: Choices,
-) -> KdaTransition:
+    q: Array, k: Array, v: Array, g: Array, beta: Array, *, scale: float | None = None,
+    chunk_size: int = 64, backend: str | None = None, opts: Choices,
+) -> KdaTransition:  # fmt: skip
     """The affine state map of a segment of steps: ``S_end = A @ S_start + N``.
 
         For a sequence cut into consecutive segments (shards), every segment's map can be computed
@@ -118,18 +110,9 @@ def _packed_transition(q, k, v, g, beta, scale, chunk_size, backend, opts: Choic
 
 @takes_options()
 def chunk_kda_transition_backward(
-    q: Any,
-    k: Any,
-    v: Any,
-    g: Any,
-    beta: Any,
-    grad_output: Any,
-    *,
-    scale: float | None = None,
-    chunk_size: int = 64,
-    backend: str | None = None,
-    opts: Choices,
-) -> Any:
+    q: Array, k: Array, v: Array, g: Array, beta: Array, grad_output: Array, *, scale: float | None = None,
+    chunk_size: int = 64, backend: str | None = None, opts: Choices,
+) -> Any:  # fmt: skip
     """The start-state gradient of a segment when its end-state gradient is zero: ``D``.
 
         With ``A`` from :func:`chunk_kda_transition`, the gradient of a segment's start state is

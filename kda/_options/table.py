@@ -22,7 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any
 
-__all__ = ["OPTIONS", "Choices", "Option", "option_names", "options_doc", "takes_options"]
+__all__ = ["OPTIONS", "Array", "Choices", "Option", "option_names", "options_doc", "takes_options"]
+
+Array = Any  # an array of the caller's array-API namespace (in signatures)
 
 LAYOUTS = ("head_first", "time_major")
 GATES = ("log", "softplus", "lower_bound")

@@ -463,19 +463,9 @@ def chunk_local(q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float) -> Chun
 
 
 def chunk_local_backward(
-    q: Any,
-    k: Any,
-    g: Any,
-    v: Any,
-    beta: Any,
-    scale: float,
-    loc: ChunkLocal,
-    boundaries: Any,
-    dends: Any,
-    u: Any,
-    du: Any,
-    grad_output: Any,
-) -> tuple[Any, Any, Any, Any, Any]:
+    q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float, loc: ChunkLocal, boundaries: Any, dends: Any,
+    u: Any, du: Any, grad_output: Any,
+) -> tuple[Any, Any, Any, Any, Any]:  # fmt: skip
     """Gradients of every chunk's state-free work in one kernel, one block per chunk.
 
     Returns ``dq, dk, dv, dg, dbeta`` (see :mod:`kda._backends.interface`); ``Cp <= MAX_CHUNK``.

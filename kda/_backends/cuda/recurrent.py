@@ -206,16 +206,8 @@ def recurrent_forward(q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, s
 
 
 def recurrent_backward(
-    q: Any,
-    k: Any,
-    v: Any,
-    g: Any,
-    beta: Any,
-    scale: float,
-    state: Any,
-    grad_output: Any,
-    grad_state: Any,
-) -> tuple[Any, Any, Any, Any, Any, Any]:
+    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any, grad_output: Any, grad_state: Any,
+) -> tuple[Any, Any, Any, Any, Any, Any]:  # fmt: skip
     """Gradients of the recurrence, one kernel: ``(dq, dk, dv, dg, dbeta, dstate)``.
 
     Keeps ``ceil(sqrt(T))`` checkpoint states and recomputes the steps between them.

@@ -568,16 +568,8 @@ def chunk_state_pass(
 
 
 def chunk_state_grad_pass(
-    w: Any,
-    u0: Any,
-    kt: Any,
-    total: Any,
-    qg: Any,
-    A: Any,
-    grad_output: Any,
-    boundaries: Any,
-    dstate: Any,
-) -> tuple[Any, Any, Any, Any]:
+    w: Any, u0: Any, kt: Any, total: Any, qg: Any, A: Any, grad_output: Any, boundaries: Any, dstate: Any,
+) -> tuple[Any, Any, Any, Any]:  # fmt: skip
     """The state-gradient recurrence over every chunk, last first, in one kernel.
 
     Returns ``dends [NT, B, H, K, V]``, ``U`` and ``dU`` (``[B, H, NT, Cp, V]``) and the

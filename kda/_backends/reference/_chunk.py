@@ -184,19 +184,9 @@ def chunk_local(q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float) -> Chun
 
 
 def chunk_local_backward(
-    q: Any,
-    k: Any,
-    g: Any,
-    v: Any,
-    beta: Any,
-    scale: float,
-    loc: ChunkLocal,
-    boundaries: Any,
-    dends: Any,
-    u: Any,
-    du: Any,
-    grad_output: Any,
-) -> tuple[Any, Any, Any, Any, Any]:
+    q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float, loc: ChunkLocal, boundaries: Any, dends: Any,
+    u: Any, du: Any, grad_output: Any,
+) -> tuple[Any, Any, Any, Any, Any]:  # fmt: skip
     """Gradients of every chunk's state-free work, given its states and the state pass's gradients.
 
     Parameters
@@ -303,16 +293,8 @@ def _stack_states(xp: Any, states: list[Any], like: Any) -> Any:
 
 
 def chunk_state_grad_pass(
-    w: Any,
-    u0: Any,
-    kt: Any,
-    total: Any,
-    qg: Any,
-    A: Any,
-    grad_output: Any,
-    boundaries: Any,
-    dstate: Any,
-) -> tuple[Any, Any, Any, Any]:
+    w: Any, u0: Any, kt: Any, total: Any, qg: Any, A: Any, grad_output: Any, boundaries: Any, dstate: Any,
+) -> tuple[Any, Any, Any, Any]:  # fmt: skip
     """The state-gradient recurrence over chunks, last chunk first, with its local terms fused in.
 
     With ``S`` the state at the start of chunk ``n`` (``boundaries[n]``), ``dO`` its output

@@ -71,16 +71,8 @@ def recurrent_forward(q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, s
 
 
 def recurrent_backward(
-    q: Any,
-    k: Any,
-    v: Any,
-    g: Any,
-    beta: Any,
-    scale: float,
-    state: Any,
-    grad_output: Any,
-    grad_state: Any,
-) -> tuple[Any, Any, Any, Any, Any, Any]:
+    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any, grad_output: Any, grad_state: Any,
+) -> tuple[Any, Any, Any, Any, Any, Any]:  # fmt: skip
     """Gradients of the recurrence, stepping backwards through time.
 
     States are kept at every ``ceil(sqrt(T))``-th step and the ones between are recomputed,
