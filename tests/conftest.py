@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 
+from helpers import HAS_GPU  # helpers imports nothing of numba
+
 # The CUDA backend's tests run on Numba's simulator where no GPU is present; the variable must
 # be set before numba is first imported.
-if not os.path.exists("/dev/nvidiactl"):
+if not HAS_GPU:
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 from hypothesis import HealthCheck, settings
@@ -31,7 +33,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 import importlib  # noqa: E402
 
 import pytest  # noqa: E402
-from helpers import BACKENDS  # noqa: E402
+from helpers import BACKENDS  # noqa: E402  (after the simulator switch: it looks numba up)
 
 
 @pytest.fixture(params=BACKENDS)

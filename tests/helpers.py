@@ -17,7 +17,9 @@ def _backends() -> tuple[str, ...]:
     import importlib.util
 
     names = ["reference"]
-    if importlib.util.find_spec("numba") is not None and importlib.util.find_spec("numba.cuda") is not None:
+    # top-level lookups only: finding "numba.cuda" would import numba before tests/conftest.py
+    # switches the simulator on
+    if importlib.util.find_spec("numba") is not None and importlib.util.find_spec("numba_cuda") is not None:
         names.append("cuda")
     return tuple(names)
 
@@ -30,6 +32,9 @@ def has_gpu() -> bool:
     import os
 
     return os.path.exists("/dev/nvidiactl")
+
+
+HAS_GPU = has_gpu()
 
 
 # max-abs error over max-abs of the float64 recurrence

@@ -2,30 +2,27 @@
 
 Without a GPU the kernels run under Numba's CUDA simulator on NumPy arrays (tiny shapes: the
 simulator costs ~0.2 ms per thread); with one (``/dev/nvidiactl``) they run on CuPy arrays.
-The simulator must be switched on before numba is first imported, hence the top of this file.
+tests/conftest.py switches the simulator on (before numba is first imported) where helpers.HAS_GPU
+is False.
 Every kernel runs here with the block shape it has on a GPU (the shapes of the data shrink, the
 blocks do not). tests/test_ptx.py compiles every kernel for compute capability 9.0.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
-HAS_GPU = os.path.exists("/dev/nvidiactl")
-if not HAS_GPU:
-    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import numpy as np
+import pytest
+from helpers import HAS_GPU
 
 pytest.importorskip("numba.cuda", reason="numba-cuda is not installed (pip install kda[cuda])")
 
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-import kda  # noqa: E402
-import kda._backends.reference as ref  # noqa: E402
+import kda
+import kda._backends.reference as ref
 
 kc = pytest.importorskip("kda._backends.cuda")
 from kda._backends.cuda._launch import COPIES, LAUNCHES  # noqa: E402

@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import REGIMES, TOLERANCE, assert_close, gates
+from helpers import HAS_GPU, REGIMES, TOLERANCE, assert_close, gates
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -200,7 +200,6 @@ def test_array_api_strict_pool():
 
 # ---------------------------------------------------------------- the CUDA kernel
 
-HAS_GPU = os.path.exists("/dev/nvidiactl")
 
 
 def _cuda_or_skip():

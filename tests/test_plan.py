@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import gc
-import os
 import tracemalloc
 
 import numpy as np
 import pytest
-from helpers import make_problem
+from helpers import HAS_GPU, make_problem
 
 import kda
 
@@ -218,7 +217,6 @@ def _peaks(T: int) -> tuple[int, list[int]]:
 
 # ---------------------------------------------------------------- the CUDA backend
 
-HAS_GPU = os.path.exists("/dev/nvidiactl")
 
 
 def test_simulator_plan_runs_without_graphs():

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import make_problem
+from helpers import HAS_GPU, make_problem
 
 import kda
 from kda._options import checks as _checks
 
 ROOT = Path(__file__).resolve().parents[1]
-HAS_GPU = Path("/dev/nvidiactl").exists()
 
 
 def _python(code: str, env_drop: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
