@@ -384,38 +384,14 @@ def check_primitive(name, got_ref, got_cuda, want, dtype, regime="-"):
     check(f"cuda {name}", got_cuda, want, dtype, regime)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize(("regime", "Cp"), [("mild", 8), ("reset", 8), ("extreme", 4), ("mild", 64)])
-def test_chunk_local_and_its_backward(regime, Cp, dtype):
-    """The per-chunk kernels with their real blocks, up to the longest chunk they hold."""
-    rng = np.random.default_rng(Cp)
-    B, H, NT, K, V = 2, 1, 2, 18, 3  # K > 16: two tiles of channels, the second partly idle
-    q, k, g = chunked_inputs(rng, regime, B, H, NT, Cp, K)
-    v = rng.standard_normal((B, H, NT, Cp, V))
-    beta = rng.uniform(0, 1, (B, H, NT, Cp))
-    scale = 0.7
-    want = ref.chunk_local(q, k, g, v, beta, scale)
-    host, dev = both(dtype, q, k, g, v, beta)
-    got_r, got_c = ref.chunk_local(*host, scale), kc.chunk_local(*dev, scale)
-    for field in ("qg", "kg", "kt", "total", "A", "L", "Tinv", "w", "u0"):
-        got = (getattr(got_r, field), getattr(got_c, field), getattr(want, field))
-        check_primitive(f"chunk_local.{field}", *got, dtype, regime)
-    S, dS = (rng.standard_normal((NT, B, H, K, V)) for _ in range(2))
-    u, du, do = (rng.standard_normal((B, H, NT, Cp, V)) for _ in range(3))
-    want = ref.chunk_local_backward(q, k, g, v, beta, scale, want, S, dS, u, du, do)
-    hs, ds = both(dtype, S, dS, u, du, do)
-    got_r = ref.chunk_local_backward(*host, scale, got_r, *hs)
-    got_c = kc.chunk_local_backward(*dev, scale, got_c, *ds)
-    for name, r, c, w in zip(("dq", "dk", "dv", "dg", "dbeta"), got_r, got_c, want, strict=True):
-        check_primitive(f"chunk_local_backward.{name}", r, c, w, dtype, regime)
-
-
 def test_chunk_local_with_64_bit_offsets(compiled_calls, monkeypatch):
     """The per-chunk kernels in their 64-bit variants."""
     from kda._backends.cuda import _device
 
     monkeypatch.setattr(_device, "INDEX32_LIMIT", 16)
-    test_chunk_local_and_its_backward("reset", 8, np.float32)
+    from test_primitives import test_chunk_local_and_its_backward_by_dtype
+
+    test_chunk_local_and_its_backward_by_dtype(kc, "reset", 8, np.float32)
     assert set(compiled_calls) == {(name, "uint64") for name in ("chunk_local", "chunk_local_backward")}
 
 
@@ -570,27 +546,6 @@ def test_staged_state_pass_falls_back_and_runs_end_to_end(monkeypatch):
     shapes = [(1, 1, 1, 8, 8)] * 3 + [(1, 1, 1, 8), (1, 1, 8, 8)]  # w, u0, kt, total, state
     kc.chunk_state_pass(*(to_dev(np.ones(s, np.float32)) for s in shapes))
     assert "chunk_state_pass_staged" not in LAUNCHES and LAUNCHES["chunk_state_pass"] == 1
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("regime", ["mild", "reset"])
-def test_recurrent_primitives(regime, dtype):
-    rng = np.random.default_rng(4)
-    q, k, v, g, beta, state, do, dstate = problem(rng, 1, 2, 10, 3, 4, regime)
-    scale = 0.5
-    want_o = ref.recurrent_forward(q, k, v, g, beta, scale, state)
-    want_g = ref.recurrent_backward(q, k, v, g, beta, scale, state, do, dstate)
-    host, dev = both(dtype, q, k, v, g, beta, state, do, dstate)
-    hq, hk, hv, hg, hb, hs, hdo, hds = host
-    dq_, dk_, dv_, dg_, db_, ds_, ddo, dds = dev
-    got_r = ref.recurrent_forward(hq, hk, hv, hg, hb, scale, hs)
-    got_c = kc.recurrent_forward(dq_, dk_, dv_, dg_, db_, scale, ds_)
-    for name, r, c, w in zip(("output", "final"), got_r, got_c, want_o):
-        check_primitive(f"recurrent_forward.{name}", r, c, w, dtype, regime)
-    got_r = ref.recurrent_backward(hq, hk, hv, hg, hb, scale, hs, hdo, hds)
-    got_c = kc.recurrent_backward(dq_, dk_, dv_, dg_, db_, scale, ds_, ddo, dds)
-    for name, r, c, w in zip(GRAD_NAMES, got_r, got_c, want_g):
-        check_primitive(f"recurrent_backward.{name}", r, c, w, dtype, regime)
 
 
 def test_wrapper_errors():

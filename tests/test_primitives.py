@@ -11,7 +11,7 @@ import importlib
 
 import numpy as np
 import pytest
-from helpers import assert_close
+from helpers import assert_close, gates
 
 SHAPE = (1, 2, 2, 8)  # B, H, NT, Cp
 K, V = 3, 2
@@ -281,3 +281,71 @@ def test_every_backend_implements_the_interface(ops):
         text = path.read_text()
         for other in others:
             assert f"..{other}" not in text and f"_backends.{other}" not in text, (path, other)
+
+
+# --------------------------------------------------------- every backend in float32 and float64
+# The same primitives at the block shapes a GPU backend tiles by (K = 18: two 16-channel tiles,
+# the second partly idle; padded chunks up to 64), both dtypes, against the reference primitive in
+# float64 (itself held to the naive oracles above).
+
+TOL = {np.float32: 1e-5, np.float64: 1e-10}
+
+
+def _in(dtype, *arrays):
+    return [np.asarray(x, dtype=dtype) for x in arrays]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(("regime", "Cp"), [("mild", 8), ("reset", 8), ("hard", 4), ("mild", 64)])
+def test_chunk_local_and_its_backward_by_dtype(ops, regime, Cp, dtype):
+    rng = np.random.default_rng(Cp)
+    B, H, NT, K_, V_ = 2, 1, 2, 18, 3
+    q = rng.standard_normal((B, H, NT, Cp, K_))
+    k = rng.standard_normal((B, H, NT, Cp, K_)) / np.sqrt(K_)
+    g = gates(rng, (B, H, NT, Cp, K_), regime)
+    v = rng.standard_normal((B, H, NT, Cp, V_))
+    beta = rng.uniform(0, 1, (B, H, NT, Cp))
+    want = REFERENCE.chunk_local(q, k, g, v, beta, SCALE)
+    got = ops.chunk_local(*_in(dtype, q, k, g, v, beta), SCALE)
+    for field in ("qg", "kg", "kt", "total", "A", "L", "Tinv", "w", "u0"):
+        assert_close(getattr(got, field), getattr(want, field), tol=TOL[dtype], dtype=dtype, name=field)
+    S, dS = (rng.standard_normal((NT, B, H, K_, V_)) for _ in range(2))
+    u, du, do = (rng.standard_normal((B, H, NT, Cp, V_)) for _ in range(3))
+    want_grads = REFERENCE.chunk_local_backward(q, k, g, v, beta, SCALE, want, S, dS, u, du, do)
+    got_grads = ops.chunk_local_backward(
+        *_in(dtype, q, k, g, v, beta), SCALE, got, *_in(dtype, S, dS, u, du, do)
+    )
+    for name, a, w in zip(("dq", "dk", "dv", "dg", "dbeta"), got_grads, want_grads, strict=True):
+        assert_close(a, w, tol=TOL[dtype], dtype=dtype, name=name)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("regime", ["mild", "reset"])
+def test_recurrent_primitives(ops, regime, dtype):
+    """The step recurrence and its backward against the reference's in float64."""
+    rng = np.random.default_rng(4)
+    B, H, T, K_, V_ = 1, 2, 10, 3, 4
+    q, k = rng.standard_normal((B, H, T, K_)), rng.standard_normal((B, H, T, K_))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v, g, beta = (
+        rng.standard_normal((B, H, T, V_)),
+        gates(rng, (B, H, T, K_), regime),
+        rng.uniform(0, 1, (B, H, T)),
+    )
+    state, do, dstate = (
+        rng.standard_normal((B, H, K_, V_)),
+        rng.standard_normal((B, H, T, V_)),
+        rng.standard_normal((B, H, K_, V_)),
+    )
+    args = (q, k, v, g, beta)
+    for name, a, w in zip(
+        ("output", "final"),
+        ops.recurrent_forward(*_in(dtype, *args), 0.5, *_in(dtype, state)),
+        REFERENCE.recurrent_forward(*args, 0.5, state),
+        strict=True,
+    ):
+        assert_close(a, w, tol=TOL[dtype], dtype=dtype, name=name)
+    got = ops.recurrent_backward(*_in(dtype, *args), 0.5, *_in(dtype, state, do, dstate))
+    want = REFERENCE.recurrent_backward(*args, 0.5, state, do, dstate)
+    for name, a, w in zip(("dq", "dk", "dv", "dg", "dbeta", "dstate"), got, want, strict=True):
+        assert_close(a, w, tol=TOL[dtype], dtype=dtype, name=name)
