@@ -17,7 +17,7 @@ from ._reference import GRADIENTS, reference
 __all__ = ["CONVENTIONS", "KernelCheckFailed", "Summary", "check_kernel", "check_problem"]
 
 CONVENTIONS = ("fla", "kda")
-CHECKS = ("call", "inputs unmodified", "finite", "accuracy", "deterministic", "causal")
+CHECKS = ("call", "inputs unmodified", "finite", "causal", "accuracy", "deterministic")
 _INPUTS = ("q", "k", "v", "g", "beta")
 
 
@@ -328,6 +328,26 @@ def _check(runner: _Fla | _Kda, p: Problem, backward: Any, deterministic: bool, 
         for n, x in zip(GRADIENTS, ref.grads):
             if x is not None and "d" + n in got:
                 expected["d" + n] = x
+    for n, e in expected.items():  # finiteness first: a NaN is reported as such
+        x = got.get(n)
+        if x is not None and np.shape(x) == np.shape(e) and (np.isfinite(e) & ~np.isfinite(x)).any():
+            try:
+                compare(x, e, dtype=p.dtype, name=n)
+            except Mismatch as m:
+                raise _fail(m.check, str(m), p) from None
+    if p.T > 1:
+        t = p.causal_step
+        other = runner.run(p, _perturbed(p, arrays), False).results["output"]
+        a, b = got["output"][:, :, :t], other[:, :, :t]
+        if not _same_bits(a, b):
+            bad = np.argwhere(~((a == b) | (np.isnan(a) & np.isnan(b))))
+            where = tuple(int(i) for i in bad[0]) if bad.size else "?"
+            raise _fail(
+                "causal",
+                f"changing the inputs at steps >= {t} changed output[b, h, t, v] at {where} (head-first), "
+                f"before step {t}",
+                p,
+            )
     ratios: dict[str, float] = {}
     for n, e in expected.items():
         if got.get(n) is None:
@@ -344,19 +364,6 @@ def _check(runner: _Fla | _Kda, p: Problem, backward: Any, deterministic: bool, 
                 diff = np.argwhere(~((x == again[n]) | (np.isnan(x) & np.isnan(again[n]))))
                 where = tuple(int(i) for i in diff[0]) if diff.size else "(shape or NaN pattern)"
                 raise _fail("deterministic", f"a repeated call changed {n} at {where}", p)
-    if p.T > 1:
-        t = p.causal_step
-        other = runner.run(p, _perturbed(p, arrays), False).results["output"]
-        a, b = got["output"][:, :, :t], other[:, :, :t]
-        if not _same_bits(a, b):
-            bad = np.argwhere(~((a == b) | (np.isnan(a) & np.isnan(b))))
-            where = tuple(int(i) for i in bad[0]) if bad.size else "?"
-            raise _fail(
-                "causal",
-                f"changing the inputs at steps >= {t} changed output[b, h, t, v] at {where} (head-first), "
-                f"before step {t}",
-                p,
-            )
     if summary is not None:
         summary.examples += 1
         for n, r in ratios.items():
