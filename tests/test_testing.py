@@ -52,7 +52,8 @@ def test_reference_boundaries_match_the_chunked_form():
     p = kt.Problem(seed=3, dtype="float64", B=1, H=2, G=2, T=37, K=4, V=3, cu_seqlens=(0, 0, 1, 20, 37),
                    gate="softplus", A_log=True, dt_bias=True, regime="mixed", chunk_size=8)  # fmt: skip
     ref = kt.reference(p)
-    out = kda.chunk_kda(*(p.arrays[n] for n in ("q", "k", "v", "g", "beta")), initial_state=p.arrays["initial_state"],
+    x = [p.arrays[n] for n in ("q", "k", "v", "g", "beta")]
+    out = kda.chunk_kda(*x, initial_state=p.arrays["initial_state"],
                         chunk_size=8, save_boundaries=True, **p.options())  # fmt: skip
     kt.assert_close(out.boundaries, ref.boundaries, dtype="float64", name="boundaries")
     kt.assert_close(out.output, ref.output, dtype="float64", name="output")
@@ -84,14 +85,15 @@ def test_bad_arguments_raise_kda_errors():
         kt.check_kernel(None, convention="kda")
     with pytest.raises(kda.InvalidTypeError, match="dtype"):
         kt.assert_close(np.ones(2), np.ones(2), dtype="int8")
-    with pytest.raises(kda.InvalidInputError, match="Problem.lower_bound"):
+    with pytest.raises(kda.InvalidInputError, match=r"Problem\.lower_bound"):
         kt.Problem(gate="lower_bound")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_check_kernel_passes_kda_chunk_kda_on_each_backend(backend):
     if backend == "cuda":  # Numba's simulator: a few small examples
-        space = kt.problems(dtypes=("float32", "float64"), T=(1, 10), K=(1, 4), V=(1, 4), heads=1, groups=(1, 2),
+        space = kt.problems(dtypes=("float32", "float64"), T=(1, 10), K=(1, 4), V=(1, 4), heads=1,
+                            groups=(1, 2),
                             chunk_sizes=(None, 4))  # fmt: skip
         n = 3
     else:
@@ -148,7 +150,9 @@ def test_fla_naive_chunk_passes_its_narrowed_space(fla):
 def test_fla_naive_chunk_findings(fla, space, backward, check, match):
     problems = kt.problems(**space) if space else None
     with pytest.raises(kt.KernelCheckFailed, match=match) as info:
-        kt.check_kernel(fla.naive_chunk_kda, convention="fla", problems=problems, max_examples=10, backward=backward)
+        kt.check_kernel(
+            fla.naive_chunk_kda, convention="fla", problems=problems, max_examples=10, backward=backward
+        )
     assert info.value.check == check
 
 
@@ -172,10 +176,11 @@ def test_broken_kernel_is_caught(name):
 
 def test_command_line_prints_summary_and_reproducer(tmp_path):
     env = os.environ | {"PYTHONPATH": os.pathsep.join([os.getcwd(), os.path.join(os.getcwd(), "tests")])}
-    ok = subprocess.run([sys.executable, "-m", "kda.testing", "kda:chunk_kda", "--backward", "kda:chunk_kda_backward",
+    cmd = [sys.executable, "-m", "kda.testing"]
+    ok = subprocess.run([*cmd, "kda:chunk_kda", "--backward", "kda:chunk_kda_backward",
                          "--convention", "kda", "--examples", "5", "--dtypes", "float32"],
                         capture_output=True, text=True, env=env)  # fmt: skip
     assert ok.returncode == 0 and "5 examples passed" in ok.stdout, ok.stderr
-    bad = subprocess.run([sys.executable, "-m", "kda.testing", "broken_kernels:modifies_input", "--convention", "fla",
-                          "--examples", "5"], capture_output=True, text=True, env=env)  # fmt: skip
+    bad = subprocess.run([*cmd, "broken_kernels:modifies_input", "--convention", "fla", "--examples", "5"],
+                         capture_output=True, text=True, env=env)  # fmt: skip
     assert bad.returncode == 1 and "reproducer:" in bad.stdout, bad.stderr

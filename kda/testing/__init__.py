@@ -17,7 +17,15 @@ Importing this module imports hypothesis (through :func:`problems`, lazily) and 
 when the ``"fla"`` convention is used.
 """
 
-from ._check import CONVENTIONS, KernelCheckFailed, Summary, check_kernel, check_problem, default_problems, reproducer
+from ._check import (
+    CONVENTIONS,
+    KernelCheckFailed,
+    Summary,
+    check_kernel,
+    check_problem,
+    default_problems,
+    reproducer,
+)
 from ._compare import TOLERANCES, Mismatch, assert_close, compare, to_numpy, tolerance
 from ._problems import DTYPES, LOG_REGIMES, REGIMES, SIZE_CLASSES, Problem, gates, problems, round_to
 from ._reference import GRADIENTS, Reference, log_decay, reference

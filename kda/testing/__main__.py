@@ -40,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     from . import check_kernel, problems
     from ._check import KernelCheckFailed
 
-    ap = argparse.ArgumentParser(prog="python -m kda.testing", description="Check a KDA kernel against kda's exact recurrence.")
+    ap = argparse.ArgumentParser(
+        prog="python -m kda.testing", description="Check a KDA kernel against kda's exact recurrence."
+    )
     ap.add_argument("kernel", help="MODULE:FUNCTION (or path/to/file.py:FUNCTION)")
     ap.add_argument("--convention", required=True, choices=("fla", "kda"))
     ap.add_argument("--backward", default=None, help="kda convention: MODULE:FUNCTION of the backward")

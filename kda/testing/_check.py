@@ -164,7 +164,9 @@ class _Kda:
     def dtype(self, name: str) -> Any:
         d = getattr(self.xp, name, None)
         if d is None:
-            raise InvalidInputError(f"problems: the namespace {self.xp.__name__} has no {name}; narrow dtypes")
+            raise InvalidInputError(
+                f"problems: the namespace {self.xp.__name__} has no {name}; narrow dtypes"
+            )
         return d
 
     def asarray(self, x: np.ndarray, dtype: str) -> Any:
@@ -233,13 +235,17 @@ def _runner(fn: Any, convention: Any, backward: Any, device: Any, xp: Any) -> _F
         raise InvalidTypeError(f"fn must be callable; got {type(fn).__name__}")
     if convention == "fla":
         if not isinstance(backward, bool):
-            raise InvalidTypeError(f"backward must be a bool for convention='fla'; got {type(backward).__name__}")
+            raise InvalidTypeError(
+                f"backward must be a bool for convention='fla'; got {type(backward).__name__}"
+            )
         if xp is not None:
             raise InvalidInputError("xp is for convention='kda' only")
         return _Fla(fn, backward, device)
     if convention == "kda":
         if not (backward is None or isinstance(backward, bool) or callable(backward)):
-            raise InvalidTypeError("backward must be a callable (chunk_kda_backward's signature), False or None")
+            raise InvalidTypeError(
+                "backward must be a callable (chunk_kda_backward's signature), False or None"
+            )
         if backward is True:
             raise InvalidInputError("backward=True needs a callable for convention='kda' (or False / None)")
         return _Kda(fn, backward, device, xp)
@@ -305,7 +311,9 @@ def check_problem(
     return _check(runner, problem, backward, deterministic, summary)
 
 
-def _check(runner: _Fla | _Kda, p: Problem, backward: Any, deterministic: bool, summary: Summary | None) -> dict[str, float]:
+def _check(
+    runner: _Fla | _Kda, p: Problem, backward: Any, deterministic: bool, summary: Summary | None
+) -> dict[str, float]:
     arrays = p.arrays
     grad = bool(backward)
     try:
@@ -533,7 +541,9 @@ def check_kernel(
         err = state["last"] if state["last"] is not None else caught
         if not isinstance(err, KernelCheckFailed):
             raise
-        repro = reproducer(fn, err.problem, convention=convention, backward=backward, deterministic=deterministic)
+        repro = reproducer(
+            fn, err.problem, convention=convention, backward=backward, deterministic=deterministic
+        )
         count, seconds = state["first"] or (state["count"], time.perf_counter() - start)
         flaky = "" if isinstance(caught, KernelCheckFailed) else " (flaky: it did not fail again on replay)"
         msg = (

@@ -40,7 +40,8 @@ parameter|`` (per element; :attr:`kda.testing.Reference.grad_scales`), not again
 The raw gate's gradient of the softplus and lower-bound gates is ``d log-decay`` times the gate's
 derivative, which saturates (``sigmoid(30) (1 - sigmoid(30))`` is 0 in float32), so it is judged
 against ``max |d log-decay| * max |d log-decay / d g|`` (``exp(A_log)``, or ``|lower_bound|
-exp(A_log) / 4``). With ``qk_l2norm`` the same holds for ``q`` and ``k``: ``dq = (I - q_hat q_hat^T) dq_hat / |q|``
+exp(A_log) / 4``). With ``qk_l2norm`` the same holds for ``q`` and ``k``:
+``dq = (I - q_hat q_hat^T) dq_hat / |q|``
 cancels when ``dq_hat`` is nearly parallel to ``q`` (always, for ``K = 1``), so ``dq`` is judged
 against ``max |dq_hat| / |q|`` per row.
 """
@@ -114,14 +115,22 @@ def _as_float64(x: Any, name: str) -> np.ndarray:
     return a.astype(np.float64)
 
 
-def compare(actual: Any, expected: Any, *, dtype: Any, name: str = "", scale: Any = None) -> float:
+def compare(
+    actual: Any, expected: Any, *, dtype: Any, name: str = "", scale: Any = None, tol: float | None = None
+) -> float:
     """The worst ratio of error to tolerance (``<= 1`` passes); raises :class:`Mismatch` with
-    ``check="finite"`` or ``"shape"`` when those fail. See :func:`assert_close`."""
-    tol = tolerance(dtype)
+    ``check="finite"`` or ``"shape"`` when those fail. See :func:`assert_close`; ``tol``
+    overrides the dtype's tolerance."""
+    if tol is None:
+        tol = tolerance(dtype)
+    elif not (isinstance(tol, float | int) and tol > 0):
+        raise InvalidInputError(f"tol must be a positive number; got {tol!r}")
     label = name or "array"
     a, e = _as_float64(actual, "actual"), _as_float64(expected, "expected")
     if a.shape != e.shape:
-        raise Mismatch(f"{label}: shape {a.shape} != expected {e.shape}", name=label, ratio=np.inf, check="shape")
+        raise Mismatch(
+            f"{label}: shape {a.shape} != expected {e.shape}", name=label, ratio=np.inf, check="shape"
+        )
     if a.size == 0:
         return 0.0
     finite = np.isfinite(e)
@@ -152,7 +161,7 @@ def compare(actual: Any, expected: Any, *, dtype: Any, name: str = "", scale: An
         basis = "max|expected|" if scale is None else "its error scale"
         raise Mismatch(
             f"{label}: error {float(err[worst]):.3e} at {idx} is {r:.3g} x the tolerance "
-            f"{float(allowed[worst]):.3e} ({tol:.0e} x {basis} for {_dtype_name(dtype)}); "
+            f"{float(allowed[worst]):.3e} ({tol:.0e} x {basis}); "
             f"got {a[worst]!r}, expected {e[worst]!r}",
             name=label, ratio=r,
         )  # fmt: skip

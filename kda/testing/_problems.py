@@ -8,6 +8,7 @@ A :class:`Problem` is a small frozen record of parameters; its arrays are genera
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -116,7 +117,7 @@ def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "bfloat16":
         bits = x.astype(np.float32).view(np.uint32)
         finite = np.isfinite(x)
-        rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) & np.uint32(0xFFFF0000))
+        rounded = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) & np.uint32(0xFFFF0000)
         out = np.where(finite, rounded, bits & np.uint32(0xFFFF0000)).view(np.float32)
         with np.errstate(over="ignore"):
             return out.astype(np.float64)
@@ -227,7 +228,12 @@ class Problem:
     @property
     def features(self) -> frozenset[str]:
         """Tags of what this problem exercises (for coverage: regime, size class, options)."""
-        tags = {f"regime={self.regime}", f"size={self.size_class}", f"dtype={self.dtype}", f"gate={self.gate}"}
+        tags = {
+            f"regime={self.regime}",
+            f"size={self.size_class}",
+            f"dtype={self.dtype}",
+            f"gate={self.gate}",
+        }
         tags |= {f"layout={self.layout}", f"beta={self.beta_activation}"}
         if self.G > 1:
             tags.add("gva")
@@ -319,16 +325,23 @@ def _check_problem(p: Problem) -> None:
     if p.regime not in REGIMES:
         raise InvalidInputError(f"Problem.regime must be one of {REGIMES}; got {p.regime!r}")
     if p.beta_activation not in BETA_ACTIVATIONS:
-        raise InvalidInputError(f"Problem.beta_activation must be one of {BETA_ACTIVATIONS}; got {p.beta_activation!r}")
+        raise InvalidInputError(
+            f"Problem.beta_activation must be one of {BETA_ACTIVATIONS}; got {p.beta_activation!r}"
+        )
     if p.gate == "softplus" and not p.A_log:
         raise InvalidInputError("Problem.A_log must be True for gate='softplus'")
     if p.gate == "log" and (p.A_log or p.dt_bias):
         raise InvalidInputError("Problem.A_log / dt_bias need gate='softplus' or 'lower_bound'")
-    if (p.gate == "lower_bound") != (p.lower_bound is not None) or (p.lower_bound is not None and p.lower_bound >= 0):
-        raise InvalidInputError(f"Problem.lower_bound must be < 0 exactly for gate='lower_bound'; got {p.lower_bound!r}")
+    if (p.gate == "lower_bound") != (p.lower_bound is not None) or (
+        p.lower_bound is not None and p.lower_bound >= 0
+    ):
+        raise InvalidInputError(
+            f"Problem.lower_bound must be < 0 exactly for gate='lower_bound'; got {p.lower_bound!r}"
+        )
     if p.cu_seqlens is not None:
         cu = tuple(p.cu_seqlens)
-        if p.B != 1 or len(cu) < 2 or cu[0] != 0 or cu[-1] != p.T or any(b < a for a, b in zip(cu, cu[1:])):
+        falls = any(b < a for a, b in itertools.pairwise(cu))
+        if p.B != 1 or len(cu) < 2 or cu[0] != 0 or cu[-1] != p.T or falls:
             raise InvalidInputError(f"Problem.cu_seqlens must rise from 0 to T={p.T} with B == 1; got {cu!r}")
     if p.chunk_size is not None and (not isinstance(p.chunk_size, int) or p.chunk_size < 1):
         raise InvalidInputError(f"Problem.chunk_size must be None or a positive int; got {p.chunk_size!r}")
@@ -437,7 +450,10 @@ def problems(
     """
     from hypothesis import strategies as st
 
-    dt = tuple(_dtype_name(d) for d in (dtypes if isinstance(dtypes, Sequence) and not isinstance(dtypes, str) else (dtypes,)))
+    dt = tuple(
+        _dtype_name(d)
+        for d in (dtypes if isinstance(dtypes, Sequence) and not isinstance(dtypes, str) else (dtypes,))
+    )
     if not dt:
         raise InvalidInputError("dtypes must not be empty")
     Kr, Vr, Hr, Br = _range("K", K), _range("V", V), _range("heads", heads), _range("batch", batch)
@@ -460,7 +476,11 @@ def problems(
     chunks = tuple(chunk_sizes) if isinstance(chunk_sizes, Sequence) else (chunk_sizes,)
     if not chunks or any(c is not None and (not isinstance(c, int) or c < 1) for c in chunks):
         raise InvalidInputError(f"chunk_sizes must hold None or positive ints; got {chunk_sizes!r}")
-    if not (isinstance(lower_bound, tuple | list) and len(lower_bound) == 2 and lower_bound[0] <= lower_bound[1] < 0):
+    if not (
+        isinstance(lower_bound, tuple | list)
+        and len(lower_bound) == 2
+        and lower_bound[0] <= lower_bound[1] < 0
+    ):
         raise InvalidInputError(f"lower_bound must be a (min, max) pair of floats < 0; got {lower_bound!r}")
     if not isinstance(max_sequences, int) or max_sequences < 1:
         raise InvalidInputError(f"max_sequences must be a positive int; got {max_sequences!r}")

@@ -39,13 +39,17 @@ def _kda(p: Problem) -> dict[str, np.ndarray]:
     extra = {} if p.chunk_size is None else {"chunk_size": p.chunk_size}
     out = kda.chunk_kda(*x, initial_state=s0, scale=p.scale, save_boundaries=True, **extra, **kw)
     gr = kda.chunk_kda_backward(
-        *x, out.boundaries, a["grad_output"].astype(dt), a["grad_final_state"].astype(p.dtype_of("grad_final_state")),
+        *x, out.boundaries, a["grad_output"].astype(dt),
+        a["grad_final_state"].astype(p.dtype_of("grad_final_state")),
         initial_state=s0, scale=p.scale, **extra, **kw,
     )  # fmt: skip
     res = {"output": out.output, "final_state": out.final_state}
     res |= {"d" + n: d for n, d in zip(GRADIENTS, gr) if d is not None and a[n] is not None}
     if p.dtype == "bfloat16":
-        res = {n: round_to(x, "bfloat16") if n in ("output", "dq", "dk", "dv", "dg", "dbeta") else x for n, x in res.items()}
+        res = {
+            n: round_to(x, "bfloat16") if n in ("output", "dq", "dk", "dv", "dg", "dbeta") else x
+            for n, x in res.items()
+        }
     return res
 
 
@@ -59,7 +63,7 @@ def measure(examples: int, dtypes: tuple[str, ...]) -> dict[str, dict[str, float
         @settings(max_examples=examples, derandomize=True, database=None, deadline=None,
                   suppress_health_check=list(HealthCheck))  # fmt: skip
         @given(problems(dtypes=(dtype,)))
-        def run(p: Problem) -> None:
+        def run(p: Problem, dtype: str = dtype, w: dict[str, float] = w) -> None:
             ref = reference(p, boundaries=False)
             exp = {"output": ref.output, "final_state": ref.final_state}
             exp |= {"d" + n: x for n, x in zip(GRADIENTS, ref.grads) if x is not None}
