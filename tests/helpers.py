@@ -1,4 +1,5 @@
-"""Problem generation and the one comparison helper of the test suite."""
+"""Fixed-case problem generation for the test suite; regimes, gates and the comparison come from
+kda.testing (the strategies and the comparison kernel authors use)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ from typing import Any
 
 import numpy as np
 
-# zero: no decay; weak: g ~ -U(0, 0.02), couplings reach hundreds of steps (as in the README);
-# mild: -U(0, 1); strong: -1e-3 .. -1e3; hard: some -1e4; reset: some -inf
-REGIMES = ("zero", "weak", "mild", "strong", "hard", "reset")
+import kda.testing as kt
+
+# The log-gate regimes of kda.testing (zero, weak, mild, strong, hard, reset)
+REGIMES = kt.LOG_REGIMES
 
 def _backends() -> tuple[str, ...]:
     """The backends whose tests run here: the reference always; cuda where numba-cuda imports
@@ -37,26 +39,19 @@ def has_gpu() -> bool:
 HAS_GPU = has_gpu()
 
 
-# max-abs error over max-abs of the float64 recurrence
+# max-abs error over max-abs of the float64 recurrence: kda holds its own kernels to these, stricter
+# than kda.testing.TOLERANCES (which any kernel is judged by) for float32
 TOLERANCE = {np.dtype(np.float64): 1e-10, np.dtype(np.float32): 1e-5}
 
-
-def to_numpy(x: Any) -> np.ndarray:
-    """Any array (NumPy, array-api-strict, torch CPU, ...) as a NumPy array."""
-    if isinstance(x, np.ndarray):
-        return x
-    if type(x).__module__.startswith("torch"):
-        import torch
-
-        return x.detach().to(torch.float64).numpy() if x.dtype == torch.bfloat16 else x.numpy()
-    return np.from_dlpack(x)
+to_numpy = kt.to_numpy
 
 
 def assert_close(actual: Any, expected: Any, *, tol: float, dtype: Any = None, name: str = "") -> float:
-    """Check shape, then dtype, then ``max|actual - expected| <= tol * max|expected|``.
+    """Check shape, then dtype, then kda.testing's comparison with tolerance ``tol``
+    (``max|actual - expected| <= tol * max|expected|``, actual finite where expected is).
 
-    ``dtype`` is the dtype ``actual`` must have (default: that of ``expected``). On failure the
-    message gives the worst element, its index and both values. Returns the relative error.
+    ``dtype`` is the dtype ``actual`` must have (default: that of ``expected``; ``"any"``: not
+    checked). Returns the relative error.
     """
     a, e = to_numpy(actual), to_numpy(expected)
     label = f"{name}: " if name else ""
@@ -64,21 +59,7 @@ def assert_close(actual: Any, expected: Any, *, tol: float, dtype: Any = None, n
     if not (isinstance(dtype, str) and dtype == "any"):
         want = np.dtype(dtype) if dtype is not None else e.dtype
         assert a.dtype == want, f"{label}dtype {a.dtype} != expected {want}"
-    if a.size == 0:
-        return 0.0
-    a64, e64 = a.astype(np.float64), e.astype(np.float64)
-    assert np.all(np.isfinite(a64)), f"{label}{np.sum(~np.isfinite(a64))} non-finite elements"
-    err = np.abs(a64 - e64)
-    # a reference below the normal range of the result's dtype cannot be matched relatively
-    floor = float(np.finfo(a.dtype).tiny) if np.issubdtype(a.dtype, np.floating) else 0.0
-    scale = max(float(np.max(np.abs(e64))), floor)
-    worst = np.unravel_index(int(np.argmax(err)), err.shape)
-    rel = float(err[worst]) / scale if scale > 0 else float(err[worst])
-    assert rel <= tol, (
-        f"{label}max-abs error {float(err[worst]):.3e} over max-abs reference {scale:.3e} = {rel:.3e} "
-        f"> {tol:.1e}; worst at {tuple(int(i) for i in worst)}: got {a64[worst]!r}, expected {e64[worst]!r}"
-    )
-    return rel
+    return kt.compare(a, e, dtype="float64", tol=tol, name=name) * tol
 
 
 @dataclass
@@ -112,21 +93,8 @@ class Problem:
 
 
 def gates(rng: np.random.Generator, shape: tuple[int, ...], regime: str) -> np.ndarray:
-    """Log decays ``g <= 0`` of one regime."""
-    if regime == "zero":
-        return np.zeros(shape)
-    if regime == "weak":  # decays by about e^-0.01 a step: couplings ~100 steps apart still count
-        return -rng.uniform(0.0, 0.02, shape)
-    mild = -rng.uniform(0.0, 1.0, shape)
-    if regime == "mild":
-        return mild
-    if regime == "strong":  # spans -1e-3 .. -1e3
-        return -(10.0 ** rng.uniform(-3.0, 3.0, shape))
-    if regime == "hard":  # some channels decay by exp(-1e4) at some steps
-        return np.where(rng.uniform(size=shape) < 0.2, -1e4, mild)
-    if regime == "reset":  # -inf: hard resets of random channels at random steps
-        return np.where(rng.uniform(size=shape) < 0.15, -np.inf, mild)
-    raise ValueError(regime)
+    """Log decays ``g <= 0`` of one regime (:func:`kda.testing.gates`)."""
+    return kt.gates(rng, shape, regime)
 
 
 def make_problem(

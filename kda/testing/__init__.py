@@ -1,0 +1,59 @@
+"""Property-based tests of any KDA kernel against kda's exact recurrence (``pip install kda[testing]``).
+
+>>> import kda.testing as kt                                              # doctest: +SKIP
+>>> kt.check_kernel(my_chunk_kda, convention="fla",                       # doctest: +SKIP
+...                 problems=kt.problems(dtypes=("float32",), packed=(False,)))
+
+- :func:`problems`: a hypothesis strategy of :class:`Problem` (float64 masters, the dtype to cast
+  to, the options, the chunk size); every argument narrows the space.
+- :func:`reference`: the exact float64 output, final state, chunk-boundary states and every
+  gradient (``A_log``, ``dt_bias`` included) from kda's recurrence.
+- :func:`assert_close`: the comparison kda's own tests use, with :data:`TOLERANCES`.
+- :func:`check_kernel`: accuracy, finiteness, causality, unmodified inputs and determinism on
+  drawn problems; a failure prints the shrunk problem as a runnable reproducer.
+- ``python -m kda.testing MODULE:FUNCTION --convention fla``: the same from a shell.
+
+Importing this module imports hypothesis (through :func:`problems`, lazily) and NumPy; torch only
+when the ``"fla"`` convention is used.
+"""
+
+from ._check import (
+    CONVENTIONS,
+    KernelCheckFailed,
+    Summary,
+    check_kernel,
+    check_problem,
+    default_problems,
+    reproducer,
+)
+from ._compare import TOLERANCES, Mismatch, assert_close, compare, to_numpy, tolerance
+from ._problems import DTYPES, LOG_REGIMES, REGIMES, SIZE_CLASSES, Problem, gates, problems, round_to
+from ._reference import GRADIENTS, Reference, log_decay, reference
+
+__all__ = [
+    "CONVENTIONS",
+    "DTYPES",
+    "GRADIENTS",
+    "LOG_REGIMES",
+    "REGIMES",
+    "SIZE_CLASSES",
+    "TOLERANCES",
+    "KernelCheckFailed",
+    "Mismatch",
+    "Problem",
+    "Reference",
+    "Summary",
+    "assert_close",
+    "check_kernel",
+    "check_problem",
+    "compare",
+    "default_problems",
+    "gates",
+    "log_decay",
+    "problems",
+    "reference",
+    "reproducer",
+    "round_to",
+    "to_numpy",
+    "tolerance",
+]

@@ -1,0 +1,101 @@
+"""Measure the errors the tolerances of :data:`kda.testing.TOLERANCES` are set from.
+
+``python -m kda.testing.calibrate [--examples N]`` draws ``N`` problems per dtype from
+:func:`kda.testing.problems` (derandomised) and prints, per dtype, the worst error relative to
+the tensor's max-abs (gate parameters and ``qk_l2norm``'s ``q, k`` against their error scales) of
+
+- ``perfect``: the exact float64 results on the rounded inputs, rounded once more to the dtype
+  (float32 for states): what an ideal kernel of that dtype returns;
+- ``kda``: :func:`kda.chunk_kda` and :func:`kda.chunk_kda_backward` (NumPy; bfloat16 through
+  ``kda.torch``'s path is the same float32 computation, so it is measured as float32 inputs
+  rounded to bfloat16 and results rounded to bfloat16).
+
+Each is measured against :func:`kda.testing.reference` of the same (rounded) inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+from ._compare import TOLERANCES, compare
+from ._problems import Problem, problems, round_to
+from ._reference import GRADIENTS, reference
+
+
+def _kda(p: Problem) -> dict[str, np.ndarray]:
+    import kda
+
+    dt = "float32" if p.dtype == "bfloat16" else p.dtype
+    a = p.arrays
+    kw = p.options()
+    for n in ("A_log", "dt_bias"):
+        if n in kw:
+            kw[n] = kw[n].astype(p.dtype_of(n) if p.dtype != "bfloat16" else "float32")
+    x = [a[n].astype(dt) for n in ("q", "k", "v", "g", "beta")]
+    s0 = None if a["initial_state"] is None else a["initial_state"].astype(p.dtype_of("initial_state"))
+    extra = {} if p.chunk_size is None else {"chunk_size": p.chunk_size}
+    out = kda.chunk_kda(*x, initial_state=s0, scale=p.scale, save_boundaries=True, **extra, **kw)
+    gr = kda.chunk_kda_backward(
+        *x, out.boundaries, a["grad_output"].astype(dt),
+        a["grad_final_state"].astype(p.dtype_of("grad_final_state")),
+        initial_state=s0, scale=p.scale, **extra, **kw,
+    )  # fmt: skip
+    res = {"output": out.output, "final_state": out.final_state}
+    res |= {"d" + n: d for n, d in zip(GRADIENTS, gr) if d is not None and a[n] is not None}
+    if p.dtype == "bfloat16":
+        res = {
+            n: round_to(x, "bfloat16") if n in ("output", "dq", "dk", "dv", "dg", "dbeta") else x
+            for n, x in res.items()
+        }
+    return res
+
+
+def measure(examples: int, dtypes: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    from hypothesis import HealthCheck, given, settings
+
+    worst: dict[str, dict[str, float]] = {}
+    for dtype in dtypes:
+        w = worst.setdefault(dtype, {"perfect": 0.0, "kda": 0.0})
+
+        @settings(max_examples=examples, derandomize=True, database=None, deadline=None,
+                  suppress_health_check=list(HealthCheck))  # fmt: skip
+        @given(problems(dtypes=(dtype,)))
+        def run(p: Problem, dtype: str = dtype, w: dict[str, float] = w) -> None:
+            ref = reference(p, boundaries=False)
+            exp = {"output": ref.output, "final_state": ref.final_state}
+            exp |= {"d" + n: x for n, x in zip(GRADIENTS, ref.grads) if x is not None}
+            got = _kda(p)
+            tol = TOLERANCES[dtype]
+            for n, e in exp.items():
+                scale = ref.grad_scales.get(n[1:])
+                perfect = round_to(e, p.dtype_of(n[1:] if n.startswith("d") else "initial_state")
+                                   if n != "output" else p.dtype)  # fmt: skip
+                for kind, x in (("perfect", perfect), ("kda", got[n])):
+                    r = compare(x, e, dtype="float64", name=n, scale=scale) * TOLERANCES["float64"] / 1.0
+                    w[kind] = max(w[kind], r)
+            del tol
+
+        original = dict(TOLERANCES)
+        TOLERANCES["float64"] = 1.0  # measure, do not judge: ratio = relative error
+        try:
+            run()
+        finally:
+            TOLERANCES.update(original)
+    return worst
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kda.testing.calibrate", description=__doc__.splitlines()[0])
+    ap.add_argument("--examples", type=int, default=200)
+    ap.add_argument("--dtypes", nargs="+", default=["float64", "float32", "float16", "bfloat16"])
+    args = ap.parse_args(argv)
+    for dtype, w in measure(args.examples, tuple(args.dtypes)).items():
+        print(f"{dtype:9} perfect {w['perfect']:.2e}  kda {w['kda']:.2e}  tolerance {TOLERANCES[dtype]:.0e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

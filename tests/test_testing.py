@@ -1,0 +1,186 @@
+"""kda.testing: the strategy's coverage, check_kernel on kda's own kernels and on fla's naive chunk,
+and eight deliberately broken kernels (tests/broken_kernels.py) each caught with default settings."""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from helpers import BACKENDS
+from hypothesis import HealthCheck, given, settings
+
+import kda
+import kda.testing as kt
+
+
+def test_import_kda_imports_neither_hypothesis_nor_torch():
+    code = "import sys, kda; assert 'hypothesis' not in sys.modules and 'torch' not in sys.modules"
+    code += "; import kda.testing; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, env=os.environ | {"PYTHONPATH": os.getcwd()})
+
+
+def test_derandomised_draws_cover_every_regime_size_class_and_option():
+    seen: set[str] = set()
+
+    @settings(max_examples=300, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(kt.problems())
+    def draw(p: kt.Problem) -> None:
+        seen.update(p.features)
+
+    draw()
+    want = {f"regime={r}" for r in kt.REGIMES} | {f"size={c}" for c in kt.SIZE_CLASSES}
+    want |= {f"dtype={d}" for d in kt.DTYPES} | {"gate=log", "gate=softplus", "gate=lower_bound"}
+    want |= {"gva", "qk_l2norm", "initial_state", "scale", "packed", "packed: empty sequence"}
+    want |= {"packed: length-1 sequence", "layout=time_major", "beta=sigmoid", "beta=sigmoid2"}
+    assert want <= seen, sorted(want - seen)
+
+
+@settings(max_examples=40, derandomize=True, database=None, deadline=None)
+@given(kt.problems(T_multiple_of=4, T=(4, 40), K=(2, 6), regimes=("mild", "reset"), dtypes=("float64",)))
+def test_problems_narrow(p):
+    assert p.dtype == "float64" and p.T % 4 == 0 and 2 <= p.K <= 6 and p.regime in ("mild", "reset")
+    assert all(n % 4 == 0 for n in p.lengths)
+    assert p.arrays["g"].shape == (p.B, p.HV, p.T, p.K)
+
+
+def test_reference_boundaries_match_the_chunked_form():
+    p = kt.Problem(seed=3, dtype="float64", B=1, H=2, G=2, T=37, K=4, V=3, cu_seqlens=(0, 0, 1, 20, 37),
+                   gate="softplus", A_log=True, dt_bias=True, regime="mixed", chunk_size=8)  # fmt: skip
+    ref = kt.reference(p)
+    x = [p.arrays[n] for n in ("q", "k", "v", "g", "beta")]
+    out = kda.chunk_kda(*x, initial_state=p.arrays["initial_state"],
+                        chunk_size=8, save_boundaries=True, **p.options())  # fmt: skip
+    kt.assert_close(out.boundaries, ref.boundaries, dtype="float64", name="boundaries")
+    kt.assert_close(out.output, ref.output, dtype="float64", name="output")
+    assert ref.grads.A_log.shape == (4,) and ref.grad_scales["dt_bias"].shape == (4, 4)
+
+
+def test_assert_close_names_tensor_index_and_ratio():
+    e = np.ones((2, 3))
+    a = e.copy()
+    a[1, 2] += 1e-3
+    with pytest.raises(AssertionError, match=r"dq: error 1\.000e-03 at \(1, 2\) is 33\.3 x the tolerance"):
+        kt.assert_close(a, e, dtype="float32", name="dq")
+    assert kt.assert_close(a, e, dtype="float16", name="dq") == pytest.approx(0.25)
+    a[0, 0] = np.nan
+    with pytest.raises(AssertionError, match="non-finite"):
+        kt.assert_close(a, e, dtype="float16")
+
+
+def test_bad_arguments_raise_kda_errors():
+    with pytest.raises(kda.InvalidInputError, match="T_multiple_of"):
+        kt.problems(T=(1, 3), T_multiple_of=4)
+    with pytest.raises(kda.InvalidInputError, match="regimes"):
+        kt.problems(regimes=("nope",))
+    with pytest.raises(kda.InvalidTypeError, match="dtypes"):
+        kt.problems(dtypes=("int8",))
+    with pytest.raises(kda.InvalidInputError, match="convention"):
+        kt.check_kernel(kda.chunk_kda, convention="jax")
+    with pytest.raises(kda.InvalidTypeError, match="fn"):
+        kt.check_kernel(None, convention="kda")
+    with pytest.raises(kda.InvalidTypeError, match="dtype"):
+        kt.assert_close(np.ones(2), np.ones(2), dtype="int8")
+    with pytest.raises(kda.InvalidInputError, match=r"Problem\.lower_bound"):
+        kt.Problem(gate="lower_bound")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_check_kernel_passes_kda_chunk_kda_on_each_backend(backend):
+    if backend == "cuda":  # Numba's simulator: a few small examples
+        space = kt.problems(dtypes=("float32", "float64"), T=(1, 10), K=(1, 4), V=(1, 4), heads=1,
+                            groups=(1, 2),
+                            chunk_sizes=(None, 4))  # fmt: skip
+        n = 3
+    else:
+        space, n = None, 100
+    fn = functools.partial(kda.chunk_kda, backend=backend)
+    bwd = functools.partial(kda.chunk_kda_backward, backend=backend)
+    summary = kt.check_kernel(fn, backward=bwd, convention="kda", problems=space, max_examples=n)
+    assert summary.examples == n and max(summary.worst.values()) <= 1
+    assert "boundaries" in summary.worst
+
+
+def test_check_kernel_passes_kda_torch():
+    pytest.importorskip("torch")
+    import kda.torch
+
+    summary = kt.check_kernel(kda.torch.chunk_kda, convention="fla")
+    assert summary.examples == 100 and "dA_log" in summary.worst and "ddt_bias" in summary.worst
+
+
+@pytest.fixture(scope="module")
+def fla():
+    from kda.bench.chunk import _load_fla_naive
+
+    module, reason = _load_fla_naive()
+    if module is None:
+        if os.environ.get("KDA_REQUIRE_FLA") == "1":
+            pytest.fail(f"KDA_REQUIRE_FLA=1 but {reason}")
+        pytest.skip(reason)
+    return module
+
+
+# What fla's naive chunk supports: no packed sequences, no gate or activations in the kernel,
+# float32 compute (so float32 inputs), T a multiple of the chunk size.
+FLA_NAIVE = dict(T_multiple_of=16, T=(16, 48), chunk_sizes=(16,), packed=(False,), gates=("log",),
+                 qk_l2norm=(False,), beta_activations=(None,), dtypes=("float32",))  # fmt: skip
+
+
+def test_fla_naive_chunk_passes_its_narrowed_space(fla):
+    space = kt.problems(**FLA_NAIVE, regimes=("zero", "weak", "mild"))
+    summary = kt.check_kernel(fla.naive_chunk_kda, convention="fla", problems=space, max_examples=15)
+    assert summary.examples == 15
+
+
+@pytest.mark.parametrize(
+    ("space", "backward", "check", "match"),
+    [
+        ({}, True, "call", "AssertionError"),  # assert T % BT == 0 (and the default chunk is 64)
+        (FLA_NAIVE | {"regimes": ("reset",)}, True, "finite", "non-finite"),  # -inf - -inf in its cumsum
+        (FLA_NAIVE | {"regimes": ("raw",)}, True, "finite", "non-finite"),  # gates to -1e3: NaN gradients
+        (FLA_NAIVE | {"regimes": ("hard",)}, True, "finite", "non-finite"),  # -1e4: NaN gradients
+        (FLA_NAIVE | {"regimes": ("hard",)}, False, "accuracy", "x the tolerance"),  # cumsum loses digits
+    ],
+)
+def test_fla_naive_chunk_findings(fla, space, backward, check, match):
+    problems = kt.problems(**space) if space else None
+    with pytest.raises(kt.KernelCheckFailed, match=match) as info:
+        kt.check_kernel(
+            fla.naive_chunk_kda, convention="fla", problems=problems, max_examples=10, backward=backward
+        )
+    assert info.value.check == check
+
+
+@pytest.mark.parametrize("name", sorted(__import__("broken_kernels").BROKEN))
+def test_broken_kernel_is_caught(name):
+    pytest.importorskip("torch")
+    from broken_kernels import BROKEN
+
+    fn, check = BROKEN[name]
+    with pytest.raises(kt.KernelCheckFailed) as info:
+        kt.check_kernel(fn, convention="fla")
+    err = info.value
+    assert err.check == check, str(err)
+    assert err.examples <= 100
+    assert "kt.check_problem(fn, problem, convention='fla'" in str(err)
+    # the reproducer runs and fails the same way
+    with pytest.raises(kt.KernelCheckFailed) as again:
+        exec(err.reproducer, {})
+    assert again.value.check == check or name == "nondeterministic last bit"
+
+
+def test_command_line_prints_summary_and_reproducer(tmp_path):
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([os.getcwd(), os.path.join(os.getcwd(), "tests")])}
+    cmd = [sys.executable, "-m", "kda.testing"]
+    ok = subprocess.run([*cmd, "kda:chunk_kda", "--backward", "kda:chunk_kda_backward",
+                         "--convention", "kda", "--examples", "5", "--dtypes", "float32"],
+                        capture_output=True, text=True, env=env)  # fmt: skip
+    assert ok.returncode == 0 and "5 examples passed" in ok.stdout, ok.stderr
+    bad = subprocess.run([*cmd, "broken_kernels:modifies_input", "--convention", "fla", "--examples", "5"],
+                         capture_output=True, text=True, env=env)  # fmt: skip
+    assert bad.returncode == 1 and "reproducer:" in bad.stdout, bad.stderr
