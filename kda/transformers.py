@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import sys
 import threading
 import types
 from collections.abc import Iterator
@@ -225,32 +226,44 @@ def _modeling() -> types.ModuleType:
     return mkl
 
 
-def _rebind(fn: Any, namespace: dict[str, Any], replaced: dict[str, Any], depth: int = 0) -> Any:
-    """``fn`` with every function in its decorator chain that reads ``namespace`` as its globals
-    copied to read ``namespace`` updated by ``replaced``; ``fn`` itself when none does."""
+def _shadow(mkl: types.ModuleType) -> types.ModuleType:
+    """A module ``kda.transformers._kimi_linear``: a copy of transformers' Kimi Linear modeling
+    module's namespace with kda's two functions, registered in ``sys.modules`` (so that
+    ``torch.compile`` resolves and guards the globals of functions that read it)."""
+    name = f"{__name__}._kimi_linear"
+    shadow = sys.modules.get(name)
+    if shadow is None or shadow.__dict__.get("_kda_source") is not mkl:
+        shadow = types.ModuleType(name)
+        vars(shadow).update({k: v for k, v in vars(mkl).items() if k not in ("__name__", "__spec__")})
+        vars(shadow).update(_KDA, _kda_source=mkl)
+        sys.modules[name] = shadow
+    return shadow
+
+
+def _rebind(fn: Any, namespace: dict[str, Any], shadow: dict[str, Any], depth: int = 0) -> Any:
+    """``fn`` with every function in its decorator chain whose globals are ``namespace`` copied to
+    read ``shadow`` instead; ``fn`` itself when none does."""
     if not isinstance(fn, types.FunctionType) or depth > 8:
         return fn
     if fn.__globals__ is namespace:
-        new = types.FunctionType(
-            fn.__code__, {**namespace, **replaced}, fn.__name__, fn.__defaults__, fn.__closure__
-        )
-        functools.update_wrapper(new, fn, updated=())
-        new.__kwdefaults__ = fn.__kwdefaults__
-        return new
-    if not fn.__closure__:
+        closure = fn.__closure__
+    elif fn.__closure__:
+        closure = []
+        for cell in fn.__closure__:
+            try:
+                content = cell.cell_contents
+            except ValueError:  # an empty cell
+                closure.append(cell)
+                continue
+            new_content = _rebind(content, namespace, shadow, depth + 1)
+            closure.append(cell if new_content is content else types.CellType(new_content))
+        if all(a is b for a, b in zip(closure, fn.__closure__)):
+            return fn
+        closure = tuple(closure)
+    else:
         return fn
-    cells = []
-    for cell in fn.__closure__:
-        try:
-            content = cell.cell_contents
-        except ValueError:  # an empty cell
-            cells.append(cell)
-            continue
-        new_content = _rebind(content, namespace, replaced, depth + 1)
-        cells.append(cell if new_content is content else types.CellType(new_content))
-    if all(a is b for a, b in zip(cells, fn.__closure__)):
-        return fn
-    new = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, tuple(cells))
+    globals_ = shadow if fn.__globals__ is namespace else fn.__globals__
+    new = types.FunctionType(fn.__code__, globals_, fn.__name__, fn.__defaults__, closure)
     functools.update_wrapper(new, fn, updated=())
     new.__kwdefaults__ = fn.__kwdefaults__
     return new
@@ -293,7 +306,7 @@ def apply_kda_to_kimi_linear(model: Any = None) -> None:
                     setattr(mkl, name, fn)
             return
         layers = _layers(mkl, model)
-        forward = _rebind(getattr(mkl, _LAYER).forward, vars(mkl), _KDA)
+        forward = _rebind(getattr(mkl, _LAYER).forward, vars(mkl), vars(_shadow(mkl)))
         if forward is getattr(mkl, _LAYER).forward:
             msg = f"{_LAYER}.forward does not read {_MODULE}'s globals: cannot install per model"
             raise TransformersVersionError(msg)
