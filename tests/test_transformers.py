@@ -13,6 +13,7 @@ import inspect
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from helpers import assert_close
@@ -309,3 +310,12 @@ def test_torch_compile_matches_fallback(counted):
     for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
         if p_ref.grad is not None:
             assert_close(p.grad, p_ref.grad, tol=TOL, name=name)
+
+
+def test_readme_example_runs(counted):
+    """The README's no-download block, as written."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Hugging Face transformers") :]
+    block = section.split("```python\n")[2].split("```")[0]
+    exec(compile(block, "README.md", "exec"), {})
+    assert counted["chunk_kda"] >= 2 and counted["fused_recurrent_kda"] == 7
