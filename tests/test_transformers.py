@@ -319,3 +319,17 @@ def test_readme_example_runs(counted):
     block = section.split("```python\n")[2].split("```")[0]
     exec(compile(block, "README.md", "exec"), {})
     assert counted["chunk_kda"] >= 2 and counted["fused_recurrent_kda"] == 7
+
+
+@pytest.mark.parametrize("continuation", [1, 10])
+def test_cache_written_by_the_fallback_continues_on_kda(continuation):
+    """The cached state is exchanged in transformers' layout ([B, H, K, V], float32): a prompt
+    prefilled on the fallback continues on kda (one recurrent step, or a chunk from the state)."""
+    model, x = tiny_model().eval(), ids(2, 20 + continuation)
+    results = []
+    with torch.no_grad():
+        for install in (False, True):
+            first = model(input_ids=x[:, :20], use_cache=True)
+            with kt.kda_in_kimi_linear(model) if install else _nothing():
+                results.append(model(input_ids=x[:, 20:], cache=first.cache, use_cache=True).logits)
+    assert_close(results[1], results[0], tol=TOL)
