@@ -31,7 +31,11 @@ __all__ = [
 # compiled order is fixed, so results are deterministic.
 _FASTMATH = {"reassoc", "contract"}
 
+
 CACHING = True  # False when no cache directory is writable (a read-only install)
+
+# Key sizes below this form [W, U0] by forward substitution (more accurate there), above by BLAS
+SUBSTITUTE_BELOW = 16
 
 
 def _jit(parallel: bool = False):
@@ -111,15 +115,33 @@ def _local_one(q, k, g, v, beta, s, qg, kg, kt, total, A, L, Tinv, w, u0, pre, s
         for j in range(i):
             Tinv[i, j] = -beta[i] * Tinv[i, j]
         Tinv[i, i] = 1.0
-    # [w, u0] = T diag(beta) [kg, v]
-    for i in range(Cp):
-        for d in range(K):
-            bk[i, d] = beta[i] * kg[i, d]
-    np.dot(Tinv, bk, w)
-    for i in range(Cp):
-        for d in range(V):
-            bv[i, d] = beta[i] * v[i, d]
-    np.dot(Tinv, bv, u0)
+    # [w, u0] = T diag(beta) [kg, v]: by BLAS, or by forward substitution for few channels
+    # (w[i] = beta[i] (kg[i] - sum_m L[i, m] w[m]), which does not form T's growth into w)
+    if K >= SUBSTITUTE_BELOW:
+        for i in range(Cp):
+            for d in range(K):
+                bk[i, d] = beta[i] * kg[i, d]
+        np.dot(Tinv, bk, w)
+        for i in range(Cp):
+            for d in range(V):
+                bv[i, d] = beta[i] * v[i, d]
+        np.dot(Tinv, bv, u0)
+    else:
+        for i in range(Cp):
+            for d in range(K):
+                bk[0, d] = kg[i, d]
+            for c in range(V):
+                bv[0, c] = v[i, c]
+            for m in range(i):
+                x = L[i, m]
+                for d in range(K):
+                    bk[0, d] -= x * w[m, d]
+                for c in range(V):
+                    bv[0, c] -= x * u0[m, c]
+            for d in range(K):
+                w[i, d] = beta[i] * bk[0, d]
+            for c in range(V):
+                u0[i, c] = beta[i] * bv[0, c]
 
 
 @_jit(parallel=True)
@@ -198,11 +220,11 @@ def state_grad_pass(w, u0, kt, total, qg, A, dO, bounds, dstate, ends, u, du, di
             np.dot(kt[bh, n], dS, dU)
             dU += np.dot(At, dO[bh, n])
             np.dot(qg[bh, n].T, dO[bh, n], X)
-            X -= np.dot(w[bh, n].T, dU)
+            Y = np.dot(w[bh, n].T, dU)
             for d in range(K):
                 t = total[bh, n, d]
                 for c in range(V):
-                    dS[d, c] = t * dS[d, c] + X[d, c]
+                    dS[d, c] = (t * dS[d, c] + X[d, c]) - Y[d, c]
         dinit[bh] = dS
 
 
