@@ -15,21 +15,23 @@ Numba is imported on the first call of a primitive, not by ``import kda``. Kerne
 once per dtype (float32, float64) and cached on disk (``cache=True``); where no cache directory
 is writable (a read-only install) they are compiled per process instead.
 
-Threads: the kernels use the calling thread's Numba thread count (``numba.get_num_threads()``,
-every core by default) and change no setting. Work is split only over independent chunks or
-heads, so results do not depend on the thread count, bitwise. BLAS (called from inside the
-parallel loops) is pinned to one thread for the duration of a call through the process-wide,
-reference-counted pin of :mod:`kda._backends._threads` (restored by the last call to leave).
-Calls are serialised by one lock: Numba's ``workqueue`` threading layer (the fallback where
-neither TBB nor OpenMP is available) aborts on concurrent parallel calls, and the cores are
-already busy within one call.
+Threads: the kernels are serial Numba functions that release the GIL; a call splits its
+independent chunks or heads into one range per usable core (:func:`threads`, which honours
+``taskset``) and runs the ranges on a small thread pool of this module. Numba's own parallel
+layer is not used: its ``workqueue`` layer aborts on concurrent calls, and ``parallel=True``
+kernels took over a minute to compile. So concurrent calls from Python threads are safe, no
+Numba setting is read or changed, and since no sum crosses items the results do not depend on
+the number of threads, bitwise. BLAS (called from inside the kernels on every thread) is pinned
+to one thread for the duration of a call through the process-wide, reference-counted pin of
+:mod:`kda._backends._threads` (restored by the last call to leave).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import os
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -65,6 +67,7 @@ __all__ = [
 
 _LOCK = threading.Lock()
 _LOADED: list[Any] = []
+_POOL: list[Any] = []  # the thread pool of the kernels (created on first use, reset after fork)
 
 
 def _k() -> Any:
@@ -72,21 +75,55 @@ def _k() -> Any:
     if not _LOADED:
         with _LOCK:
             if not _LOADED:
-                from . import _kernels
-
                 import scipy.linalg.cython_blas  # noqa: F401  (the BLAS of Numba's np.dot)
+
+                from . import _kernels
 
                 PIN.rescan()  # pin that BLAS too
                 _LOADED.append(_kernels)
     return _LOADED[0]
 
 
-@contextlib.contextmanager
-def _running(blas: bool = True) -> Iterator[Any]:
-    """One kernel call at a time; BLAS on one thread while it runs (``blas``)."""
-    kernels = _k()
-    with _LOCK, (PIN.hold() if blas else contextlib.nullcontext()):
-        yield kernels
+def threads() -> int:
+    """How many threads a call splits its chunks or heads over: the cores this process may use."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def _pool(n: int) -> Any:
+    with _LOCK:
+        if not _POOL or _POOL[0]._max_workers < n:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _POOL[:] = [ThreadPoolExecutor(max_workers=n, thread_name_prefix="kda-cpu")]
+        return _POOL[0]
+
+
+def _forget_pool() -> None:
+    _POOL.clear()  # a forked child has none of the parent's threads
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _run(name: str, items: int, *args: Any, blas: bool = True) -> None:
+    """Kernel ``name`` over ``items`` independent items, split into one range per thread.
+
+    BLAS is pinned to one thread while the kernels run (``blas``): they call it from every thread.
+    """
+    kernel = getattr(_k(), name)
+    parts = min(items, threads())
+    with PIN.hold() if blas else contextlib.nullcontext():
+        if parts <= 1:
+            kernel(*args, 0, items)
+            return
+        bounds = [items * i // parts for i in range(parts + 1)]
+        pool = _pool(parts)
+        futures = [pool.submit(kernel, *args, a, b) for a, b in itertools.pairwise(bounds)]
+        for f in futures:
+            f.result()
 
 
 def _c(x: Any, dtype: Any) -> np.ndarray:
@@ -146,8 +183,7 @@ def chunk_local(q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float) -> Chun
     A, L, Tinv = (np.empty((N, Cp, Cp), dt) for _ in range(3))
     total, u0 = np.empty((N, K), dt), np.empty((N, Cp, V), dt)
     if N * Cp * K * V:
-        with _running() as kern:
-            kern.local_forward(qc, kc, gc, vc, bc, _scale(scale, dt), qg, kg, kt, total, A, L, Tinv, w, u0)
+        _run("local_forward", N, qc, kc, gc, vc, bc, _scale(scale, dt), qg, kg, kt, total, A, L, Tinv, w, u0)
     else:
         for x in (qg, kg, kt, w, A, L, Tinv, total, u0):
             x[...] = 0
@@ -186,8 +222,7 @@ def chunk_state_pass(
     Ac = _heads(A, dt) if with_output else np.zeros((1, 1, 1, 1), dt)
     args = [_heads(x, dt) for x in (w, u0, kt, total, state)]
     if BH * K * V:
-        with _running() as kern:
-            kern.state_pass(*args, qgc, Ac, with_output, bounds, out, final)
+        _run("state_pass", BH, *args, qgc, Ac, with_output, bounds, out, final)
     else:
         final[...] = args[4]
     boundaries = bounds.reshape(NT, B, H, K, V)
@@ -213,8 +248,7 @@ def chunk_state_grad_pass(
     bounds = _c(boundaries, dt).reshape(NT, BH, K, V)
     dS = _heads(dstate, dt)
     if BH * K * V:
-        with _running() as kern:
-            kern.state_grad_pass(*args, bounds, dS, ends, u, du, dinit)
+        _run("state_grad_pass", BH, *args, bounds, dS, ends, u, du, dinit)
     else:
         dinit[...] = dS
         u[...] = 0
@@ -264,11 +298,12 @@ def chunk_local_backward(
     dq, dk, dg = (np.zeros((N, Cp, K), dt) for _ in range(3))
     dv, dbeta = np.zeros((N, Cp, V), dt), np.zeros((N, Cp), dt)
     if N * Cp * K * V:
-        with _running() as kern:
-            kern.local_backward(
-                qc, kc, gc, vc, bc, _scale(scale, dt), kg, w, u0, L, Tinv, bounds, ends, uc, duc, dO,
-                dq, dk, dv, dg, dbeta,
-            )  # fmt: skip
+        _run(
+            "local_backward",
+            N,
+            qc, kc, gc, vc, bc, _scale(scale, dt), kg, w, u0, L, Tinv, bounds, ends, uc, duc, dO,
+            dq, dk, dv, dg, dbeta,
+        )  # fmt: skip
     lead = (B, H, NT)
     return (
         dq.reshape(*lead, Cp, K),
@@ -296,8 +331,7 @@ def recurrent_forward(
     args = [_heads(x, dt) for x in (q, k, v, g, beta)]
     S0 = _heads(state, dt)
     if B * H * K * V:
-        with _running(blas=False) as kern:
-            kern.recurrent_forward(*args, _scale(scale, dt), S0, out, final)
+        _run("recurrent_forward", B * H, *args, _scale(scale, dt), S0, out, final, blas=False)
     else:
         final[...] = S0
     return out.reshape(B, H, T, V), final.reshape(B, H, K, V)
@@ -318,8 +352,22 @@ def recurrent_backward(
     dv, dbeta = np.zeros((BH, T, V), dt), np.zeros((BH, T), dt)
     dinit = np.empty((BH, K, V), dt)
     if BH * K * V:
-        with _running(blas=False) as kern:
-            kern.recurrent_backward(*args, _scale(scale, dt), S0, do, dS, dq, dk, dv, dg, dbeta, dinit)
+        _run(
+            "recurrent_backward",
+            BH,
+            *args,
+            _scale(scale, dt),
+            S0,
+            do,
+            dS,
+            dq,
+            dk,
+            dv,
+            dg,
+            dbeta,
+            dinit,
+            blas=False,
+        )
     else:
         dinit[...] = dS
     shape = (B, H, T)
@@ -344,8 +392,7 @@ def decode_forward(q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, pool
     contiguous = pool.flags.c_contiguous
     work = pool if contiguous else np.ascontiguousarray(pool)
     if N * HV * T * V:
-        with _running(blas=False) as kern:
-            kern.decode(*args, _scale(scale, dt), work, rows, out)
+        _run("decode", N * HV, *args, _scale(scale, dt), work, rows, out, blas=False)
     if not contiguous:
         touched = rows[rows >= 0]
         pool[touched] = work[touched]

@@ -1,10 +1,10 @@
 """Numba-compiled kernels of the CPU backend (imported on first use: this imports numba).
 
 Every kernel takes C-contiguous arrays of one floating dtype (float32 or float64) and writes its
-results into output arrays the caller allocated. Parallel kernels split work over independent
-chunks or heads with ``prange`` only: no reduction crosses iterations, so the results do not
-depend on the number of threads. Dense products of a chunk (``[Cp, K] x [K, V]`` and the like)
-call BLAS through Numba's ``np.dot``; the pairwise decayed products run as hand loops whose inner
+results into output arrays the caller allocated. Each kernel computes the items ``[lo, hi)`` of
+its independent chunks or heads and releases the GIL (``nogil``), so the caller runs ranges on
+threads of its own; no sum crosses items, so the results do not depend on how they are split.
+Dense products of a chunk (``[Cp, K] x [K, V]`` and the like) call BLAS through Numba's ``np.dot``; the pairwise decayed products run as hand loops whose inner
 loop over channels vectorises.
 
 Decay factors are products of ``exp(g)`` over exactly the steps they span (running products from
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import prange
 
 __all__ = [
     "decode",
@@ -38,12 +37,12 @@ CACHING = True  # False when no cache directory is writable (a read-only install
 SUBSTITUTE_BELOW = 16
 
 
-def _jit(parallel: bool = False):
+def _jit():
     """``numba.njit`` with caching, or without it where no cache directory is writable."""
 
     def decorate(fn):
         global CACHING
-        options = {"nogil": True, "fastmath": _FASTMATH, "parallel": parallel, "error_model": "numpy"}
+        options = {"nogil": True, "fastmath": _FASTMATH, "error_model": "numpy"}
         try:
             return numba.njit(cache=True, **options)(fn)
         except (RuntimeError, OSError):  # numba: "no locator available" for a read-only tree
@@ -144,13 +143,13 @@ def _local_one(q, k, g, v, beta, s, qg, kg, kt, total, A, L, Tinv, w, u0, pre, s
                 u0[i, c] = beta[i] * bv[0, c]
 
 
-@_jit(parallel=True)
-def local_forward(q, k, g, v, beta, scale, qg, kg, kt, total, A, L, Tinv, w, u0):
+@_jit()
+def local_forward(q, k, g, v, beta, scale, qg, kg, kt, total, A, L, Tinv, w, u0, lo, hi):
     """``chunk_local`` of ``N`` chunks: ``q, k, g: [N, Cp, K]``, ``v: [N, Cp, V]``, ``beta: [N, Cp]``."""
-    N, Cp, K = q.shape
+    _N, Cp, K = q.shape
     V = v.shape[2]
     s = scale[0]
-    for n in prange(N):
+    for n in range(lo, hi):
         pre = np.empty((Cp, K), q.dtype)
         suf = np.empty((Cp, K), q.dtype)
         kd = np.empty(K, q.dtype)
@@ -166,12 +165,12 @@ def local_forward(q, k, g, v, beta, scale, qg, kg, kt, total, A, L, Tinv, w, u0)
 # state passes
 
 
-@_jit(parallel=True)
-def state_pass(w, u0, kt, total, state, qg, A, with_output, bounds, out, final):
+@_jit()
+def state_pass(w, u0, kt, total, state, qg, A, with_output, bounds, out, final, lo, hi):
     """Per head ``bh`` of ``w: [BH, NT, Cp, K]``: the state recurrence; ``bounds: [NT, BH, K, V]``."""
-    BH, NT, Cp, K = w.shape
+    _BH, NT, Cp, K = w.shape
     V = u0.shape[3]
-    for bh in prange(BH):
+    for bh in range(lo, hi):
         S = state[bh].copy()
         U = np.empty((Cp, V), w.dtype)
         X = np.empty((K, V), w.dtype)
@@ -197,12 +196,12 @@ def state_pass(w, u0, kt, total, state, qg, A, with_output, bounds, out, final):
         final[bh] = S
 
 
-@_jit(parallel=True)
-def state_grad_pass(w, u0, kt, total, qg, A, dO, bounds, dstate, ends, u, du, dinit):
+@_jit()
+def state_grad_pass(w, u0, kt, total, qg, A, dO, bounds, dstate, ends, u, du, dinit, lo, hi):
     """Per head, last chunk first: ``dU = A^T dO + kt dS``, ``dS <- total dS + qg^T dO - w^T dU``."""
-    BH, NT, Cp, K = w.shape
+    _BH, NT, Cp, K = w.shape
     V = u0.shape[3]
-    for bh in prange(BH):
+    for bh in range(lo, hi):
         dS = dstate[bh].copy()
         X = np.empty((K, V), w.dtype)
         At = np.empty((Cp, Cp), w.dtype)
@@ -323,13 +322,15 @@ def _local_backward_one(
     return e
 
 
-@_jit(parallel=True)
-def local_backward(q, k, g, v, beta, scale, kg, w, u0, L, Tinv, bounds, ends, u, du, dO, dq, dk, dv, dg, dbeta):
+@_jit()
+def local_backward(
+    q, k, g, v, beta, scale, kg, w, u0, L, Tinv, bounds, ends, u, du, dO, dq, dk, dv, dg, dbeta, lo, hi
+):
     """``chunk_local_backward`` of ``N = BH * NT`` chunks (``bounds, ends: [NT, BH, K, V]``)."""
-    N = q.shape[0]
+    q.shape[0]
     NT = bounds.shape[0]
     s = scale[0]
-    for n in prange(N):
+    for n in range(lo, hi):
         bh = n // NT
         t = n - bh * NT
         _local_backward_one(
@@ -369,13 +370,13 @@ def _step(S, q, k, v, g, b, s, o, pred):
         o[c] *= s
 
 
-@_jit(parallel=True)
-def recurrent_forward(q, k, v, g, beta, scale, state, out, final):
+@_jit()
+def recurrent_forward(q, k, v, g, beta, scale, state, out, final, lo, hi):
     """Per head of ``q: [BH, T, K]``: the recurrence from ``state [BH, K, V]``."""
-    BH, T, K = q.shape
+    _BH, T, _K = q.shape
     V = v.shape[2]
     s = scale[0]
-    for bh in prange(BH):
+    for bh in range(lo, hi):
         S = final[bh]
         S[:, :] = state[bh]
         pred = np.empty(V, q.dtype)
@@ -383,13 +384,13 @@ def recurrent_forward(q, k, v, g, beta, scale, state, out, final):
             _step(S, q[bh, t], k[bh, t], v[bh, t], g[bh, t], beta[bh, t], s, out[bh, t], pred)
 
 
-@_jit(parallel=True)
-def decode(q, k, v, g, beta, scale, pool, rows, out):
+@_jit()
+def decode(q, k, v, g, beta, scale, pool, rows, out, lo, hi):
     """``q: [N, HV, T, K]``; request ``n`` runs on ``pool[rows[n]]`` in place (``-1``: skipped)."""
-    N, HV, T, K = q.shape
+    _N, HV, T, _K = q.shape
     V = v.shape[3]
     s = scale[0]
-    for nh in prange(N * HV):
+    for nh in range(lo, hi):
         n = nh // HV
         h = nh - n * HV
         row = rows[n]
@@ -401,10 +402,10 @@ def decode(q, k, v, g, beta, scale, pool, rows, out):
             _step(S, q[n, h, t], k[n, h, t], v[n, h, t], g[n, h, t], beta[n, h, t], s, out[n, h, t], pred)
 
 
-@_jit(parallel=True)
-def recurrent_backward(q, k, v, g, beta, scale, state, do, dstate, dq, dk, dv, dg, dbeta, dinit):
+@_jit()
+def recurrent_backward(q, k, v, g, beta, scale, state, do, dstate, dq, dk, dv, dg, dbeta, dinit, lo, hi):
     """Gradients of the recurrence per head; states kept every ``ceil(sqrt(T))`` steps."""
-    BH, T, K = q.shape
+    _BH, T, K = q.shape
     V = v.shape[2]
     s = scale[0]
     stride = 1
@@ -412,7 +413,7 @@ def recurrent_backward(q, k, v, g, beta, scale, state, do, dstate, dq, dk, dv, d
         stride += 1
     nchk = (T + stride - 1) // stride if T > 0 else 0
     zero = np.zeros(1, q.dtype)[0]
-    for bh in prange(BH):
+    for bh in range(lo, hi):
         chk = np.empty((max(nchk, 1), K, V), q.dtype)
         seg = np.empty((stride, K, V), q.dtype)
         S = state[bh].copy()
