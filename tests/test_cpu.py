@@ -96,7 +96,10 @@ def test_whole_calls_against_the_recurrence(regime, dtype, T, K, V, chunk_size):
     p64 = p.astype(np.float64)
     ref = kda.recurrent_kda(*p64.inputs, initial_state=p64.initial_state, backend="reference")
     ref_g = kda.recurrent_kda_backward(
-        *p64.inputs, p64.grad_output, p64.grad_final_state, initial_state=p64.initial_state,
+        *p64.inputs,
+        p64.grad_output,
+        p64.grad_final_state,
+        initial_state=p64.initial_state,
         backend="reference",
     )
     tol = TOLERANCE[np.dtype(dtype)]

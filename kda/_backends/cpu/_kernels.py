@@ -4,8 +4,9 @@ Every kernel takes C-contiguous arrays of one floating dtype (float32 or float64
 results into output arrays the caller allocated. Each kernel computes the items ``[lo, hi)`` of
 its independent chunks or heads and releases the GIL (``nogil``), so the caller runs ranges on
 threads of its own; no sum crosses items, so the results do not depend on how they are split.
-Dense products of a chunk (``[Cp, K] x [K, V]`` and the like) call BLAS through Numba's ``np.dot``; the pairwise decayed products run as hand loops whose inner
-loop over channels vectorises.
+Dense products of a chunk (``[Cp, K] x [K, V]`` and the like) call
+BLAS through Numba's ``np.dot``; the pairwise decayed products run as hand loops whose inner loop
+over channels vectorises.
 
 Decay factors are products of ``exp(g)`` over exactly the steps they span (running products from
 one end), so ``g = -inf`` gives an exact 0 and no NaN arises.
