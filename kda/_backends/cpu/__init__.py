@@ -65,6 +65,9 @@ __all__ = [
     "workers",
 ]
 
+# ranges per thread in a kernel call (load balance against other processes on the cores)
+SPLIT = 4
+
 _LOCK = threading.Lock()
 _LOADED: list[Any] = []
 _POOL: list[Any] = []  # the thread pool of the kernels (created on first use, reset after fork)
@@ -109,18 +112,21 @@ if hasattr(os, "register_at_fork"):
 
 
 def _run(name: str, items: int, *args: Any, blas: bool = True) -> None:
-    """Kernel ``name`` over ``items`` independent items, split into one range per thread.
+    """Kernel ``name`` over ``items`` independent items, in ranges run by one thread per core.
 
-    BLAS is pinned to one thread while the kernels run (``blas``): they call it from every thread.
+    There are :data:`SPLIT` ranges per thread, taken in turn by whichever thread is free, so a
+    core that other processes keep busy does not hold up the call. BLAS is pinned to one thread
+    while the kernels run (``blas``): they call it from every thread.
     """
     kernel = getattr(_k(), name)
-    parts = min(items, threads())
+    workers = min(items, threads())
     with PIN.hold() if blas else contextlib.nullcontext():
-        if parts <= 1:
+        if workers <= 1:
             kernel(*args, 0, items)
             return
+        parts = min(items, workers * SPLIT)
         bounds = [items * i // parts for i in range(parts + 1)]
-        pool = _pool(parts)
+        pool = _pool(workers)
         futures = [pool.submit(kernel, *args, a, b) for a, b in itertools.pairwise(bounds)]
         for f in futures:
             f.result()
