@@ -14,11 +14,14 @@ import kda.testing as kt
 REGIMES = kt.LOG_REGIMES
 
 def _backends() -> tuple[str, ...]:
-    """The backends whose tests run here: the reference always; cuda where numba-cuda imports
-    (on the simulator without a GPU: tests/conftest.py sets NUMBA_ENABLE_CUDASIM first)."""
+    """The backends whose tests run here: the reference always; cpu where numba and scipy are
+    installed; cuda where numba-cuda imports (on the simulator without a GPU: tests/conftest.py
+    sets NUMBA_ENABLE_CUDASIM first)."""
     import importlib.util
 
     names = ["reference"]
+    if all(importlib.util.find_spec(name) is not None for name in ("numba", "scipy")):
+        names.append("cpu")
     # top-level lookups only: finding "numba.cuda" would import numba before tests/conftest.py
     # switches the simulator on
     if importlib.util.find_spec("numba") is not None and importlib.util.find_spec("numba_cuda") is not None:

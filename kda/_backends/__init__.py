@@ -22,10 +22,14 @@ import array_api_compat
 
 from .._errors import InvalidInputError
 
-__all__ = ["BACKENDS", "cuda_problem", "get_backend", "resolve"]
+__all__ = ["BACKENDS", "cpu_available", "cuda_problem", "get_backend", "resolve"]
 
 # name -> module implementing the primitive interface of ``kda._backends.reference``
-BACKENDS = {"reference": "kda._backends.reference", "cuda": "kda._backends.cuda"}
+BACKENDS = {
+    "reference": "kda._backends.reference",
+    "cpu": "kda._backends.cpu",
+    "cuda": "kda._backends.cuda",
+}
 
 _CUDA_FIX = (
     "Use backend='reference' (NumPy or any array-API arrays on the CPU), or run on a machine with an "
@@ -74,11 +78,18 @@ def _nvvm_problem() -> str | None:
 def get_backend(xp: Any, backend: str | None) -> ModuleType:
     """The primitive module for ``backend``; ``None`` chooses from the namespace ``xp``.
 
-    CuPy arrays run on ``"cuda"``; every other namespace on the array-API ``"reference"``.
-    Raises :class:`~kda.InvalidInputError` when the chosen backend cannot run here.
+    CuPy arrays run on ``"cuda"``; NumPy arrays on the Numba ``"cpu"`` backend where Numba and
+    SciPy (the BLAS of Numba's ``np.dot``) are installed; every other namespace (and NumPy
+    without them) on the array-API ``"reference"``. Raises :class:`~kda.InvalidInputError` when
+    the chosen backend cannot run here.
     """
     if backend is None:
-        backend = "cuda" if array_api_compat.is_cupy_namespace(xp) else "reference"
+        if array_api_compat.is_cupy_namespace(xp):
+            backend = "cuda"
+        elif array_api_compat.is_numpy_namespace(xp) and cpu_available():
+            backend = "cpu"
+        else:
+            backend = "reference"
     if backend not in BACKENDS:
         msg = f"backend must be None or one of {sorted(BACKENDS)}; got {backend!r}"
         raise InvalidInputError(msg)
@@ -87,11 +98,29 @@ def get_backend(xp: Any, backend: str | None) -> ModuleType:
         if problem is not None:
             msg = f"backend 'cuda' cannot run here: {problem}. {_CUDA_FIX}"
             raise InvalidInputError(msg)
+    if backend == "cpu":
+        if not cpu_available():
+            msg = (
+                "backend 'cpu' cannot run here: it needs numba and scipy (`pip install numba scipy`); "
+                "backend='reference' runs NumPy arrays without them"
+            )
+            raise InvalidInputError(msg)
+        if not array_api_compat.is_numpy_namespace(xp):
+            msg = f"backend 'cpu' computes NumPy arrays; got arrays of {getattr(xp, '__name__', xp)}"
+            raise InvalidInputError(msg)
     try:
         return importlib.import_module(BACKENDS[backend])
     except ImportError as err:
         msg = f"backend {backend!r} is not available here: {err}. Install it with `pip install kda[cuda]`."
         raise InvalidInputError(msg) from err
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_available() -> bool:
+    """Whether the Numba CPU backend can run here: numba and scipy are installed (not imported)."""
+    import importlib.util
+
+    return all(importlib.util.find_spec(name) is not None for name in ("numba", "scipy"))
 
 
 def resolve(ops: ModuleType, padded_chunk: int) -> ModuleType:

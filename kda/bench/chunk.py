@@ -2,8 +2,10 @@
 
 For each sequence length ``T`` it times the forward and the forward+backward of
 
-* ``chunk``: :func:`kda.chunk_kda` on NumPy (forward+backward = ``chunk_kda(save_boundaries=True)``
-  then :func:`kda.chunk_kda_backward` with those boundaries),
+* ``chunk``: :func:`kda.chunk_kda` on NumPy with the default backend (the Numba ``cpu`` backend
+  where numba is installed; forward+backward = ``chunk_kda(save_boundaries=True)`` then
+  :func:`kda.chunk_kda_backward` with those boundaries),
+* ``chunk_reference``: the same on the array-API ``reference`` backend,
 * ``recurrent``: :func:`kda.recurrent_kda` / :func:`kda.recurrent_kda_backward` (the step loop),
 * ``fla_naive_chunk`` / ``fla_naive_recurrent``: ``naive_chunk_kda`` / ``naive_recurrent_kda``
   from flash-linear-attention (``pip install fla-core``), PyTorch on CPU, gradients by autograd,
@@ -46,8 +48,8 @@ import numpy as np
 
 __all__ = ["main"]
 
-METHODS = ("chunk", "recurrent", "fla_naive_chunk", "fla_naive_recurrent")
-BACKEND_CHOICES = ("chunk", "recurrent", "fla_naive")
+METHODS = ("chunk", "chunk_reference", "recurrent", "fla_naive_chunk", "fla_naive_recurrent")
+BACKEND_CHOICES = ("chunk", "chunk_reference", "recurrent", "fla_naive")
 PASSES = ("fwd", "fwd+bwd")
 PARTS = ("sweep", "short", "decode", "plan")
 DEFAULT_T = (256, 1024, 4096, 16384)
@@ -372,14 +374,15 @@ def _kda_fns(name: str, x: dict[str, np.ndarray], C: int) -> dict[str, Callable[
     import kda
 
     q, k, v, g, beta, do = (x[n] for n in ("q", "k", "v", "g", "beta", "do"))
-    if name == "chunk":
+    if name in ("chunk", "chunk_reference"):
+        backend = "reference" if name == "chunk_reference" else None
 
         def fwd():
-            return kda.chunk_kda(q, k, v, g, beta, chunk_size=C)
+            return kda.chunk_kda(q, k, v, g, beta, chunk_size=C, backend=backend)
 
         def fwd_bwd():
-            out = kda.chunk_kda(q, k, v, g, beta, chunk_size=C, save_boundaries=True)
-            return kda.chunk_kda_backward(q, k, v, g, beta, out.boundaries, do, chunk_size=C)
+            out = kda.chunk_kda(q, k, v, g, beta, chunk_size=C, save_boundaries=True, backend=backend)
+            return kda.chunk_kda_backward(q, k, v, g, beta, out.boundaries, do, chunk_size=C, backend=backend)
 
     else:
 
@@ -508,11 +511,11 @@ def _fmt_time(t: float) -> str:
 
 
 def _table(results: list[dict[str, Any]]) -> str:
-    head = ("method", "pass", "T", "time s", "GFLOP/s", "% GEMM", "x recurrent", "x fla chunk")
+    head = ("method", "pass", "T", "time s", "GFLOP/s", "% GEMM", "x reference", "x recurrent", "x fla chunk")
     rows = [head]
     for r in results:
         if r["status"] != "ok":
-            rows.append((r["method"], r["pass"], str(r["T"]), r["reason"], "", "", "", ""))
+            rows.append((r["method"], r["pass"], str(r["T"]), r["reason"], "", "", "", "", ""))
             continue
 
         def ratio(key: str, r=r) -> str:
@@ -527,6 +530,7 @@ def _table(results: list[dict[str, Any]]) -> str:
                 _fmt_time(r["time_s"]),
                 f"{r['gflops']:.2f}",
                 f"{r['pct_gemm']:.1f}",
+                ratio("speedup_vs_chunk_reference"),
                 ratio("speedup_vs_recurrent"),
                 ratio("speedup_vs_fla_naive_chunk"),
             )
@@ -608,7 +612,7 @@ def _check_args(args: argparse.Namespace) -> str | None:
 
 def _methods(args: argparse.Namespace) -> tuple[list[str], Any, str, dict[str, Any]]:
     """The methods to time, fla's naive module (or None), why it is missing, and fla's description."""
-    methods = [m for m in ("chunk", "recurrent") if m in args.backends]
+    methods = [m for m in ("chunk", "chunk_reference", "recurrent") if m in args.backends]
     fla, fla_reason, fla_info = None, "", {"requested": "fla_naive" in args.backends}
     if "fla_naive" in args.backends:
         fla, fla_reason = _load_fla_naive()
@@ -659,7 +663,7 @@ class _Sweep:
 
     def fns(self, method: str, x: dict[str, np.ndarray]) -> dict[str, Callable[[], Any]]:
         C = self.args.chunk_size
-        if method in ("chunk", "recurrent"):
+        if method in ("chunk", "chunk_reference", "recurrent"):
             return _kda_fns(method, x, C)
         chunked = method == "fla_naive_chunk"
         fn = self.fla.naive_chunk_kda if chunked else self.fla.naive_recurrent_kda
@@ -692,10 +696,17 @@ def _add_ratios(results: list[dict[str, Any]]) -> None:
         if r["status"] != "ok":
             r.setdefault("time_s", None)
             continue
-        for other in ("recurrent", "fla_naive_chunk", "fla_naive_recurrent", "chunk"):
+        for other in ("recurrent", "fla_naive_chunk", "fla_naive_recurrent", "chunk", "chunk_reference"):
             o = by_key.get((other, r["pass"], r["T"]))
             ok = o is not None and o["status"] == "ok"
             r[f"speedup_vs_{other}"] = o["time_s"] / r["time_s"] if ok else None
+
+
+def _default_backend() -> str:
+    """The backend ``chunk`` runs on (the default for NumPy arrays)."""
+    from .._backends import get_backend
+
+    return get_backend(np, None).NAME
 
 
 def _config(args: argparse.Namespace, Ts: list[int]) -> dict[str, Any]:
@@ -710,6 +721,7 @@ def _config(args: argparse.Namespace, Ts: list[int]) -> dict[str, Any]:
         "repeats": args.repeats,
         "slow_seconds": args.slow_seconds,
         "backends": args.backends,
+        "chunk_backend": _default_backend(),
         "caps": {
             f"{m} {p}": _cap(m, p, args) for m in METHODS for p in PASSES if _cap(m, p, args) is not None
         },

@@ -1,0 +1,243 @@
+"""The Numba CPU backend: primitives against the reference, whole calls against the float64
+recurrence, dispatch, threads (bitwise), concurrency, the read-only cache fallback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+from helpers import BACKENDS, REGIMES, TOLERANCE, assert_close, gates, make_problem
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kda
+
+pytestmark = pytest.mark.skipif("cpu" not in BACKENDS, reason="numba or scipy not installed")
+
+SCALE = 0.6
+# float32 primitives against the float64 reference, relative to the max-abs of the result
+F32_LOCAL = 2e-4
+
+
+def _ops(name: str):
+    import importlib
+
+    return importlib.import_module(f"kda._backends.{name}")
+
+
+def _chunk_inputs(rng, shape, K, V, regime):
+    q = rng.standard_normal((*shape, K))
+    k = rng.standard_normal((*shape, K))
+    k /= np.maximum(np.linalg.norm(k, axis=-1, keepdims=True), 1e-6)
+    g = gates(rng, (*shape, K), regime)
+    v = rng.standard_normal((*shape, V))
+    beta = rng.uniform(0.0, 2.0, shape)
+    return q, k, g, v, beta
+
+
+def _tol(dtype) -> float:
+    return 1e-10 if dtype == np.float64 else F32_LOCAL
+
+
+@settings(max_examples=30)
+@given(
+    regime=st.sampled_from(REGIMES),
+    Cp=st.sampled_from([1, 2, 4, 16, 64]),
+    K=st.sampled_from([1, 2, 5, 16, 33]),
+    V=st.sampled_from([1, 3, 16]),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    seed=st.integers(0, 2**16),
+)
+def test_primitives_match_the_reference(regime, Cp, K, V, dtype, seed):
+    """chunk_local, both state passes and chunk_local_backward against the reference (float64)."""
+    ref, cpu = _ops("reference"), _ops("cpu")
+    rng = np.random.default_rng(seed)
+    B, H, NT = 1, 2, 3
+    shape = (B, H, NT, Cp)
+    inputs64 = _chunk_inputs(rng, shape, K, V, regime)
+    inputs = [x.astype(dtype) for x in inputs64]
+    tol = _tol(dtype)
+    want = ref.chunk_local(*inputs64, SCALE)
+    got = cpu.chunk_local(*inputs, SCALE)
+    for name in ("qg", "kg", "kt", "total", "A", "L", "w", "u0"):
+        assert_close(getattr(got, name), getattr(want, name).astype(dtype), tol=tol, name=name)
+    assert np.all(np.triu(got.A, 1) == 0) and np.all(np.triu(got.L) == 0)
+    S0 = rng.standard_normal((B, H, K, V))
+    bd, out, fin = ref.chunk_state_pass(want.w, want.u0, want.kt, want.total, S0, want.qg, want.A)
+    c = [x.astype(dtype) for x in (want.w, want.u0, want.kt, want.total, S0, want.qg, want.A)]
+    got_pass = cpu.chunk_state_pass(*c)
+    for name, a, b in zip(("boundaries", "output", "final"), got_pass, (bd, out, fin), strict=True):
+        assert_close(a, b.astype(dtype), tol=tol, name=name)
+    do = rng.standard_normal((*shape, V))
+    dS = rng.standard_normal((B, H, K, V))
+    want_g = ref.chunk_state_grad_pass(want.w, want.u0, want.kt, want.total, want.qg, want.A, do, bd, dS)
+    more = (x.astype(dtype) for x in (do, bd, dS))
+    got_g = cpu.chunk_state_grad_pass(*c[:4], c[5], c[6], *more)
+    for name, a, b in zip(("dends", "u", "du", "dinitial"), got_g, want_g, strict=True):
+        assert_close(a, b.astype(dtype), tol=tol, name=name)
+    want_b = ref.chunk_local_backward(*inputs64, SCALE, want, bd, *want_g[:3], do)
+    got_b = cpu.chunk_local_backward(
+        *inputs, SCALE, got, bd.astype(dtype), *(x.astype(dtype) for x in want_g[:3]), do.astype(dtype)
+    )
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got_b, want_b, strict=True):
+        assert_close(a, b.astype(dtype), tol=tol * (10 if regime in ("strong", "hard") else 1), name=name)
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(("T", "K", "V", "chunk_size"), [(70, 8, 5, 16), (33, 2, 3, 64), (1, 4, 4, 16)])
+def test_whole_calls_against_the_recurrence(regime, dtype, T, K, V, chunk_size):
+    """chunk_kda / chunk_kda_backward / recurrent_kda(_backward) on backend='cpu' vs float64."""
+    p = make_problem(7, 2, 3, T, K, V, regime).astype(dtype)
+    p64 = p.astype(np.float64)
+    ref = kda.recurrent_kda(*p64.inputs, initial_state=p64.initial_state, backend="reference")
+    ref_g = kda.recurrent_kda_backward(
+        *p64.inputs,
+        p64.grad_output,
+        p64.grad_final_state,
+        initial_state=p64.initial_state,
+        backend="reference",
+    )
+    tol = TOLERANCE[np.dtype(dtype)]
+    out = kda.chunk_kda(
+        *p.inputs, initial_state=p.initial_state, chunk_size=chunk_size, save_boundaries=True, backend="cpu"
+    )
+    grads = kda.chunk_kda_backward(
+        *p.inputs, out.boundaries, p.grad_output, p.grad_final_state, initial_state=p.initial_state,
+        chunk_size=chunk_size, backend="cpu",
+    )  # fmt: skip
+    rec = kda.recurrent_kda(*p.inputs, initial_state=p.initial_state, backend="cpu")
+    rec_g = kda.recurrent_kda_backward(
+        *p.inputs, p.grad_output, p.grad_final_state, initial_state=p.initial_state, backend="cpu"
+    )
+    for o in (out, rec):
+        assert_close(o.output, ref.output, tol=tol, dtype="any", name="output")
+        assert_close(o.final_state, ref.final_state, tol=tol, dtype="any", name="final_state")
+    for gs in (grads, rec_g):
+        for name, a, b in zip(("q", "k", "v", "g", "beta", "initial_state"), gs[:6], ref_g[:6], strict=True):
+            assert_close(a, b, tol=tol, dtype="any", name=name)
+
+
+def test_decode_plan_and_transition_on_cpu():
+    """decode_kda, prepared plans and transition maps run on the cpu backend and agree."""
+    p = make_problem(3, 2, 3, 40, 8, 5, "mild")
+    ref = kda.recurrent_kda(*p.inputs, initial_state=p.initial_state, backend="reference")
+    # decode: two requests on rows 2 and 0 of a pool, one padding request
+    rng = np.random.default_rng(0)
+    pool = rng.standard_normal((4, 3, 8, 5))
+    before = pool.copy()
+    idx = [2, -1, 0]
+    qs = [np.concatenate([x, x[:1]])[:, :, :3] for x in p.inputs]
+    out = kda.decode_kda(*qs, pool, idx, backend="cpu")
+    for n, row in enumerate(idx):
+        if row < 0:
+            assert np.all(out[n] == 0)
+            continue
+        one = [x[n : n + 1] for x in qs]
+        want = kda.recurrent_kda(*one, initial_state=before[row : row + 1], backend="reference")
+        assert_close(out[n], want.output[0], tol=1e-12, name="decode output")
+        assert_close(pool[row], want.final_state[0], tol=1e-12, name="decode pool")
+    assert np.array_equal(pool[[1, 3]], before[[1, 3]])
+    plan = kda.prepare_chunk_kda(*p.inputs, initial_state=p.initial_state, chunk_size=16, backend="cpu")
+    o = plan.run()
+    assert_close(o.output, ref.output, tol=1e-10, name="plan output")
+    A, N = kda.chunk_kda_transition(*p.inputs, chunk_size=16, backend="cpu")
+    assert_close(A @ p.initial_state + N, ref.final_state, tol=1e-10, name="A S0 + N")
+
+
+def test_numpy_dispatches_to_cpu_and_others_to_the_reference():
+    from kda._backends import get_backend
+
+    assert get_backend(np, None).NAME == "cpu"
+    assert get_backend(np, "reference").NAME == "reference"
+    strict = pytest.importorskip("array_api_strict")
+    assert get_backend(strict, None).NAME == "reference"
+    with pytest.raises(kda.InvalidInputError, match="backend 'cpu'"):
+        get_backend(strict, "cpu")
+
+
+def _fwd_bwd(p, backend="cpu"):
+    out = kda.chunk_kda(
+        *p.inputs, initial_state=p.initial_state, chunk_size=32, save_boundaries=True, backend=backend
+    )
+    grads = kda.chunk_kda_backward(
+        *p.inputs, out.boundaries, p.grad_output, p.grad_final_state, initial_state=p.initial_state,
+        chunk_size=32, backend=backend,
+    )  # fmt: skip
+    return [out.output, out.final_state, *grads[:6]]
+
+
+def test_results_do_not_depend_on_the_thread_count_and_settings_are_restored(monkeypatch):
+    import threadpoolctl
+
+    cpu = _ops("cpu")
+    p = make_problem(1, 2, 5, 200, 16, 8, "mild").astype(np.float32)
+    base = _fwd_bwd(p)  # loads the kernels and their BLAS first
+    blas_before = [(lib["filepath"], lib["num_threads"]) for lib in threadpoolctl.threadpool_info()]
+    for n in (1, 2, 3, 7):
+        monkeypatch.setattr(cpu, "threads", lambda n=n: n)
+        again = _fwd_bwd(p)
+        for a, b in zip(again, base, strict=True):
+            assert np.array_equal(a, b), f"results differ with {n} threads"
+    assert [(lib["filepath"], lib["num_threads"]) for lib in threadpoolctl.threadpool_info()] == blas_before
+
+
+def test_concurrent_calls_are_safe_and_bitwise_equal_to_serial():
+    problems = [make_problem(s, 1, 4, 150, 16, 8, "mild").astype(np.float32) for s in range(4)]
+    serial = [_fwd_bwd(p) for p in problems]
+    results: dict[int, list] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = _fwd_bwd(problems[i % 4])
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i, got in results.items():
+        for a, b in zip(got, serial[i % 4], strict=True):
+            assert np.array_equal(a, b)
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    environ = {**os.environ, "PYTHONPATH": root, **env}
+    command = [sys.executable, "-c", code]
+    return subprocess.run(command, capture_output=True, text=True, env=environ, timeout=600)
+
+
+def test_import_kda_does_not_import_numba():
+    r = _python("import sys, kda; assert 'numba' not in sys.modules, 'numba imported'; print('ok')")
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+def test_read_only_install_compiles_without_a_cache():
+    """Where numba finds no writable cache directory, the kernels compile per process."""
+    code = """
+import numba.core.dispatcher as d
+def refuse(self):
+    raise RuntimeError("cannot cache function: no locator available")
+d.Dispatcher.enable_caching = refuse
+import numpy as np, kda
+from kda._backends.cpu import _kernels
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal((1, 3, 1, 2)) for _ in range(3))
+g = -rng.uniform(0, 1, (1, 3, 1, 2)); beta = rng.uniform(0, 1, (1, 3, 1))
+a = kda.recurrent_kda(q, k, v, g, beta, backend="cpu").output
+b = kda.recurrent_kda(q, k, v, g, beta, backend="reference").output
+assert not _kernels.CACHING
+assert np.allclose(a, b, rtol=1e-12, atol=1e-12)
+print("ok")
+"""
+    r = _python(code)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
