@@ -181,6 +181,8 @@ def test_keywords_and_errors():
         kj.chunk_kda(*args, allow_neg_eigval=True)
     with pytest.raises(kda.InvalidTypeError, match="q must be a JAX array"):
         kj.chunk_kda([1.0], *args[1:])
+    with pytest.raises(kda.InvalidInputError, match="kda.torch only"):
+        kj.chunk_kda(*args, cp_context=object())
     o, s = kj.chunk_kda(*args, disable_recompute=True, safe_gate=True, lower_bound=-5.0)
     o2, _ = kj.chunk_kda(*args)
     assert s is None
