@@ -179,11 +179,13 @@ def _apply(q, k, v, g, beta, s0, A_log, dt_bias, cu, call: FlaCall):
         try:
             nt = packed_chunks(np.asarray(cu), call.static[2])
         except jax.errors.TracerArrayConversionError:
-            msg = "return_intermediate_states=True with cu_seqlens needs concrete cu_seqlens (not traced by jit)"
+            msg = "return_intermediate_states=True with cu_seqlens needs concrete cu_seqlens (not under jit)"
             raise InvalidInputError(msg) from None
     o, final, saved = _kda(call.static, q, k, v, g, beta, s0, A_log, dt_bias, cu)
     o = o.astype(dtype)
-    final = (jnp.swapaxes(final, -1, -2) if call.state_v_first else final) if call.output_final_state else None
+    final = (
+        (jnp.swapaxes(final, -1, -2) if call.state_v_first else final) if call.output_final_state else None
+    )
     if not call.intermediate_states:
         return o, final
     h = jnp.moveaxis(saved if nt is None else saved[:nt], 0, 1)  # [B, NT, HV, K, V]

@@ -28,7 +28,8 @@ OPTION_SETS: dict[str, dict[str, Any]] = {
     "plain": {},
     "gva_softplus_l2": {"use_gate_in_kernel": True, "use_qk_l2norm_in_kernel": True, "HV": 4},
     "lower_bound_sigmoid": {
-        "use_gate_in_kernel": True, "safe_gate": True, "lower_bound": -5.0, "use_beta_sigmoid_in_kernel": True,
+        "use_gate_in_kernel": True, "safe_gate": True, "lower_bound": -5.0,
+        "use_beta_sigmoid_in_kernel": True,
     },
     "neg_eigval_v_first": {
         "use_beta_sigmoid_in_kernel": True, "allow_neg_eigval": True, "state_v_first": True, "HV": 4,
@@ -100,7 +101,9 @@ def reference(scenario: dict[str, Any], world_size: int) -> dict[str, torch.Tens
     return {"o": o.detach(), "final": final.detach(), **{f"d{n}": t.grad for n, t in leaves.items()}}
 
 
-def run_rank(scenario: dict[str, Any], rank: int, world_size: int, group: Any = None) -> dict[str, torch.Tensor]:
+def run_rank(
+    scenario: dict[str, Any], rank: int, world_size: int, group: Any = None
+) -> dict[str, torch.Tensor]:
     """This rank's context-parallel output, final states and gradients (replicated inputs'
     gradients summed over ranks with an all-reduce)."""
     import torch.distributed as dist
@@ -128,7 +131,9 @@ def run_rank(scenario: dict[str, Any], rank: int, world_size: int, group: Any = 
     return out
 
 
-def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rank: int, world_size: int, tol: float):
+def compare(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rank: int, world_size: int, tol: float
+):
     """``max|got - want| <= tol * max|want|`` for every field (slices of the sequence fields)."""
     T = want["o"].shape[1]
     P = T // world_size
@@ -137,7 +142,9 @@ def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rank: i
         if name in ("o", "dq", "dk", "dv", "dg", "dbeta"):
             w = w[:, rank * P : (rank + 1) * P]
         g = got[name]
-        assert g.shape == w.shape and g.dtype == w.dtype, f"{name}: {g.shape} {g.dtype} != {w.shape} {w.dtype}"
+        assert g.shape == w.shape and g.dtype == w.dtype, (
+            f"{name}: {g.shape} {g.dtype} != {w.shape} {w.dtype}"
+        )
         err = float((g.double() - w.double()).abs().max()) / max(float(w.double().abs().max()), 1e-30)
         errors[name] = err
         assert err <= tol, f"rank {rank}: {name} relative error {err:.2e} > {tol:.0e}"
@@ -219,7 +226,9 @@ def simulate(scenario: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
     del core["cu_seqlens"]
     offsets = x["cu_seqlens"].tolist()
     parts = [cp.partition(offsets, world_size, r) for r in range(world_size)]
-    xs = [tuple(arr[n][:, r * P : (r + 1) * P] for n in ("q", "k", "v", "g", "beta")) for r in range(world_size)]
+    xs = [
+        tuple(arr[n][:, r * P : (r + 1) * P] for n in ("q", "k", "v", "g", "beta")) for r in range(world_size)
+    ]
     dos = [arr["do"][:, r * P : (r + 1) * P] for r in range(world_size)]
     HV = arr["v"].shape[2]
     maps = np.stack([cp.forward_map(p, xr, core, np.float64) for p, xr in zip(parts, xs)])
@@ -230,7 +239,10 @@ def simulate(scenario: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
         starts = cp.start_states(p, maps, s0, (HV, K, V), np.float64, np)
         fwd.append((starts, cp.forward_local(p, xr, starts, core)))
     bmaps = np.stack(
-        [cp.backward_map(p, xr, d, core, np.float64, own_map=maps[p.rank]) for p, xr, d in zip(parts, xs, dos)]
+        [
+            cp.backward_map(p, xr, d, core, np.float64, own_map=maps[p.rank])
+            for p, xr, d in zip(parts, xs, dos)
+        ]
     )
     results = []
     for p, xr, d, (starts, out) in zip(parts, xs, dos, fwd):

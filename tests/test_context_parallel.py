@@ -21,9 +21,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from cp_worker import OPTION_SETS, problem, simulated_errors, worker
 
 import kda
-from cp_worker import OPTION_SETS, problem, simulated_errors, worker
 from kda._entry import cp
 
 TIMEOUT = 240  # seconds for one spawned group (measured: about 20 s for 4 ranks on 2 cores)
@@ -87,7 +87,9 @@ def test_partition_matches_fla_example():
     assert not cp.partition([0, 48, 96], 2, 0).crossing
 
 
-@pytest.mark.parametrize(("offsets", "world_size"), [([0, 10], 3), ([0, 4, 14], 4), ([0, 2], 3), ([0, 5, 3], 1)])
+@pytest.mark.parametrize(
+    ("offsets", "world_size"), [([0, 10], 3), ([0, 4, 14], 4), ([0, 2], 3), ([0, 5, 3], 1)]
+)
 def test_partition_refusals(offsets, world_size):
     with pytest.raises(kda.InvalidInputError, match="cu_seqlens"):
         cp.partition(offsets, world_size, 0)
@@ -109,7 +111,7 @@ def test_build_cp_context_needs_a_process_group():
 
 def _wrong_order_start_states(p, maps, initial_state, shape, dtype, xp):
     """Bug: the earlier ranks' maps folded last-first."""
-    HV, K, V = shape
+    K = shape[1]
     starts = []
     for i, n in enumerate(p.local_seqs):
         s = initial_state[n]
@@ -167,6 +169,12 @@ def test_injected_bugs_are_caught(bug, lengths, world_size, monkeypatch):
 def test_option_sets_cover_the_issue():
     """GVA, both in-kernel gates, both beta activations, q/k L2 norm and state_v_first."""
     keys = set().union(*OPTION_SETS.values())
-    assert {"HV", "use_gate_in_kernel", "lower_bound", "use_beta_sigmoid_in_kernel", "allow_neg_eigval"} <= keys
+    assert {
+        "HV",
+        "use_gate_in_kernel",
+        "lower_bound",
+        "use_beta_sigmoid_in_kernel",
+        "allow_neg_eigval",
+    } <= keys
     assert {"use_qk_l2norm_in_kernel", "state_v_first"} <= keys
     assert np.isfinite(simulated_errors(problem((96,), "plain", torch.float64), 4))
