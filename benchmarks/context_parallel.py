@@ -3,7 +3,8 @@
 One packed sequence ``B = 1, H = 16, T = 16384, K = V = 128``, float32, chunk 64, fla's
 keywords (``kda.torch.chunk_kda``), forward and forward + backward (``o.backward(do)``):
 
-* ``1 process``: the whole sequence in this process (kda runs its head groups on both cores);
+* ``1 process``: the whole sequence in this process (kda runs its head groups on both cores),
+  and the same in a spawned process pinned to one core (one thread: the work of one rank's core);
 * ``2 ranks``: two spawned processes, each pinned to one core (one thread each), each holding
   half the sequence (``build_cp_context``), with ``initial_state`` and ``output_final_state``.
 
@@ -79,7 +80,9 @@ def _rank(rank: int, world_size: int, port: int, T: int, rounds: int, out: str) 
 
     def all_gather(tensors, tensor, group=None, **kw):
         counts["sent"] += tensor.numel() * tensor.element_size()
-        counts["received"] += sum(t.numel() * t.element_size() for t in tensors) - tensor.numel() * tensor.element_size()
+        counts["received"] += (
+            sum(t.numel() * t.element_size() for t in tensors) - tensor.numel() * tensor.element_size()
+        )
         counts["calls"] += 1
         return gather(tensors, tensor, group=group, **kw)
 
@@ -105,10 +108,24 @@ def _rank(rank: int, world_size: int, port: int, T: int, rounds: int, out: str) 
         fwd = _time(lambda: _run(x, sl, False, cp_context=ctx), rounds, sync)
         both = _time(lambda: _run(x, sl, True, cp_context=ctx), rounds, sync)
         if rank == 0:
-            Path(out).write_text(json.dumps({"forward_s": fwd, "forward_backward_s": both, "bytes": per_call}))
+            Path(out).write_text(
+                json.dumps({"forward_s": fwd, "forward_backward_s": both, "bytes": per_call})
+            )
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _pinned(rank: int, T: int, rounds: int, out: str) -> None:
+    """The single-process call on one core (one thread), for the per-core comparison."""
+    os.sched_setaffinity(0, {0})
+    torch.set_num_threads(1)
+    x = _inputs(T)
+    sl = slice(0, T)
+    _run(x, sl, True)
+    fwd = _time(lambda: _run(x, sl, False), rounds)
+    both = _time(lambda: _run(x, sl, True), rounds)
+    Path(out).write_text(json.dumps({"forward_s": fwd, "forward_backward_s": both}))
 
 
 def main() -> None:
@@ -118,6 +135,7 @@ def main() -> None:
     parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "context_parallel.json"))
     args = parser.parse_args()
 
+    load_before = os.getloadavg()
     x = _inputs(args.T)
     sl = slice(0, args.T)
     _run(x, sl, True)  # warm-up
@@ -141,15 +159,23 @@ def main() -> None:
     two = json.loads(tmp.read_text())
     tmp.unlink()
     print("2 ranks:", two, flush=True)
+    mp.start_processes(_pinned, args=(args.T, args.rounds, str(tmp)), nprocs=1, start_method="spawn")
+    one_core = json.loads(tmp.read_text())
+    tmp.unlink()
+    print("1 process, 1 core:", one_core, flush=True)
     maps = H * K * (K + V) * 4
     result = {
         "problem": {"B": 1, "H": H, "T": args.T, "K": K, "V": V, "dtype": "float32", "chunk_size": 64},
         "machine": f"{os.cpu_count()} cores; 1 process uses both, each rank pinned to one",
         "rounds": args.rounds,
+        "load_average_before_after": [load_before, os.getloadavg()],
         "one_process": single,
+        "one_process_one_core": one_core,
         "two_ranks_gloo": two,
         "speedup_forward": single["forward_s"] / two["forward_s"],
         "speedup_forward_backward": single["forward_backward_s"] / two["forward_backward_s"],
+        "speedup_vs_one_core_forward": one_core["forward_s"] / two["forward_s"],
+        "speedup_vs_one_core_forward_backward": one_core["forward_backward_s"] / two["forward_backward_s"],
         "bytes_per_rank_expected": {
             "forward_all_gather_send": maps,
             "backward_all_gather_send": maps,

@@ -648,29 +648,30 @@ def chunk_kda(
 ) -> KdaOutput:
     """:func:`kda.chunk_kda` on Dask arrays, split over batch, heads and time.
 
-        Parameters
-        ----------
-        q, k, v, g, beta : dask.array.Array
-            As for :func:`kda.chunk_kda` (shapes by ``layout``), with blocks of NumPy or CuPy arrays,
-            cut along batch, heads and/or time (never along ``K`` or ``V``: such blocks are joined).
-            Head blocks of ``v, g, beta`` are moved to multiples of ``HV // H`` so that each holds
-            whole groups of value heads; ``q, k`` follow them. Time blocks are moved to multiples of
-            ``chunk_size`` (each boundary to the nearest; blocks shorter than half a chunk merge).
-        initial_state : array, shape ``[B, HV, K, V]``, optional
-            Dask, NumPy or CuPy; zeros when None.
-        scale, chunk_size, save_boundaries, backend
-            As for :func:`kda.chunk_kda`; ``backend`` is applied to every block.
-    {options}
-            ``cu_seqlens`` must be None here (:class:`~kda.InvalidInputError`): the state crossing a
-            time block belongs to one sequence per batch row. Give sequences as batch rows.
+    Parameters
+    ----------
+    q, k, v, g, beta : dask.array.Array
+        As for :func:`kda.chunk_kda` (shapes by ``layout``), with blocks of NumPy or CuPy arrays,
+        cut along batch, heads and/or time (never along ``K`` or ``V``: such blocks are joined).
+        Head blocks of ``v, g, beta`` are moved to multiples of ``HV // H`` so that each holds
+        whole groups of value heads; ``q, k`` follow them. Time blocks are moved to multiples of
+        ``chunk_size`` (each boundary to the nearest; blocks shorter than half a chunk merge).
+    initial_state : array, shape ``[B, HV, K, V]``, optional
+        Dask, NumPy or CuPy; zeros when None.
+    scale, chunk_size, save_boundaries, backend
+        As for :func:`kda.chunk_kda`; ``backend`` is applied to every block.
+{options}
+        ``cu_seqlens`` (packed sequences, ``B == 1``; host offsets) may cross time blocks: only
+        the sequence crossing a block boundary carries a state across it. With it,
+        ``save_boundaries`` must be False (:class:`~kda.InvalidInputError`).
 
-        Returns
-        -------
-        KdaOutput
-            Dask arrays: ``output`` (chunked like ``v``), ``final_state [B, HV, K, V]`` and
-            ``boundaries [NT, B, HV, K, V]`` (blocks along ``NT`` one per time shard) or None.
-            Values are those of the single-process :func:`kda.chunk_kda` up to rounding. Bad values
-            (positive ``g``, non-finite inputs, wrong dtypes) raise when computed.
+    Returns
+    -------
+    KdaOutput
+        Dask arrays: ``output`` (chunked like ``v``), ``final_state [B, HV, K, V]`` and
+        ``boundaries [NT, B, HV, K, V]`` (blocks along ``NT`` one per time shard) or None.
+        Values are those of the single-process :func:`kda.chunk_kda` up to rounding. Bad values
+        (positive ``g``, non-finite inputs, wrong dtypes) raise when computed.
     """
     plan = _plan(q, k, v, g, beta, opts.layout, chunk_size, opts.cu_seqlens)
     options = _block_options(scale, plan.chunk_size, backend, opts)
@@ -723,27 +724,27 @@ def chunk_kda_backward(
 ) -> KdaGradients:
     """:func:`kda.chunk_kda_backward` on Dask arrays, split over batch, heads and time.
 
-        Parameters
-        ----------
-        q, k, v, g, beta : dask.array.Array
-            As for :func:`chunk_kda`.
-        boundaries : array, shape ``[NT, B, HV, K, V]``, or None
-            From ``kda.dask.chunk_kda(..., save_boundaries=True)`` with the same ``chunk_size`` (any
-            blocks); they give every time shard its start state. None recomputes the start states
-            (each shard's map and the scan, as in the forward).
-        grad_output : dask.array.Array
-            Gradient of ``output``, shaped like ``v``.
-        grad_final_state : array, shape ``[B, HV, K, V]``, optional
-            Dask, NumPy or CuPy; zeros when None.
-        initial_state, scale, chunk_size, backend
-            As for :func:`chunk_kda`.
-    {options}
+    Parameters
+    ----------
+    q, k, v, g, beta : dask.array.Array
+        As for :func:`chunk_kda`.
+    boundaries : array, shape ``[NT, B, HV, K, V]``, or None
+        From ``kda.dask.chunk_kda(..., save_boundaries=True)`` with the same ``chunk_size`` (any
+        blocks); they give every time shard its start state. None recomputes the start states
+        (each shard's map and the scan, as in the forward).
+    grad_output : dask.array.Array
+        Gradient of ``output``, shaped like ``v``.
+    grad_final_state : array, shape ``[B, HV, K, V]``, optional
+        Dask, NumPy or CuPy; zeros when None.
+    initial_state, scale, chunk_size, backend
+        As for :func:`chunk_kda`.
+{options}
 
-        Returns
-        -------
-        KdaGradients
-            Dask arrays, each gradient chunked like its input (``initial_state``: like batch and value
-            heads; ``A_log``, ``dt_bias``: summed over batch and time blocks, None when not given).
+    Returns
+    -------
+    KdaGradients
+        Dask arrays, each gradient chunked like its input (``initial_state``: like batch and value
+        heads; ``A_log``, ``dt_bias``: summed over batch and time blocks, None when not given).
     """
     plan = _plan(q, k, v, g, beta, opts.layout, chunk_size, opts.cu_seqlens)
     options = _block_options(scale, plan.chunk_size, backend, opts)
