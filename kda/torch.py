@@ -15,6 +15,12 @@ CPU tensors reach kda's NumPy path as NumPy views (no copy); CUDA tensors reach 
 backend as CuPy arrays through DLPack (no copy), on PyTorch's current stream. float16 and
 bfloat16 compute in float32 and return their own dtype. The keywords are fla 0.6's; see
 :data:`kda._entry.fla.KEYWORD_TABLE` for what each does here. Unknown keywords raise ``TypeError``.
+
+``return_intermediate_states=True`` also returns the chunk-start states ``h`` (the saved
+boundaries, differentiable: :mod:`kda._entry.states`). Context parallelism: :func:`build_cp_context`
+and ``chunk_kda(..., cp_context=ctx)`` run one packed sequence batch split over the ranks of a
+``torch.distributed`` group (an autograd function around :mod:`kda._entry.cp`; gloo on CPU tensors
+is tested, nccl on CUDA tensors is written but has not run; ``docs/context_parallel.md``).
 """
 
 from __future__ import annotations

@@ -178,3 +178,15 @@ def test_option_sets_cover_the_issue():
     } <= keys
     assert {"use_qk_l2norm_in_kernel", "state_v_first"} <= keys
     assert np.isfinite(simulated_errors(problem((96,), "plain", torch.float64), 4))
+
+
+def test_diverged_carried_state_is_named():
+    """A non-finite state carried from earlier ranks is reported as such, not as a bad
+    initial_state the user never passed."""
+    scenario = problem((96,), "plain", torch.float64)
+    x = scenario["x"]
+    p = cp.partition([0, 96], 2, 1)
+    xr = tuple(x[n][:, 48:].numpy() for n in ("q", "k", "v", "g", "beta"))
+    starts = np.full((1, 2, 8, 4), np.nan)
+    with pytest.raises(kda.InvalidInputError, match="rank 1: the state carried"):
+        cp.forward_local(p, xr, starts, {"layout": "time_major", "chunk_size": 16})

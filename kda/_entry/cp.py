@@ -205,7 +205,22 @@ def start_states(
 
 def forward_local(p: Partition, x: tuple[Any, ...], starts: Any, opts: dict[str, Any]) -> KdaOutput:
     """Step 3 of the forward: :func:`kda.chunk_kda` over the local slice from ``starts``
-    (boundaries saved for :func:`backward_local`)."""
+    (boundaries saved for :func:`backward_local`).
+
+    Raises
+    ------
+    InvalidInputError
+        When a start state carried from the earlier ranks is not finite (the recurrence diverged
+        there: unnormalised keys with large ``beta``, for example).
+    """
+    xp = _xp(starts)
+    if not bool(xp.all(xp.isfinite(starts))):
+        msg = (
+            f"rank {p.rank}: the state carried into its first sequence from the earlier ranks is not "
+            "finite: the recurrence diverged there (unnormalised keys with beta * |k|^2 > 2, for "
+            "example; use_qk_l2norm_in_kernel=True normalises them)"
+        )
+        raise InvalidInputError(msg)
     return chunk_kda(*x, initial_state=starts, save_boundaries=True, cu_seqlens=p.local_offsets, **opts)
 
 
