@@ -44,7 +44,7 @@ from ._entry.api import chunk_kda as _chunk_kda
 from ._entry.api import chunk_kda_backward as _chunk_kda_backward
 from ._entry.transition import chunk_kda_transition, chunk_kda_transition_backward
 from ._errors import InvalidInputError, InvalidTypeError
-from ._options.table import LAYOUTS, Array, Choices, takes_options
+from ._options.table import LAYOUTS, Choices, takes_options
 from ._options.validation import check_choice, check_chunk_size
 
 __all__ = ["chunk_kda", "chunk_kda_backward"]
@@ -71,6 +71,12 @@ class _Plan:
     heads: tuple[int, ...]  # along value heads (multiples of HV // H)
     times: tuple[int, ...]  # along time (multiples of chunk_size but the last)
     meta: Any  # an empty array of the blocks' type
+    offsets: tuple[int, ...] | None = None  # host cu_seqlens (packed sequences, B == 1)
+
+    @property
+    def state_rows(self) -> tuple[int, ...]:
+        """Block sizes of a state's first axis: batch blocks, or all ``N`` packed sequences."""
+        return self.batch if self.offsets is None else (len(self.offsets) - 1,)
 
     @property
     def group(self) -> int:
@@ -98,7 +104,7 @@ class _Plan:
         return tuple(-(-t // self.chunk_size) for t in self.times)
 
     def state_chunks(self, width: int) -> tuple[tuple[int, ...], ...]:
-        return (self.batch, self.heads, (self.K,), (width,))
+        return (self.state_rows, self.heads, (self.K,), (width,))
 
 
 def _cuts(chunks: tuple[int, ...]) -> list[int]:
@@ -128,14 +134,6 @@ def _plan(q, k, v, g, beta, layout: str, chunk_size: int, cu_seqlens: Any) -> _P
     """Check what the blocks need to fit together; the blocks' own calls check the rest."""
     layout = check_choice("layout", layout, LAYOUTS)
     chunk_size = check_chunk_size(chunk_size)
-    if cu_seqlens is not None:
-        msg = (
-            "cu_seqlens must be None in kda.dask: a time shard carries one state per batch row across "
-            "its boundary, and packed sequences would need the scan to restart inside shards; give the "
-            "sequences as batch rows (padded at their ends with g = 0 and beta = 0, which leaves states "
-            "and outputs unchanged), or call kda.chunk_kda on each block of whole sequences"
-        )
-        raise InvalidInputError(msg)
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
         _check_dask(name, x, 4)
     _check_dask("beta", beta, 3)
@@ -156,7 +154,30 @@ def _plan(q, k, v, g, beta, layout: str, chunk_size: int, cu_seqlens: Any) -> _P
     heads = _moved(v.chunks[h_axis], HV // H if H else 1, HV)
     meta = da.utils.meta_from_array(q._meta, ndim=0)
     times = _moved(q.chunks[t_axis], chunk_size, T)
-    return _Plan(layout, chunk_size, B, H, HV, T, K, V, np.dtype(q.dtype), q.chunks[0], heads, times, meta)
+    offsets = _packed_offsets(cu_seqlens, B, T)
+    return _Plan(
+        layout, chunk_size, B, H, HV, T, K, V, np.dtype(q.dtype), q.chunks[0], heads, times, meta, offsets
+    )
+
+
+def _packed_offsets(cu_seqlens: Any, B: int, T: int) -> tuple[int, ...] | None:
+    """Host ``cu_seqlens`` (NumPy, CuPy, a sequence, or a Dask array: computed), checked."""
+    if cu_seqlens is None:
+        return None
+    if isinstance(cu_seqlens, da.Array):
+        cu_seqlens = cu_seqlens.compute()
+    host = np.asarray(cu_seqlens.get() if hasattr(cu_seqlens, "get") else cu_seqlens)
+    if host.ndim != 1 or host.shape[0] < 2 or not np.issubdtype(host.dtype, np.integer):
+        msg = f"cu_seqlens must be a 1-D integer array of N + 1 >= 2 offsets; got {host.dtype} {host.shape}"
+        raise InvalidTypeError(msg)
+    offsets = tuple(int(n) for n in host)
+    if B != 1 or offsets[0] != 0 or offsets[-1] != T or any(b < a for a, b in itertools.pairwise(offsets)):
+        msg = (
+            f"cu_seqlens must be non-decreasing offsets from 0 to T = {T} with B == 1 (got B = {B}); "
+            f"got {offsets}"
+        )
+        raise InvalidInputError(msg)
+    return offsets
 
 
 # ----------------------------------------------------------------------------------------------
@@ -283,7 +304,8 @@ def _states(graph: _Graph, x: Any, name: str) -> dict[tuple[int, int], Any]:
     """The keys of a ``[B, HV, K, V]`` state's blocks (None: zeros) per (batch, head) block."""
     plan = graph.plan
     if x is not None:
-        x = _checked(name, x, (plan.B, plan.HV, plan.K, plan.V), "B, HV, K, V")
+        rows, letter = (plan.B, "B") if plan.offsets is None else (len(plan.offsets) - 1, "N")
+        x = _checked(name, x, (rows, plan.HV, plan.K, plan.V), f"{letter}, HV, K, V")
         x = graph.add(x, plan.state_chunks(plan.V))
     return {(ib, ih): graph.key(x, ib, ih, 0, 0) for ib, ih in plan.rows()}
 
@@ -385,6 +407,220 @@ def _backward_scan(x: _Inputs, ib: int, ih: int, dend: Any, maps: list, do: Any,
 
 
 # ----------------------------------------------------------------------------------------------
+# Packed sequences (cu_seqlens, B == 1): a time shard holds pieces of several sequences; only the
+# sequence crossing a shard boundary carries a state (gradient) across it, exactly as in context
+# parallelism (kda/_entry/cp.py, docs/context_parallel.md)
+
+
+@dataclass(frozen=True)
+class _Shard:
+    """One time block of a packed batch: steps ``lo:hi``, the sequences with steps in it."""
+
+    lo: int
+    hi: int
+    seqs: tuple[int, ...]  # global sequence indices, in order
+    local: tuple[int, ...]  # local cu_seqlens
+    enters: bool  # the first sequence started in an earlier shard
+    leaves: bool  # the last sequence continues in a later shard
+
+    @property
+    def through(self) -> bool:
+        """One sequence enters and leaves: the carried state passes through the whole shard."""
+        return self.enters and self.leaves and len(self.seqs) == 1
+
+
+def _shards(offsets: tuple[int, ...], times: tuple[int, ...]) -> list[_Shard]:
+    shards, lo = [], 0
+    for t in times:
+        hi = lo + t
+        seqs = tuple(n for n, (a, b) in enumerate(itertools.pairwise(offsets)) if b > a and a < hi and b > lo)
+        local = (0, *(min(offsets[n + 1], hi) - lo for n in seqs))
+        enters = bool(seqs) and offsets[seqs[0]] < lo
+        leaves = bool(seqs) and offsets[seqs[-1] + 1] > hi
+        shards.append(_Shard(lo, hi, seqs, local, enters, leaves))
+        lo = hi
+    return shards
+
+
+def _time_slice(x: Any, a: int, b: int, layout: str) -> Any:
+    return x[:, :, a:b, ...] if layout == "head_first" else x[:, a:b, ...]
+
+
+def _packed_transition(q, k, v, g, beta, A_log, dt_bias, *, a: int, b: int, options: dict) -> tuple:
+    """``(A, N)``, ``[HV, K, K]`` and ``[HV, K, V]``, of the steps ``a:b`` of a shard."""
+    x = [_time_slice(t, a, b, options["layout"]) for t in (q, k, v, g, beta)]
+    t = chunk_kda_transition(*x, A_log=A_log, dt_bias=dt_bias, **options)
+    return t.A[0], t.N[0]
+
+
+def _packed_state_gradient(q, k, v, g, beta, A_log, dt_bias, do, *, a: int, b: int, options: dict) -> tuple:
+    """``(A, D)`` of the steps ``a:b`` of a shard (``dS_start = A^T dS_end + D``)."""
+    x = [_time_slice(t, a, b, options["layout"]) for t in (q, k, v, g, beta, do)]
+    A = chunk_kda_transition(*x[:5], A_log=A_log, dt_bias=dt_bias, **options).A[0]
+    D = chunk_kda_transition_backward(*x, A_log=A_log, dt_bias=dt_bias, **options)[0]
+    return A, D
+
+
+def _packed_carry(transition: tuple, carried: Any, states: Any, *, n: int, through: bool) -> Any:
+    """The state leaving a shard in sequence ``n``: ``A S + N`` from the carried state (the
+    sequence passes through the shard) or from ``n``'s initial state (it starts there)."""
+    start = carried if through else (None if states is None else states[n])
+    return _advance(transition, start)
+
+
+def _packed_dcarry(transition: tuple, carried: Any, dstates: Any, *, n: int, through: bool) -> Any:
+    """The end-state gradient of the sequence entering a shard: ``A^T dE + D`` from the gradient
+    carried from the next shard (through) or from ``n``'s final-state gradient (it ends there)."""
+    end = carried if through else (None if dstates is None else dstates[n])
+    return _retreat(transition, transition[1], end)
+
+
+def _local_states(shard: _Shard, carried: Any, states: Any, first: bool, like: Any, shape: tuple) -> Any:
+    """``[N_local, HV, K, *]``: the carried state for the entering (``first``) or leaving sequence,
+    the given states (zeros when None) for the others."""
+    xp = array_api_compat.array_namespace(like)
+    edge = 0 if first else len(shard.seqs) - 1
+    out = []
+    for i, n in enumerate(shard.seqs):
+        s = (
+            carried
+            if (i == edge and (shard.enters if first else shard.leaves))
+            else (None if states is None else states[n])
+        )
+        out.append(xp.zeros(shape, dtype=like.dtype) if s is None else s)
+    return xp.stack(out)
+
+
+def _packed_forward_block(q, k, v, g, beta, A_log, dt_bias, states, carried, *, shard: _Shard, options: dict):
+    shape = (v.shape[1] if options["layout"] == "head_first" else v.shape[2], q.shape[3], v.shape[3])
+    like = array_api_compat.array_namespace(v).zeros(
+        (), dtype=np.float64 if v.dtype == np.float64 else np.float32
+    )
+    starts = _local_states(shard, carried, states, True, like, shape)
+    out = _chunk_kda(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        initial_state=starts,
+        cu_seqlens=shard.local,
+        **options,
+    )
+    return out.output, out.final_state
+
+
+def _packed_backward_block(
+    q, k, v, g, beta, A_log, dt_bias, states, carried, do, dstates, dcarried, *, shard: _Shard, options: dict
+):
+    shape = (v.shape[1] if options["layout"] == "head_first" else v.shape[2], q.shape[3], v.shape[3])
+    xp = array_api_compat.array_namespace(v)
+    like = xp.zeros((), dtype=np.float64 if v.dtype == np.float64 else np.float32)
+    starts = _local_states(shard, carried, states, True, like, shape)
+    ends = _local_states(shard, dcarried, dstates, False, like, shape)
+    grads = _chunk_kda_backward(
+        q, k, v, g, beta, None, do, ends, A_log=A_log, dt_bias=dt_bias, initial_state=starts,
+        cu_seqlens=shard.local, **options,
+    )  # fmt: skip
+    return tuple(grads)
+
+
+def _packed_collect(states: Any, *results: Any, shards: tuple, N: int, field: int, first: bool, like: tuple):
+    """``[N, HV, K, V]`` from the shards' local results (final states: where each sequence ends;
+    initial-state gradients: where it starts); empty sequences get ``states`` (zeros when None)."""
+    xp = array_api_compat.array_namespace(results[0][field])
+    out = xp.zeros((N, *results[0][field].shape[1:]), dtype=results[0][field].dtype)
+    if states is not None:
+        for n in range(N):
+            out[n, ...] = states[n]
+    for shard, result in zip(shards, results):
+        for i, n in enumerate(shard.seqs):
+            crossing = (i == 0 and shard.enters) if first else (i == len(shard.seqs) - 1 and shard.leaves)
+            if not crossing:
+                out[n, ...] = result[field][i]
+    return out
+
+
+def _packed_forward_scan(x: _Inputs, ih: int, shards: list, states: Any, options: dict) -> list:
+    """The state carried into every shard (None where no sequence enters it)."""
+    g, carried = x.graph, [None]
+    for it, shard in enumerate(shards[:-1]):
+        if not shard.leaves:
+            carried.append(None)
+            continue
+        a = shard.local[-2]
+        tmap = g.task(
+            "pmap", (0, ih, it), partial(_packed_transition, a=a, b=shard.local[-1], options=options),
+            *x.args(0, ih, it),
+        )  # fmt: skip
+        step = partial(_packed_carry, n=shard.seqs[-1], through=shard.through)
+        carried.append(g.task("pcarry", (0, ih, it + 1), step, tmap, carried[-1], states))
+    return carried
+
+
+def _packed_backward_scan(x: _Inputs, ih: int, shards: list, dstates: Any, do: Any, options: dict) -> list:
+    """The end-state gradient carried out of every shard (None where no sequence leaves it)."""
+    g, plan = x.graph, x.graph.plan
+    dcarried = [None] * len(shards)
+    for it in range(len(shards) - 1, 0, -1):
+        shard = shards[it]
+        if not shard.enters:
+            continue
+        do_key = g.key(do, *_sequence_index(plan, 0, ih, it, 4))
+        tmap = g.task(
+            "pdmap", (0, ih, it), partial(_packed_state_gradient, a=0, b=shard.local[1], options=options),
+            *x.args(0, ih, it), do_key,
+        )  # fmt: skip
+        step = partial(_packed_dcarry, n=shard.seqs[0], through=shard.through)
+        dcarried[it - 1] = g.task("pdcarry", (0, ih, it - 1), step, tmap, dcarried[it], dstates)
+    return dcarried
+
+
+def _packed_forward(graph: _Graph, x: _Inputs, initial: dict, options: dict, v: Any) -> KdaOutput:
+    plan = graph.plan
+    shards = _shards(plan.offsets, plan.times)
+    outputs, finals = {}, {}
+    for ib, ih in plan.rows():
+        carried = _packed_forward_scan(x, ih, shards, initial[ib, ih], options)
+        results = []
+        for it, shard in enumerate(shards):
+            block = partial(_packed_forward_block, shard=shard, options=options)
+            results.append(
+                graph.task("pforward", (ib, ih, it), block, *x.args(ib, ih, it), initial[ib, ih], carried[it])
+            )
+            outputs[ib, ih, it] = (results[-1], 0)
+        collect = partial(
+            _packed_collect, shards=tuple(shards), N=len(plan.offsets) - 1, field=1, first=False, like=()
+        )
+        finals[ib, ih] = (graph.task("pfinal", (ib, ih), collect, initial[ib, ih], *results), None)
+    output = graph.sequence_array("output", outputs, plan.heads, plan.V, v)
+    return KdaOutput(output, graph.state_array("final-state", finals), None)
+
+
+def _packed_backward(graph: _Graph, x: _Inputs, initial: dict, dfinal: dict, do: Any, options: dict, inputs):
+    plan = graph.plan
+    shards = _shards(plan.offsets, plan.times)
+    results, dinit = {}, {}
+    for ib, ih in plan.rows():
+        carried = _packed_forward_scan(x, ih, shards, initial[ib, ih], options)
+        dcarried = _packed_backward_scan(x, ih, shards, dfinal[ib, ih], do, options)
+        row = []
+        for it, shard in enumerate(shards):
+            do_key = graph.key(do, *_sequence_index(plan, ib, ih, it, 4))
+            block = partial(_packed_backward_block, shard=shard, options=options)
+            args = (*x.args(ib, ih, it), initial[ib, ih], carried[it], do_key, dfinal[ib, ih], dcarried[it])
+            results[ib, ih, it] = graph.task("pbackward", (ib, ih, it), block, *args)
+            row.append(results[ib, ih, it])
+        collect = partial(
+            _packed_collect, shards=tuple(shards), N=len(plan.offsets) - 1, field=5, first=True, like=()
+        )
+        dinit[ib, ih] = graph.task("pdinit", (ib, ih), collect, dfinal[ib, ih], *row)
+    return _gradients(graph, results, inputs, x.A_log, x.dt_bias, dinit)
+
+
+# ----------------------------------------------------------------------------------------------
 # The public functions
 
 
@@ -397,35 +633,45 @@ def _block_options(scale, chunk_size: int, backend, opts: Choices) -> dict[str, 
 
 @takes_options()
 def chunk_kda(
-    q: Array, k: Array, v: Array, g: Array, beta: Array, *, initial_state: Array | None = None,
-    scale: float | None = None, chunk_size: int = 64, save_boundaries: bool = False,
-    backend: str | None = None, opts: Choices,
-) -> KdaOutput:  # fmt: skip
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    *,
+    initial_state: Any = None,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    save_boundaries: bool = False,
+    backend: str | None = None,
+    opts: Choices,
+) -> KdaOutput:
     """:func:`kda.chunk_kda` on Dask arrays, split over batch, heads and time.
 
-        Parameters
-        ----------
-        q, k, v, g, beta : dask.array.Array
-            As for :func:`kda.chunk_kda` (shapes by ``layout``), with blocks of NumPy or CuPy arrays,
-            cut along batch, heads and/or time (never along ``K`` or ``V``: such blocks are joined).
-            Head blocks of ``v, g, beta`` are moved to multiples of ``HV // H`` so that each holds
-            whole groups of value heads; ``q, k`` follow them. Time blocks are moved to multiples of
-            ``chunk_size`` (each boundary to the nearest; blocks shorter than half a chunk merge).
-        initial_state : array, shape ``[B, HV, K, V]``, optional
-            Dask, NumPy or CuPy; zeros when None.
-        scale, chunk_size, save_boundaries, backend
-            As for :func:`kda.chunk_kda`; ``backend`` is applied to every block.
-    {options}
-            ``cu_seqlens`` must be None here (:class:`~kda.InvalidInputError`): the state crossing a
-            time block belongs to one sequence per batch row. Give sequences as batch rows.
+    Parameters
+    ----------
+    q, k, v, g, beta : dask.array.Array
+        As for :func:`kda.chunk_kda` (shapes by ``layout``), with blocks of NumPy or CuPy arrays,
+        cut along batch, heads and/or time (never along ``K`` or ``V``: such blocks are joined).
+        Head blocks of ``v, g, beta`` are moved to multiples of ``HV // H`` so that each holds
+        whole groups of value heads; ``q, k`` follow them. Time blocks are moved to multiples of
+        ``chunk_size`` (each boundary to the nearest; blocks shorter than half a chunk merge).
+    initial_state : array, shape ``[B, HV, K, V]``, optional
+        Dask, NumPy or CuPy; zeros when None.
+    scale, chunk_size, save_boundaries, backend
+        As for :func:`kda.chunk_kda`; ``backend`` is applied to every block.
+{options}
+        ``cu_seqlens`` (packed sequences, ``B == 1``; host offsets) may cross time blocks: only
+        the sequence crossing a block boundary carries a state across it. With it,
+        ``save_boundaries`` must be False (:class:`~kda.InvalidInputError`).
 
-        Returns
-        -------
-        KdaOutput
-            Dask arrays: ``output`` (chunked like ``v``), ``final_state [B, HV, K, V]`` and
-            ``boundaries [NT, B, HV, K, V]`` (blocks along ``NT`` one per time shard) or None.
-            Values are those of the single-process :func:`kda.chunk_kda` up to rounding. Bad values
-            (positive ``g``, non-finite inputs, wrong dtypes) raise when computed.
+    Returns
+    -------
+    KdaOutput
+        Dask arrays: ``output`` (chunked like ``v``), ``final_state [B, HV, K, V]`` and
+        ``boundaries [NT, B, HV, K, V]`` (blocks along ``NT`` one per time shard) or None.
+        Values are those of the single-process :func:`kda.chunk_kda` up to rounding. Bad values
+        (positive ``g``, non-finite inputs, wrong dtypes) raise when computed.
     """
     plan = _plan(q, k, v, g, beta, opts.layout, chunk_size, opts.cu_seqlens)
     options = _block_options(scale, plan.chunk_size, backend, opts)
@@ -434,7 +680,15 @@ def chunk_kda(
     x = _inputs(graph, q, k, v, g, beta, A_log, dt_bias)
     initial = _states(graph, initial_state, "initial_state")
     save = bool(save_boundaries)
-    graph.name("forward", options, save)
+    graph.name("forward", options, save, plan.offsets)
+    if plan.offsets is not None:
+        if save:
+            msg = (
+                "save_boundaries must be False with cu_seqlens in kda.dask (each shard chunks its own "
+                "pieces of the sequences); the backward recomputes the shard start states"
+            )
+            raise InvalidInputError(msg)
+        return _packed_forward(graph, x, initial, options, v)
     shard = partial(_forward_block, options=options, save=save)
     outputs, finals, boundaries = {}, {}, {}
     for ib, ih in plan.rows():
@@ -453,33 +707,44 @@ def chunk_kda(
 
 @takes_options()
 def chunk_kda_backward(
-    q: Array, k: Array, v: Array, g: Array, beta: Array, boundaries: Array, grad_output: Array,
-    grad_final_state: Array | None = None, *, initial_state: Array | None = None,
-    scale: float | None = None, chunk_size: int = 64, backend: str | None = None, opts: Choices,
-) -> KdaGradients:  # fmt: skip
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    boundaries: Any,
+    grad_output: Any,
+    grad_final_state: Any = None,
+    *,
+    initial_state: Any = None,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    backend: str | None = None,
+    opts: Choices,
+) -> KdaGradients:
     """:func:`kda.chunk_kda_backward` on Dask arrays, split over batch, heads and time.
 
-        Parameters
-        ----------
-        q, k, v, g, beta : dask.array.Array
-            As for :func:`chunk_kda`.
-        boundaries : array, shape ``[NT, B, HV, K, V]``, or None
-            From ``kda.dask.chunk_kda(..., save_boundaries=True)`` with the same ``chunk_size`` (any
-            blocks); they give every time shard its start state. None recomputes the start states
-            (each shard's map and the scan, as in the forward).
-        grad_output : dask.array.Array
-            Gradient of ``output``, shaped like ``v``.
-        grad_final_state : array, shape ``[B, HV, K, V]``, optional
-            Dask, NumPy or CuPy; zeros when None.
-        initial_state, scale, chunk_size, backend
-            As for :func:`chunk_kda`.
-    {options}
+    Parameters
+    ----------
+    q, k, v, g, beta : dask.array.Array
+        As for :func:`chunk_kda`.
+    boundaries : array, shape ``[NT, B, HV, K, V]``, or None
+        From ``kda.dask.chunk_kda(..., save_boundaries=True)`` with the same ``chunk_size`` (any
+        blocks); they give every time shard its start state. None recomputes the start states
+        (each shard's map and the scan, as in the forward).
+    grad_output : dask.array.Array
+        Gradient of ``output``, shaped like ``v``.
+    grad_final_state : array, shape ``[B, HV, K, V]``, optional
+        Dask, NumPy or CuPy; zeros when None.
+    initial_state, scale, chunk_size, backend
+        As for :func:`chunk_kda`.
+{options}
 
-        Returns
-        -------
-        KdaGradients
-            Dask arrays, each gradient chunked like its input (``initial_state``: like batch and value
-            heads; ``A_log``, ``dt_bias``: summed over batch and time blocks, None when not given).
+    Returns
+    -------
+    KdaGradients
+        Dask arrays, each gradient chunked like its input (``initial_state``: like batch and value
+        heads; ``A_log``, ``dt_bias``: summed over batch and time blocks, None when not given).
     """
     plan = _plan(q, k, v, g, beta, opts.layout, chunk_size, opts.cu_seqlens)
     options = _block_options(scale, plan.chunk_size, backend, opts)
@@ -489,8 +754,13 @@ def chunk_kda_backward(
     do = graph.add(_as_dask("grad_output", grad_output), plan.sequence_chunks(plan.heads, plan.V))
     initial = _states(graph, initial_state, "initial_state")
     dfinal = _states(graph, grad_final_state, "grad_final_state")
+    if plan.offsets is not None and boundaries is not None:
+        msg = "boundaries must be None with cu_seqlens in kda.dask (the shard start states are recomputed)"
+        raise InvalidInputError(msg)
     saved = _saved_boundaries(graph, boundaries)
-    graph.name("backward", options)
+    graph.name("backward", options, plan.offsets)
+    if plan.offsets is not None:
+        return _packed_backward(graph, x, initial, dfinal, do, options, (q, k, v, g, beta))
     shard = partial(_backward_block, options=options)
     results = {}
     for ib, ih in plan.rows():
@@ -506,7 +776,9 @@ def chunk_kda_backward(
     return _gradients(graph, results, (q, k, v, g, beta), A_log, dt_bias)
 
 
-def _gradients(graph: _Graph, results: dict, inputs: tuple, A_log: Any, dt_bias: Any) -> KdaGradients:
+def _gradients(
+    graph: _Graph, results: dict, inputs: tuple, A_log: Any, dt_bias: Any, dinit: dict | None = None
+) -> KdaGradients:
     """The gradients as Dask arrays (per-head parameters summed over batch and time blocks)."""
     plan = graph.plan
     qk_heads = tuple(h // plan.group for h in plan.heads)
@@ -521,9 +793,11 @@ def _gradients(graph: _Graph, results: dict, inputs: tuple, A_log: Any, dt_bias:
     for n, (name, like, (heads, width)) in enumerate(zip(("q", "k", "v", "g", "beta"), inputs, cuts)):
         parts = {index: (key, n) for index, key in results.items()}
         grads.append(graph.sequence_array(f"d{name}", parts, heads, width, like))
-    dstate = graph.state_array(
-        "dinitial-state", {(ib, ih): (results[ib, ih, 0], 5) for ib, ih in plan.rows()}
-    )
+    if dinit is None:
+        dinit = {(ib, ih): (results[ib, ih, 0], 5) for ib, ih in plan.rows()}
+    else:
+        dinit = {index: (key, None) for index, key in dinit.items()}
+    dstate = graph.state_array("dinitial-state", dinit)
     params = []
     for field, param, tail in ((6, A_log, ()), (7, dt_bias, (plan.K,))):
         if param is None:

@@ -34,11 +34,13 @@ from ._entry.fla import (
     RECURRENT_DOC,
     FlaCall,
     boundary_bound,
+    check_gate_sizes,
     core_options,
     fla_function,
     packed_chunks,
     translate,
 )
+from ._entry.states import backward_with_state_gradients
 from ._errors import InvalidInputError, InvalidTypeError
 
 __all__ = ["chunk_kda", "fused_recurrent_kda"]
@@ -80,7 +82,7 @@ def _host_forward(static: tuple[Any, ...], nt: int, q, k, v, g, beta, s0, A_log,
 
 
 def _host_backward(static: tuple[Any, ...], present: tuple[bool, ...], *arrays):
-    q, k, v, g, beta, s0, A_log, dt_bias, cu, saved, do, dfinal = (
+    q, k, v, g, beta, s0, A_log, dt_bias, cu, saved, do, dfinal, dsaved = (
         None if a is None else np.asarray(a) for a in arrays
     )
     method, chunk_size = static[0], static[2]
@@ -88,7 +90,15 @@ def _host_backward(static: tuple[Any, ...], present: tuple[bool, ...], *arrays):
     params = dict(initial_state=s0, A_log=A_log, dt_bias=dt_bias)
     if method == "chunk":
         nt = saved.shape[0] if cu is None else packed_chunks(cu, chunk_size)
-        grads = _api.chunk_kda_backward(q, k, v, g, beta, saved[:nt], do, dfinal, **params, **opts)
+        if dsaved is not None and np.any(dsaved[:nt]):  # the chunk-start states reached the loss
+            offsets = opts.pop("cu_seqlens")
+            offsets = None if offsets is None else tuple(int(n) for n in offsets)
+            grads = backward_with_state_gradients(
+                (q, k, v, g, beta), saved[:nt], do, dfinal, dsaved[:nt], s0, offsets,
+                {**opts, "A_log": A_log, "dt_bias": dt_bias},
+            )  # fmt: skip
+        else:
+            grads = _api.chunk_kda_backward(q, k, v, g, beta, saved[:nt], do, dfinal, **params, **opts)
     else:
         grads = _api.recurrent_kda_backward(q, k, v, g, beta, do, dfinal, **params, **opts)
     return tuple(np.asarray(gr) for gr, p in zip(grads, present) if p)
@@ -112,21 +122,24 @@ def _forward(static: tuple[Any, ...], q, k, v, g, beta, s0, A_log, dt_bias, cu):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _kda(static: tuple[Any, ...], q, k, v, g, beta, s0, A_log, dt_bias, cu):
-    return _forward(static, q, k, v, g, beta, s0, A_log, dt_bias, cu)[:2]
+    """``(o, final_state, boundaries)``; the boundaries (chunk-start states) are differentiable."""
+    return _forward(static, q, k, v, g, beta, s0, A_log, dt_bias, cu)
 
 
 def _kda_fwd(static: tuple[Any, ...], *args):
     o, final, saved = _forward(static, *args)
-    return (o, final), (*args, saved)
+    return (o, final, saved), (*args, saved)
 
 
-def _kda_bwd(static: tuple[Any, ...], res: tuple[Any, ...], cotangents: tuple[Any, Any]):
+def _kda_bwd(static: tuple[Any, ...], res: tuple[Any, ...], cotangents: tuple[Any, Any, Any]):
     inputs, cu, saved = res[:8], res[8], res[9]
-    do, dfinal = cotangents
+    do, dfinal, dsaved = cotangents
     present = tuple(x is not None for x in inputs)
     shapes = tuple(_struct(x.shape, x.dtype) for x in inputs if x is not None)
     host = functools.partial(_host_backward, static, present)
-    grads = iter(jax.pure_callback(host, shapes, *inputs, cu, saved, do, dfinal, vmap_method="sequential"))
+    grads = iter(
+        jax.pure_callback(host, shapes, *inputs, cu, saved, do, dfinal, dsaved, vmap_method="sequential")
+    )
     return (*(next(grads) if p else None for p in present), None)
 
 
@@ -147,26 +160,36 @@ def _as_array(name: str, x: Any) -> Any:
 
 
 def _apply(q, k, v, g, beta, s0, A_log, dt_bias, cu, call: FlaCall):
-    dtype = q.dtype
-    cd = _compute_dtype(dtype)
+    dtype = q.dtype if call.static[0] == "chunk" else v.dtype  # fused_recurrent_kda: v's, as fla
+    k_dtype = k.dtype
+    cd = _compute_dtype(q.dtype)
+    check_gate_sizes(A_log, dt_bias, call)
     q, k, v, g, beta = (x.astype(cd) if x.dtype != cd else x for x in (q, k, v, g, beta))
     if s0 is not None:
         s0 = (jnp.swapaxes(s0, -1, -2) if call.state_v_first else s0).astype(cd)
-    if A_log is not None:
-        A_log = A_log.astype(cd)
+    HV, K = call.dt_bias_shape
+    if A_log is not None:  # HV elements of any shape (fla's [1, 1, HV, 1]); grad in that shape
+        A_log = A_log.reshape(HV).astype(cd)
     if dt_bias is not None:
-        HV, K = call.dt_bias_shape
-        if dt_bias.size != HV * K:
-            msg = f"dt_bias must have HV * K = {HV} * {K} = {HV * K} elements; got shape {dt_bias.shape}"
-            raise InvalidInputError(msg)
         dt_bias = dt_bias.reshape(HV, K).astype(cd)
     if cu is not None:
         cu = cu.astype(jnp.int32) if not jnp.issubdtype(cu.dtype, jnp.integer) else cu
-    o, final = _kda(call.static, q, k, v, g, beta, s0, A_log, dt_bias, cu)
+    nt = None
+    if call.intermediate_states and cu is not None:
+        try:
+            nt = packed_chunks(np.asarray(cu), call.static[2])
+        except jax.errors.TracerArrayConversionError:
+            msg = "return_intermediate_states=True with cu_seqlens needs concrete cu_seqlens (not under jit)"
+            raise InvalidInputError(msg) from None
+    o, final, saved = _kda(call.static, q, k, v, g, beta, s0, A_log, dt_bias, cu)
     o = o.astype(dtype)
-    if not call.output_final_state:
-        return o, None
-    return o, (jnp.swapaxes(final, -1, -2) if call.state_v_first else final)
+    final = (
+        (jnp.swapaxes(final, -1, -2) if call.state_v_first else final) if call.output_final_state else None
+    )
+    if not call.intermediate_states:
+        return o, final
+    h = jnp.moveaxis(saved if nt is None else saved[:nt], 0, 1)  # [B, NT, HV, K, V]
+    return o, final, (jnp.swapaxes(h, -1, -2) if call.state_v_first else h).astype(k_dtype)
 
 
 def _call(name: str, q, k, v, g, beta, kw: dict[str, Any]):
@@ -176,6 +199,9 @@ def _call(name: str, q, k, v, g, beta, kw: dict[str, Any]):
         if not jnp.issubdtype(arrays[n].dtype, jnp.floating):
             msg = f"{n} must have a real floating dtype; got {arrays[n].dtype}"
             raise InvalidTypeError(msg)
+    if kw.get("cp_context") is not None:
+        msg = "cp_context (context parallelism over torch.distributed) is supported by kda.torch only"
+        raise InvalidInputError(msg)
     call = translate(
         name,
         arrays["q"].shape,

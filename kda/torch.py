@@ -15,31 +15,41 @@ CPU tensors reach kda's NumPy path as NumPy views (no copy); CUDA tensors reach 
 backend as CuPy arrays through DLPack (no copy), on PyTorch's current stream. float16 and
 bfloat16 compute in float32 and return their own dtype. The keywords are fla 0.6's; see
 :data:`kda._entry.fla.KEYWORD_TABLE` for what each does here. Unknown keywords raise ``TypeError``.
+
+``return_intermediate_states=True`` also returns the chunk-start states ``h`` (the saved
+boundaries, differentiable: :mod:`kda._entry.states`). Context parallelism: :func:`build_cp_context`
+and ``chunk_kda(..., cp_context=ctx)`` run one packed sequence batch split over the ranks of a
+``torch.distributed`` group (an autograd function around :mod:`kda._entry.cp`; gloo on CPU tensors
+is tested, nccl on CUDA tensors is written but has not run; ``docs/context_parallel.md``).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 
 from ._entry import api as _api
+from ._entry import cp as _cp
 from ._entry.fla import (
     CHUNK_DOC,
     RECURRENT_DOC,
     FlaCall,
     boundary_bound,
+    check_gate_sizes,
     core_options,
     fla_function,
     packed_chunks,
     translate,
 )
+from ._entry.states import backward_with_state_gradients
 from ._errors import InvalidInputError, InvalidTypeError
 
-__all__ = ["chunk_kda", "fused_recurrent_kda"]
+__all__ = ["KdaCPContext", "build_cp_context", "chunk_kda", "fused_recurrent_kda"]
 
 _OPTION_ARGS = (
     "str method, float scale, int chunk_size, bool qk_l2norm, str gate, float? lower_bound, "
@@ -131,7 +141,7 @@ def _forward_op(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, *op
         else:
             out = _api.recurrent_kda(*x[:5], initial_state=x[5], A_log=x[6], dt_bias=x[7], **opts)
         cd = _compute_dtype(q.dtype)
-        o = _tensor(out.output, q.dtype, inputs)
+        o = _tensor(out.output, q.dtype if method == "chunk" else v.dtype, inputs)
         final = _tensor(out.final_state, cd, inputs)
         if method != "chunk":
             return o, final, q.new_empty((0,), dtype=cd)
@@ -149,7 +159,7 @@ def _forward_fake(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, *
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     cd = _compute_dtype(q.dtype)
-    o = q.new_empty((B, T, HV, V))
+    o = q.new_empty((B, T, HV, V), dtype=q.dtype if method == "chunk" else v.dtype)
     final = q.new_empty((N, HV, K, V), dtype=cd)
     if method != "chunk":
         return o, final, q.new_empty((0,), dtype=cd)
@@ -161,13 +171,14 @@ def _forward_fake(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, *
     "kda::backward",
     mutates_args=(),
     schema=f"({_INPUT_ARGS}, Tensor boundaries, Tensor grad_output, Tensor? grad_final_state, "
-    f"{_OPTION_ARGS}) -> Tensor[]",
+    f"Tensor? grad_boundaries, {_OPTION_ARGS}) -> Tensor[]",
 )
 def _backward_op(
-    q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, boundaries, do, dfinal, *options
+    q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, boundaries, do, dfinal, dboundaries, *options
 ):
     """Gradients of ``q, k, v, g, beta, initial_state, A_log, dt_bias``, each shaped and typed like
-    its input; an empty tensor for an input that is None."""
+    its input; an empty tensor for an input that is None. A nonzero ``grad_boundaries`` (the
+    chunk-start states ``h`` reached the loss) takes :func:`backward_with_state_gradients`."""
     method, _, chunk_size = options[:3]
     inputs = (q, k, v, g, beta, initial_state, A_log, dt_bias)
     cu = _offsets(cu_seqlens)
@@ -179,7 +190,14 @@ def _backward_op(
         if method == "chunk":
             NT = boundaries.shape[0] if cu is None else packed_chunks(cu, chunk_size)
             saved = _array(boundaries[:NT])
-            grads = _api.chunk_kda_backward(*x[:5], saved, do_, dfinal_, **states, **opts)
+            if dboundaries is not None and bool(dboundaries.any()):
+                del opts["cu_seqlens"]
+                grads = backward_with_state_gradients(
+                    x[:5], saved, do_, dfinal_, _array(dboundaries[:NT]), x[5], cu,
+                    {**opts, "A_log": x[6], "dt_bias": x[7]},
+                )  # fmt: skip
+            else:
+                grads = _api.chunk_kda_backward(*x[:5], saved, do_, dfinal_, **states, **opts)
         else:
             grads = _api.recurrent_kda_backward(*x[:5], do_, dfinal_, **states, **opts)
         return [
@@ -200,14 +218,14 @@ def _backward_fake(q, k, v, g, beta, initial_state, A_log, dt_bias, *rest):
 def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(*inputs[:9], output[2])
     ctx.options = inputs[9:]
-    ctx.mark_non_differentiable(output[2])
 
 
-def _backward(ctx, do, dfinal, _dboundaries):
+def _backward(ctx, do, dfinal, dboundaries):
     *inputs, boundaries = ctx.saved_tensors
     if do is None:
-        do = inputs[2].new_zeros((*inputs[2].shape[:3], inputs[2].shape[3]), dtype=inputs[0].dtype)
-    grads = _backward_op(*inputs, boundaries, do, dfinal, *ctx.options)
+        dtype = inputs[0].dtype if ctx.options[0] == "chunk" else inputs[2].dtype
+        do = inputs[2].new_zeros(inputs[2].shape, dtype=dtype)
+    grads = _backward_op(*inputs, boundaries, do, dfinal, dboundaries, *ctx.options)
     tensor_grads = [None if t is None else gr for t, gr in zip(inputs[:8], grads)]
     return (*tensor_grads, None, *(None for _ in ctx.options))
 
@@ -227,15 +245,14 @@ def _check_tensors(**tensors: Any) -> None:
 
 
 def _gate_params(call: FlaCall, A_log: Any, dt_bias: Any, cd: torch.dtype) -> tuple[Any, Any]:
-    """``A_log [HV]`` and ``dt_bias`` (``HV * K`` elements read as ``[HV, K]``) in the compute dtype."""
-    if dt_bias is not None:
-        HV, K = call.dt_bias_shape
-        if dt_bias.numel() != HV * K:
-            shape = tuple(dt_bias.shape)
-            msg = f"dt_bias must have HV * K = {HV} * {K} = {HV * K} elements; got shape {shape}"
-            raise InvalidInputError(msg)
-        dt_bias = dt_bias.reshape(HV, K).to(cd)
-    return (None if A_log is None else A_log.to(cd)), dt_bias
+    """``A_log`` (``HV`` elements, as ``[HV]``) and ``dt_bias`` (``HV * K`` elements, as
+    ``[HV, K]``) in the compute dtype; reshapes, so autograd returns their gradients in the
+    shapes given."""
+    check_gate_sizes(A_log, dt_bias, call)
+    HV, K = call.dt_bias_shape
+    A_log = None if A_log is None else A_log.reshape(HV).to(cd)
+    dt_bias = None if dt_bias is None else dt_bias.reshape(HV, K).to(cd)
+    return A_log, dt_bias
 
 
 def _apply(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, call: FlaCall):
@@ -245,10 +262,17 @@ def _apply(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, call: Fl
         initial_state = (initial_state.transpose(-1, -2) if call.state_v_first else initial_state).to(cd)
     if cu_seqlens is not None:
         cu_seqlens = torch.as_tensor(cu_seqlens, dtype=torch.int64)
-    o, final, _ = _forward_op(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, *call.static)
-    if not call.output_final_state:
-        return o, None
-    return o, (final.transpose(-1, -2) if call.state_v_first else final)
+    o, final, saved = _forward_op(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, *call.static)
+    final = (
+        None if not call.output_final_state else (final.transpose(-1, -2) if call.state_v_first else final)
+    )
+    if not call.intermediate_states:
+        return o, final
+    chunk_size = call.static[2]
+    NT = saved.shape[0] if cu_seqlens is None else packed_chunks(_offsets(cu_seqlens), chunk_size)
+    h = saved[:NT].movedim(0, 1)  # [B, NT, HV, K, V]
+    h = (h.transpose(-1, -2) if call.state_v_first else h).to(k.dtype)
+    return o, final, h
 
 
 def _chunk(q, k, v, g, beta, kw: dict[str, Any]):
@@ -268,8 +292,244 @@ def _call(method: str, q, k, v, g, beta, kw: dict[str, Any]):
     s0 = kw.get("initial_state")
     _check_tensors(q=q, k=k, v=v, g=g, beta=beta, initial_state=s0, A_log=A_log, dt_bias=dt_bias)
     name = "chunk_kda" if method == "chunk" else "fused_recurrent_kda"
+    ctx = kw.get("cp_context") if method == "chunk" else None
+    if ctx is not None:
+        if not isinstance(ctx, KdaCPContext):
+            msg = f"cp_context must come from kda.torch.build_cp_context; got {type(ctx).__name__}"
+            raise InvalidTypeError(msg)
+        if kw.get("return_intermediate_states", False):
+            msg = "return_intermediate_states=True is not supported with cp_context"
+            raise InvalidInputError(msg)
+        cu = ctx.cu_seqlens  # as fla: the context's rank-local offsets replace cu_seqlens
     call = translate(
         name, tuple(q.shape), tuple(v.shape), kw,
         has_A_log=A_log is not None, has_dt_bias=dt_bias is not None, has_cu_seqlens=cu is not None,
     )  # fmt: skip
+    if ctx is not None:
+        return _apply_cp(q, k, v, g, beta, s0, A_log, dt_bias, ctx, call)
     return _apply(q, k, v, g, beta, s0, A_log, dt_bias, cu, call)
+
+
+# ----------------------------------------------------------------------------------------------
+# Context parallelism over torch.distributed
+
+
+@dataclass
+class KdaCPContext:
+    """One rank's share of a packed ``B == 1`` batch cut into equal contiguous slices (fla's
+    ``FLACPContext`` fields, plus kda's partition).
+
+    Attributes
+    ----------
+    group : ProcessGroup or None
+        The ranks sharing the sequence (None: the default group).
+    cu_seqlens, cu_seqlens_cpu : Tensor, shape ``[N_local + 1]``
+        This rank's local offsets (int32; on the device of the ``cu_seqlens`` given, and on the CPU).
+    is_first_rank, is_last_rank : bool
+        Whether this rank holds the first (last) token of its first (last) local sequence.
+    pre_num_ranks, post_num_ranks : int
+        Earlier (later) ranks holding part of this rank's first (last) local sequence.
+    conv1d_kernel_size, pre_num_conv_tokens : int or None, int
+        As fla (for a short convolution's halo; kda does not use them).
+    partition : kda._entry.cp.Partition
+        The global offsets and which ranks hold which sequence.
+    """
+
+    group: Any
+    cu_seqlens: torch.Tensor
+    cu_seqlens_cpu: torch.Tensor
+    is_first_rank: bool
+    is_last_rank: bool
+    pre_num_ranks: int
+    post_num_ranks: int
+    conv1d_kernel_size: int | None
+    pre_num_conv_tokens: int
+    partition: _cp.Partition
+
+    @property
+    def num_seqs(self) -> int:
+        """Local sequences."""
+        return len(self.partition.local_seqs)
+
+    @property
+    def is_cp_enabled(self) -> bool:
+        return True
+
+    def copy_for_backward(self) -> KdaCPContext:
+        """A copy with its own offset tensors (as fla's)."""
+        return replace(self, cu_seqlens=self.cu_seqlens.clone(), cu_seqlens_cpu=self.cu_seqlens_cpu.clone())
+
+
+def build_cp_context(
+    cu_seqlens: torch.Tensor,
+    group: Any,
+    conv1d_kernel_size: int | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+) -> KdaCPContext:
+    """This rank's context for ``chunk_kda(..., cp_context=ctx)`` (fla's ``build_cp_context``).
+
+    Parameters
+    ----------
+    cu_seqlens : Tensor, shape ``[N + 1]``
+        Global offsets of the packed batch; its total ``T`` must be a positive multiple of the
+        group's size ``W``. Rank ``r`` holds tokens ``r T / W`` to ``(r + 1) T / W``.
+    group : ProcessGroup or None
+        ``torch.distributed`` group of the ranks (None: the default group); the process group must
+        be initialised.
+    conv1d_kernel_size : int, optional
+        Recorded (with ``pre_num_conv_tokens``) for a short convolution's halo, as fla.
+    cu_seqlens_cpu : Tensor, optional
+        A host copy of ``cu_seqlens`` (read instead of copying ``cu_seqlens`` to the host).
+
+    Returns
+    -------
+    KdaCPContext
+        Every rank must call with the same ``cu_seqlens``.
+    """
+    import torch.distributed as dist
+
+    if not isinstance(cu_seqlens, torch.Tensor):
+        msg = f"cu_seqlens must be a torch.Tensor; got {type(cu_seqlens).__name__}"
+        raise InvalidTypeError(msg)
+    if not dist.is_available() or not dist.is_initialized():
+        msg = "build_cp_context needs an initialised torch.distributed process group (group)"
+        raise InvalidInputError(msg)
+    host = cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu
+    if host.dtype.is_floating_point or host.dtype.is_complex or host.dtype == torch.bool or host.ndim != 1:
+        msg = f"cu_seqlens must be a 1-D integer tensor; got {host.dtype} of shape {tuple(host.shape)}"
+        raise InvalidTypeError(msg)
+    p = _cp.partition(host.tolist(), dist.get_world_size(group), dist.get_rank(group))
+    local_cpu = torch.tensor(p.local_offsets, dtype=torch.int32)
+    return KdaCPContext(
+        group=group,
+        cu_seqlens=local_cpu.to(cu_seqlens.device),
+        cu_seqlens_cpu=local_cpu,
+        is_first_rank=p.pre_num_ranks == 0,
+        is_last_rank=p.post_num_ranks == 0,
+        pre_num_ranks=p.pre_num_ranks,
+        post_num_ranks=p.post_num_ranks,
+        conv1d_kernel_size=conv1d_kernel_size,
+        pre_num_conv_tokens=p.pre_num_conv_tokens,
+        partition=p,
+    )
+
+
+def _all_gather(a: Any, group: Any, like: torch.Tensor) -> Any:
+    """``[W, ...]``: every rank's ``a`` (an array), through ``torch.distributed.all_gather``."""
+    import torch.distributed as dist
+
+    t = _tensor(a, _compute_dtype(like.dtype), ())
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t, group=group)
+    return _array(torch.stack(out))
+
+
+def _all_reduce(t: torch.Tensor, group: Any) -> torch.Tensor:
+    import torch.distributed as dist
+
+    t = t.contiguous()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+class _ContextParallel(torch.autograd.Function):
+    """``chunk_kda`` on this rank's slice with the true start states (``kda/_entry/cp.py``):
+    one all-gather of ``[HV, K, K + V]`` maps per direction (none when no sequence crosses a rank
+    boundary), plus one all-reduce of ``[N, HV, K, V]`` final states (and of their gradients)
+    with ``output_final_state``."""
+
+    @staticmethod
+    def forward(
+        ctx, cp_ctx: KdaCPContext, static: tuple, want_final: bool, q, k, v, g, beta, s0, A_log, dt_bias
+    ):
+        p, group = cp_ctx.partition, cp_ctx.group
+        inputs = (q, k, v, g, beta, s0, A_log, dt_bias)
+        cd = _compute_dtype(q.dtype)
+        opts = core_options(*static)
+        del opts["cu_seqlens"]
+        with _on_stream(q.device):
+            x = [_array(t) for t in inputs]
+            opts.update(A_log=x[6], dt_bias=x[7])
+            xp, adt = _namespace(x[2]), x[2].dtype
+            shape = (v.shape[2], q.shape[3], v.shape[3])
+            own = _cp.forward_map(p, tuple(x[:5]), opts, adt)
+            maps = _all_gather(own, group, q) if p.crossing else None
+            starts = _cp.start_states(p, maps, x[5], shape, adt, xp)
+            out = _cp.forward_local(p, tuple(x[:5]), starts, opts)
+            o = _tensor(out.output, q.dtype, inputs)
+            if want_final:
+                share = _cp.final_state_share(p, out.final_state, x[5], xp)
+                final = _all_reduce(_tensor(share, cd, inputs), group)
+            else:
+                final = q.new_empty((0,), dtype=cd)
+            saved = [_tensor(a, cd, inputs) for a in (own, starts, out.boundaries)]
+        ctx.save_for_backward(*inputs, *saved)
+        ctx.cp_ctx, ctx.opts, ctx.want_final = cp_ctx, static, want_final
+        if not want_final:
+            ctx.mark_non_differentiable(final)
+        return o, final
+
+    @staticmethod
+    def backward(ctx, do, dfinal):
+        p, group = ctx.cp_ctx.partition, ctx.cp_ctx.group
+        *inputs, own, starts, boundaries = ctx.saved_tensors
+        q, v = inputs[0], inputs[2]
+        opts = core_options(*ctx.opts)
+        del opts["cu_seqlens"]
+        if do is None:
+            do = torch.zeros_like(v, dtype=q.dtype)
+        if ctx.want_final:
+            if dfinal is None:
+                dfinal = starts.new_zeros((p.num_seqs, *starts.shape[1:]))
+            dfinal = _all_reduce(dfinal.to(starts.dtype).clone(), group)
+        with _on_stream(q.device):
+            x = [_array(t) for t in inputs]
+            opts.update(A_log=x[6], dt_bias=x[7])
+            xp, adt = _namespace(x[2]), x[2].dtype
+            shape = (v.shape[2], q.shape[3], v.shape[3])
+            do_ = _array(do)
+            dfinal_ = _array(dfinal) if ctx.want_final else None
+            own_, starts_ = _array(own), _array(starts)
+            mine = _cp.backward_map(p, tuple(x[:5]), do_, opts, adt, own_map=own_)
+            maps = _all_gather(mine, group, q) if p.crossing else None
+            ends = _cp.end_gradients(p, maps, dfinal_, shape, adt, xp)
+            grads = _cp.backward_local(p, tuple(x[:5]), starts_, _array(boundaries), do_, ends, opts, dfinal_)
+            out = [
+                None if t is None or gr is None else _tensor(gr, t.dtype, tuple(inputs))
+                for t, gr in zip(inputs, grads)
+            ]
+        return (None, None, None, *out)
+
+
+def _namespace(a: Any) -> Any:
+    import array_api_compat
+
+    return array_api_compat.array_namespace(a)
+
+
+def _apply_cp(q, k, v, g, beta, initial_state, A_log, dt_bias, cp_ctx: KdaCPContext, call: FlaCall):
+    """``chunk_kda`` with ``cp_context``: the rank's slice ``[1, T / W, ...]``; ``initial_state``
+    the global ``[N, HV, K, V]`` (the same on every rank); returns the global final states."""
+    p = cp_ctx.partition
+    if q.shape[0] != 1 or q.shape[1] != p.part_len:
+        msg = (
+            f"q: with cp_context each rank passes its slice [1, T / W, H, K] = [1, {p.part_len}, ...] "
+            f"of the packed batch; got shape {tuple(q.shape)}"
+        )
+        raise InvalidInputError(msg)
+    cd = _compute_dtype(q.dtype)
+    A_log, dt_bias = _gate_params(call, A_log, dt_bias, cd)
+    if initial_state is not None:
+        if initial_state.ndim != 4 or initial_state.shape[0] != p.num_seqs:
+            msg = (
+                f"initial_state: with cp_context every rank passes the global [N, HV, K, V] states "
+                f"(N = {p.num_seqs}); got shape {tuple(initial_state.shape)}"
+            )
+            raise InvalidInputError(msg)
+        initial_state = (initial_state.transpose(-1, -2) if call.state_v_first else initial_state).to(cd)
+    o, final = _ContextParallel.apply(
+        cp_ctx, call.static, call.output_final_state, q, k, v, g, beta, initial_state, A_log, dt_bias
+    )
+    if not call.output_final_state:
+        return o, None
+    return o, (final.transpose(-1, -2) if call.state_v_first else final)

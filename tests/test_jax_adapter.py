@@ -181,7 +181,43 @@ def test_keywords_and_errors():
         kj.chunk_kda(*args, allow_neg_eigval=True)
     with pytest.raises(kda.InvalidTypeError, match="q must be a JAX array"):
         kj.chunk_kda([1.0], *args[1:])
+    with pytest.raises(kda.InvalidInputError, match=r"kda\.torch only"):
+        kj.chunk_kda(*args, cp_context=object())
     o, s = kj.chunk_kda(*args, disable_recompute=True, safe_gate=True, lower_bound=-5.0)
     o2, _ = kj.chunk_kda(*args)
     assert s is None
     np.testing.assert_array_equal(np.asarray(o), np.asarray(o2))
+
+
+def test_fla_conventions_match_kda_torch(x64):
+    """``A_log [1, 1, HV, 1]`` (gradient in that shape), ``return_intermediate_states`` with its
+    gradient, and the recurrent output in v's dtype: the same numbers as kda.torch."""
+    torch = pytest.importorskip("torch")
+    import kda.torch as kt
+
+    x = make_inputs(9, T=21, N=3)
+    x["A_log"] = x["A_log"].reshape(1, 1, -1, 1)
+    x["q"], x["k"], x["v"], x["g"], x["beta"] = (x[n][:1] for n in ("q", "k", "v", "g", "beta"))
+    cu = np.array([0, 5, 5, 21])
+    kw = dict(use_gate_in_kernel=True, output_final_state=True, return_intermediate_states=True, chunk_size=4)
+    w = np.random.default_rng(1).standard_normal((1, 2 + 4, 4, 5, 4))
+
+    def loss_jax(*a):
+        o, s, h = kj.chunk_kda(
+            *a[:5], initial_state=a[5], A_log=a[6], dt_bias=a[7], cu_seqlens=jnp.asarray(cu), **kw
+        )
+        return jnp.sum(o**2) + jnp.sum(s) + jnp.sum(h * w), h
+
+    (_, h), grads = jax.value_and_grad(loss_jax, argnums=tuple(range(8)), has_aux=True)(
+        *(jnp.asarray(x[n]) for n in NAMES)
+    )
+    assert h.shape == w.shape and grads[6].shape == (1, 1, 4, 1)
+    t = {n: torch.tensor(x[n], requires_grad=True) for n in NAMES}
+    o, s, ht = kt.chunk_kda(*(t[n] for n in NAMES[:5]), initial_state=t["initial_state"], A_log=t["A_log"],
+                            dt_bias=t["dt_bias"], cu_seqlens=torch.tensor(cu), **kw)  # fmt: skip
+    ((o**2).sum() + s.sum() + (ht * torch.tensor(w)).sum()).backward()
+    for n, gr in zip(NAMES, grads):
+        assert_close(np.asarray(gr), t[n].grad.numpy(), tol=TOL64, name=f"d{n}")
+    mixed = [jnp.asarray(x[n], dtype=jnp.float32) for n in NAMES[:5]]
+    mixed[2], mixed[3] = mixed[2].astype(jnp.bfloat16), -jnp.abs(mixed[3])
+    assert kj.fused_recurrent_kda(*mixed)[0].dtype == jnp.bfloat16

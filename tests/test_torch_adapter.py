@@ -347,8 +347,8 @@ def test_unknown_keyword_is_a_type_error():
     (q, k, v, g, beta), _ = _plain()
     with pytest.raises(TypeError, match="'use_qk_l2norm'"):
         kt.chunk_kda(q, k, v, g, beta, use_qk_l2norm=True)
-    with pytest.raises(TypeError, match="'chunk_size'"):
-        kt.fused_recurrent_kda(q, k, v, g, beta, chunk_size=16)
+    with pytest.raises(TypeError, match="'use_qk_l2norm'"):
+        kt.fused_recurrent_kda(q, k, v, g, beta, chunk_size=16, use_qk_l2norm=True)
 
 
 @pytest.mark.parametrize(
@@ -363,11 +363,9 @@ def test_unknown_keyword_is_a_type_error():
         ({"use_gate_in_kernel": True, "lower_bound": 0.5}, "lower_bound must be a finite float < 0"),
         (
             {"use_gate_in_kernel": True, "A_log": torch.zeros(1), "dt_bias": torch.zeros(4)},
-            "= 3 elements; got shape",
+            r"dt_bias must have HV \* K = 1 \* 3 = 3 elements",
         ),
         ({"allow_neg_eigval": True}, "requires use_beta_sigmoid_in_kernel"),
-        ({"return_intermediate_states": True}, "save_boundaries=True"),
-        ({"cp_context": object()}, "context parallelism"),
         ({"chunk_size": 0}, "chunk_size must be >= 1"),
         (
             {"cu_seqlens": torch.tensor([0, 7]), "initial_state": torch.zeros(2, 1, 3, 2, dtype=F64)},
@@ -500,3 +498,132 @@ def test_cuda_bfloat16_and_zero_copy(monkeypatch):
     assert isinstance(seen["q"], cupy.ndarray) and seen["q"].data.ptr == xc["q"].data_ptr()
     ob, _ = call(kt.chunk_kda, {n: t.bfloat16() if n != "initial_state" else t for n, t in xc.items()})
     assert ob.dtype == torch.bfloat16 and ob.device.type == "cuda"
+
+
+# ----------------------------------------------------------------------------------------------
+# fla's conventions (issue 19): A_log by element count, one keyword dict, intermediate states
+
+
+def _varlen_like_fla(seed=11, cu=(0, 15, 40, 40, 64), H=2, D=8, dtype=F64):
+    """fla's test_chunk_varlen inputs, scaled down: A_log ``[1, 1, H, 1]``, dt_bias ``[H * D]``."""
+    gen = torch.Generator().manual_seed(seed)
+    T, N = cu[-1], len(cu) - 1
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=F64).to(dtype).requires_grad_()
+
+    x = {
+        "q": randn(1, T, H, D), "k": randn(1, T, H, D), "v": randn(1, T, H, D), "g": randn(1, T, H, D),
+        "beta": randn(1, T, H), "initial_state": randn(N, H, D, D),
+        "A_log": torch.log(torch.empty(1, 1, H, 1, dtype=F64).uniform_(1, 4, generator=gen))
+        .to(dtype).requires_grad_(),
+        "dt_bias": randn(H * D),
+    }  # fmt: skip
+    return x, torch.tensor(cu)
+
+
+def test_fla_varlen_case_with_A_log_1_1_H_1():
+    """fla's failing case: ``A_log [1, 1, H, 1]`` with cu_seqlens; every gradient against fla's
+    naive recurrence per sequence, ``dA_log`` in the shape given."""
+    fla = _load_fla_naive()
+    x, cu = _varlen_like_fla()
+    kw = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    o, s = call(kt.chunk_kda, x, cu_seqlens=cu, cu_seqlens_cpu=cu, **kw)
+    w = torch.randn(o.shape, generator=torch.Generator().manual_seed(3), dtype=F64)
+    ours = torch.autograd.grad((o * w).sum() + s.sum(), list(x.values()))
+    assert ours[NAMES.index("A_log")].shape == (1, 1, 2, 1)
+    g = _fla_gate(x["g"], x["A_log"], x["dt_bias"], None)
+    q, k, beta = _fla_l2norm(x["q"]), _fla_l2norm(x["k"]), torch.sigmoid(x["beta"])
+    outs, states = [], []
+    for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        o_i, s_i = fla.naive_recurrent_kda(
+            q[:, a:b], k[:, a:b], x["v"][:, a:b], g[:, a:b], beta[:, a:b],
+            initial_state=x["initial_state"][i : i + 1], output_final_state=True,
+        )  # fmt: skip
+        outs.append(o_i)
+        states.append(s_i)
+    o_ref, s_ref = torch.cat(outs, 1), torch.cat(states)
+    theirs = torch.autograd.grad((o_ref * w).sum() + s_ref.sum(), list(x.values()))
+    tol = TOLERANCE[np.dtype(np.float64)]
+    assert_close(o.detach(), o_ref.detach(), tol=tol, name="o")
+    assert_close(s.detach(), s_ref.detach(), tol=tol, name="final_state")
+    for name_, a, b in zip(x, ours, theirs):
+        assert_close(a, b, tol=tol, name=f"d{name_}")
+
+
+def test_one_keyword_dict_serves_both_ops():
+    """fla's layer passes one dict to chunk_kda and fused_recurrent_kda; the recurrent output
+    follows v's dtype."""
+    x, cu = _varlen_like_fla(cu=(0, 10, 24))
+    kw = dict(
+        A_log=x["A_log"], dt_bias=x["dt_bias"], initial_state=x["initial_state"], output_final_state=True,
+        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+        safe_gate=True, lower_bound=-5.0, chunk_size=32, disable_recompute=False, cu_seqlens=cu,
+        cu_seqlens_cpu=cu, use_graph=False, max_num_seqs=None, return_intermediate_states=False,
+        cp_context=None,
+    )  # fmt: skip
+    args = [x[n] for n in NAMES[:5]]
+    o1, s1 = kt.chunk_kda(*args, **kw)
+    o2, s2 = kt.fused_recurrent_kda(*args, **kw)
+    torch.testing.assert_close(o2, o1, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(s2, s1, rtol=1e-10, atol=1e-10)
+    mixed = [t.detach().float() for t in args]
+    mixed[2] = mixed[2].bfloat16()
+    kw32 = {**kw, "A_log": x["A_log"].detach().float(), "dt_bias": x["dt_bias"].detach().float(),
+            "initial_state": x["initial_state"].detach().float()}  # fmt: skip
+    assert kt.fused_recurrent_kda(*mixed, **kw32)[0].dtype == torch.bfloat16  # v's dtype, as fla
+    assert kt.chunk_kda(*mixed, **kw32)[0].dtype == torch.float32  # q's
+    with pytest.raises(kda.InvalidInputError, match="fused_recurrent_kda"):
+        kt.fused_recurrent_kda(*args, return_intermediate_states=True)
+    with pytest.raises(TypeError, match="'unknown'"):
+        kt.fused_recurrent_kda(*args, **kw, unknown=1)
+    with pytest.raises(kda.InvalidInputError, match=r"A_log must have HV = 2 elements"):
+        kt.chunk_kda(*args, **{**kw, "A_log": torch.zeros(1, 3)})
+
+
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_intermediate_states_values_and_gradients(state_v_first):
+    """``h[:, t]`` is the state at the start of chunk ``t`` (from the recurrence over the prefix),
+    packed in sequence order with cu_seqlens; gradients through ``h`` pass gradcheck."""
+    x, cu = _varlen_like_fla(cu=(0, 9, 9, 20), D=3)
+    s0 = x["initial_state"]
+    if state_v_first:
+        s0 = s0.detach().transpose(-1, -2).contiguous().requires_grad_()
+    args = [x[n] for n in NAMES[:5]]
+    kw = dict(use_gate_in_kernel=True, cu_seqlens=cu, chunk_size=4, state_v_first=state_v_first)
+
+    def fn(*a):
+        return kt.chunk_kda(*a[:5], initial_state=a[5], A_log=a[6], dt_bias=a[7], output_final_state=True,
+                            return_intermediate_states=True, **kw)  # fmt: skip
+
+    _, _, h = fn(*args, s0, x["A_log"], x["dt_bias"])
+    assert h.shape == ((1, 3 + 0 + 3, 2, 3, 3)) and h.dtype == F64
+    # chunk 4 of the packed order is sequence 2's second chunk: the state after its first 4 steps
+    sl = slice(9, 13)
+    _, s_pre = kt.fused_recurrent_kda(
+        *(t[:, sl] for t in args), initial_state=s0[2:3], A_log=x["A_log"], dt_bias=x["dt_bias"],
+        output_final_state=True, use_gate_in_kernel=True, state_v_first=state_v_first,
+    )  # fmt: skip
+    torch.testing.assert_close(h[0, 4], s_pre[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(h[0, 3], s0[2], rtol=0, atol=0)
+    assert torch.autograd.gradcheck(fn, (*args, s0, x["A_log"], x["dt_bias"]), fast_mode=True)
+    with torch.inference_mode():
+        h2 = fn(*args, s0, x["A_log"], x["dt_bias"])[2]
+    torch.testing.assert_close(h2, h.detach(), rtol=0, atol=0)
+
+
+def test_intermediate_states_like_fla_test():
+    """fla's test_chunk_return_intermediate_states (scaled down): bfloat16, inference mode."""
+    B, T, H, D = 2, 100, 2, 8
+    q, k, v = (torch.randn(B, T, H, D, dtype=torch.bfloat16) for _ in range(3))
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, D)).to(torch.bfloat16)
+    beta = torch.rand(B, T, H).to(torch.bfloat16)
+    with torch.inference_mode():
+        o, s, h = kt.chunk_kda(q, k, v, g, beta, output_final_state=True, return_intermediate_states=True)
+        assert o.shape == (B, T, H, D) and s.shape == (B, H, D, D)
+        assert h.shape == (B, math.ceil(T / 64), H, D, D) and h.dtype == torch.bfloat16
+        cu = torch.tensor([0, 50, 200])
+        flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
+        o, s, h = kt.chunk_kda(*flat, output_final_state=True, return_intermediate_states=True, cu_seqlens=cu)
+        assert o.shape == (1, B * T, H, D) and s.shape == (2, H, D, D)
+        assert h.shape == (1, 1 + 3, H, D, D) and h.dtype == torch.bfloat16

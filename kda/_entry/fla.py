@@ -9,11 +9,16 @@ Every keyword of fla's ``chunk_kda`` and ``fused_recurrent_kda`` is in one of th
 - honoured: ``scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
   use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, A_log, dt_bias,
   cu_seqlens, chunk_size, state_v_first`` (and its deprecated spelling ``transpose_state_layout``);
+- honoured by ``chunk_kda`` only: ``return_intermediate_states`` (the chunk-start states ``h``)
+  and ``cp_context`` (context parallelism over ``torch.distributed``, :mod:`kda.torch` only);
 - accepted with no effect on the result (they only choose among fla's GPU kernels or describe
-  its memory use): ``safe_gate, disable_recompute, cu_seqlens_cpu, use_graph, max_num_seqs``;
-- refused with :class:`~kda.InvalidInputError`: ``return_intermediate_states=True`` and a
-  ``cp_context`` (context parallelism), and every combination that fla itself refuses or
-  silently ignores (``A_log`` or ``dt_bias`` without ``use_gate_in_kernel``, for example).
+  its memory use): ``safe_gate, disable_recompute, cu_seqlens_cpu, use_graph, max_num_seqs``.
+  ``fused_recurrent_kda`` also accepts these and ``chunk_size`` (no effect on a recurrence), and
+  ``return_intermediate_states=False`` / ``cp_context=None``, so that one keyword dict serves both
+  ops as in fla's layers;
+- refused with :class:`~kda.InvalidInputError`: every combination that fla itself refuses or
+  silently ignores (``A_log`` or ``dt_bias`` without ``use_gate_in_kernel``, for example;
+  ``return_intermediate_states=True`` or a ``cp_context`` given to ``fused_recurrent_kda``).
 
 Any other keyword raises ``TypeError`` (fla ignores unknown keywords silently).
 """
@@ -29,7 +34,10 @@ from typing import Any
 from .._errors import InvalidInputError
 from .._options.validation import check_chunk_size, check_scale
 
-__all__ = ["KEYWORD_TABLE", "FlaCall", "boundary_bound", "core_options", "packed_chunks", "translate"]
+__all__ = [
+    "KEYWORD_TABLE", "FlaCall", "boundary_bound", "check_gate_sizes", "core_options", "packed_chunks",
+    "translate",
+]  # fmt: skip
 
 # keyword -> (class, what kda does with it); the README's table restates it
 KEYWORD_TABLE: dict[str, tuple[str, str]] = {
@@ -48,8 +56,16 @@ KEYWORD_TABLE: dict[str, tuple[str, str]] = {
         "with use_gate_in_kernel: the lower-bound gate, must be < 0; without it refused unless "
         "safe_gate=True (then no effect: fla's bounded-gate kernel)",
     ),
-    "A_log": ("honoured", "[HV], with use_gate_in_kernel; differentiable"),
-    "dt_bias": ("honoured", "HV * K elements, read as [HV, K], with use_gate_in_kernel; differentiable"),
+    "A_log": (
+        "honoured",
+        "HV elements (any shape, e.g. fla's [1, 1, HV, 1]), with use_gate_in_kernel; differentiable, "
+        "gradient in the shape given",
+    ),
+    "dt_bias": (
+        "honoured",
+        "HV * K elements (any shape), read as [HV, K], with use_gate_in_kernel; differentiable, "
+        "gradient in the shape given",
+    ),
     "cu_seqlens": ("honoured", "packed sequences, B == 1; states [N, HV, K, V]"),
     "chunk_size": ("honoured", "any positive int (fla: 32 or 64); changes rounding only"),
     "state_v_first": ("honoured", "states read and returned as [N, HV, V, K]"),
@@ -60,10 +76,15 @@ KEYWORD_TABLE: dict[str, tuple[str, str]] = {
     "use_graph": ("no effect", "CUDA-graph capture of fla's kernels"),
     "max_num_seqs": ("no effect", "bound for use_graph"),
     "return_intermediate_states": (
-        "refused when True",
-        "inference-only bfloat16 chunk states; use kda.chunk_kda(save_boundaries=True)",
+        "honoured",
+        "chunk_kda returns (o, final_state, h), h [B, NT, HV, K, V] the chunk-start states in k's "
+        "dtype (packed chunk order with cu_seqlens); differentiable; fused_recurrent_kda: False only",
     ),
-    "cp_context": ("refused unless None", "context parallelism across devices"),
+    "cp_context": (
+        "honoured (kda.torch)",
+        "context parallelism over torch.distributed (kda.torch.build_cp_context); with "
+        "initial_state and output_final_state too; fused_recurrent_kda and kda.jax: None only",
+    ),
 }
 
 # fla 0.6's named parameters after ``q, k, v, g, beta``, in its order, with their defaults; the
@@ -83,7 +104,15 @@ RECURRENT_PARAMS: tuple[tuple[str, Any], ...] = (
     ("allow_neg_eigval", False), ("lower_bound", None), ("state_v_first", False), ("cu_seqlens", None),
 )  # fmt: skip
 CHUNK_KEYWORDS = frozenset(KEYWORD_TABLE)
-RECURRENT_KEYWORDS = frozenset({*(n for n, _ in RECURRENT_PARAMS), "transpose_state_layout"})
+# chunk_kda's keywords that do not change a recurrence (kernel choices, chunking), and the two
+# whose defaults are accepted: one keyword dict serves both ops
+RECURRENT_NO_EFFECT = (
+    "safe_gate", "disable_recompute", "cu_seqlens_cpu", "use_graph", "max_num_seqs", "chunk_size",
+    "return_intermediate_states", "cp_context",
+)  # fmt: skip
+RECURRENT_KEYWORDS = frozenset(
+    {*(n for n, _ in RECURRENT_PARAMS), "transpose_state_layout", *RECURRENT_NO_EFFECT}
+)
 SIGNATURES = {
     "chunk_kda": (CHUNK_PARAMS, CHUNK_KEYWORDS),
     "fused_recurrent_kda": (RECURRENT_PARAMS, RECURRENT_KEYWORDS),
@@ -113,8 +142,15 @@ CHUNK_DOC = """KDA, chunked, differentiable; fla 0.6's ``fla.ops.kda.chunk_kda``
         The model-level options, as in fla: see :data:`kda._entry.fla.KEYWORD_TABLE`.
     safe_gate, disable_recompute, cu_seqlens_cpu, use_graph, max_num_seqs
         Accepted; no effect on the result (they choose among fla's kernels).
-    return_intermediate_states, cp_context
-        Refused unless False / None.
+    return_intermediate_states : bool
+        Also return ``h [B, NT, HV, K, V]`` (``[B, NT, HV, V, K]`` with ``state_v_first``), the
+        state at the start of every chunk (``h[:, 0]`` is the initial state; the final state is
+        not in ``h``); with ``cu_seqlens``, ``B == 1`` and ``NT = sum(ceil(len_i / chunk_size))``
+        in packed chunk order, as fla. dtype of ``k`` (as fla; the states are computed in
+        float32). Differentiable (fla's is inference-only); also in inference mode.
+    cp_context : KdaCPContext, optional
+        Context parallelism (:func:`kda.torch.build_cp_context`; PyTorch only): this rank's slice
+        of a packed ``B == 1`` batch; ``cu_seqlens`` is taken from the context.
     state_v_first : bool
         States as ``[N, HV, V, K]``.
     cu_seqlens : {array}, shape ``[N + 1]``, optional
@@ -126,16 +162,22 @@ CHUNK_DOC = """KDA, chunked, differentiable; fla 0.6's ``fla.ops.kda.chunk_kda``
     Returns
     -------
     tuple
-        ``(o [B, T, HV, V], final_state or None)``; ``o`` has the dtype of ``q``, the state is
-        float32 (float64 for float64 inputs).
+        ``(o [B, T, HV, V], final_state or None)``, and ``h`` with
+        ``return_intermediate_states=True``; ``o`` has the dtype of ``q``, the state is float32
+        (float64 for float64 inputs).
     """
 
 RECURRENT_DOC = """KDA step by step (:func:`kda.recurrent_kda`), differentiable; fla 0.6's
     ``fla.ops.kda.fused_recurrent_kda`` signature (``A_log``, ``dt_bias`` are positional there).
 
-    The arguments are those of :func:`chunk_kda` (no chunk size, no kernel choices); only the
-    deprecated ``transpose_state_layout`` is accepted in ``**kwargs``. Unlike fla's, this one has
-    a backward (:func:`kda.recurrent_kda_backward`).
+    The arguments are those of :func:`chunk_kda`. ``**kwargs`` takes the deprecated
+    ``transpose_state_layout`` and the keywords of ``chunk_kda`` that have no effect on a
+    recurrence (``safe_gate, disable_recompute, cu_seqlens_cpu, use_graph, max_num_seqs,
+    chunk_size``, and ``return_intermediate_states=False``, ``cp_context=None``), so that one
+    keyword dict serves both ops; anything else raises ``TypeError``. ``A_log`` and ``dt_bias``
+    are read by element count as in :func:`chunk_kda`. The output has the dtype of ``v`` (as
+    fla's), the final state float32 (float64 for float64 inputs). Unlike fla's, this one has a
+    backward (:func:`kda.recurrent_kda_backward`).
     """
 
 
@@ -168,14 +210,15 @@ class FlaCall:
 
     ``static`` holds the options that are not arrays, in the order of :func:`core_options`
     (hashable: an op's non-tensor arguments, or a ``custom_vjp``'s static argument);
-    ``dt_bias_shape`` is ``(HV, K)``; ``state_v_first`` and ``output_final_state`` are applied by
-    the adapter.
+    ``dt_bias_shape`` is ``(HV, K)``; ``state_v_first``, ``output_final_state`` and
+    ``intermediate_states`` (``return_intermediate_states``) are applied by the adapter.
     """
 
     static: tuple[Any, ...]
     output_final_state: bool
     state_v_first: bool
     dt_bias_shape: tuple[int, int]
+    intermediate_states: bool = False
 
 
 def core_options(
@@ -249,14 +292,19 @@ def state_layout(kw: dict[str, Any]) -> bool:
     return v_first
 
 
-def _check_unsupported(kw: dict[str, Any]) -> None:
+def _check_unsupported(function: str, kw: dict[str, Any]) -> None:
+    if function == "chunk_kda":
+        return
     if kw.get("return_intermediate_states", False):
         _refuse(
-            "return_intermediate_states=True is not supported by kda's adapters (fla returns "
-            "inference-only bfloat16 chunk states); use kda.chunk_kda(..., save_boundaries=True)"
+            "return_intermediate_states=True is refused by fused_recurrent_kda (a recurrence has no "
+            "chunks; fla ignores it silently); use chunk_kda(..., return_intermediate_states=True)"
         )
     if kw.get("cp_context") is not None:
-        _refuse("cp_context (context parallelism) is not supported by kda's adapters; got a context")
+        _refuse(
+            "cp_context is refused by fused_recurrent_kda (fla ignores it silently); use "
+            "chunk_kda(..., cp_context=ctx)"
+        )
 
 
 def _gate(kw: dict[str, Any], has_A_log: bool, has_dt_bias: bool) -> dict[str, Any]:
@@ -322,7 +370,7 @@ def translate(
     has_cu_seqlens: bool,
 ) -> FlaCall:
     """Translate fla keywords ``kw`` (already restricted to the known ones) into kda options."""
-    _check_unsupported(kw)
+    _check_unsupported(function, kw)
     HV, K = _check_shapes(tuple(q_shape), tuple(v_shape), has_cu_seqlens)
     gate = _gate(kw, has_A_log, has_dt_bias)
     static = (
@@ -339,4 +387,23 @@ def translate(
         output_final_state=bool(kw.get("output_final_state", False)),
         state_v_first=state_layout(kw),
         dt_bias_shape=(HV, K),
+        intermediate_states=bool(kw.get("return_intermediate_states", False)),
     )
+
+
+def check_gate_sizes(A_log: Any, dt_bias: Any, call: FlaCall) -> None:
+    """fla reads ``A_log`` and ``dt_bias`` by element count: ``HV`` and ``HV * K`` elements of any
+    shape (fla's tests pass ``A_log`` as ``[1, 1, HV, 1]``). :class:`~kda.InvalidInputError`
+    naming the argument otherwise. ``A_log``, ``dt_bias``: anything with a ``shape``, or None."""
+    HV, K = call.dt_bias_shape
+    for name, x, want, what in (
+        ("A_log", A_log, HV, "HV"),
+        ("dt_bias", dt_bias, HV * K, f"HV * K = {HV} * {K}"),
+    ):
+        if x is None:
+            continue
+        n = math.prod(x.shape)
+        if n != want:
+            _refuse(
+                f"{name} must have {what} = {want} elements (any shape, as fla); got shape {tuple(x.shape)}"
+            )
