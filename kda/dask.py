@@ -44,7 +44,7 @@ from ._entry.api import chunk_kda as _chunk_kda
 from ._entry.api import chunk_kda_backward as _chunk_kda_backward
 from ._entry.transition import chunk_kda_transition, chunk_kda_transition_backward
 from ._errors import InvalidInputError, InvalidTypeError
-from ._options.table import LAYOUTS, Choices, takes_options
+from ._options.table import LAYOUTS, Array, Choices, takes_options
 from ._options.validation import check_choice, check_chunk_size
 
 __all__ = ["chunk_kda", "chunk_kda_backward"]
@@ -633,19 +633,10 @@ def _block_options(scale, chunk_size: int, backend, opts: Choices) -> dict[str, 
 
 @takes_options()
 def chunk_kda(
-    q: Any,
-    k: Any,
-    v: Any,
-    g: Any,
-    beta: Any,
-    *,
-    initial_state: Any = None,
-    scale: float | None = None,
-    chunk_size: int = 64,
-    save_boundaries: bool = False,
-    backend: str | None = None,
-    opts: Choices,
-) -> KdaOutput:
+    q: Array, k: Array, v: Array, g: Array, beta: Array, *, initial_state: Array | None = None,
+    scale: float | None = None, chunk_size: int = 64, save_boundaries: bool = False,
+    backend: str | None = None, opts: Choices,
+) -> KdaOutput:  # fmt: skip
     """:func:`kda.chunk_kda` on Dask arrays, split over batch, heads and time.
 
     Parameters
@@ -660,7 +651,7 @@ def chunk_kda(
         Dask, NumPy or CuPy; zeros when None.
     scale, chunk_size, save_boundaries, backend
         As for :func:`kda.chunk_kda`; ``backend`` is applied to every block.
-{options}
+    {options}
         ``cu_seqlens`` (packed sequences, ``B == 1``; host offsets) may cross time blocks: only
         the sequence crossing a block boundary carries a state across it. With it,
         ``save_boundaries`` must be False (:class:`~kda.InvalidInputError`).
@@ -707,21 +698,10 @@ def chunk_kda(
 
 @takes_options()
 def chunk_kda_backward(
-    q: Any,
-    k: Any,
-    v: Any,
-    g: Any,
-    beta: Any,
-    boundaries: Any,
-    grad_output: Any,
-    grad_final_state: Any = None,
-    *,
-    initial_state: Any = None,
-    scale: float | None = None,
-    chunk_size: int = 64,
-    backend: str | None = None,
-    opts: Choices,
-) -> KdaGradients:
+    q: Array, k: Array, v: Array, g: Array, beta: Array, boundaries: Array, grad_output: Array,
+    grad_final_state: Array | None = None, *, initial_state: Array | None = None,
+    scale: float | None = None, chunk_size: int = 64, backend: str | None = None, opts: Choices,
+) -> KdaGradients:  # fmt: skip
     """:func:`kda.chunk_kda_backward` on Dask arrays, split over batch, heads and time.
 
     Parameters
@@ -738,7 +718,7 @@ def chunk_kda_backward(
         Dask, NumPy or CuPy; zeros when None.
     initial_state, scale, chunk_size, backend
         As for :func:`chunk_kda`.
-{options}
+    {options}
 
     Returns
     -------

@@ -13,6 +13,7 @@ import kda.testing as kt
 # The log-gate regimes of kda.testing (zero, weak, mild, strong, hard, reset)
 REGIMES = kt.LOG_REGIMES
 
+
 def _backends() -> tuple[str, ...]:
     """The backends whose tests run here: the reference always; cpu where numba and scipy are
     installed; cuda where numba-cuda imports (on the simulator without a GPU: tests/conftest.py
@@ -194,3 +195,44 @@ def make_model_problem(
     s0 = rng.standard_normal((N, HV, K, V))
     ds = rng.standard_normal((N, HV, K, V))
     return ModelProblem(tuple(arrays), s0, do, ds, kwargs)
+
+
+def fla_naive(fresh: bool = False):
+    """fla's naive reference module (``fla/ops/kda/naive.py``), through kda's one loader; skips the
+    calling test where fla-core, torch or einops is missing, and fails it with KDA_REQUIRE_FLA=1
+    (CI installs them: there the comparisons must run)."""
+    import os
+
+    import pytest
+
+    from kda.bench.chunk import load_fla_naive
+
+    module, reason = load_fla_naive(fresh=fresh)
+    if module is None:
+        if os.environ.get("KDA_REQUIRE_FLA") == "1":
+            pytest.fail(f"KDA_REQUIRE_FLA=1 but {reason}")
+        pytest.skip(reason)
+    return module
+
+
+def fla_naive_gates() -> dict:
+    """fla's ``naive_kda_gate`` and ``naive_kda_lowerbound_gate``: ``gate.py`` imports triton at
+    module level, so only those functions' source is executed (torch and ``F`` in scope)."""
+    import importlib.util
+    from pathlib import Path
+
+    import torch
+
+    fla_naive()  # the same skip / fail rules
+    root = Path(importlib.util.find_spec("fla").origin).parent / "ops" / "kda"
+    source = (root / "gate.py").read_text()
+    names: dict = {}
+    for fn in ("naive_kda_gate", "naive_kda_lowerbound_gate"):
+        start = source.index(f"def {fn}(")
+        end = source.index("\n\n\n", start)
+        exec(
+            compile(source[start:end], str(root / "gate.py"), "exec"),
+            {"torch": torch, "F": torch.nn.functional},
+            names,
+        )
+    return names

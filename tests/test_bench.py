@@ -86,7 +86,7 @@ def test_bench_tiny_plot(tmp_path, capsys):
 
 
 def test_bench_fla_reference(tmp_path, capsys):
-    fla, reason = _bench._load_fla_naive()
+    fla, reason = _bench.load_fla_naive()
     if fla is None:
         pytest.skip(reason)
     report, out = _run(tmp_path, capsys, "--no-plot", "--no-memory", "--T", "64", "--backends", "fla_naive")

@@ -201,7 +201,6 @@ def test_array_api_strict_pool():
 # ---------------------------------------------------------------- the CUDA kernel
 
 
-
 def _cuda_or_skip():
     pytest.importorskip("numba.cuda", reason="numba-cuda is not installed (pip install kda[cuda])")
     if HAS_GPU:

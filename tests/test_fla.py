@@ -8,11 +8,9 @@ missing the test skips, unless ``KDA_REQUIRE_FLA=1`` (set by CI), where it fails
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
-from helpers import assert_close
+from helpers import assert_close, fla_naive
 
 import kda
 
@@ -23,14 +21,7 @@ TOLERANCE = 1e-5
 
 @pytest.fixture(scope="module")
 def fla():
-    from kda.bench.chunk import _load_fla_naive
-
-    module, reason = _load_fla_naive()
-    if module is None:
-        if os.environ.get("KDA_REQUIRE_FLA") == "1":
-            pytest.fail(f"KDA_REQUIRE_FLA=1 but {reason}")
-        pytest.skip(reason)
-    return module
+    return fla_naive()
 
 
 def _problem(seed: int = 0) -> dict[str, np.ndarray]:

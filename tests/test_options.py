@@ -9,14 +9,11 @@ sequence run alone, the gate maps against closed forms and fla's naive gates, an
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ModelProblem, assert_close, make_model_problem
+from helpers import ModelProblem, assert_close, fla_naive, fla_naive_gates, make_model_problem
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -234,27 +231,7 @@ def test_gate_maps_are_exact_at_extremes():
 
 def _load_fla_gates():
     torch = pytest.importorskip("torch")
-    pytest.importorskip("einops")
-    spec = importlib.util.find_spec("fla")
-    if spec is None or spec.origin is None:
-        pytest.skip("fla-core is not installed")
-    root = Path(spec.origin).parent / "ops" / "kda"
-    # gate.py imports triton at module level; execute only its naive functions
-    source = (root / "gate.py").read_text()
-    names = {}
-    for fn in ("naive_kda_gate", "naive_kda_lowerbound_gate"):
-        start = source.index(f"def {fn}(")
-        end = source.index("\n\n\n", start)
-        exec(
-            compile(source[start:end], str(root / "gate.py"), "exec"),
-            {"torch": torch, "F": torch.nn.functional},
-            names,
-        )
-    naive = importlib.util.spec_from_file_location("fla_kda_naive", root / "naive.py")
-    module = importlib.util.module_from_spec(naive)
-    sys.modules.setdefault("fla_kda_naive", module)
-    naive.loader.exec_module(module)
-    return torch, names, module
+    return torch, fla_naive_gates(), fla_naive()
 
 
 def test_gates_and_core_match_fla_naive():

@@ -222,7 +222,6 @@ def _peaks(T: int) -> tuple[int, list[int]]:
 # ---------------------------------------------------------------- the CUDA backend
 
 
-
 def test_simulator_plan_runs_without_graphs():
     pytest.importorskip("numba.cuda", reason="numba-cuda is not installed")
     if HAS_GPU:

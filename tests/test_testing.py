@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import BACKENDS
+from helpers import BACKENDS, fla_naive
 from hypothesis import HealthCheck, given, settings
 
 import kda
@@ -115,14 +115,7 @@ def test_check_kernel_passes_kda_torch():
 
 @pytest.fixture(scope="module")
 def fla():
-    from kda.bench.chunk import _load_fla_naive
-
-    module, reason = _load_fla_naive()
-    if module is None:
-        if os.environ.get("KDA_REQUIRE_FLA") == "1":
-            pytest.fail(f"KDA_REQUIRE_FLA=1 but {reason}")
-        pytest.skip(reason)
-    return module
+    return fla_naive()
 
 
 # What fla's naive chunk supports: no packed sequences, no gate or activations in the kernel,

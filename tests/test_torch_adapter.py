@@ -3,18 +3,15 @@ torch.compile, dtypes, zero-copy exchange, refusals. CUDA tests run where a GPU 
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from helpers import TOLERANCE, assert_close  # noqa: E402
+from helpers import TOLERANCE, assert_close, fla_naive  # noqa: E402
 
 import kda  # noqa: E402
 import kda.torch as kt  # noqa: E402
@@ -168,21 +165,7 @@ def _load_fla_naive():
     """``fla/ops/kda/naive.py`` by path (``import fla.ops`` needs triton), made to compute in
     float64: it casts its inputs with ``x.to(torch.float)``, so its ``torch`` is given a
     ``float`` that is float64 (everything else is torch itself)."""
-    spec = importlib.util.find_spec("fla")
-    missing = [
-        name
-        for name, found in (("fla-core", spec), ("einops", importlib.util.find_spec("einops")))
-        if not found
-    ]
-    if missing:
-        reason = f"{' and '.join(missing)} not installed (pip install einops; pip install --no-deps fla-core)"
-        if os.environ.get("KDA_REQUIRE_FLA") == "1":  # CI installs them: there the comparison must run
-            pytest.fail(f"KDA_REQUIRE_FLA=1 but {reason}")
-        pytest.skip(reason)
-    path = Path(next(iter(spec.submodule_search_locations))) / "ops" / "kda" / "naive.py"
-    mod_spec = importlib.util.spec_from_file_location("_kda_test_fla_naive", path)
-    mod = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(mod)
+    mod = fla_naive(fresh=True)  # a module of its own: its torch is replaced below
     mod.torch = _Float64Torch()
     return mod
 

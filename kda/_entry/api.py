@@ -63,7 +63,8 @@ def chunk_kda(
         Also return the chunk-start states, ``[NT, B, HV, K, V]`` with ``NT = ceil(T / C)``,
         for :func:`chunk_kda_backward`.
     backend : {None, "reference", "cuda"}
-        ``None`` picks from the arrays' namespace.{options}
+        ``None`` picks from the arrays' namespace.
+    {options}
 
     Returns
     -------
@@ -95,7 +96,8 @@ def chunk_kda_backward(
     grad_final_state : array, shape ``[B, HV, K, V]``, optional
         Gradient of ``final_state``; zeros when None.
     scale, initial_state, chunk_size, backend
-        As for :func:`chunk_kda`.{options}
+        As for :func:`chunk_kda`.
+    {options}
 
     Returns
     -------
@@ -124,7 +126,8 @@ def recurrent_kda(
     Parameters
     ----------{inputs}
     scale, initial_state, backend
-        As for :func:`chunk_kda`.{options}
+        As for :func:`chunk_kda`.
+    {options}
 
     Returns
     -------
@@ -150,7 +153,8 @@ def recurrent_kda_backward(
     grad_output, grad_final_state
         As for :func:`chunk_kda_backward`.
     scale, initial_state, backend
-        As for :func:`chunk_kda`.{options}
+        As for :func:`chunk_kda`.
+    {options}
 
     Returns
     -------

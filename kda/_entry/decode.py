@@ -80,44 +80,44 @@ def decode_kda(
 ) -> Any:  # fmt: skip
     """A few KDA steps of a batch of requests, each continuing the state held in a pool row.
 
-        Request ``n`` starts from ``state_pool[state_indices[n]]``, runs its ``T`` steps of the
-        recurrence (as :func:`kda.recurrent_kda` would with that row as ``initial_state``) and writes
-        its final state back into that row, in place.
+    Request ``n`` starts from ``state_pool[state_indices[n]]``, runs its ``T`` steps of the
+    recurrence (as :func:`kda.recurrent_kda` would with that row as ``initial_state``) and writes
+    its final state back into that row, in place.
 
-        Parameters
-        ----------
-        q, k : array, shape ``[N, H, T, K]`` (``[N, T, H, K]`` with ``layout="time_major"``)
-            Queries and keys of the ``N`` requests.
-        v : array, shape ``[N, HV, T, V]``
-            Values (``HV`` a multiple of ``H``: grouped value heads).
-        g : array, shape ``[N, HV, T, K]``
-            Gates: log decays ``<= 0`` with ``gate="log"``, raw gates otherwise.
-        beta : array, shape ``[N, HV, T]``
-            Delta-rule step sizes (raw, with ``beta_activation``).
-        state_pool : array, shape ``[P, HV, K, V]``
-            The pool of states, float32 (float64 for float64 inputs), writable; updated in place.
-            Rows that no request names are left bitwise unchanged.
-        state_indices : 1-D integer array or list, shape ``[N]``
-            Row of ``state_pool`` of each request, or ``-1`` for a padding request (its output is
-            zeros and it reads and writes no state). Non-negative indices must be distinct.
-        scale : float, optional
-            Query scale; default ``K ** -0.5``.
-        backend : {None, "reference", "cuda"}
-            ``None`` picks from the arrays' namespace; CuPy arrays run one CUDA kernel.
+    Parameters
+    ----------
+    q, k : array, shape ``[N, H, T, K]`` (``[N, T, H, K]`` with ``layout="time_major"``)
+        Queries and keys of the ``N`` requests.
+    v : array, shape ``[N, HV, T, V]``
+        Values (``HV`` a multiple of ``H``: grouped value heads).
+    g : array, shape ``[N, HV, T, K]``
+        Gates: log decays ``<= 0`` with ``gate="log"``, raw gates otherwise.
+    beta : array, shape ``[N, HV, T]``
+        Delta-rule step sizes (raw, with ``beta_activation``).
+    state_pool : array, shape ``[P, HV, K, V]``
+        The pool of states, float32 (float64 for float64 inputs), writable; updated in place.
+        Rows that no request names are left bitwise unchanged.
+    state_indices : 1-D integer array or list, shape ``[N]``
+        Row of ``state_pool`` of each request, or ``-1`` for a padding request (its output is
+        zeros and it reads and writes no state). Non-negative indices must be distinct.
+    scale : float, optional
+        Query scale; default ``K ** -0.5``.
+    backend : {None, "reference", "cuda"}
+        ``None`` picks from the arrays' namespace; CuPy arrays run one CUDA kernel.
     {options}
-            (``check_finite`` scans the inputs, not the pool: that would read every row.)
+        (``check_finite`` scans the inputs, not the pool: that would read every row.)
 
-        Returns
-        -------
-        output : array, shape ``[N, HV, T, V]`` (``[N, T, HV, V]`` time-major), dtype of the inputs.
+    Returns
+    -------
+    output : array, shape ``[N, HV, T, V]`` (``[N, T, HV, V]`` time-major), dtype of the inputs.
 
-        Raises
-        ------
-        InvalidInputError
-            Wrong shapes, an index outside ``[-1, P)``, a row named twice, a pool that cannot be
-            written in place (a read-only NumPy array, an immutable namespace such as JAX).
-        InvalidTypeError
-            Wrong dtypes (the pool must be the compute dtype) or array types.
+    Raises
+    ------
+    InvalidInputError
+        Wrong shapes, an index outside ``[-1, P)``, a row named twice, a pool that cannot be
+        written in place (a read-only NumPy array, an immutable namespace such as JAX).
+    InvalidTypeError
+        Wrong dtypes (the pool must be the compute dtype) or array types.
     """
     call = open_call(q, k, v, g, beta, scale, opts, backend=backend)
     p, xp = call.p, call.p.xp

@@ -221,45 +221,45 @@ def prepare_chunk_kda(
 ) -> ForwardPlan:  # fmt: skip
     """Prepare :func:`kda.chunk_kda` on bound arrays, to run many times.
 
-        The arguments are those of :func:`kda.chunk_kda` (validated here, once, with the same
-        errors), plus ``out``. Every bound array (``q, k, v, g, beta, initial_state`` and the
-        buffers of ``out``) must be C-contiguous and stay in place: :meth:`ForwardPlan.run` reads
-        their current contents. ``check_finite`` applies to the values at prepare time.
+    The arguments are those of :func:`kda.chunk_kda` (validated here, once, with the same
+    errors), plus ``out``. Every bound array (``q, k, v, g, beta, initial_state`` and the
+    buffers of ``out``) must be C-contiguous and stay in place: :meth:`ForwardPlan.run` reads
+    their current contents. ``check_finite`` applies to the values at prepare time.
 
-        Parameters
-        ----------
-        out : KdaOutput, optional
-            Caller-owned buffers to adopt: ``output`` (shape and dtype of the output),
-            ``final_state`` (``[B, HV, K, V]``, ``[N, HV, K, V]`` with ``cu_seqlens``) and
-            ``boundaries`` (``[NT, B, HV, K, V]``, required with ``save_boundaries=True``, filled
-            whenever given); states float32 (float64 for float64 inputs). None: the plan allocates.
+    Parameters
+    ----------
+    out : KdaOutput, optional
+        Caller-owned buffers to adopt: ``output`` (shape and dtype of the output),
+        ``final_state`` (``[B, HV, K, V]``, ``[N, HV, K, V]`` with ``cu_seqlens``) and
+        ``boundaries`` (``[NT, B, HV, K, V]``, required with ``save_boundaries=True``, filled
+        whenever given); states float32 (float64 for float64 inputs). None: the plan allocates.
     {options}
 
-        Returns
-        -------
-        ForwardPlan
-            ``plan.run()`` returns ``plan.out``, a :class:`~kda.KdaOutput` of the plan's buffers.
+    Returns
+    -------
+    ForwardPlan
+        ``plan.run()`` returns ``plan.out``, a :class:`~kda.KdaOutput` of the plan's buffers.
 
-        Raises
-        ------
-        InvalidInputError
-            As :func:`kda.chunk_kda`; also a binding that is not C-contiguous, an ``out`` buffer of
-            the wrong shape or that cannot be written in place, an immutable namespace (JAX).
-        InvalidTypeError
-            As :func:`kda.chunk_kda`; also an ``out`` buffer of the wrong dtype.
+    Raises
+    ------
+    InvalidInputError
+        As :func:`kda.chunk_kda`; also a binding that is not C-contiguous, an ``out`` buffer of
+        the wrong shape or that cannot be written in place, an immutable namespace (JAX).
+    InvalidTypeError
+        As :func:`kda.chunk_kda`; also an ``out`` buffer of the wrong dtype.
 
-        Notes
-        -----
-        ``run()`` does not repeat the validation. With ``gate="log"`` on host arrays it re-checks
-        the refilled gate with one reduction, ``max(g) <= 0`` (a positive or NaN gate raises
-        :class:`~kda.InvalidInputError`), because a positive log decay silently overflows ``exp``;
-        the reduction reads ``g`` once and allocates nothing. On CuPy that check would need a host
-        synchronisation in every run (and cannot be captured in a CUDA graph), so refilled values
-        are not re-validated there; nor are NaN or infinite ``q, k, v, beta`` on any backend.
-        On NumPy, plain problems (log gate, no ``qk_l2norm``, no beta activation, ``HV == H``, no
-        ``cu_seqlens``, float32 or float64) run straight into the plan's buffers and allocate only
-        one slab's work per run, nothing that grows with ``T``. On CuPy the first run also captures
-        a CUDA graph that later runs replay.
+    Notes
+    -----
+    ``run()`` does not repeat the validation. With ``gate="log"`` on host arrays it re-checks
+    the refilled gate with one reduction, ``max(g) <= 0`` (a positive or NaN gate raises
+    :class:`~kda.InvalidInputError`), because a positive log decay silently overflows ``exp``;
+    the reduction reads ``g`` once and allocates nothing. On CuPy that check would need a host
+    synchronisation in every run (and cannot be captured in a CUDA graph), so refilled values
+    are not re-validated there; nor are NaN or infinite ``q, k, v, beta`` on any backend.
+    On NumPy, plain problems (log gate, no ``qk_l2norm``, no beta activation, ``HV == H``, no
+    ``cu_seqlens``, float32 or float64) run straight into the plan's buffers and allocate only
+    one slab's work per run, nothing that grows with ``T``. On CuPy the first run also captures
+    a CUDA graph that later runs replay.
     """
     call, state = _prepare(q, k, v, g, beta, scale, chunk_size, backend, initial_state, opts)
     p = call.p
@@ -292,23 +292,23 @@ def prepare_chunk_kda_backward(
 ) -> BackwardPlan:  # fmt: skip
     """Prepare :func:`kda.chunk_kda_backward` on bound arrays, to run many times.
 
-        The arguments are those of :func:`kda.chunk_kda_backward`, plus ``out``; as for
-        :func:`prepare_chunk_kda`, every binding must be C-contiguous and is read at each run.
-        ``boundaries=None`` recomputes the chunk-start states at every run, into a workspace
-        allocated once here.
+    The arguments are those of :func:`kda.chunk_kda_backward`, plus ``out``; as for
+    :func:`prepare_chunk_kda`, every binding must be C-contiguous and is read at each run.
+    ``boundaries=None`` recomputes the chunk-start states at every run, into a workspace
+    allocated once here.
 
-        Parameters
-        ----------
-        out : KdaGradients, optional
-            Caller-owned gradient buffers, each with its input's shape and dtype (``initial_state``:
-            ``[B, HV, K, V]`` in the states' dtype; ``A_log`` and ``dt_bias`` only where the gate
-            uses them, else None). None: the plan allocates.
+    Parameters
+    ----------
+    out : KdaGradients, optional
+        Caller-owned gradient buffers, each with its input's shape and dtype (``initial_state``:
+        ``[B, HV, K, V]`` in the states' dtype; ``A_log`` and ``dt_bias`` only where the gate
+        uses them, else None). None: the plan allocates.
     {options}
 
-        Returns
-        -------
-        BackwardPlan
-            ``plan.run()`` returns ``plan.out``, a :class:`~kda.KdaGradients` of the plan's buffers.
+    Returns
+    -------
+    BackwardPlan
+        ``plan.run()`` returns ``plan.out``, a :class:`~kda.KdaGradients` of the plan's buffers.
     """
     call, state = _prepare(q, k, v, g, beta, scale, chunk_size, backend, initial_state, opts)
     p, o = call.p, call.o

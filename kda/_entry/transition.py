@@ -48,32 +48,32 @@ def chunk_kda_transition(
 ) -> KdaTransition:  # fmt: skip
     """The affine state map of a segment of steps: ``S_end = A @ S_start + N``.
 
-        For a sequence cut into consecutive segments (shards), every segment's map can be computed
-        independently (in parallel); a scan ``S_{i+1} = A_i @ S_i + N_i`` over the small maps then
-        gives every segment its true start state, from which :func:`kda.chunk_kda` computes that
-        segment's outputs exactly. See ``docs/sequence_parallel.md``.
+    For a sequence cut into consecutive segments (shards), every segment's map can be computed
+    independently (in parallel); a scan ``S_{i+1} = A_i @ S_i + N_i`` over the small maps then
+    gives every segment its true start state, from which :func:`kda.chunk_kda` computes that
+    segment's outputs exactly. See ``docs/sequence_parallel.md``.
 
-        Parameters
-        ----------
-        q, k, v, g, beta : array
-            One segment's inputs, exactly as for :func:`kda.chunk_kda` (shapes by ``layout``; grouped
-            value heads ``HV``). ``v`` does not enter ``A``; it only enters ``N``.
-        scale, chunk_size, backend
-            As for :func:`kda.chunk_kda`. The result does not depend on ``chunk_size`` beyond rounding.
+    Parameters
+    ----------
+    q, k, v, g, beta : array
+        One segment's inputs, exactly as for :func:`kda.chunk_kda` (shapes by ``layout``; grouped
+        value heads ``HV``). ``v`` does not enter ``A``; it only enters ``N``.
+    scale, chunk_size, backend
+        As for :func:`kda.chunk_kda`. The result does not depend on ``chunk_size`` beyond rounding.
     {options}
-            With ``cu_seqlens``: one map per sequence, ``A: [N, HV, K, K]``.
+        With ``cu_seqlens``: one map per sequence, ``A: [N, HV, K, K]``.
 
-        Returns
-        -------
-        KdaTransition
-            ``(A [B, HV, K, K], N [B, HV, K, V])``, float32 (float64 for float64 inputs). For
-            ``T == 0``, ``A`` is the identity and ``N`` zero.
+    Returns
+    -------
+    KdaTransition
+        ``(A [B, HV, K, K], N [B, HV, K, V])``, float32 (float64 for float64 inputs). For
+        ``T == 0``, ``A`` is the identity and ``N`` zero.
 
-        Notes
-        -----
-        Runs the state recurrence of one chunked forward whose value width is ``K + V`` (values
-        ``[0, v]`` from the start state ``[I, 0]``, whose end state is ``[A, N]``), without forming
-        outputs. With ``cu_seqlens`` it runs the ordinary forward so widened.
+    Notes
+    -----
+    Runs the state recurrence of one chunked forward whose value width is ``K + V`` (values
+    ``[0, v]`` from the start state ``[I, 0]``, whose end state is ``[A, N]``), without forming
+    outputs. With ``cu_seqlens`` it runs the ordinary forward so widened.
     """
     if opts.cu_seqlens is not None:  # one map per sequence: the ordinary forward, widened
         return _packed_transition(q, k, v, g, beta, scale, chunk_size, backend, opts)
@@ -115,32 +115,32 @@ def chunk_kda_transition_backward(
 ) -> Any:  # fmt: skip
     """The start-state gradient of a segment when its end-state gradient is zero: ``D``.
 
-        With ``A`` from :func:`chunk_kda_transition`, the gradient of a segment's start state is
-        ``dS_start = A^T @ dS_end + D`` (``A^T`` is ``matrix_transpose(A)``). A reverse scan over
-        the segments gives every segment its true end-state gradient, from which
-        :func:`kda.chunk_kda_backward` computes the exact gradients of that segment's inputs.
+    With ``A`` from :func:`chunk_kda_transition`, the gradient of a segment's start state is
+    ``dS_start = A^T @ dS_end + D`` (``A^T`` is ``matrix_transpose(A)``). A reverse scan over
+    the segments gives every segment its true end-state gradient, from which
+    :func:`kda.chunk_kda_backward` computes the exact gradients of that segment's inputs.
 
-        Parameters
-        ----------
-        q, k, v, g, beta : array
-            One segment's inputs, as for :func:`kda.chunk_kda`. ``D`` depends on neither ``v`` nor
-            the start state.
-        grad_output : array
-            Gradient of the segment's output, shaped and typed like that output.
-        scale, chunk_size, backend
-            As for :func:`chunk_kda_transition`.
+    Parameters
+    ----------
+    q, k, v, g, beta : array
+        One segment's inputs, as for :func:`kda.chunk_kda`. ``D`` depends on neither ``v`` nor
+        the start state.
+    grad_output : array
+        Gradient of the segment's output, shaped and typed like that output.
+    scale, chunk_size, backend
+        As for :func:`chunk_kda_transition`.
     {options}
 
-        Returns
-        -------
-        array, shape ``[B, HV, K, V]`` (``[N, HV, K, V]`` with ``cu_seqlens``)
-            ``D``, float32 (float64 for float64 inputs).
+    Returns
+    -------
+    array, shape ``[B, HV, K, V]`` (``[N, HV, K, V]`` with ``cu_seqlens``)
+        ``D``, float32 (float64 for float64 inputs).
 
-        Notes
-        -----
-        Runs only the state-gradient recurrence of the chunked backward (the state-free work of each
-        chunk and one ``[K, V]`` product pair per chunk): no states, no gradients of the inputs. With
-        ``cu_seqlens`` it runs the ordinary backward and returns its initial-state gradient.
+    Notes
+    -----
+    Runs only the state-gradient recurrence of the chunked backward (the state-free work of each
+    chunk and one ``[K, V]`` product pair per chunk): no states, no gradients of the inputs. With
+    ``cu_seqlens`` it runs the ordinary backward and returns its initial-state gradient.
     """
     if opts.cu_seqlens is not None:  # one D per sequence: the ordinary backward's initial-state gradient
         grads = chunk_kda_backward(

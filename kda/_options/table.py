@@ -112,16 +112,16 @@ Choices = make_dataclass(
 
 
 def options_doc(exclude: tuple[str, ...] = ()) -> str:
-    """The numpydoc entries of the options (each ``name : type, default ...``)."""
-    lines = []
+    """The numpydoc entries of the options (each ``name : type, default ...``), to stand in for a
+    ``{options}`` placeholder indented like a parameter entry."""
+    entries = []
     for o in OPTIONS:
         if o.name in exclude:
             continue
         kind = " | ".join(map(repr, o.choices)).replace("'", '"') if o.choices else o.annotation
         kind = f"{{{kind}}}" if o.choices else kind
-        lines.append(f"    {o.name} : {kind}, default {o.default!r}")
-        lines.append(f"        {o.doc}")
-    return "\n" + "\n".join(lines)
+        entries.append(f"{o.name} : {kind}, default {o.default!r}\n        {o.doc}")
+    return "\n    ".join(entries)
 
 
 def _public_signature(impl: Callable, exclude: tuple[str, ...]) -> inspect.Signature:

@@ -323,21 +323,24 @@ def _inputs(B: int, H: int, T: int, K: int, V: int, dtype: Any, seed: int) -> di
     return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "do": do}
 
 
-def _load_fla_naive() -> tuple[Any, str]:
-    """``fla.ops.kda.naive`` or the reason it is unavailable.
+def load_fla_naive(fresh: bool = False) -> tuple[Any, str]:
+    """``fla.ops.kda.naive`` or the reason it is unavailable (the one loader of fla's reference,
+    used by the benchmark and the tests).
 
     ``import fla.ops`` needs triton; the naive reference needs only torch and einops, so when the
-    package import fails the file itself is loaded.
+    package import fails the file itself is loaded. ``fresh``: always a new module loaded from
+    the file (for callers that patch it).
     """
     try:
         import einops  # noqa: F401
         import torch  # noqa: F401
     except ImportError as err:
         return None, f"fla reference not run: {err} (pip install torch einops fla-core)"
-    try:
-        return importlib.import_module("fla.ops.kda.naive"), ""
-    except ImportError:
-        pass
+    if not fresh:
+        try:
+            return importlib.import_module("fla.ops.kda.naive"), ""
+        except ImportError:
+            pass
     spec = importlib.util.find_spec("fla")
     if spec is None or not spec.submodule_search_locations:
         return None, "fla reference not run: fla-core is not installed (pip install --no-deps fla-core)"
@@ -615,7 +618,7 @@ def _methods(args: argparse.Namespace) -> tuple[list[str], Any, str, dict[str, A
     methods = [m for m in ("chunk", "chunk_reference", "recurrent") if m in args.backends]
     fla, fla_reason, fla_info = None, "", {"requested": "fla_naive" in args.backends}
     if "fla_naive" in args.backends:
-        fla, fla_reason = _load_fla_naive()
+        fla, fla_reason = load_fla_naive()
         fla_info.update(available=fla is not None, version=_fla_version(), conventions=FLA_CONVENTIONS)
         if fla is None:
             fla_info["reason"] = fla_reason
