@@ -145,17 +145,40 @@ def takes_options(exclude: tuple[str, ...] = ()) -> Callable[[Callable], Callabl
 
     def wrap(impl: Callable) -> Callable:
         signature = _public_signature(impl, exclude)
-        names = option_names(exclude)
-
-        @functools.wraps(impl)
-        def entry(*args: Any, **kwargs: Any) -> Any:
-            bound = signature.bind(*args, **kwargs)  # TypeError for an unknown keyword
-            arguments = bound.arguments
-            chosen = Choices(**{n: arguments.pop(n) for n in names if n in arguments})
-            return impl(*bound.args, **bound.kwargs, opts=chosen)
-
+        entry = _generated_entry(impl, signature, option_names(exclude))
+        functools.update_wrapper(entry, impl)
         entry.__signature__ = signature  # type: ignore[attr-defined]
         entry.__doc__ = (impl.__doc__ or "").replace("{options}", options_doc(exclude))
         return entry
 
     return wrap
+
+
+def _generated_entry(impl: Callable, signature: inspect.Signature, names: tuple[str, ...]) -> Callable:
+    """A plain function with ``signature`` that calls ``impl(..., opts=Choices(<options>))``.
+
+    Generated as Python source (the parameters, their defaults by reference) rather than binding
+    arguments at every call: Python itself then refuses an unknown keyword or a missing argument,
+    and a call costs what a hand-written function with these parameters costs.
+    """
+    params, forwarded, defaults = [], [], {}
+    star_done = False
+    for i, p in enumerate(signature.parameters.values()):
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and not star_done:
+            params.append("*")
+            star_done = True
+        text = p.name
+        if p.default is not inspect.Parameter.empty:
+            defaults[f"_d{i}"] = p.default
+            text += f"=_d{i}"
+        params.append(text)
+        if p.name not in names:
+            forwarded.append(f"{p.name}={p.name}")
+    chosen = ", ".join(f"{n}={n}" for n in names)
+    source = (
+        f"def {impl.__name__}({', '.join(params)}):\n"
+        f"    return _impl({', '.join(forwarded)}, opts=_Choices({chosen}))\n"
+    )
+    namespace = {"_impl": impl, "_Choices": Choices, **defaults}
+    exec(compile(source, f"<kda entry point {impl.__name__}>", "exec"), namespace)
+    return namespace[impl.__name__]
