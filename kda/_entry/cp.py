@@ -27,7 +27,6 @@ given (NumPy or CuPy), time-major with ``B == 1``.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -108,15 +107,6 @@ class Partition:
         """Whether any sequence crosses any rank boundary (same on every rank: no collective
         is needed when it is False)."""
         return any(a != b for a, b in zip(self.first_rank, self.last_rank))
-
-    def last_seq_of(self, rank: int) -> int:
-        """The global index of ``rank``'s last local sequence."""
-        end = (rank + 1) * self.part_len
-        return bisect.bisect_left(self.offsets, end) - 1
-
-    def first_seq_of(self, rank: int) -> int:
-        """The global index of ``rank``'s first local sequence."""
-        return bisect.bisect_right(self.offsets, rank * self.part_len) - 1
 
 
 def partition(offsets: Any, world_size: int, rank: int) -> Partition:

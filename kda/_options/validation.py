@@ -16,7 +16,7 @@ import array_api_compat
 
 from .._errors import InvalidInputError, InvalidTypeError
 from .maps import Options
-from .table import LAYOUTS, OPTIONS, Choices
+from .table import OPTIONS, Choices
 
 __all__ = ["Problem", "check_options_call", "validate_options", "validate_problem"]
 
@@ -189,8 +189,7 @@ def validate_problem(
     """
     names = ["q", "k", "v", "g", "beta"]
     arrays = [q, k, v, g, beta]
-    xp = namespace_of(names, arrays)
-    layout = check_choice("layout", layout, LAYOUTS)
+    xp = namespace_of(names, arrays)  # layout: checked with the other choices (check_options_call)
     B, H, HV, T, K, V = _sizes(q, v, layout)
     _check_value_heads(v, B, H, HV, T, layout)
     p = Problem(xp, B, H, HV, T, K, V, q.dtype, None, 0.0, layout)
