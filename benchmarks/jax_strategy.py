@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kda
-from kda._backends import reference
+from kda._backend import reference
 from kda._engine.chunked import chunk_backward, chunk_forward
 
 

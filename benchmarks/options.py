@@ -11,6 +11,7 @@ forward+backward, packed (``cu_seqlens``) against the same sequences run one by 
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import time
@@ -106,7 +107,7 @@ def varlen_timing() -> dict:
             kda.chunk_kda_backward(*inputs, out.boundaries, x["grad_output"], initial_state=s0, cu_seqlens=cu)
 
     def one_by_one(backward: bool):
-        for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        for i, (a, b) in enumerate(itertools.pairwise(cu)):
             piece = [z[:, :, a:b] for z in inputs]
             out = kda.chunk_kda(*piece, initial_state=s0[i : i + 1], save_boundaries=backward)
             if backward:

@@ -5,7 +5,7 @@ for any array library that follows the Python array API standard.
 >>> out = kda.chunk_kda(q, k, v, g, beta, save_boundaries=True)   # doctest: +SKIP
 """
 
-from ._backends import BACKENDS
+from ._backend import BACKENDS
 from ._entry.api import (
     KdaGradients,
     KdaOutput,

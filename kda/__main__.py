@@ -1,7 +1,7 @@
 """``python -m kda``: check the chunked KDA against the recurrence on every available backend.
 
-``python -m kda bench ...`` runs the benchmark (see ``python -m kda bench --help``);
-``python -m kda bench-dask ...`` the sequence-parallel (Dask) benchmark.
+The benchmarks live outside the library, in the repository's ``benchmarks/`` folder
+(``python -m benchmarks.chunk --help`` from the repository root).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def make_inputs(
 
 def available_backends() -> dict[str, Any]:
     """Backend name -> a function that moves a NumPy array to that backend's arrays."""
-    from ._backends import cpu_available
+    from ._backend import cpu_available
 
     backends: dict[str, Any] = {}
     if cpu_available():  # NumPy's default: the Numba backend
@@ -92,7 +92,7 @@ def available_backends() -> dict[str, Any]:
         import cupy
 
         cupy.zeros(1)  # raises where there is no usable GPU
-        import kda._backends.cuda  # noqa: F401
+        import kda.cuda  # noqa: F401
 
         backends["cuda"] = cupy.asarray
     except Exception:
@@ -202,14 +202,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:
-        from .bench import chunk as _bench
-
-        return _bench.main(argv[1:])
-    if argv[:1] == ["bench-dask"]:
-        from .bench import dask as _bench_dask
-
-        return _bench_dask.main(argv[1:])
     return check(_parser().parse_args(argv))
 
 

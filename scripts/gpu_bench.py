@@ -11,7 +11,7 @@ under ``--out``. Sections:
    cuda backend (float32, head-first [B, H, T, K]) and of flash-linear-attention's Triton
    ``fla.ops.kda.chunk_kda`` (time-major [B, T, H, K]; bfloat16, its usual dtype, and float32
    when it accepts it). Median of CUDA-event timings after warm-up.
-3. profile: milliseconds per kda._backends.cuda kernel in one forward + backward at that size (CUDA events
+3. profile: milliseconds per kda.cuda kernel in one forward + backward at that size (CUDA events
    around every launch), to set against the per-kernel estimates of docs/gpu.md.
 """
 
@@ -27,7 +27,7 @@ import cupy as cp
 import numpy as np
 
 import kda
-from kda._backends.cuda._launch import LAUNCHES
+from kda.cuda._launch import LAUNCHES
 
 
 def rel(got, want) -> float:
@@ -116,30 +116,30 @@ def time_kda(report: dict) -> None:
     LAUNCHES.clear()
     forward_backward()
     fb_launches = dict(LAUNCHES)
-    report["timings_ms"]["kda._backends.cuda float32 forward"] = cuda_time(forward)
-    report["timings_ms"]["kda._backends.cuda float32 forward+backward"] = cuda_time(forward_backward)
+    report["timings_ms"]["kda.cuda float32 forward"] = cuda_time(forward)
+    report["timings_ms"]["kda.cuda float32 forward+backward"] = cuda_time(forward_backward)
     report["launches"] = {"forward": fwd_launches, "forward+backward": fb_launches}
-    # the forward state pass's two cuts side by side, interleaved (kda._backends.cuda.state_pass.STATE_PASS)
-    import kda._backends.cuda.state_pass as launch
+    # the forward state pass's two cuts side by side, interleaved (kda.cuda.state_pass.STATE_PASS)
+    import kda.cuda.state_pass as launch
 
     default = launch.STATE_PASS
     try:
         for variant in ("staged", "broadcast", "staged", "broadcast"):
             launch.STATE_PASS = variant
             ms = cuda_time(forward)
-            key = f"kda._backends.cuda float32 forward ({variant} state pass)"
+            key = f"kda.cuda float32 forward ({variant} state pass)"
             report["timings_ms"][key] = min(ms, report["timings_ms"].get(key, ms))
     finally:
         launch.STATE_PASS = default
     # the recurrence kernels, for scale
-    report["timings_ms"]["kda._backends.cuda float32 recurrent forward"] = cuda_time(
+    report["timings_ms"]["kda.cuda float32 recurrent forward"] = cuda_time(
         lambda: kda.recurrent_kda(q, k, v, g, beta, initial_state=state), warmup=1, repeat=3
     )
 
 
 def profile_kernels(report: dict) -> None:
     """Milliseconds per kernel of one forward + backward (events around each launch)."""
-    import kda._backends.cuda._launch as launch
+    import kda.cuda._launch as launch
 
     B, H, T, K, V = 1, 16, 4096, 128, 128
     q, k, v, g, beta, state, do, dstate = (x.astype(cp.float32) for x in problem(B, H, T, K, V, "mild"))
@@ -287,7 +287,7 @@ def main() -> None:
     lines += [f"| error {n} | {e} |" for n, e in report["errors"].items()]
     table = "\n".join(lines)
     with open(f"{args.out}/bench.md", "w") as fh:
-        fh.write(f"# kda._backends.cuda on {report['device']}\n\n{table}\n")
+        fh.write(f"# kda.cuda on {report['device']}\n\n{table}\n")
     print(table)
 
 

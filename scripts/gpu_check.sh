@@ -12,8 +12,8 @@
 # Writes under $OUT: nvidia-smi.txt, pip.txt, pytest.txt (tests/test_cuda.py and tests/test_ptx.py,
 # plus every other tests/test_*.py that uses CuPy: decode, plans, torch on CUDA, ...; each skips
 # what it cannot run), bench.json + bench.md (accuracy at B=2 H=16 T=4096 K=V=128 float32 vs the
-# float64 reference recurrence; timings of kda._backends.cuda and of fla's Triton chunk_kda at B=1 H=16
-# T=4096 K=V=128; milliseconds per kda._backends.cuda kernel), bench.txt, and summary.txt.
+# float64 reference recurrence; timings of kda.cuda and of fla's Triton chunk_kda at B=1 H=16
+# T=4096 K=V=128; milliseconds per kda.cuda kernel), bench.txt, and summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/kda_gpu_check}"

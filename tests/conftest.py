@@ -44,5 +44,5 @@ def backend(request) -> str:
 
 @pytest.fixture
 def ops(backend):
-    """The backend module of :func:`backend` (the primitives of kda._backends.interface)."""
-    return importlib.import_module(f"kda._backends.{backend}")
+    """The backend module of :func:`backend` (the primitives of kda._backend)."""
+    return importlib.import_module(f"kda.{backend}")

@@ -205,7 +205,7 @@ def fla_naive(fresh: bool = False):
 
     import pytest
 
-    from kda.bench.chunk import load_fla_naive
+    from kda.testing import load_fla_naive
 
     module, reason = load_fla_naive(fresh=fresh)
     if module is None:

@@ -1,4 +1,4 @@
-"""``python -m kda bench`` on a tiny problem: it runs, prints the table, writes the JSON (and plot)."""
+"""``python -m benchmarks.chunk`` on a tiny problem: it runs, prints the table, writes the JSON (and plot)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from kda.bench import chunk as _bench
+from benchmarks import chunk as _bench
+from kda.testing import load_fla_naive
 
 TINY = [
     "--parts",
@@ -86,7 +87,7 @@ def test_bench_tiny_plot(tmp_path, capsys):
 
 
 def test_bench_fla_reference(tmp_path, capsys):
-    fla, reason = _bench.load_fla_naive()
+    fla, reason = load_fla_naive()
     if fla is None:
         pytest.skip(reason)
     report, out = _run(tmp_path, capsys, "--no-plot", "--no-memory", "--T", "64", "--backends", "fla_naive")
@@ -167,7 +168,7 @@ def test_bench_inference_parts(tmp_path, capsys):
 
 
 def test_crossover():
-    from kda.bench.inference import crossover
+    from benchmarks.inference import crossover
 
     def rows(wins):
         out = []

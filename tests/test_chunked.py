@@ -153,10 +153,10 @@ def test_every_regime_at_default_chunk(regime, dtype):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_realistic_sizes_against_the_recurrence(monkeypatch, H, T, K, regime, slab_chunks, scale, dtype):
     """K = V = 64 and 128 at the default chunk, T >= 200, one and several slabs, against the oracle."""
-    import kda._backends.reference
+    import kda.reference
 
     if slab_chunks is not None:
-        monkeypatch.setattr(kda._backends.reference, "SLAB_ELEMENTS", slab_chunks * H * 64 * K)
+        monkeypatch.setattr(kda.reference, "SLAB_ELEMENTS", slab_chunks * H * 64 * K)
     p = make_problem(T + K, 1, H, T, K, K, regime).astype(dtype)
     ref_out, ref_grads = oracle(p, scale)
     out, grads = run_chunked(p, 64, saved=regime != "weak", scale=scale)
@@ -228,13 +228,13 @@ def test_default_scale_is_inverse_sqrt_k():
 @pytest.mark.parametrize("slab_elements", [1, 1000])
 def test_slabs_give_the_same_result(monkeypatch, slab_elements):
     """Large problems run slab by slab (bounded memory); the result must not depend on it."""
-    import kda._backends.reference
     import kda._engine.chunked
+    import kda.reference
 
     p = make_problem(9, 2, 2, 77, 6, 5, "reset")
     whole_out, whole_grads = run_chunked(p, 8)
     whole_recomputed = run_chunked(p, 8, saved=False)[1]
-    monkeypatch.setattr(kda._backends.reference, "SLAB_ELEMENTS", slab_elements)
+    monkeypatch.setattr(kda.reference, "SLAB_ELEMENTS", slab_elements)
     assert len(kda._engine.chunked.slabs(p.q.shape, 8, 6, slab_elements)) > 1
     out, grads = run_chunked(p, 8)
     recomputed = run_chunked(p, 8, saved=False)[1]
@@ -249,13 +249,13 @@ def test_slabs_give_the_same_result(monkeypatch, slab_elements):
 @pytest.mark.parametrize(("B", "H"), [(1, 3), (3, 1), (2, 2), (2, 3)])
 def test_head_groups_give_the_same_result(monkeypatch, B, H):
     """Heads run in concurrent groups on the CPU; one group must give the same numbers."""
-    import kda._backends.reference
+    import kda.reference
 
     p = make_problem(B * 10 + H, B, H, 40, 5, 4, "mild")
-    monkeypatch.setattr(kda._backends.reference, "workers", lambda xp, heads: 3)
+    monkeypatch.setattr(kda.reference, "workers", lambda xp, heads: 3)
     out, grads = run_chunked(p, 16)
     recomputed = run_chunked(p, 16, saved=False)[1]
-    monkeypatch.setattr(kda._backends.reference, "workers", lambda xp, heads: 1)
+    monkeypatch.setattr(kda.reference, "workers", lambda xp, heads: 1)
     serial_out, serial_grads = run_chunked(p, 16)
     for a, b in zip(
         (*out, *grads[:6], *recomputed[:6]), (*serial_out, *serial_grads[:6], *serial_grads[:6]), strict=True

@@ -143,14 +143,14 @@ def test_other_namespaces_match_the_recurrence(library, dtype, chunk_size, monke
     not a power of two; slabs of two chunks make several slabs (concatenated in order where the
     arrays are not writable).
     """
-    import kda._backends.reference
+    import kda.reference
 
     move = _mover(library)
     state_dtype = "float64" if dtype == "float64" else "float32"
     # JAX: T = 96 at chunk 24 makes two equal slabs, so each operation compiles for one shape only
     p = make_problem(7, 1, 2, 96 if library == "jax" else 150, 6, 5, "reset")
     Cp = 1 << (chunk_size - 1).bit_length()
-    monkeypatch.setattr(kda._backends.reference, "SLAB_ELEMENTS", 2 * 2 * Cp * 6)  # two chunks a slab
+    monkeypatch.setattr(kda.reference, "SLAB_ELEMENTS", 2 * 2 * Cp * 6)  # two chunks a slab
     x = [move(a, dtype) for a in p.inputs]
     s0, ds = move(p.initial_state, state_dtype), move(p.grad_final_state, state_dtype)
     do = move(p.grad_output, dtype)

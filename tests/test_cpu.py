@@ -26,7 +26,7 @@ F32_LOCAL = 2e-4
 def _ops(name: str):
     import importlib
 
-    return importlib.import_module(f"kda._backends.{name}")
+    return importlib.import_module(f"kda.{name}")
 
 
 def _chunk_inputs(rng, shape, K, V, regime):
@@ -150,7 +150,7 @@ def test_decode_plan_and_transition_on_cpu():
 
 
 def test_numpy_dispatches_to_cpu_and_others_to_the_reference():
-    from kda._backends import get_backend
+    from kda._backend import get_backend
 
     assert get_backend(np, None).NAME == "cpu"
     assert get_backend(np, "reference").NAME == "reference"
@@ -229,7 +229,7 @@ def refuse(self):
     raise RuntimeError("cannot cache function: no locator available")
 d.Dispatcher.enable_caching = refuse
 import numpy as np, kda
-from kda._backends.cpu import _kernels
+from kda.cpu import _kernels
 rng = np.random.default_rng(0)
 q, k, v = (rng.standard_normal((1, 3, 1, 2)) for _ in range(3))
 g = -rng.uniform(0, 1, (1, 3, 1, 2)); beta = rng.uniform(0, 1, (1, 3, 1))

@@ -1,4 +1,4 @@
-"""The Numba-CUDA backend (``kda._backends.cuda``) against the float64 reference.
+"""The Numba-CUDA backend (``kda.cuda``) against the float64 reference.
 
 Without a GPU the kernels run under Numba's CUDA simulator on NumPy arrays (tiny shapes: the
 simulator costs ~0.2 ms per thread); with one (``/dev/nvidiactl``) they run on CuPy arrays.
@@ -22,10 +22,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kda
-import kda._backends.reference as ref
+import kda.reference as ref
 
-kc = pytest.importorskip("kda._backends.cuda")
-from kda._backends.cuda._launch import COPIES, LAUNCHES  # noqa: E402
+kc = pytest.importorskip("kda.cuda")
+from kda.cuda._launch import COPIES, LAUNCHES  # noqa: E402
 
 if HAS_GPU:
     cupy = pytest.importorskip("cupy", reason="a GPU is present but CuPy is not installed")
@@ -155,8 +155,8 @@ def compare(prefix, got_out, got_grads, want_out, want_grads, dtype, regime):
 
 
 def test_exports():
-    """The cuda backend provides every name of the interface (kda._backends.interface.Backend)."""
-    from kda._backends.interface import Backend
+    """The cuda backend provides every name of the interface (kda._backend.Backend)."""
+    from kda._backend import Backend
 
     assert kc.NAME == "cuda"
     for name in (*Backend.__annotations__, *(n for n in vars(Backend) if not n.startswith("_"))):
@@ -241,7 +241,7 @@ def test_empty_sequence():
 def test_launches_do_not_grow_with_length(monkeypatch):
     """A fixed number of kernels per call (2 and 5 chunks), and no glue: no array product, no copy.
 
-    The cuda backend asks for one slab at any size (``kda._backends.cuda.SLAB_ELEMENTS``), so these are
+    The cuda backend asks for one slab at any size (``kda.cuda.SLAB_ELEMENTS``), so these are
     the counts of a whole call: forward 2 (the state-free work, the state pass with the output);
     backward 3 (the state-free work again, the state-gradient pass, the state-free gradients),
     5 without saved boundaries (the forward's two first, for the states alone).
@@ -287,7 +287,7 @@ def test_launches_do_not_grow_with_length(monkeypatch):
 @pytest.fixture
 def compiled_calls(monkeypatch):
     """The ``(kernel, index type)`` of every kernel the launcher asks for, in order."""
-    from kda._backends.cuda._device import Family
+    from kda.cuda._device import Family
 
     calls = []
     real = Family.compiled
@@ -306,7 +306,7 @@ def test_offsets_in_64_bits_when_sizes_need_them(compiled_calls, monkeypatch):
     ``INDEX32_LIMIT`` is lowered so that this small problem takes the 64-bit variants of every
     kernel of a chunked and a recurrent forward and backward (and the gate check).
     """
-    from kda._backends.cuda import _device
+    from kda.cuda import _device
 
     used = compiled_calls
     arrays = problem(np.random.default_rng(5), 1, 2, 9, 4, 3, "reset")
@@ -350,7 +350,7 @@ def test_offsets_in_64_bits_when_sizes_need_them(compiled_calls, monkeypatch):
 
 def test_index_type_by_size():
     """The largest array or dimension of a launch decides: under 2**32 elements, 32-bit offsets."""
-    from kda._backends.cuda._launch import index_type
+    from kda.cuda._launch import index_type
 
     class Sized:
         def __init__(self, size):
@@ -386,7 +386,7 @@ def check_primitive(name, got_ref, got_cuda, want, dtype, regime="-"):
 
 def test_chunk_local_with_64_bit_offsets(compiled_calls, monkeypatch):
     """The per-chunk kernels in their 64-bit variants."""
-    from kda._backends.cuda import _device
+    from kda.cuda import _device
 
     monkeypatch.setattr(_device, "INDEX32_LIMIT", 16)
     from test_primitives import test_chunk_local_and_its_backward_by_dtype
@@ -398,7 +398,7 @@ def test_chunk_local_with_64_bit_offsets(compiled_calls, monkeypatch):
 def test_chunks_longer_than_a_block_run_on_the_reference(monkeypatch):
     """Padded chunks over MAX_CHUNK steps: no cuda kernel runs, the reference backend does, and
     the results match the recurrence; the kernels refuse such chunks themselves."""
-    from kda._backends import resolve
+    from kda._backend import resolve
 
     assert resolve(kc, kc.MAX_CHUNK) is kc
     assert resolve(kc, 2 * kc.MAX_CHUNK) is ref

@@ -216,10 +216,10 @@ def test_missing_dask_names_the_extra():
 
 
 def test_bench_dask_runs(tmp_path):
-    """``python -m kda bench-dask`` on a tiny problem: the work ratios and the accuracy rows."""
+    """``python -m benchmarks.sequence_dask`` on a tiny problem: the work ratios and the accuracy rows."""
     import json
 
-    from kda.bench import dask as _bench_dask
+    from benchmarks import sequence_dask as _bench_dask
 
     argv = [
         "--T",

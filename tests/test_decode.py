@@ -216,7 +216,7 @@ def _cuda_or_skip():
 @pytest.mark.parametrize("regime", ["mild", "reset"])
 def test_cuda_one_launch_matches_reference(dtype, regime):
     xp = _cuda_or_skip()
-    from kda._backends.cuda._launch import LAUNCHES
+    from kda.cuda._launch import LAUNCHES
 
     rng = np.random.default_rng(3)
     *inputs, pool = _request_problem(rng, 3, 1, 2, 2, 5, 3, 4, regime)
@@ -252,7 +252,7 @@ def test_cuda_strided_pool_is_updated_in_place():
 
 def test_cuda_kernel_compiled_once_per_dtype():
     xp = _cuda_or_skip()
-    from kda._backends.cuda import _decode as kd
+    from kda.cuda import _decode as kd
 
     *inputs, pool = _request_problem(np.random.default_rng(4), 2, 1, 1, 1, 3, 2, 2)
     dpool = xp.asarray(pool.astype(np.float32))
@@ -266,7 +266,7 @@ def test_cuda_kernel_compiled_once_per_dtype():
 PTX_SCRIPT = """
 import json, re
 from numba import cuda
-from kda._backends.cuda._decode import build_decode_kernel, decode_signature
+from kda.cuda._decode import build_decode_kernel, decode_signature
 report = {}
 for dtype in ("float32", "float64"):
     for index in ("uint32", "uint64"):

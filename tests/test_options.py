@@ -422,7 +422,7 @@ def test_gate_check_deferred_to_the_device(monkeypatch):
     """On a GPU namespace the g <= 0 check is one device kernel read after the work is queued;
     here the cuda backend's kernel runs under the simulator on NumPy arrays."""
     pytest.importorskip("numba")
-    import kda._backends.cuda as kc
+    import kda.cuda as kc
 
     monkeypatch.setattr(kc, "launch_gate_check", lambda g: kc._GateFlags(kc.gate_flags(g)))
     p = make_model_problem(3, 1, 1, 12, 4, 3)

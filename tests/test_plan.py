@@ -191,15 +191,15 @@ def test_run_allocates_nothing_that_grows_with_T(monkeypatch):
     what grows with T (output 0.5 -> 2 MiB, boundaries 0.5 -> 2 MiB): the plain call's peak grows
     by more than half (checked, so that the measurement can see growth).
     """
-    import kda._backends.cpu
-    import kda._backends.reference
+    import kda.cpu
+    import kda.reference
 
-    for backend in (kda._backends.reference, kda._backends.cpu):  # NumPy's default is cpu
+    for backend in (kda.reference, kda.cpu):  # NumPy's default is cpu
         monkeypatch.setattr(backend, "SLAB_ELEMENTS", 1 << 14)
     # one head group (one thread on the cpu backend): concurrent groups overlap their slab work by
     # chance, and the peak with it (under load the cpu backend's ranges pile up differently)
-    monkeypatch.setattr(kda._backends.reference, "workers", lambda xp, heads: 1)
-    monkeypatch.setattr(kda._backends.cpu, "threads", lambda: 1)
+    monkeypatch.setattr(kda.reference, "workers", lambda xp, heads: 1)
+    monkeypatch.setattr(kda.cpu, "threads", lambda: 1)
     threadpoolctl = pytest.importorskip("threadpoolctl")
     peaks = {}
     with threadpoolctl.threadpool_limits(limits=1, user_api="blas"):  # as kda's own head groups do

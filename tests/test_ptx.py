@@ -1,4 +1,4 @@
-"""Every ``kda._backends.cuda`` kernel compiles to PTX for compute capability 9.0 (the H200), in both dtypes.
+"""Every ``kda.cuda`` kernel compiles to PTX for compute capability 9.0 (the H200), in both dtypes.
 
 Runs in a subprocess without Numba's CUDA simulator (which the rest of the suite switches on).
 Checks that float32 kernels contain no float64 instruction (with 32- and 64-bit offsets), and,
@@ -23,8 +23,8 @@ pytest.importorskip("numba.cuda", reason="numba-cuda is not installed (pip insta
 PTX_SCRIPT = r"""
 import json, os, re, subprocess, sys, tempfile
 from numba import cuda
-import kda._backends.cuda
-from kda._backends.cuda._device import DTYPES, FAMILIES
+import kda.cuda
+from kda.cuda._device import DTYPES, FAMILIES
 ptxas = sys.argv[1] if len(sys.argv) > 1 else ""
 report = {}
 # both dtypes with 32-bit offsets; the 64-bit variants in float32 (where a float64 would hide)
@@ -69,8 +69,8 @@ REGISTER_BUDGET = {
 
 def test_ptx_compiles_for_cc90():
     """Every kernel, both dtypes: PTX for cc 9.0; no float64 in float32 kernels; no spills (float32)."""
-    import kda._backends.cuda  # noqa: F401  (registers every family)
-    from kda._backends.cuda._device import FAMILIES
+    import kda.cuda  # noqa: F401  (registers every family)
+    from kda.cuda._device import FAMILIES
 
     env = {name: value for name, value in os.environ.items() if name != "NUMBA_ENABLE_CUDASIM"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -45,7 +45,7 @@ def blas_at_two():
     silently; a test that pinned from this thread would stop the calls under test from pinning.)
     """
     threadpoolctl = pytest.importorskip("threadpoolctl")
-    from kda._backends.reference._scheduling import _no_controlling_thread
+    from kda.reference._scheduling import _no_controlling_thread
 
     try:  # SciPy's BLAS (the cpu backend's np.dot) loaded first, so the libraries do not change
         import scipy.linalg.cython_blas  # noqa: F401
@@ -60,7 +60,7 @@ def blas_at_two():
 
 def test_blas_pin_restores_only_after_the_last_holder(blas_at_two):
     """Holders in two threads (A in, B in, A out, B out): BLAS at 1 until B leaves, then as found."""
-    from kda._backends.reference._scheduling import BlasPin
+    from kda.reference._scheduling import BlasPin
 
     pin = BlasPin()
     a, b = pin.hold(), pin.hold()
@@ -98,13 +98,13 @@ def test_overlapping_calls_pin_blas_and_restore_it_after_the_last_one(monkeypatc
     Inside, BLAS runs one thread; after, it is as found. (A per-call pin fails this: B records
     the 1 that A set, and restores it last.)
     """
-    import kda._backends.reference
+    import kda.reference
 
-    monkeypatch.setattr(kda._backends.reference, "workers", lambda xp, heads: min(heads, 2))
+    monkeypatch.setattr(kda.reference, "workers", lambda xp, heads: min(heads, 2))
     chunks = {"A": 5, "B": 6}
     inside = {n: threading.Event() for n in chunks}
     release = {n: threading.Event() for n in chunks}
-    state_pass = kda._backends.reference.chunk_state_pass
+    state_pass = kda.reference.chunk_state_pass
 
     def held(w, *args):  # each call waits inside the pin until it is released
         name = next(n for n, c in chunks.items() if c == w.shape[2])
@@ -112,7 +112,7 @@ def test_overlapping_calls_pin_blas_and_restore_it_after_the_last_one(monkeypatc
         assert release[name].wait(60)
         return state_pass(w, *args)
 
-    monkeypatch.setattr(kda._backends.reference, "chunk_state_pass", held)
+    monkeypatch.setattr(kda.reference, "chunk_state_pass", held)
     threads = {}
     try:
         for seed, (name, n) in enumerate(chunks.items()):
@@ -133,10 +133,10 @@ def test_overlapping_calls_pin_blas_and_restore_it_after_the_last_one(monkeypatc
 
 def test_concurrent_calls_are_bitwise_serial_and_leave_blas_as_found(monkeypatch, blas_at_two):
     """4 threads x 4 calls at once: each result bitwise equal to its serial call; BLAS threads unchanged."""
-    import kda._backends.reference
+    import kda.reference
 
     # groups on any machine
-    monkeypatch.setattr(kda._backends.reference, "workers", lambda xp, heads: min(heads, 2))
+    monkeypatch.setattr(kda.reference, "workers", lambda xp, heads: min(heads, 2))
     # sizes differ, so that the threads' calls enter and leave at staggered times
     problems = [make_problem(50 + i, 1, 3, 40 + 30 * i, 12, 9, "mild").astype(np.float32) for i in range(4)]
     serial = [_call(p) for p in problems]
@@ -195,7 +195,7 @@ def test_cuda_without_numba_is_a_kda_error():
 def test_cuda_without_nvvm_names_it(monkeypatch):
     """A driver but no libNVVM (the kernels' compiler): the reason names NVVM and how to install it."""
     nvvm = pytest.importorskip("numba.cuda.cudadrv.nvvm")
-    from kda import _backends
+    from kda import _backend as _backends
 
     def missing():  # as numba's NvvmSupportError, or whatever loading the library raises
         raise OSError("libNVVM cannot be found")
@@ -222,9 +222,9 @@ def test_import_kda_imports_neither_numba_nor_cupy():
 def test_python_m_kda_fails_on_a_broken_primitive(monkeypatch, capsys):
     """The self-check exits non-zero when the chunked result is wrong (here: a state pass off by 1e-3)."""
     import kda.__main__ as cli
-    import kda._backends.reference
+    import kda.reference
 
-    good = kda._backends.reference.chunk_state_pass
+    good = kda.reference.chunk_state_pass
 
     def broken(*args):
         boundaries, u, final = good(*args)
@@ -232,7 +232,7 @@ def test_python_m_kda_fails_on_a_broken_primitive(monkeypatch, capsys):
 
     argv = ["--H", "1", "--T", "96", "--K", "8", "--V", "8", "--chunk-size", "32"]
     assert cli.main(argv) == 0
-    monkeypatch.setattr(kda._backends.reference, "chunk_state_pass", broken)
+    monkeypatch.setattr(kda.reference, "chunk_state_pass", broken)
     assert cli.main(argv) == 1
     assert "FAIL" in capsys.readouterr().out
 

@@ -1,6 +1,6 @@
 """The backend-neutral chunked KDA forward and backward.
 
-Written once against the primitive interface that :mod:`kda._backends.reference` (and the CUDA
+Written once against the primitive interface that :mod:`kda.reference` (and the CUDA
 backend) implement, plus plain array-API glue (matrix products, concatenation, masks) on
 the namespace ``xp`` of the inputs. It imports no array library.
 

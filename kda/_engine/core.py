@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import array_api_compat
 
-from .._backends import resolve
+from .._backend import resolve
 from .._errors import InvalidInputError
 from .._options.maps import CoreInputs
 from . import varlen as _varlen
@@ -92,7 +92,7 @@ class ChunkCore:
     Every method takes the core's inputs (head-first, compute dtype, options applied) and
     decides, from their sizes, the chunk length (clamped to the sequence), the route (the step
     recurrence for ``0 < T <= RECURRENT_MAX_T``), the pair-memory limit, the backend that can
-    hold such chunks (:func:`kda._backends.resolve`) and the dtype to compute in
+    hold such chunks (:func:`kda._backend.resolve`) and the dtype to compute in
     (:func:`~kda._engine.widening.chunk_compute_dtype`). Results come back in the inputs' dtype;
     ``out`` buffers (compute dtype) receive them in place.
     """

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from .._backends import get_backend
+from .._backend import get_backend
 from .._engine.core import ChunkCore, Core, RecurrentCore, run_backward, run_forward
 from .._options.checks import check_finite as _check_finite
 from .._options.checks import floating_point_quiet, warn_if_diverged

@@ -27,6 +27,7 @@ from ._check import (
     reproducer,
 )
 from ._compare import TOLERANCES, Mismatch, assert_close, compare, to_numpy, tolerance
+from ._fla import load_fla_naive
 from ._problems import DTYPES, LOG_REGIMES, REGIMES, SIZE_CLASSES, Problem, gates, problems, round_to
 from ._reference import GRADIENTS, Reference, log_decay, reference
 
@@ -49,6 +50,7 @@ __all__ = [
     "compare",
     "default_problems",
     "gates",
+    "load_fla_naive",
     "log_decay",
     "problems",
     "reference",

@@ -1,4 +1,4 @@
-"""``python -m kda bench``: time the chunked KDA against the step recurrence and fla's reference.
+"""``python -m benchmarks.chunk``: time the chunked KDA against the step recurrence and fla's reference.
 
 For each sequence length ``T`` it times the forward and the forward+backward of
 
@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import importlib
-import importlib.util
 import json
 import math
 import os
@@ -45,6 +43,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from kda.testing import load_fla_naive
 
 __all__ = ["main"]
 
@@ -71,7 +71,7 @@ FLA_CONVENTIONS = (
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m kda bench",
+        prog="python -m benchmarks.chunk",
         description="Time kda's chunked forward/backward against the step recurrence and fla's "
         "CPU reference; print a table, write JSON and a PNG plot.",
     )
@@ -127,7 +127,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _inference_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of the short-sequence, decode and plan parts (``kda/_bench_inference.py``)."""
-    from ..bench.inference import SHORT_T
+    from benchmarks.inference import SHORT_T
 
     p.add_argument(
         "--parts",
@@ -321,39 +321,6 @@ def _inputs(B: int, H: int, T: int, K: int, V: int, dtype: Any, seed: int) -> di
     beta = (1.0 / (1.0 + np.exp(-rng.standard_normal((B, H, T), dtype=np.float32)))).astype(dtype)
     do = rng.standard_normal((B, H, T, V), dtype=np.float32).astype(dtype)
     return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "do": do}
-
-
-def load_fla_naive(fresh: bool = False) -> tuple[Any, str]:
-    """``fla.ops.kda.naive`` or the reason it is unavailable (the one loader of fla's reference,
-    used by the benchmark and the tests).
-
-    ``import fla.ops`` needs triton; the naive reference needs only torch and einops, so when the
-    package import fails the file itself is loaded. ``fresh``: always a new module loaded from
-    the file (for callers that patch it).
-    """
-    try:
-        import einops  # noqa: F401
-        import torch  # noqa: F401
-    except ImportError as err:
-        return None, f"fla reference not run: {err} (pip install torch einops fla-core)"
-    if not fresh:
-        try:
-            return importlib.import_module("fla.ops.kda.naive"), ""
-        except ImportError:
-            pass
-    spec = importlib.util.find_spec("fla")
-    if spec is None or not spec.submodule_search_locations:
-        return None, "fla reference not run: fla-core is not installed (pip install --no-deps fla-core)"
-    path = Path(next(iter(spec.submodule_search_locations))) / "ops" / "kda" / "naive.py"
-    if not path.is_file():
-        return None, f"fla reference not run: {path} not found in the installed fla"
-    mod_spec = importlib.util.spec_from_file_location("_kda_bench_fla_naive", path)
-    module = importlib.util.module_from_spec(mod_spec)
-    try:
-        mod_spec.loader.exec_module(module)
-    except Exception as err:
-        return None, f"fla reference not run: loading {path} failed: {err!r}"
-    return module, ""
 
 
 def _fla_version() -> str | None:
@@ -707,7 +674,7 @@ def _add_ratios(results: list[dict[str, Any]]) -> None:
 
 def _default_backend() -> str:
     """The backend ``chunk`` runs on (the default for NumPy arrays)."""
-    from .._backends import get_backend
+    from kda._backend import get_backend
 
     return get_backend(np, None).NAME
 
@@ -805,7 +772,7 @@ def _run_sweep(args: argparse.Namespace, progress: _Progress) -> tuple[dict[str,
 
 
 def _inference_config(args: argparse.Namespace) -> Any:
-    from ..bench.inference import InferenceConfig
+    from benchmarks.inference import InferenceConfig
 
     return InferenceConfig(
         short_shape=tuple(args.short_shape),
@@ -823,7 +790,7 @@ def _inference_config(args: argparse.Namespace) -> Any:
 
 
 def _progress_total(args: argparse.Namespace, inference: list[str]) -> int:
-    from ..bench.inference import steps
+    from benchmarks.inference import steps
 
     total = steps(_inference_config(args), inference) if inference else 0
     if "sweep" in args.parts:
@@ -854,7 +821,7 @@ def main(argv: list[str] | None = None) -> int:
             sweep_report, lines = _run_sweep(args, progress)
             report |= sweep_report
         if inference:
-            from ..bench import inference as _bench_inference
+            from benchmarks import inference as _bench_inference
 
             def step(label: str) -> None:
                 progress.describe(label)
@@ -889,7 +856,7 @@ def _write_report(args, argv, machine: dict[str, Any], report: dict[str, Any], l
         if part == "sweep":
             note = _plot(report["results"], png_path, title)
         else:
-            from ..bench.inference import plot
+            from benchmarks.inference import plot
 
             note = plot(report["inference"], png_path, title)
         lines.append(f"plot: {note}" if note else f"plot: {png_path}")

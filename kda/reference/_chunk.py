@@ -18,7 +18,7 @@ from typing import Any
 import array_api_compat
 from array_api_compat import array_namespace
 
-from ..interface import ChunkLocal
+from .._backend import ChunkLocal
 from ._blocks import (
     add_halves,
     assemble_lower,

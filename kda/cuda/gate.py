@@ -88,7 +88,7 @@ def gate_flags(g: Any) -> Any:
 
 def raise_for_gates(flags: Any) -> None:
     """Raise :class:`kda.InvalidInputError` if :func:`gate_flags` found invalid decays (reads them)."""
-    from ..._errors import InvalidInputError
+    from .._errors import InvalidInputError
 
     n_pos, n_nan = (int(x) for x in flags)
     if n_pos or n_nan:

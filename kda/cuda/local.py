@@ -2,7 +2,7 @@
 
 Kernels (:func:`build`) and their launchers (:func:`chunk_local`, :func:`chunk_local_backward`).
 Padded chunks longer than :data:`MAX_CHUNK` do not fit a block; the dispatch runs them on the
-reference backend (:func:`kda._backends.resolve`).
+reference backend (:func:`kda._backend.resolve`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 from array_api_compat import array_namespace
 from numba import cuda
 
-from ..interface import ChunkLocal
+from .._backend import ChunkLocal
 from ._device import Family, constants, offset_functions
 from ._launch import _check_ndim, _check_shape, _dtype_name, _empty, launcher
 
@@ -26,7 +26,7 @@ LOCAL_THREADS = 128
 LOCAL_BACKWARD_THREADS = 64
 # the longest padded chunk whose work fits chunk_local's and chunk_local_backward's blocks in
 # SHARED_LIMIT, in float32 and float64 (float32 at 128 steps needs 49 KiB in chunk_local);
-# longer chunks run on the array-API reference backend (kda._backends.resolve)
+# longer chunks run on the array-API reference backend (kda._backend.resolve)
 MAX_CHUNK = 64
 
 
@@ -427,7 +427,7 @@ def chunk_local(q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float) -> Chun
     """The state-free work of every chunk in one kernel, one block per chunk (no factor array).
 
     ``q, k, g: [..., Cp, K]``, ``v: [..., Cp, V]``, ``beta: [..., Cp]``, ``Cp <= MAX_CHUNK``
-    (longer chunks run on the reference backend: :func:`kda._backends.resolve`).
+    (longer chunks run on the reference backend: :func:`kda._backend.resolve`).
     """
     name = "chunk_local"
     xp = array_namespace(q, k, g, v, beta)
@@ -468,7 +468,7 @@ def chunk_local_backward(
 ) -> tuple[Any, Any, Any, Any, Any]:  # fmt: skip
     """Gradients of every chunk's state-free work in one kernel, one block per chunk.
 
-    Returns ``dq, dk, dv, dg, dbeta`` (see :mod:`kda._backends.interface`); ``Cp <= MAX_CHUNK``.
+    Returns ``dq, dk, dv, dg, dbeta`` (see :mod:`kda._backend`); ``Cp <= MAX_CHUNK``.
     """
     name = "chunk_local_backward"
     xp = array_namespace(q, k, g, v, beta, boundaries, dends, u, du, grad_output)

@@ -1,4 +1,4 @@
-"""``python -m kda bench-dask``: kda.dask against the single-process functions.
+"""``python -m benchmarks.sequence_dask``: kda.dask against the single-process functions.
 
 Three measurements, written to ``--out/<name>.json`` and printed:
 
@@ -38,7 +38,8 @@ PARTS = ("work", "wall", "accuracy")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m kda bench-dask", description=__doc__.splitlines()[0])
+    prog = "python -m benchmarks.sequence_dask"
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     for name, default in (("B", 1), ("H", 16), ("T", 16384), ("K", 128), ("V", 128)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
@@ -287,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     x = _numpy_inputs(a) if {"work", "wall"} & set(a.parts) else {}
     report: dict[str, Any] = {
-        "command": "python -m kda bench-dask " + " ".join(argv or []),
+        "command": "python -m benchmarks.sequence_dask " + " ".join(argv or []),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "problem": {
             k: getattr(a, k) for k in ("B", "H", "T", "K", "V", "dtype", "chunk_size", "shards", "workers")

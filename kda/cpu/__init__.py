@@ -1,4 +1,4 @@
-"""The CPU backend: the primitives of :mod:`kda._backends.interface` as Numba-compiled kernels.
+"""The CPU backend: the primitives of :mod:`kda._backend` as Numba-compiled kernels.
 
 It runs NumPy arrays (the default backend for them when Numba and SciPy are installed;
 ``backend="reference"`` keeps the array-API path). The chunked algorithm of
@@ -23,7 +23,7 @@ kernels took over a minute to compile. So concurrent calls from Python threads a
 Numba setting is read or changed, and since no sum crosses items the results do not depend on
 the number of threads, bitwise. BLAS (called from inside the kernels on every thread) is pinned
 to one thread for the duration of a call through the process-wide, reference-counted pin of
-:mod:`kda._backends._threads` (restored by the last call to leave).
+:mod:`kda._threads` (restored by the last call to leave).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from .._backend import ChunkLocal, from_chunks
 from .._threads import PIN
-from ..interface import ChunkLocal, from_chunks
 
 NAME = "cpu"
 MAX_CHUNK = None  # any chunk length
@@ -149,7 +149,7 @@ def _scale(scale: float, dtype: Any) -> np.ndarray:
 def _dtype(x: Any) -> np.dtype:
     dtype = np.asarray(x).dtype
     if dtype not in (np.float32, np.float64):
-        from ..._errors import InvalidInputError
+        from .._errors import InvalidInputError
 
         msg = f"the cpu backend computes float32 or float64 arrays; got {dtype}"
         raise InvalidInputError(msg)
@@ -180,7 +180,7 @@ def to_chunks(x: Any, chunk_size: int, padded_size: int) -> np.ndarray:
 
 
 def chunk_local(q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float) -> ChunkLocal:
-    """Every chunk's state-free work (see :class:`~kda._backends.interface.ChunkLocal`).
+    """Every chunk's state-free work (see :class:`~kda._backend.ChunkLocal`).
 
     ``q, k, g: [..., Cp, K]``, ``v: [..., Cp, V]``, ``beta: [..., Cp]``; ``private`` is None
     (:func:`chunk_local_backward` recomputes the decay factors from ``g``).

@@ -47,7 +47,7 @@ DTYPES = ("float32", "float64")
 # index types: every array is passed flattened, and the kernels compute their offsets into it
 # in 32 bits (unsigned: no negative-index fix-ups) wherever every array and every dimension of
 # the launch has fewer than INDEX32_LIMIT elements, in 64 bits otherwise; the launcher
-# picks (kda._backends.cuda._launch.index_type)
+# picks (kda.cuda._launch.index_type)
 # index type -> the type of the dimensions passed with it (signed in 64 bits: Numba types a mix
 # of uint64 and signed integers as float64)
 INDEX_TYPES = {"uint32": "uint32", "uint64": "int64"}
@@ -106,7 +106,7 @@ class Family:
         return found
 
 
-# every family, in import order (kda._backends.cuda imports them all)
+# every family, in import order (kda.cuda imports them all)
 FAMILIES: list[Family] = []
 
 

@@ -496,7 +496,7 @@ def _state_block(name: str, K: int, Cp: int, itemsize: int, rows: int) -> tuple[
     while tv > 1 and rows * tv * itemsize > SHARED_LIMIT:
         tv //= 2
     if rows * tv * itemsize > SHARED_LIMIT:
-        from ..._errors import InvalidInputError
+        from .._errors import InvalidInputError
 
         msg = (
             f"{name}: K={K} with a padded chunk of {Cp} steps needs {rows * itemsize} bytes of shared "

@@ -1,4 +1,4 @@
-"""The Numba-CUDA backend: the primitives of :mod:`kda._backends.interface`, run by CUDA kernels.
+"""The Numba-CUDA backend: the primitives of :mod:`kda._backend`, run by CUDA kernels.
 
 The backend-neutral algorithm of :mod:`kda._engine.chunked` drives it unchanged. Arrays are CuPy
 arrays on a GPU (kernels run on CuPy's current stream), or NumPy arrays under Numba's CUDA
@@ -9,9 +9,9 @@ simulator (``NUMBA_ENABLE_CUDASIM=1``). Kernels are compiled on first use, once 
 its gradient), ``recurrent.py`` (the step recurrence), ``_decode.py`` (decoding from a pool) and
 ``gate.py`` (the device-side gate check), on ``_device.py`` (offsets, signatures, compilation)
 and ``_launch.py`` (the launcher). One kernel per primitive, and launches per call do not depend on the
-sequence length (``kda._backends.cuda._launch.LAUNCHES`` counts them): a forward is 2 kernels, a
+sequence length (``kda.cuda._launch.LAUNCHES`` counts them): a forward is 2 kernels, a
 backward 3 (docs/gpu.md). Padded chunks longer than :data:`MAX_CHUNK` do not fit a block:
-:func:`kda._backends.resolve` runs those problems on the array-API reference backend (on CuPy).
+:func:`kda._backend.resolve` runs those problems on the array-API reference backend (on CuPy).
 :func:`launch_gate_check` checks the log decays on the device.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 
 from array_api_compat import is_cupy_array
 
-from ..interface import ChunkLocal, from_chunks, to_chunks
+from .._backend import ChunkLocal, from_chunks, to_chunks
 from ._decode import decode_forward
 from .gate import gate_flags, raise_for_gates
 from .local import MAX_CHUNK, chunk_local, chunk_local_backward

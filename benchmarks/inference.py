@@ -1,4 +1,4 @@
-"""The inference parts of ``python -m kda bench``: short sequences, decoding, prepared plans.
+"""The inference parts of ``python -m benchmarks.chunk``: short sequences, decoding, prepared plans.
 
 - ``short``: :func:`kda.chunk_kda` against :func:`kda.recurrent_kda` for ``T`` in 1..64 (default
   B=8, H=16, K=V=128, float32), forward and forward+backward. ``chunk_kda`` is timed twice: as

@@ -1,4 +1,4 @@
-"""The array-API reference backend: every primitive of :mod:`kda._backends.interface`, written
+"""The array-API reference backend: every primitive of :mod:`kda._backend`, written
 with ``array_namespace``.
 
 It serves NumPy and any other namespace that follows the array API standard (array-api-strict,
@@ -9,7 +9,7 @@ are built from finer steps that stay in this backend (:func:`chunk_factors`, :fu
 
 from typing import Any
 
-from ..interface import ChunkLocal, from_chunks, to_chunks
+from .._backend import ChunkLocal, from_chunks, to_chunks
 from ._chunk import (
     ChunkFactors,
     chunk_factors,
