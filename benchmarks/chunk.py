@@ -873,3 +873,7 @@ def _write_report(args, argv, machine: dict[str, Any], report: dict[str, Any], l
 def _inference_stem(args: argparse.Namespace) -> str:
     """File stem of the inference figure: ``<name>`` alone, ``<name>_inference`` beside the sweep."""
     return f"{args.name}_inference" if "sweep" in args.parts else args.name
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -302,3 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {path}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
