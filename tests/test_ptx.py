@@ -18,7 +18,9 @@ import sys
 
 import pytest
 
-pytest.importorskip("numba.cuda", reason="numba-cuda is not installed (pip install kda[cuda])")
+# numba itself ships a ``numba.cuda`` (its old built-in target) that cannot compile these kernels to
+# PTX without numba-cuda's NVVM bindings: the numba-cuda package is what the test needs
+pytest.importorskip("numba_cuda", reason="numba-cuda is not installed (pip install kda[cuda])")
 
 PTX_SCRIPT = r"""
 import json, os, re, subprocess, sys, tempfile
