@@ -46,3 +46,27 @@ def backend(request) -> str:
 def ops(backend):
     """The backend module of :func:`backend` (the primitives of kda._backend)."""
     return importlib.import_module(f"kda.{backend}")
+
+
+# ------------------------------------------------------------------ what a run skipped, for CI
+# With KDA_RECORD_SKIPPED=<file>, the node ids of every test (and module) this run skipped are
+# written to <file>, one per line. .ci/run runs the README's test command on a fresh venv without
+# any extra first, then installs the extras and runs exactly what that run skipped.
+_SKIPPED: list[str] = []
+
+
+def pytest_collectreport(report):
+    if report.skipped and os.environ.get("KDA_RECORD_SKIPPED"):
+        _SKIPPED.append(report.nodeid)
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and os.environ.get("KDA_RECORD_SKIPPED"):
+        _SKIPPED.append(report.nodeid)
+
+
+def pytest_sessionfinish(session):
+    path = os.environ.get("KDA_RECORD_SKIPPED")
+    if path:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.writelines(f"{nodeid}\n" for nodeid in dict.fromkeys(_SKIPPED))
