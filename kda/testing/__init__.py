@@ -19,6 +19,7 @@ when the ``"fla"`` convention is used.
 
 from ._check import (
     CONVENTIONS,
+    Imprecise,
     KernelCheckFailed,
     Summary,
     check_kernel,
@@ -30,15 +31,19 @@ from ._compare import TOLERANCES, Mismatch, assert_close, compare, to_numpy, tol
 from ._fla import load_fla_naive
 from ._problems import DTYPES, LOG_REGIMES, REGIMES, SIZE_CLASSES, Problem, gates, problems, round_to
 from ._reference import GRADIENTS, Reference, log_decay, reference
+from ._scale import IMPRECISE_BAND, YARDSTICK_MARGIN, error_scales, yardstick
 
 __all__ = [
     "CONVENTIONS",
     "DTYPES",
     "GRADIENTS",
+    "IMPRECISE_BAND",
     "LOG_REGIMES",
     "REGIMES",
     "SIZE_CLASSES",
     "TOLERANCES",
+    "YARDSTICK_MARGIN",
+    "Imprecise",
     "KernelCheckFailed",
     "Mismatch",
     "Problem",
@@ -49,6 +54,7 @@ __all__ = [
     "check_problem",
     "compare",
     "default_problems",
+    "error_scales",
     "gates",
     "load_fla_naive",
     "log_decay",
@@ -58,4 +64,5 @@ __all__ = [
     "round_to",
     "to_numpy",
     "tolerance",
+    "yardstick",
 ]
