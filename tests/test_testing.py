@@ -178,3 +178,78 @@ def test_command_line_prints_summary_and_reproducer(tmp_path):
     bad = subprocess.run([*cmd, "broken_kernels:modifies_input", "--convention", "fla", "--examples", "5"],
                          capture_output=True, text=True, env=env)  # fmt: skip
     assert bad.returncode == 1 and "reproducer:" in bad.stdout, bad.stderr
+
+
+def test_command_line_has_every_problems_argument():
+    import inspect
+
+    from kda.testing.__main__ import _SPACE, _space, main
+
+    assert {n for n, *_ in _SPACE} == set(inspect.signature(kt.problems).parameters)
+    import argparse
+
+    a = argparse.Namespace(**{n: None for n, *_ in _SPACE}, no_packed=True)
+    a.scale, a.chunk_sizes, a.lower_bound, a.qk_l2norm = ["default"], ["none", "16"], (-5.0, -1.0), ["false"]
+    assert _space(a) == {"scale": ("default",), "chunk_sizes": (None, 16), "lower_bound": (-5.0, -1.0),
+                         "qk_l2norm": (False,), "packed": (False,)}  # fmt: skip
+    assert main(["kda:chunk_kda", "--convention", "kda", "--examples", "2", "--dtypes", "float32",
+                 "--scale", "default", "--packed", "false", "--max-sequences", "2", "--T", "1,4",
+                 "--lower-bound=-2,-1", "--layouts", "time_major"]) == 0  # fmt: skip
+
+
+def _no_scale(q, k, v, g, beta, scale=None, **kw):
+    """kda.chunk_kda without a scale keyword (raises NotImplementedError for one)."""
+    if scale is not None:
+        raise NotImplementedError("scale")
+    return kda.chunk_kda(q, k, v, g, beta, **kw)
+
+
+def test_not_implemented_rejects_the_draw_and_most_rejected_names_the_narrowing():
+    space = kt.problems(dtypes=("float32",), T=(1, 6), K=(1, 3), V=(1, 3))
+    summary = kt.check_kernel(_no_scale, convention="kda", backward=None, problems=space, max_examples=20)
+    assert summary.examples == 20 and summary.rejected > 0
+    assert "features" and summary.rejected_features["scale"] == summary.rejected
+    assert "scale" not in summary.features
+    assert f"{summary.rejected} draws rejected with NotImplementedError" in str(summary)
+    # every draw rejected: a failure that says what to narrow
+    with pytest.raises(kt.KernelCheckFailed, match=r"rejected every draw .* scale=\('default',\)") as info:
+        kt.check_kernel(_no_scale, convention="kda", backward=None, max_examples=5,
+                        problems=kt.problems(dtypes=("float32",), T=(1, 4), scale=("drawn",)))  # fmt: skip
+    assert info.value.check == "call"
+    # most rejected: the summary says which options to narrow
+    s = kt.Summary(examples=2, rejected=30, rejected_features={"scale": 30, "gva": 9}, features={"gva": 1})
+    assert "most draws were rejected: narrow problems(...) by scale=('default',)" in str(s)
+
+
+def _output_off(factor):
+    def fn(q, k, v, g, beta, **kw):
+        out = kda.chunk_kda(q, k, v, g, beta, **kw)
+        return out.output * np.float32(factor), out.final_state
+
+    return fn
+
+
+def test_imprecise_is_reported_and_fails_only_under_strict():
+    space = kt.problems(dtypes=("float32",), T=(8, 16), K=(4, 8), V=(4, 8), regimes=("mild",),
+                        initial_state=(True,), scale=("default",))  # fmt: skip
+    fn = _output_off(1 + 2e-5)  # 2e-5 relative: above float32's scale, far below a bug's
+    summary = kt.check_kernel(fn, convention="kda", backward=None, problems=space, max_examples=10)
+    assert "output" in summary.imprecise, str(summary)
+    im = summary.imprecise["output"]
+    assert 1 < im.worst <= kt.IMPRECISE_BAND["float32"] and im.examples >= 1
+    assert "IMPRECISE in" in str(summary) and "x its error scale" in str(summary)
+    with pytest.raises(kt.KernelCheckFailed, match="output is imprecise") as info:
+        kt.check_kernel(fn, convention="kda", backward=None, problems=space, max_examples=10, strict=True)
+    assert "strict=True" in info.value.reproducer
+    with pytest.raises(kt.KernelCheckFailed, match="output is wrong"):  # 0.3 %: wrong
+        kt.check_kernel(_output_off(1.003), convention="kda", backward=None, problems=space, max_examples=10)
+
+
+def test_exact_zero_gradient_is_judged_against_the_floor():
+    # T = 1 without an initial state: dg is exactly 0; a kernel's 6e-8 there is rounding, not a bug
+    p = kt.Problem(seed=1, T=1, K=3, V=2, initial_state=False)
+    ref = kt.reference(p, boundaries=False)
+    assert not ref.grads.g.any()
+    exp = {"dg": ref.grads.g, "output": ref.output}
+    (scale, basis), _ = kt.error_scales(p, exp, ref.grad_scales, True)["dg"], None
+    assert 6e-8 < scale < 1e-4 and "floor" in basis

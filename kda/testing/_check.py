@@ -128,7 +128,7 @@ class Summary:
                 "most draws were rejected: narrow problems(...) by "
                 + ("; ".join(hints) if hints else "the options the kernel lacks")
             )
-        lines.append("worst error / error scale per tensor (<= 1 accurate; above, imprecise; far above, wrong):")
+        lines.append("worst error / error scale per tensor (<= 1: accurate):")
         for n, r in sorted(self.worst.items()):
             line = f"  {n:<16} {r:.3g}"
             if n in self.imprecise:
