@@ -221,28 +221,34 @@ def test_not_implemented_rejects_the_draw_and_most_rejected_names_the_narrowing(
     assert "most draws were rejected: narrow problems(...) by scale=('default',)" in str(s)
 
 
-def _output_off(factor):
+def _output_off(problem, times):
+    """kda.chunk_kda with its output moved by ``times`` the problem's output error scale."""
+    ref = kt.reference(problem, backward=False, boundaries=False)
+    scale, _ = kt.error_scales(problem, {"output": ref.output}, {}, False)["output"]
+
     def fn(q, k, v, g, beta, **kw):
         out = kda.chunk_kda(q, k, v, g, beta, **kw)
-        return out.output * np.float32(factor), out.final_state
+        return out.output + np.float32(times * scale), out.final_state
 
     return fn
 
 
 def test_imprecise_is_reported_and_fails_only_under_strict():
-    space = kt.problems(dtypes=("float32",), T=(8, 16), K=(4, 8), V=(4, 8), regimes=("mild",),
-                        initial_state=(True,), scale=("default",))  # fmt: skip
-    fn = _output_off(1 + 2e-5)  # 2e-5 relative: above float32's scale, far below a bug's
-    summary = kt.check_kernel(fn, convention="kda", backward=None, problems=space, max_examples=10)
-    assert "output" in summary.imprecise, str(summary)
+    from hypothesis import strategies as st
+
+    p = kt.Problem(seed=5, T=12, K=6, V=5, regime="mild", layout="head_first")
+    space = st.just(p)
+    fn = _output_off(p, 2.0)  # twice the scale: imprecise
+    summary = kt.check_kernel(fn, convention="kda", backward=None, problems=space, max_examples=1)
+    assert set(summary.imprecise) == {"output"}, str(summary)
     im = summary.imprecise["output"]
-    assert 1 < im.worst <= kt.IMPRECISE_BAND["float32"] and im.examples >= 1
-    assert "IMPRECISE in" in str(summary) and "x its error scale" in str(summary)
+    assert 1.5 < im.worst <= kt.IMPRECISE_BAND["float32"] and im.examples == 1 and im.problem == p
+    assert "IMPRECISE in 1 examples" in str(summary) and "x its error scale" in str(summary)
     with pytest.raises(kt.KernelCheckFailed, match="output is imprecise") as info:
-        kt.check_kernel(fn, convention="kda", backward=None, problems=space, max_examples=10, strict=True)
+        kt.check_kernel(fn, convention="kda", backward=None, problems=space, max_examples=1, strict=True)
     assert "strict=True" in info.value.reproducer
-    with pytest.raises(kt.KernelCheckFailed, match="output is wrong"):  # 0.3 %: wrong
-        kt.check_kernel(_output_off(1.003), convention="kda", backward=None, problems=space, max_examples=10)
+    with pytest.raises(kt.KernelCheckFailed, match="output is wrong"):  # beyond the band: wrong
+        kt.check_kernel(_output_off(p, 8.0), convention="kda", backward=None, problems=space, max_examples=1)
 
 
 def test_exact_zero_gradient_is_judged_against_the_floor():
