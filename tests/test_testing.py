@@ -168,6 +168,21 @@ def test_broken_kernel_is_caught(name):
     assert again.value.check == check or name == "nondeterministic last bit"
 
 
+SMALL_BUGS = ("exp(g) as 1 + g for decays above -0.005", "chunk boundary off by one", "dbeta scaled by 1.005",
+              "stale state across packed sequences")  # fmt: skip
+
+
+@pytest.mark.parametrize("name", SMALL_BUGS)
+def test_bug_under_one_percent_is_wrong_on_float32_alone(name):
+    """float32's error scale follows the problem: bugs of 0.07 % to 0.8 % are wrong, not imprecise."""
+    pytest.importorskip("torch")
+    fn, check = BROKEN[name]
+    space = kt.problems(dtypes=("float32",), layouts=("time_major",))
+    with pytest.raises(kt.KernelCheckFailed, match=" is wrong: ") as info:
+        kt.check_kernel(fn, convention="fla", problems=space)
+    assert info.value.check == check and info.value.examples <= 100
+
+
 def test_command_line_prints_summary_and_reproducer(tmp_path):
     env = os.environ | {"PYTHONPATH": os.pathsep.join([os.getcwd(), os.path.join(os.getcwd(), "tests")])}
     cmd = [sys.executable, "-m", "kda.testing"]
