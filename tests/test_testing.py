@@ -274,3 +274,13 @@ def test_exact_zero_gradient_is_judged_against_the_floor():
     exp = {"dg": ref.grads.g, "output": ref.output}
     (scale, basis), _ = kt.error_scales(p, exp, ref.grad_scales, True)["dg"], None
     assert 6e-8 < scale < 1e-4 and "floor" in basis
+
+
+def test_calibrate_measures_kernels_and_dtypes():
+    from kda.testing import calibrate
+
+    worst, _ = calibrate.measure_kernel("kda reference", 5)
+    assert {"output", "final_state", "dq", "dg"} <= set(worst)
+    assert all(0 <= r < kt.YARDSTICK_MARGIN for r, _ in worst.values())
+    w = calibrate.measure(3, ("float32",))["float32"]
+    assert 0 < w["perfect"] <= w["kda"] < kt.TOLERANCES["float32"]

@@ -61,37 +61,33 @@ def _kda(p: Problem) -> dict[str, np.ndarray]:
     return res
 
 
-def measure(examples: int, dtypes: tuple[str, ...]) -> dict[str, dict[str, float]]:
+def _measure_dtype(dtype: str, examples: int, w: dict[str, float]) -> None:
     from hypothesis import HealthCheck, given, settings
 
+    @settings(max_examples=examples, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(problems(dtypes=(dtype,)))
+    def run(p: Problem) -> None:
+        ref = reference(p, boundaries=False)
+        exp = {"output": ref.output, "final_state": ref.final_state}
+        exp |= {"d" + n: x for n, x in zip(GRADIENTS, ref.grads) if x is not None}
+        got = _kda(p)
+        for n, e in exp.items():
+            scale = ref.grad_scales.get(n[1:])
+            perfect = round_to(e, p.dtype_of(n[1:] if n.startswith("d") else "initial_state")
+                               if n != "output" else p.dtype)  # fmt: skip
+            for kind, x in (("perfect", perfect), ("kda", got[n])):
+                # tol=1: measure, do not judge (the ratio is the relative error)
+                w[kind] = max(w[kind], compare(x, e, dtype="float64", name=n, scale=scale, tol=1.0))
+
+    run()
+
+
+def measure(examples: int, dtypes: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """Per dtype, the worst relative error of a perfect kernel and of kda (see the module notes)."""
     worst: dict[str, dict[str, float]] = {}
     for dtype in dtypes:
-        w = worst.setdefault(dtype, {"perfect": 0.0, "kda": 0.0})
-
-        @settings(max_examples=examples, derandomize=True, database=None, deadline=None,
-                  suppress_health_check=list(HealthCheck))  # fmt: skip
-        @given(problems(dtypes=(dtype,)))
-        def run(p: Problem, dtype: str = dtype, w: dict[str, float] = w) -> None:
-            ref = reference(p, boundaries=False)
-            exp = {"output": ref.output, "final_state": ref.final_state}
-            exp |= {"d" + n: x for n, x in zip(GRADIENTS, ref.grads) if x is not None}
-            got = _kda(p)
-            tol = TOLERANCES[dtype]
-            for n, e in exp.items():
-                scale = ref.grad_scales.get(n[1:])
-                perfect = round_to(e, p.dtype_of(n[1:] if n.startswith("d") else "initial_state")
-                                   if n != "output" else p.dtype)  # fmt: skip
-                for kind, x in (("perfect", perfect), ("kda", got[n])):
-                    r = compare(x, e, dtype="float64", name=n, scale=scale) * TOLERANCES["float64"] / 1.0
-                    w[kind] = max(w[kind], r)
-            del tol
-
-        original = dict(TOLERANCES)
-        TOLERANCES["float64"] = 1.0  # measure, do not judge: ratio = relative error
-        try:
-            run()
-        finally:
-            TOLERANCES.update(original)
+        _measure_dtype(dtype, examples, worst.setdefault(dtype, {"perfect": 0.0, "kda": 0.0}))
     return worst
 
 
@@ -120,7 +116,7 @@ def _fla_recurrent() -> Any:
     return module.naive_recurrent_kda
 
 
-def _kda(backend: str) -> tuple[Any, str, Any]:
+def _kda_kernel(backend: str) -> tuple[Any, str, Any]:
     import functools
 
     import kda
@@ -136,8 +132,8 @@ def _kda_torch() -> tuple[Any, str, Any]:
 
 
 KERNELS: dict[str, tuple[Any, dict[str, Any]]] = {
-    "kda reference": (lambda: _kda("reference"), {}),
-    "kda cpu": (lambda: _kda("cpu"), {}),
+    "kda reference": (lambda: _kda_kernel("reference"), {}),
+    "kda cpu": (lambda: _kda_kernel("cpu"), {}),
     "kda.torch": (_kda_torch, {"layouts": ("time_major",)}),
     "transformers chunk": (
         lambda: (_kimi("chunk_kimi_delta_attention"), "fla", True),
