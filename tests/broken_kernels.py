@@ -1,13 +1,18 @@
 """Deliberately broken KDA kernels: wrappers around kda.torch.chunk_kda (flash-linear-attention's
-convention), each with one bug that kda.testing.check_kernel must catch (tests/test_testing.py)."""
+convention), each with one bug that kda.testing.check_kernel must catch (tests/test_testing.py).
+
+Importable without torch (``BROKEN`` lists them; the tests that call them skip)."""
 
 from __future__ import annotations
 
 import itertools
 
-import torch
+try:
+    import torch
 
-from kda.torch import chunk_kda
+    from kda.torch import chunk_kda
+except ImportError:  # pip install -e ".[test]" has no torch: BROKEN is listed, the tests skip
+    torch = chunk_kda = None
 
 
 def causality_leak(q, k, v, g, beta, **kw):
@@ -29,19 +34,24 @@ def final_state_one_step_short(q, k, v, g, beta, **kw):
     return o, s
 
 
-class _Scale(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
+def _scaled_gradient(x, factor):
+    """``x`` in the forward; its gradient times ``factor`` in the backward."""
 
-    @staticmethod
-    def backward(ctx, d):
-        return d * 1.01
+    class ScaleBy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, d):
+            return d * factor
+
+    return ScaleBy.apply(x)
 
 
 def value_gradient_scaled(q, k, v, g, beta, **kw):
     """dv is 1.01 times the true one."""
-    return chunk_kda(q, k, _Scale.apply(v), g, beta, **kw)
+    return chunk_kda(q, k, _scaled_gradient(v, 1.01), g, beta, **kw)
 
 
 def nan_below_threshold(q, k, v, g, beta, **kw):
@@ -90,6 +100,46 @@ def nondeterministic_last_bit(q, k, v, g, beta, **kw):
     return o, s
 
 
+# Four kernels wrong by less than 1 %
+
+
+def dropped_quadratic_term(q, k, v, g, beta, **kw):
+    """Weak decays (log decay above -0.005) use ``1 + g`` for ``exp(g)``: the exponential's quadratic
+    term is dropped (each such step's decay off by at most g**2 / 2 = 1.25e-5, its gate's gradient by
+    the factor 1 / (1 + g), at most 1.005)."""
+    if not kw.get("use_gate_in_kernel"):
+        g = torch.where(g > -0.005, torch.log1p(g), g)
+    return chunk_kda(q, k, v, g, beta, **kw)
+
+
+def chunk_boundary_off_by_one(q, k, v, g, beta, **kw):
+    """Each chunk's first step (t = 64, 128, ...) decays with the previous step's gate in the forward
+    (the gradient still reaches its own gate)."""
+    C = kw.get("chunk_size") or 64
+    if g.shape[1] > C:
+        idx = torch.arange(g.shape[1], device=g.device)
+        idx = torch.where((idx % C == 0) & (idx > 0), idx - 1, idx)
+        g = g + (g[:, idx] - g).detach()
+    return chunk_kda(q, k, v, g, beta, **kw)
+
+
+def beta_gradient_scaled(q, k, v, g, beta, **kw):
+    """dbeta is 1.005 times the true one."""
+    return chunk_kda(q, k, v, g, _scaled_gradient(beta, 1.005), **kw)
+
+
+def stale_packed_state(q, k, v, g, beta, **kw):
+    """Each packed sequence after the first starts from its initial state plus 0.5 % of the previous
+    sequence's final state."""
+    if kw.get("cu_seqlens") is None or len(kw["cu_seqlens"]) < 3:
+        return chunk_kda(q, k, v, g, beta, **kw)
+    _, s = chunk_kda(q, k, v, g, beta, **kw)
+    s0 = kw.get("initial_state")
+    s0 = torch.zeros_like(s) if s0 is None else s0
+    stale = torch.cat([torch.zeros_like(s[:1]), s[:-1].detach()])
+    return chunk_kda(q, k, v, g, beta, **{**kw, "initial_state": s0 + 0.005 * stale})
+
+
 BROKEN = {
     "causality leak": (causality_leak, "causal"),
     "final state one step short": (final_state_one_step_short, "accuracy"),
@@ -99,4 +149,8 @@ BROKEN = {
     "wrong value-head grouping": (wrong_value_head_grouping, "accuracy"),
     "input modified in place": (modifies_input, "inputs unmodified"),
     "nondeterministic last bit": (nondeterministic_last_bit, "deterministic"),
+    "exp(g) as 1 + g for decays above -0.005": (dropped_quadratic_term, "accuracy"),
+    "chunk boundary off by one": (chunk_boundary_off_by_one, "accuracy"),
+    "dbeta scaled by 1.005": (beta_gradient_scaled, "accuracy"),
+    "stale state across packed sequences": (stale_packed_state, "accuracy"),
 }

@@ -1,7 +1,9 @@
-"""``python -m kda.testing MODULE:FUNCTION --convention fla [--examples N] [space options]``.
+"""``python -m kda.testing MODULE:FUNCTION --convention fla [--examples N] [--strict] [space options]``.
 
 Runs :func:`kda.testing.check_kernel` on the function and prints the summary (exit 0) or the
-failed check with its reproducer (exit 1). ``MODULE`` may also be a path to a ``.py`` file.
+failed check with its reproducer (exit 1). ``MODULE`` may also be a path to a ``.py`` file. Every
+argument of :func:`kda.testing.problems` is an option (``--T-multiple-of 16``, ``--scale default``,
+``--packed false``, ``--lower-bound=-5,-1``, ...).
 """
 
 from __future__ import annotations
@@ -36,6 +38,65 @@ def _pair(text: str) -> tuple[int, int]:
     return int(lo), int(hi or lo)
 
 
+def _floats(text: str) -> tuple[float, float]:
+    lo, _, hi = text.partition(",")
+    return float(lo), float(hi or lo)
+
+
+def _bools(values: list[str]) -> tuple[bool, ...]:
+    table = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+    try:
+        return tuple(table[v.lower()] for v in values)
+    except KeyError as err:
+        raise SystemExit(f"expected true or false; got {err.args[0]!r}") from None
+
+
+# problems()'s arguments: (flag, type, nargs, help). Every one is on the command line.
+_SPACE = (
+    ("dtypes", str, "+", "float64 float32 float16 bfloat16"),
+    ("K", _pair, None, "min,max (or one int)"),
+    ("V", _pair, None, "min,max"),
+    ("T", _pair, None, "min,max"),
+    ("T_multiple_of", int, None, "every T (and packed length) a multiple of this"),
+    ("heads", _pair, None, "min,max"),
+    ("groups", int, "+", "value heads per q/k head"),
+    ("batch", _pair, None, "min,max"),
+    ("packed", str, "+", "true false"),
+    ("max_sequences", int, None, "most packed sequences"),
+    ("layouts", str, "+", "head_first time_major"),
+    ("initial_state", str, "+", "true false"),
+    ("gates", str, "+", "log softplus lower_bound"),
+    ("lower_bound", _floats, None, "min,max (floats < 0)"),
+    ("regimes", str, "+", "zero weak mild strong hard reset raw mixed"),
+    ("qk_l2norm", str, "+", "true false"),
+    ("beta_activations", str, "+", "none sigmoid sigmoid2"),
+    ("scale", str, "+", "default drawn"),
+    ("chunk_sizes", str, "+", "ints, or none (not passed)"),
+)
+_BOOLS = ("packed", "initial_state", "qk_l2norm")
+
+
+def _space(a: argparse.Namespace) -> dict[str, Any]:
+    space: dict[str, Any] = {}
+    for name, *_ in _SPACE:
+        x = getattr(a, name)
+        if x is None:
+            continue
+        if name in _BOOLS:
+            x = _bools(x)
+        elif name == "beta_activations":
+            x = tuple(None if b == "none" else b for b in x)
+        elif name == "chunk_sizes":
+            x = tuple(None if c == "none" else int(c) for c in x)
+        elif isinstance(x, list):
+            x = tuple(x)
+        space[name] = x
+    for name in _BOOLS:  # the older spellings
+        if getattr(a, "no_" + name, False):
+            space[name] = (False,)
+    return space
+
+
 def main(argv: list[str] | None = None) -> int:
     from . import check_kernel, problems
     from ._check import KernelCheckFailed
@@ -51,39 +112,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--device", default=None)
     ap.add_argument("--nondeterministic", action="store_true", help="skip the repeated-call check")
-    sp = ap.add_argument_group("space (each narrows the default)")
-    sp.add_argument("--dtypes", nargs="+")
-    sp.add_argument("--K", type=_pair, help="min,max")
-    sp.add_argument("--V", type=_pair, help="min,max")
-    sp.add_argument("--T", type=_pair, help="min,max")
-    sp.add_argument("--T-multiple-of", type=int, dest="T_multiple_of")
-    sp.add_argument("--heads", type=_pair)
-    sp.add_argument("--groups", type=int, nargs="+")
-    sp.add_argument("--batch", type=_pair)
-    sp.add_argument("--no-packed", action="store_true")
-    sp.add_argument("--no-initial-state", action="store_true")
-    sp.add_argument("--gates", nargs="+")
-    sp.add_argument("--regimes", nargs="+")
-    sp.add_argument("--no-qk-l2norm", action="store_true")
-    sp.add_argument("--beta-activations", nargs="+", help="none, sigmoid, sigmoid2")
-    sp.add_argument("--chunk-sizes", nargs="+", help="ints, or none (not passed)")
+    ap.add_argument("--strict", action="store_true", help="fail on an imprecise tensor too")
+    sp = ap.add_argument_group("space: kda.testing.problems()'s arguments (each narrows the default)")
+    for name, kind, nargs, text in _SPACE:
+        flag = "--" + name.replace("_", "-") if name not in ("K", "V", "T") else "--" + name
+        sp.add_argument(flag, dest=name, type=kind, nargs=nargs, help=text)
+    for name in _BOOLS:
+        sp.add_argument("--no-" + name.replace("_", "-"), dest="no_" + name, action="store_true",
+                        help=f"the same as --{name.replace('_', '-')} false")  # fmt: skip
     a = ap.parse_args(argv)
-    space: dict[str, Any] = {}
-    for name in ("dtypes", "K", "V", "T", "T_multiple_of", "heads", "batch", "gates", "regimes"):
-        if getattr(a, name) is not None:
-            space[name] = tuple(getattr(a, name)) if isinstance(getattr(a, name), list) else getattr(a, name)
-    if a.groups:
-        space["groups"] = tuple(a.groups)
-    if a.no_packed:
-        space["packed"] = (False,)
-    if a.no_initial_state:
-        space["initial_state"] = (False,)
-    if a.no_qk_l2norm:
-        space["qk_l2norm"] = (False,)
-    if a.beta_activations:
-        space["beta_activations"] = tuple(None if b == "none" else b for b in a.beta_activations)
-    if a.chunk_sizes:
-        space["chunk_sizes"] = tuple(None if c == "none" else int(c) for c in a.chunk_sizes)
+    space = _space(a)
     if a.convention == "fla":
         space.setdefault("layouts", ("time_major",))
     elif "dtypes" not in space:
@@ -96,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = check_kernel(
             fn, convention=a.convention, problems=problems(**space), backward=backward,
             max_examples=a.examples, seed=a.seed, device=a.device, deterministic=not a.nondeterministic,
+            strict=a.strict,
         )  # fmt: skip
     except KernelCheckFailed as err:
         print(err)

@@ -10,11 +10,12 @@ from typing import Any
 import numpy as np
 
 from .._errors import InvalidInputError, InvalidTypeError
-from ._compare import Mismatch, compare, to_numpy
+from ._compare import Mismatch, to_numpy
 from ._problems import Problem, problems
 from ._reference import GRADIENTS, reference
+from ._scale import IMPRECISE_BAND, error_scales, judge, verdict
 
-__all__ = ["CONVENTIONS", "KernelCheckFailed", "Summary", "check_kernel", "check_problem"]
+__all__ = ["CONVENTIONS", "Imprecise", "KernelCheckFailed", "Summary", "check_kernel", "check_problem"]
 
 CONVENTIONS = ("fla", "kda")
 CHECKS = ("call", "inputs unmodified", "finite", "causal", "accuracy", "deterministic")
@@ -36,20 +37,104 @@ class KernelCheckFailed(AssertionError):
 
 
 @dataclass
+class Imprecise:
+    """A tensor judged imprecise: in how many ``examples``, the ``worst`` ratio of error to its scale,
+    that example's ``detail`` (the element, both values, the scale) and ``problem``."""
+
+    examples: int
+    worst: float
+    detail: str
+    problem: Problem
+
+
+# problems() narrowing for each feature tag a rejected draw had
+_NARROW = {
+    "scale": "scale=('default',)",
+    "packed": "packed=(False,)",
+    "gva": "groups=(1,)",
+    "qk_l2norm": "qk_l2norm=(False,)",
+    "initial_state": "initial_state=(False,)",
+}
+_NARROW_PREFIX = {
+    "gate": "gates",
+    "beta": "beta_activations",
+    "regime": "regimes",
+    "dtype": "dtypes",
+    "layout": "layouts",
+    "chunk": "chunk_sizes",
+    "size": "T",
+}
+
+
+@dataclass
 class Summary:
-    """What :func:`check_kernel` ran: ``examples`` checked, the worst ratio of error to tolerance
-    per tensor (``worst``), the checks made and the features the problems covered."""
+    """What :func:`check_kernel` ran.
+
+    Attributes
+    ----------
+    examples : int
+        Examples checked (rejected draws not counted).
+    worst : dict
+        The worst ratio of error to error scale per tensor (``<= 1``: accurate).
+    imprecise : dict
+        Per tensor judged imprecise in some example: :class:`Imprecise`.
+    rejected : int
+        Draws the kernel rejected by raising ``NotImplementedError``.
+    rejected_features, features : dict
+        Feature tags (:attr:`Problem.features`) of the rejected draws and of the examples checked.
+    checks : tuple of str
+    seconds : float
+    """
 
     examples: int = 0
     worst: dict[str, float] = field(default_factory=dict)
+    imprecise: dict[str, Imprecise] = field(default_factory=dict)
+    rejected: int = 0
+    rejected_features: dict[str, int] = field(default_factory=dict)
     checks: tuple[str, ...] = ()
     features: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    reasons: dict[str, int] = field(default_factory=dict)
+
+    def narrowing(self) -> list[str]:
+        """The ``problems(...)`` arguments that would avoid most rejected draws: features that were
+        in at least a quarter of the rejected draws and were rejected at least 9 times in 10."""
+        out = []
+        for tag, n in sorted(self.rejected_features.items(), key=lambda x: -x[1]):
+            rate = n / (n + self.features.get(tag, 0))
+            if rate < 0.9 or n < self.rejected / 4:
+                continue
+            if tag in _NARROW:
+                hint = _NARROW[tag]
+            elif tag.split("=")[0] in _NARROW_PREFIX:
+                key, _, value = tag.partition("=")
+                hint = f"{_NARROW_PREFIX[key]} without {value}"
+            else:
+                continue
+            out.append(f"{hint} ({n} of {n + self.features.get(tag, 0)} draws with {tag!r} rejected)")
+        return out
 
     def __str__(self) -> str:
-        lines = [f"{self.examples} examples passed in {self.seconds:.1f} s; checks: {', '.join(self.checks)}"]
-        lines.append("worst error / tolerance per tensor:")
-        lines += [f"  {n:<16} {r:.3g}" for n, r in sorted(self.worst.items())]
+        rej = ""
+        if self.rejected:
+            top = sorted(self.reasons.items(), key=lambda x: -x[1])[:3]
+            why = "; ".join(f"{r!r} x {c}" for r, c in top)
+            rej = f" ({self.rejected} draws rejected with NotImplementedError: {why})"
+        lines = [f"{self.examples} examples passed in {self.seconds:.1f} s{rej}"]
+        lines[0] += f"; checks: {', '.join(self.checks)}"
+        if self.rejected > self.examples:
+            hints = self.narrowing()
+            lines.append(
+                "most draws were rejected: narrow problems(...) by "
+                + ("; ".join(hints) if hints else "the options the kernel lacks")
+            )
+        lines.append("worst error / error scale per tensor (<= 1: accurate):")
+        for n, r in sorted(self.worst.items()):
+            line = f"  {n:<16} {r:.3g}"
+            if n in self.imprecise:
+                im = self.imprecise[n]
+                line += f"  IMPRECISE in {im.examples} examples; worst: {im.detail}\n    in {im.problem!r}"
+            lines.append(line)
         return "\n".join(lines)
 
 
@@ -107,8 +192,7 @@ class _Fla:
         kw: dict[str, Any] = {"output_final_state": True}
         if p.scale is not None:
             kw["scale"] = p.scale
-        if "initial_state" in ts:
-            kw["initial_state"] = ts["initial_state"]
+        kw["initial_state"] = ts.get("initial_state")  # None too: some kernels take it positionally
         if p.chunk_size is not None:
             kw["chunk_size"] = p.chunk_size
         if p.cu_seqlens is not None:
@@ -289,6 +373,10 @@ def _perturbed(p: Problem, arrays: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class Rejected(Exception):
+    """The kernel raised ``NotImplementedError`` for a drawn option: the draw is rejected."""
+
+
 def check_problem(
     fn: Callable,
     problem: Problem,
@@ -298,36 +386,40 @@ def check_problem(
     device: Any = None,
     xp: Any = None,
     deterministic: bool = True,
+    strict: bool = False,
     summary: Summary | None = None,
 ) -> dict[str, float]:
     """Run every check of :func:`check_kernel` on one problem (what its reproducer calls).
 
-    Returns the worst ratio of error to tolerance per tensor; raises
-    :class:`KernelCheckFailed` (an ``AssertionError``) naming the failed check.
+    Returns the worst ratio of error to error scale per tensor; raises
+    :class:`KernelCheckFailed` (an ``AssertionError``) naming the failed check (a kernel's
+    ``NotImplementedError`` too, as the check ``call``).
     """
     if not isinstance(problem, Problem):
         raise InvalidTypeError(f"problem must be a kda.testing.Problem; got {type(problem).__name__}")
     runner = _runner(fn, convention, backward, device, xp)
-    return _check(runner, problem, backward, deterministic, summary)
-
-
-def _check(
-    runner: _Fla | _Kda, p: Problem, backward: Any, deterministic: bool, summary: Summary | None
-) -> dict[str, float]:
-    arrays = p.arrays
-    grad = bool(backward)
     try:
-        run = runner.run(p, arrays, grad)
+        return _check(runner, problem, backward, deterministic, strict, summary)
+    except Rejected as err:
+        raise _fail("call", f"the kernel rejected the problem: {err}", problem) from None
+
+
+def _call(runner: _Fla | _Kda, p: Problem, arrays: dict[str, Any], grad: bool, first: bool) -> _Run:
+    try:
+        return runner.run(p, arrays, grad)
+    except NotImplementedError as err:
+        if first:
+            raise Rejected(f"NotImplementedError: {err}") from err
+        raise _fail("call", f"the kernel raised NotImplementedError on a repeated call: {err}", p) from err
     except Exception as err:
         import traceback
 
         frame = traceback.extract_tb(err.__traceback__)[-1]
         where = f" ({frame.filename}:{frame.lineno}: {frame.line})"
         raise _fail("call", f"the kernel raised {type(err).__name__}: {err}{where}", p) from err
-    for n, (live, before) in run.inputs.items():
-        if _snapshot(live) != before:
-            raise _fail("inputs unmodified", f"the kernel modified its input {n!r}", p)
-    got = run.results
+
+
+def _expected(p: Problem, got: dict[str, Any], grad: bool) -> tuple[dict[str, np.ndarray], Any]:
     ref = reference(p, backward=grad and any(k.startswith("d") for k in got), boundaries="boundaries" in got)
     expected: dict[str, Any] = {"output": ref.output, "final_state": ref.final_state}
     if "boundaries" in got:
@@ -336,49 +428,84 @@ def _check(
         for n, x in zip(GRADIENTS, ref.grads):
             if x is not None and "d" + n in got:
                 expected["d" + n] = x
-    for n, e in expected.items():  # finiteness first: a NaN is reported as such
-        x = got.get(n)
-        if x is not None and np.shape(x) == np.shape(e) and (np.isfinite(e) & ~np.isfinite(x)).any():
-            try:
-                compare(x, e, dtype=p.dtype, name=n)
-            except Mismatch as m:
-                raise _fail(m.check, str(m), p) from None
-    if p.T > 1:
-        t = p.causal_step
-        other = runner.run(p, _perturbed(p, arrays), False).results["output"]
-        a, b = got["output"][:, :, :t], other[:, :, :t]
-        if not _same_bits(a, b):
-            bad = np.argwhere(~((a == b) | (np.isnan(a) & np.isnan(b))))
-            where = tuple(int(i) for i in bad[0]) if bad.size else "?"
-            raise _fail(
-                "causal",
-                f"changing the inputs at steps >= {t} changed output[b, h, t, v] at {where} (head-first), "
-                f"before step {t}",
-                p,
-            )
-    ratios: dict[str, float] = {}
-    for n, e in expected.items():
+    return expected, ref
+
+
+def _check_causal(runner: _Fla | _Kda, p: Problem, got: dict[str, Any]) -> None:
+    t = p.causal_step
+    other = _call(runner, p, _perturbed(p, p.arrays), False, False).results["output"]
+    a, b = got["output"][:, :, :t], other[:, :, :t]
+    if not _same_bits(a, b):
+        bad = np.argwhere(~((a == b) | (np.isnan(a) & np.isnan(b))))
+        where = tuple(int(i) for i in bad[0]) if bad.size else "?"
+        raise _fail(
+            "causal",
+            f"changing the inputs at steps >= {t} changed output[b, h, t, v] at {where} (head-first), "
+            f"before step {t}",
+            p,
+        )
+
+
+def _check(
+    runner: _Fla | _Kda, p: Problem, backward: Any, deterministic: bool, strict: bool, summary: Summary | None
+) -> dict[str, float]:
+    arrays = p.arrays
+    grad = bool(backward)
+    run = _call(runner, p, arrays, grad, True)
+    for n, (live, before) in run.inputs.items():
+        if _snapshot(live) != before:
+            raise _fail("inputs unmodified", f"the kernel modified its input {n!r}", p)
+    got = run.results
+    expected, ref = _expected(p, got, grad)
+    for n in expected:
         if got.get(n) is None:
             raise _fail("call", f"the kernel returned no {n}", p)
-        scale = ref.grad_scales.get(n[1:]) if n.startswith("d") else None
+    for n, e in expected.items():  # finiteness (and shapes) first: a NaN is reported as such
         try:
-            ratios[n] = compare(got[n], e, dtype=p.dtype, name=n, scale=scale)
+            judge(got[n], e, 1.0, name=n)
         except Mismatch as m:
             raise _fail(m.check, str(m), p) from None
+    if p.T > 1:
+        _check_causal(runner, p, got)
+    scales = error_scales(p, expected, ref.grad_scales, grad)
+    ratios: dict[str, float] = {}
+    details: dict[str, str] = {}
+    band = IMPRECISE_BAND[p.dtype]
+    for n, e in expected.items():
+        scale, basis = scales[n]
+        r, where = judge(got[n], e, scale, name=n)
+        ratios[n] = r
+        details[n] = f"{where} is {r:.3g} x its error scale {scale:.3e} ({basis})"
+        v = verdict(r, p.dtype)
+        if v == "wrong" or (v == "imprecise" and strict):
+            limit = f"wrong beyond {band:g} x" if v == "wrong" else "imprecise, and strict=True"
+            raise _fail("accuracy", f"{n} is {v}: {details[n]}; {limit}", p)
     if deterministic:
-        again = runner.run(p, arrays, grad).results
+        again = _call(runner, p, arrays, grad, False).results
         for n, x in got.items():
             if x is not None and not _same_bits(x, again.get(n)):
                 diff = np.argwhere(~((x == again[n]) | (np.isnan(x) & np.isnan(again[n]))))
                 where = tuple(int(i) for i in diff[0]) if diff.size else "(shape or NaN pattern)"
                 raise _fail("deterministic", f"a repeated call changed {n} at {where}", p)
     if summary is not None:
-        summary.examples += 1
-        for n, r in ratios.items():
-            summary.worst[n] = max(summary.worst.get(n, 0.0), r)
-        for f in p.features:
-            summary.features[f] = summary.features.get(f, 0) + 1
+        _record(summary, p, ratios, details)
     return ratios
+
+
+def _record(summary: Summary, p: Problem, ratios: dict[str, float], details: dict[str, str]) -> None:
+    summary.examples += 1
+    for n, r in ratios.items():
+        summary.worst[n] = max(summary.worst.get(n, 0.0), r)
+        if verdict(r, p.dtype) == "imprecise":
+            im = summary.imprecise.get(n)
+            if im is None:
+                summary.imprecise[n] = Imprecise(1, r, details[n], p)
+            else:
+                im.examples += 1
+                if r > im.worst:
+                    im.worst, im.detail, im.problem = r, details[n], p
+    for f in p.features:
+        summary.features[f] = summary.features.get(f, 0) + 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -400,7 +527,9 @@ def _name_of(fn: Any) -> tuple[str, str]:
     return "", f"...  # the kernel under test: {fn!r}"
 
 
-def reproducer(fn: Any, problem: Problem, *, convention: str, backward: Any, deterministic: bool) -> str:
+def reproducer(
+    fn: Any, problem: Problem, *, convention: str, backward: Any, deterministic: bool, strict: bool = False
+) -> str:
     """Python source that reruns the checks of ``problem`` on ``fn``."""
     line, expr = _name_of(fn)
     lines = ["import kda.testing as kt", "from kda.testing import Problem"]
@@ -415,7 +544,7 @@ def reproducer(fn: Any, problem: Problem, *, convention: str, backward: Any, det
         lines.append(f"backward = {bexpr}")
         bw = "backward"
     lines.append(f"problem = {problem!r}")
-    extra = "" if deterministic else ", deterministic=False"
+    extra = ("" if deterministic else ", deterministic=False") + (", strict=True" if strict else "")
     lines.append(f"kt.check_problem(fn, problem, convention={convention!r}, backward={bw}{extra})")
     return "\n".join(lines)
 
@@ -441,13 +570,18 @@ def check_kernel(
     device: Any = None,
     xp: Any = None,
     deterministic: bool = True,
+    strict: bool = False,
 ) -> Summary:
     """Check a KDA kernel against kda's exact recurrence on drawn problems.
 
-    Per example: every output and gradient within :data:`kda.testing.TOLERANCES` of the float64
-    reference (:func:`kda.testing.assert_close`); outputs finite wherever the reference is;
-    causality (changing the inputs at steps ``>= t`` changes no output before ``t``, bitwise);
-    inputs left unmodified (bitwise); the same bits on a repeated call (``deterministic``).
+    Per example, in this order: the call succeeds (a ``NotImplementedError`` rejects the draw:
+    counted in the summary, not a failure); inputs left unmodified (bitwise); every output and
+    gradient finite wherever the reference is; causality (changing the inputs at steps ``>= t``
+    changes no output before ``t``, bitwise); every output and gradient within its error scale
+    of the float64 reference (``kda/testing/_scale.py``, ``docs/testing.md``): a ratio of error to
+    scale up to 1 is accurate, up to :data:`kda.testing.IMPRECISE_BAND` imprecise (reported in the
+    summary; a failure only with ``strict``), beyond it wrong; the same bits on a repeated call
+    (``deterministic``).
 
     Parameters
     ----------
@@ -455,14 +589,15 @@ def check_kernel(
         ``convention="fla"``: flash-linear-attention's ``chunk_kda(q, k, v, g, beta, **kw)`` on
         time-major torch tensors (``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g [B, T, HV, K]``,
         ``beta [B, T, HV]``, states ``[N, HV, K, V]``) returning ``(o, final_state)``; called with
-        ``output_final_state=True`` and only the keywords the problem uses (``scale``,
-        ``initial_state``, ``chunk_size``, ``cu_seqlens``, ``use_qk_l2norm_in_kernel``,
-        ``use_gate_in_kernel`` with ``A_log``, ``dt_bias`` (``HV * K`` elements),
-        ``lower_bound``, ``use_beta_sigmoid_in_kernel``, ``allow_neg_eigval``); gradients
-        through ``torch.autograd``.
+        ``output_final_state=True``, ``initial_state`` (None when the problem has none) and only
+        the other keywords the problem uses (``scale``, ``chunk_size``, ``cu_seqlens``,
+        ``use_qk_l2norm_in_kernel``, ``use_gate_in_kernel`` with ``A_log``, ``dt_bias``
+        (``HV * K`` elements), ``lower_bound``, ``use_beta_sigmoid_in_kernel``,
+        ``allow_neg_eigval``); gradients through ``torch.autograd``.
         ``convention="kda"``: :func:`kda.chunk_kda`'s signature on the arrays of ``xp``,
         returning ``(output, final_state[, boundaries])``; boundaries, when returned, are
         checked against the reference's chunk-start states.
+        Either may raise ``NotImplementedError`` for an option it lacks: that draw is rejected.
     convention : {"fla", "kda"}
     problems : hypothesis strategy of :class:`Problem`, optional
         Default: :func:`kda.testing.problems` (time-major only for ``"fla"``; no bfloat16 on
@@ -472,7 +607,7 @@ def check_kernel(
         :func:`kda.chunk_kda_backward`'s signature (then ``fn`` gets ``save_boundaries=True``),
         or False / None for a forward-only kernel.
     max_examples : int
-        Examples to draw (before shrinking a failure).
+        Examples to check (before shrinking a failure; rejected draws do not count).
     seed : int, optional
         Hypothesis seed; None: derandomised (the same examples on every run).
     device : optional
@@ -481,27 +616,32 @@ def check_kernel(
         ``"kda"`` only: the namespace of the inputs (NumPy by default).
     deterministic : bool
         Check that a repeated call returns the same bits.
+    strict : bool
+        Fail on an imprecise tensor too (default: reported in the summary).
 
     Returns
     -------
     Summary
-        Examples run, the worst error / tolerance per tensor, the features covered.
+        Examples run, rejected draws, the worst error / error scale per tensor, the imprecise
+        tensors with their worst example, the features covered.
 
     Raises
     ------
     KernelCheckFailed
         (an ``AssertionError``) naming the failed check, with the shrunk problem and a runnable
-        reproducer in its message.
+        reproducer in its message; also when every draw was rejected.
     """
-    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import HealthCheck, Phase, given, reject, settings
     from hypothesis import seed as hseed
-    from hypothesis.errors import FlakyFailure, FlakyReplay
+    from hypothesis.errors import FlakyFailure, FlakyReplay, Unsatisfiable
 
     runner = _runner(fn, convention, backward, device, xp)
     if not isinstance(max_examples, int) or isinstance(max_examples, bool) or max_examples < 1:
         raise InvalidInputError(f"max_examples must be a positive int; got {max_examples!r}")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise InvalidTypeError(f"seed must be an int or None; got {type(seed).__name__}")
+    if not isinstance(strict, bool):
+        raise InvalidTypeError(f"strict must be a bool; got {type(strict).__name__}")
     strategy = default_problems(convention, xp) if problems is None else problems
     if not hasattr(strategy, "example"):
         raise InvalidTypeError(f"problems must be a hypothesis strategy; got {type(strategy).__name__}")
@@ -515,7 +655,14 @@ def check_kernel(
         if state["first"] is None:
             state["count"] += 1
         try:
-            _check(runner, problem, backward, deterministic, summary)
+            _check(runner, problem, backward, deterministic, strict, summary)
+        except Rejected as why:
+            if state["first"] is None:
+                summary.rejected += 1
+                summary.reasons[str(why)] = summary.reasons.get(str(why), 0) + 1
+                for f in problem.features:
+                    summary.rejected_features[f] = summary.rejected_features.get(f, 0) + 1
+            reject()
         except KernelCheckFailed as err:
             if state["first"] is None:
                 state["first"] = (state["count"], time.perf_counter() - start)
@@ -537,13 +684,22 @@ def check_kernel(
         test = hseed(seed)(test)
     try:
         test()
+    except Unsatisfiable:
+        hints = summary.narrowing()
+        msg = (
+            f"check 'call' failed: the kernel rejected every draw ({summary.rejected}) with "
+            f"NotImplementedError; narrow problems(...) by "
+            + ("; ".join(hints) if hints else "the options the kernel lacks")
+        )
+        raise KernelCheckFailed(msg, check="call") from None
     except (KernelCheckFailed, FlakyFailure, FlakyReplay) as caught:
         err = state["last"] if state["last"] is not None else caught
         if not isinstance(err, KernelCheckFailed):
             raise
         repro = reproducer(
-            fn, err.problem, convention=convention, backward=backward, deterministic=deterministic
-        )
+            fn, err.problem, convention=convention, backward=backward, deterministic=deterministic,
+            strict=strict,
+        )  # fmt: skip
         count, seconds = state["first"] or (state["count"], time.perf_counter() - start)
         flaky = "" if isinstance(caught, KernelCheckFailed) else " (flaky: it did not fail again on replay)"
         msg = (

@@ -1,4 +1,8 @@
-"""The comparison kda's tests and :func:`kda.testing.check_kernel` use, with per-dtype tolerances.
+"""The dtype-relative comparison kda's own tests use (:func:`assert_close`, :data:`TOLERANCES`).
+
+:func:`kda.testing.check_kernel` judges float32 kernels against error scales that follow the
+problem instead (:mod:`kda.testing._scale`, ``docs/testing.md``); for float64, float16 and bfloat16
+it keeps these tolerances, with a floor of half an ulp of the inputs' magnitudes.
 
 Rule: ``max |actual - expected| <= tol[dtype] * scale`` over the elements where ``expected`` is
 finite, with ``scale = max |expected|`` (per tensor) unless given; ``actual`` must be finite

@@ -234,7 +234,7 @@ class Problem:
             f"dtype={self.dtype}",
             f"gate={self.gate}",
         }
-        tags |= {f"layout={self.layout}", f"beta={self.beta_activation}"}
+        tags |= {f"layout={self.layout}", f"beta={self.beta_activation}", f"chunk={self.chunk_size}"}
         if self.G > 1:
             tags.add("gva")
         if self.qk_l2norm:

@@ -77,9 +77,12 @@ def log_decay(problem: Problem) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     return ld, parts
 
 
-def _boundaries(problem: Problem, kw: dict[str, Any], scale: float | None) -> np.ndarray:
-    """Chunk-start states by running the recurrence chunk by chunk (each from the last's end)."""
-    a, C = problem.arrays, problem.effective_chunk
+def _boundaries(
+    problem: Problem, kw: dict[str, Any], scale: float | None, arrays: dict[str, Any] | None = None
+) -> np.ndarray:
+    """Chunk-start states by running the recurrence chunk by chunk (each from the last's end), on
+    ``arrays`` (default: the problem's float64 arrays)."""
+    a, C = problem.arrays if arrays is None else arrays, problem.effective_chunk
     kw = {n: x for n, x in kw.items() if n != "cu_seqlens"}
     names = ("q", "k", "v", "g", "beta")
     states = []
@@ -91,10 +94,10 @@ def _boundaries(problem: Problem, kw: dict[str, Any], scale: float | None) -> np
     for rows, start, end, i in seqs:
         if i is None:
             s = a["initial_state"]
-            s = np.zeros((problem.B, problem.HV, problem.K, problem.V)) if s is None else s
+            s = np.zeros((problem.B, problem.HV, problem.K, problem.V), a["v"].dtype) if s is None else s
         else:
             s0 = a["initial_state"]
-            s = np.zeros((1, problem.HV, problem.K, problem.V)) if s0 is None else s0[i : i + 1]
+            s = np.zeros((1, problem.HV, problem.K, problem.V), a["v"].dtype) if s0 is None else s0[i : i + 1]
         for t in range(start, end, C):
             states.append((s, rows))
             stop = min(t + C, end)
