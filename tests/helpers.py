@@ -43,8 +43,8 @@ def has_gpu() -> bool:
 HAS_GPU = has_gpu()
 
 
-# max-abs error over max-abs of the float64 recurrence: kda holds its own kernels to these, stricter
-# than kda.testing.TOLERANCES (which any kernel is judged by) for float32
+# max-abs error over max-abs of the float64 recurrence: kda holds its own kernels to these fixed
+# tolerances, stricter than kda.testing's problem-dependent float32 error scale (docs/testing.md)
 TOLERANCE = {np.dtype(np.float64): 1e-10, np.dtype(np.float32): 1e-5}
 
 to_numpy = kt.to_numpy
