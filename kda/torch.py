@@ -40,7 +40,7 @@ from ._entry.fla import (
     RECURRENT_DOC,
     FlaCall,
     check_gate_sizes,
-    core_options,
+    chunk_keywords,
     fla_function,
     packed_chunks,
     translate,
@@ -402,11 +402,9 @@ class _ContextParallel(torch.autograd.Function):
         p, group = cp_ctx.partition, cp_ctx.group
         inputs = (q, k, v, g, beta, s0, A_log, dt_bias)
         cd = _compute_dtype(q.dtype)
-        opts = core_options(*static)
-        del opts["cu_seqlens"]
         with _on_stream(q.device):
             x = [_array(t) for t in inputs]
-            opts.update(A_log=x[6], dt_bias=x[7])
+            opts = chunk_keywords(static, x[6], x[7])
             xp, adt = _namespace(x[2]), x[2].dtype
             shape = (v.shape[2], q.shape[3], v.shape[3])
             own = _cp.forward_map(p, tuple(x[:5]), opts, adt)
@@ -421,7 +419,7 @@ class _ContextParallel(torch.autograd.Function):
                 final = q.new_empty((0,), dtype=cd)
             saved = [_tensor(a, cd, inputs) for a in (own, starts, out.boundaries)]
         ctx.save_for_backward(*inputs, *saved)
-        ctx.cp_ctx, ctx.opts, ctx.want_final = cp_ctx, static, want_final
+        ctx.cp_ctx, ctx.static, ctx.want_final = cp_ctx, static, want_final
         if not want_final:
             ctx.mark_non_differentiable(final)
         return o, final
@@ -431,8 +429,6 @@ class _ContextParallel(torch.autograd.Function):
         p, group = ctx.cp_ctx.partition, ctx.cp_ctx.group
         *inputs, own, starts, boundaries = ctx.saved_tensors
         q, v = inputs[0], inputs[2]
-        opts = core_options(*ctx.opts)
-        del opts["cu_seqlens"]
         if do is None:
             do = torch.zeros_like(v, dtype=q.dtype)
         if ctx.want_final:
@@ -441,7 +437,7 @@ class _ContextParallel(torch.autograd.Function):
             dfinal = _all_reduce(dfinal.to(starts.dtype).clone(), group)
         with _on_stream(q.device):
             x = [_array(t) for t in inputs]
-            opts.update(A_log=x[6], dt_bias=x[7])
+            opts = chunk_keywords(ctx.static, x[6], x[7])
             xp, adt = _namespace(x[2]), x[2].dtype
             shape = (v.shape[2], q.shape[3], v.shape[3])
             do_ = _array(do)

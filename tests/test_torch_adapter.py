@@ -413,6 +413,34 @@ def test_cpu_tensors_reach_kda_without_copies(monkeypatch):
         assert seen[name].__array_interface__["data"][0] == t.data_ptr(), name
 
 
+@pytest.mark.parametrize("fn", ["chunk", "recurrent"])
+def test_backward_reuses_the_forward_validation(monkeypatch, fn):
+    """The backward rebuilds the call the forward validated: no option checks, no finiteness scan
+    of the inputs again; only the cotangents, new in the backward, are scanned."""
+    x = make_inputs(13, T=9, H=1, HV=2, gate="softplus")
+    o, s = call(FUNCTIONS[fn], x, use_gate_in_kernel=True)
+    checked, scanned = [], []
+    real_check, real_scan = kda._entry.call.check_options_call, kda._entry.call._check_finite
+    monkeypatch.setattr(kda._entry.call, "check_options_call", lambda *a: checked.append(1) or real_check(*a))
+    monkeypatch.setattr(
+        kda._entry.call,
+        "_check_finite",
+        lambda xp, name, a, **kw: scanned.append(name) or real_scan(xp, name, a, **kw),
+    )
+    (o.sum() + s.sum()).backward()
+    assert checked == [] and scanned == ["grad_output", "grad_final_state"]
+    assert all(x[n].grad is not None for n in x)
+
+
+def test_backward_refuses_a_non_finite_output_gradient():
+    x = make_inputs(14, T=9)
+    o, _ = call(kt.chunk_kda, x)
+    do = torch.ones_like(o)
+    do[0, 3, 0, 1] = math.nan
+    with pytest.raises(kda.InvalidInputError, match="grad_output"):
+        o.backward(do)
+
+
 def test_inputs_are_not_modified_and_outputs_do_not_alias_them():
     x = make_inputs(10, T=9, H=1, HV=2, gate="softplus")
     before = {n: t.detach().clone() for n, t in x.items()}

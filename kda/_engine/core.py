@@ -31,7 +31,14 @@ from . import varlen as _varlen
 from .chunked import chunk_backward, chunk_end_state, chunk_forward, chunk_state_gradient, padded_chunk_size
 from .widening import chunk_compute_dtype
 
-__all__ = ["RECURRENT_MAX_T", "ChunkCore", "Core", "RecurrentCore", "run_backward", "run_forward"]
+__all__ = [
+    "RECURRENT_MAX_T",
+    "ChunkCore",
+    "Core",
+    "RecurrentCore",
+    "run_packed_backward",
+    "run_packed_forward",
+]
 
 # Sequences of at most this many steps (in a single chunk) run the step recurrence inside the
 # chunked functions. Measured at B=8, H=16, K=V=128, float32 on the CPU (one run, side by side):
@@ -203,24 +210,13 @@ def _start_boundaries(state: Any, T: int) -> Any:
     return xp.asarray(state[None, ...], copy=True)
 
 
-def run_forward(
-    core: Core,
-    xp: Any,
-    c: CoreInputs,
-    state: Any,
-    offsets: tuple[int, ...] | None,
-    keep_boundaries: bool = True,
-    out: Any = None,
-):
+def run_packed_forward(core: Core, xp: Any, c: CoreInputs, state: Any, offsets, keep: bool, out=None):
     """``(output, final_state, boundaries)`` of the core on ``c``, per group of packed sequences.
 
-    With packed sequences, ``boundaries`` is None unless ``keep_boundaries``. ``out``: buffers
-    (compute dtype, head-first) that receive the results (written straight in without packed
-    sequences, copied in with them).
+    ``boundaries`` is None unless ``keep``. ``out``: buffers (compute dtype, head-first) that
+    receive the results (copied in). Without packed sequences the caller runs ``core.forward``.
     """
-    if offsets is None:
-        return core.forward(c.q, c.k, c.v, c.g, c.beta, state, keep_boundaries, out=out)
-    return _into(out, _run_packed_forward(core, xp, c, state, offsets, keep_boundaries))
+    return _into(out, _run_packed_forward(core, xp, c, state, offsets, keep))
 
 
 def _run_packed_forward(core: Core, xp: Any, c: CoreInputs, state: Any, offsets, keep_boundaries: bool):
@@ -245,27 +241,15 @@ def _run_packed_forward(core: Core, xp: Any, c: CoreInputs, state: Any, offsets,
     return output, final, _varlen.scatter_boundaries(xp, starts, plan, empty)
 
 
-def run_backward(
-    core: Core,
-    xp: Any,
-    c: CoreInputs,
-    state: Any,
-    boundaries: Any,
-    do: Any,
-    dstate: Any,
-    offsets,
-    out: Any = None,
-    workspace: Any = None,
-) -> tuple[Any, ...]:
-    """Gradients ``(dq, dk, dv, dg, dbeta, dstate)`` of the core's inputs, per group of sequences.
+def run_packed_backward(core: Core, xp: Any, c: CoreInputs, state, boundaries, do, dfinal, offsets, out=None):
+    """Gradients ``(dq, dk, dv, dg, dbeta, dinitial)`` of the core's inputs, per group of packed
+    sequences (without them the caller runs ``core.backward``).
 
     Where arrays are writable, a group of one sequence writes its gradients straight into views
     of the packed gradients, and other groups are copied in by slices; elsewhere the groups'
     gradients are concatenated. ``out``: six buffers that receive the gradients.
     """
-    if offsets is None:
-        return core.backward(c.q, c.k, c.v, c.g, c.beta, state, boundaries, do, dstate, out, workspace)
-    return _into(out, _run_packed_backward(core, xp, c, state, boundaries, do, dstate, offsets))
+    return _into(out, _run_packed_backward(core, xp, c, state, boundaries, do, dfinal, offsets))
 
 
 def _run_packed_backward(core: Core, xp: Any, c: CoreInputs, state, boundaries, do, dstate, offsets):

@@ -24,12 +24,20 @@ from typing import Any
 
 import array_api_compat
 
+from .._backend import get_backend
+from .._engine.core import ChunkCore, RecurrentCore
+from .._options.maps import Options
+from .._options.validation import Problem
 from . import api as _api
-from .call import KdaGradients
-from .fla import boundary_bound, core_options, packed_chunks
+from .call import Call, KdaGradients
+from .fla import boundary_bound, choices, chunk_keywords, packed_chunks
 from .states import backward_with_state_gradients
 
-__all__ = ["backward", "forward", "shapes"]
+__all__ = ["backward", "forward", "shapes", "validated_call"]
+
+# the bodies of kda.chunk_kda and kda.recurrent_kda, which take the options as one Choices
+_CHUNK = _api.chunk_kda.__wrapped__
+_RECURRENT = _api.recurrent_kda.__wrapped__
 
 Arrays = tuple[Any, ...]  # q, k, v, g, beta, initial_state, A_log, dt_bias (None where absent)
 
@@ -55,17 +63,22 @@ def shapes(
 def forward(static: tuple[Any, ...], x: Arrays, offsets: tuple[int, ...] | None) -> tuple[Any, Any, Any]:
     """``(output [B, T, HV, V], final_state [N, HV, K, V], boundaries)`` of one fla-style call.
 
-    ``boundaries``: ``[NT, B, HV, K, V]`` (:func:`shapes`; rows past the packed chunks are zeros)
-    for ``chunk_kda``, an empty ``[0]`` array for the recurrence. Arrays in the inputs' namespace.
+    The body of :func:`kda.chunk_kda` (or :func:`kda.recurrent_kda`) with the options as the
+    table's :class:`~kda._options.table.Choices`: the inputs and options are validated here,
+    once. ``boundaries``: ``[NT, B, HV, K, V]`` (:func:`shapes`; rows past the packed chunks
+    are zeros) for ``chunk_kda``, an empty ``[0]`` array for the recurrence. Arrays in the
+    inputs' namespace.
     """
-    opts = core_options(*static, offsets)
-    params = dict(initial_state=x[5], A_log=x[6], dt_bias=x[7])
+    opts = choices(static, x[6], x[7], offsets)
     if static[0] != "chunk":
-        out = _api.recurrent_kda(*x[:5], **params, **opts)
+        out = _RECURRENT(*x[:5], scale=static[1], initial_state=x[5], backend=None, opts=opts)
         xp = array_api_compat.array_namespace(out.final_state)
         empty = xp.zeros((0,), dtype=out.final_state.dtype, device=out.final_state.device)
         return out.output, out.final_state, empty
-    out = _api.chunk_kda(*x[:5], save_boundaries=True, **params, **opts)
+    out = _CHUNK(
+        *x[:5], scale=static[1], initial_state=x[5], chunk_size=static[2], save_boundaries=True,
+        backend=None, opts=opts,
+    )  # fmt: skip
     NT = boundary_bound(x[0].shape[1], static[2], None if offsets is None else len(offsets) - 1)
     return out.output, out.final_state, _pad(out.boundaries, NT)
 
@@ -91,27 +104,46 @@ def backward(
 ) -> Callable[[], KdaGradients]:
     """The backward of :func:`forward`, as work to run: call the result for the gradients.
 
-    ``boundaries``: :func:`forward`'s (padded); ``do [B, T, HV, V]`` the output's gradient;
-    ``dfinal`` the final state's (None: zeros); ``dboundaries`` the boundaries' (None or all
-    zeros: they did not reach the loss; else :func:`backward_with_state_gradients`). The result
-    is returned to be called, so that the adapter's own frame runs the gradients (the call path
-    stays short). Gradients ``(q, k, v, g, beta, initial_state, A_log, dt_bias)`` come in
-    :class:`~kda.KdaGradients`, each shaped like its input.
+    ``x``, ``static`` and ``offsets`` are those that :func:`forward` validated, so they are not
+    checked again (:func:`validated_call`); ``boundaries`` are its (padded) boundaries. The
+    cotangents, new here, are checked for finiteness only: ``do [B, T, HV, V]`` the output's
+    gradient, ``dfinal`` the final state's (None: zeros); ``dboundaries`` the boundaries' (None
+    or all zeros: they did not reach the loss; else the work is
+    :func:`backward_with_state_gradients`, which runs the public functions on the chunks).
+
+    The work is returned to be called, so that the adapter's own frame runs it: the call path
+    from the adapter to the core is :meth:`Call.backward` alone. Gradients ``(q, k, v, g, beta,
+    initial_state, A_log, dt_bias)`` come in :class:`~kda.KdaGradients`, each shaped like its
+    input.
     """
-    opts = core_options(*static, offsets)
-    params = dict(initial_state=x[5], A_log=x[6], dt_bias=x[7])
+    call = validated_call(static, x, offsets)
     if static[0] != "chunk":
-        return functools.partial(_api.recurrent_kda_backward, *x[:5], do, dfinal, **params, **opts)
-    NT = boundaries.shape[0] if offsets is None else packed_chunks(offsets, static[2])
-    if dboundaries is not None:
-        xp = array_api_compat.array_namespace(dboundaries)
-        if bool(xp.any(dboundaries[:NT, ...])):  # the chunk-start states reached the loss
-            del opts["cu_seqlens"]
-            opts.update(A_log=x[6], dt_bias=x[7])
-            return functools.partial(
-                backward_with_state_gradients,
-                x[:5], boundaries[:NT, ...], do, dfinal, dboundaries[:NT, ...], x[5], offsets, opts,
-            )  # fmt: skip
-    return functools.partial(
-        _api.chunk_kda_backward, *x[:5], boundaries[:NT, ...], do, dfinal, **params, **opts
-    )
+        boundaries = None
+    else:
+        NT = boundaries.shape[0] if offsets is None else packed_chunks(offsets, static[2])
+        boundaries = boundaries[:NT, ...]
+        if dboundaries is not None and bool(call.p.xp.any(dboundaries[:NT, ...])):  # h reached the loss
+            keywords = chunk_keywords(static, x[6], x[7])
+            args = (x[:5], boundaries, do, dfinal, dboundaries[:NT, ...], x[5], offsets, keywords)
+            return functools.partial(backward_with_state_gradients, *args)
+    call.check_finite(grad_output=do, grad_final_state=dfinal)
+    state = call.zero_state() if x[5] is None else x[5]
+    dfinal = call.zero_state() if dfinal is None else dfinal
+    do = call.grad_output(do, check=False)
+    return functools.partial(call.backward, (*x[:5], x[6], x[7]), state, boundaries, do, dfinal)
+
+
+def validated_call(static: tuple[Any, ...], x: Arrays, offsets: tuple[int, ...] | None) -> Call:
+    """The :class:`~kda._entry.call.Call` that :func:`forward` validated, rebuilt without checks
+    from the same static options and arrays (compute dtype, time-major, ``A_log [HV]``,
+    ``dt_bias [HV, K]``): the problem's sizes, the options and the core."""
+    q, v = x[0], x[2]
+    xp = array_api_compat.array_namespace(q)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    scale = static[1]
+    p = Problem(xp, B, H, HV, T, K, V, q.dtype, q.dtype, scale, "time_major", offsets)
+    o = Options(static[3], static[4], x[6], x[7], static[5], static[6] or None)
+    ops = get_backend(xp, None)
+    core = ChunkCore(ops, scale, static[2]) if static[0] == "chunk" else RecurrentCore(ops, scale)
+    return Call(p, o, core, True)
