@@ -417,8 +417,8 @@ class _ContextParallel(torch.autograd.Function):
                 final = _all_reduce(_tensor(share, cd, inputs), group)
             else:
                 final = q.new_empty((0,), dtype=cd)
-            saved = [_tensor(a, cd, inputs) for a in (own, starts, out.boundaries)]
-        ctx.save_for_backward(*inputs, *saved)
+            kept = [_tensor(a, cd, inputs) for a in (own, starts, out.boundaries)]
+        ctx.save_for_backward(*inputs, *kept)
         ctx.cp_ctx, ctx.static, ctx.want_final = cp_ctx, static, want_final
         if not want_final:
             ctx.mark_non_differentiable(final)
@@ -445,8 +445,10 @@ class _ContextParallel(torch.autograd.Function):
             own_, starts_ = _array(own), _array(starts)
             mine = _cp.backward_map(p, tuple(x[:5]), do_, opts, adt, own_map=own_)
             maps = _all_gather(mine, group, q) if p.crossing else None
-            ends = _cp.end_gradients(p, maps, dfinal_, shape, adt, xp)
-            grads = _cp.backward_local(p, tuple(x[:5]), starts_, _array(boundaries), do_, ends, opts, dfinal_)
+            dends = _cp.end_gradients(p, maps, dfinal_, shape, adt, xp)
+            grads = _cp.backward_local(
+                p, tuple(x[:5]), starts_, _array(boundaries), do_, dends, opts, dfinal_
+            )
             out = [
                 None if t is None or gr is None else _tensor(gr, t.dtype, tuple(inputs))
                 for t, gr in zip(inputs, grads)

@@ -245,8 +245,8 @@ def simulate(scenario: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
     )
     results = []
     for p, xr, d, (starts, out) in zip(parts, xs, dos, fwd):
-        ends = cp.end_gradients(p, bmaps, dF, (HV, K, V), np.float64, np)
-        grads = cp.backward_local(p, xr, starts, out.boundaries, d, ends, core, dF)
+        dends = cp.end_gradients(p, bmaps, dF, (HV, K, V), np.float64, np)
+        grads = cp.backward_local(p, xr, starts, out.boundaries, d, dends, core, dF)
         share = cp.final_state_share(p, out.final_state, s0, np)
         results.append({"o": out.output, "final_share": share, "grads": grads})
     return results

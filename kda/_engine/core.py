@@ -57,7 +57,7 @@ class Core(Protocol):
     def forward(self, q, k, v, g, beta, state, keep: bool = True, out=None) -> tuple[Any, Any, Any]: ...
 
     def backward(
-        self, q, k, v, g, beta, state, boundaries, do, dstate, out=None, workspace=None
+        self, q, k, v, g, beta, state, boundaries, do, dfinal, out=None, workspace=None
     ) -> tuple[Any, ...]: ...
 
 
@@ -74,9 +74,9 @@ class RecurrentCore:
         return _into(out, (o, final, None))
 
     def backward(
-        self, q, k, v, g, beta, state, boundaries, do, dstate, out=None, workspace=None
+        self, q, k, v, g, beta, state, boundaries, do, dfinal, out=None, workspace=None
     ) -> tuple[Any, ...]:
-        return _into(out, self.ops.recurrent_backward(q, k, v, g, beta, self.scale, state, do, dstate))
+        return _into(out, self.ops.recurrent_backward(q, k, v, g, beta, self.scale, state, do, dfinal))
 
 
 def _check_pair_memory(rows: int, C: int, T: int, itemsize: int) -> None:
@@ -136,7 +136,7 @@ class ChunkCore:
         return _into(out, _cast(xp, q.dtype, *results))
 
     def backward(
-        self, q, k, v, g, beta, state, boundaries, do, dstate, out=None, workspace=None
+        self, q, k, v, g, beta, state, boundaries, do, dfinal, out=None, workspace=None
     ) -> tuple[Any, ...]:
         """The six gradients. ``out``: six buffers of their shapes that receive them;
         ``workspace``: a ``[NT, B, HV, K, V]`` buffer for the recomputed boundaries (with
@@ -144,15 +144,15 @@ class ChunkCore:
         route = self.route(q)
         if route is None:  # the one boundary, when given, is the initial state
             state = state if boundaries is None or boundaries.shape[0] == 0 else boundaries[0, ...]
-            return _into(out, self.ops.recurrent_backward(q, k, v, g, beta, self.scale, state, do, dstate))
+            return _into(out, self.ops.recurrent_backward(q, k, v, g, beta, self.scale, state, do, dfinal))
         ops, C, wide = route
         xp = _namespace(q)
         if wide == q.dtype:
             bufs = None if out is None else (*out, *(() if workspace is None else (workspace,)))
             return chunk_backward(
-                ops, xp, q, k, v, g, beta, self.scale, state, boundaries, do, dstate, C, bufs
+                ops, xp, q, k, v, g, beta, self.scale, state, boundaries, do, dfinal, C, bufs
             )
-        args = _cast(xp, wide, q, k, v, g, beta, state, boundaries, do, dstate)
+        args = _cast(xp, wide, q, k, v, g, beta, state, boundaries, do, dfinal)
         grads = chunk_backward(ops, xp, *args[:5], self.scale, *args[5:], C)
         return _into(out, _cast(xp, q.dtype, *grads))
 
@@ -221,7 +221,7 @@ def run_packed_forward(core: Core, xp: Any, c: CoreInputs, state: Any, offsets, 
 
 def _run_packed_forward(core: Core, xp: Any, c: CoreInputs, state: Any, offsets, keep_boundaries: bool):
     plan = _varlen.plan_sequences(offsets, core.chunk_size)
-    outs, finals, starts = [], [], []
+    outs, finals, group_boundaries = [], [], []
     for group in plan.groups:
         args = [_varlen.gather(xp, x, plan, group) for x in (c.q, c.k, c.v, c.g, c.beta)]
         o, final, boundaries = core.forward(
@@ -229,16 +229,16 @@ def _run_packed_forward(core: Core, xp: Any, c: CoreInputs, state: Any, offsets,
         )
         outs.append(o)
         finals.append(final)
-        starts.append(boundaries)
+        group_boundaries.append(boundaries)
     if outs:
         output = _varlen.scatter(xp, outs, plan)
     else:
         output = xp.zeros(c.v.shape, dtype=c.v.dtype, device=c.v.device)
     final = _varlen.scatter_rows(xp, finals, plan, state)
-    if not keep_boundaries or (starts and starts[0] is None):
+    if not keep_boundaries or (group_boundaries and group_boundaries[0] is None):
         return output, final, None
     empty = xp.zeros((0, 1, *state.shape[1:]), dtype=state.dtype, device=state.device)
-    return output, final, _varlen.scatter_boundaries(xp, starts, plan, empty)
+    return output, final, _varlen.scatter_boundaries(xp, group_boundaries, plan, empty)
 
 
 def run_packed_backward(core: Core, xp: Any, c: CoreInputs, state, boundaries, do, dfinal, offsets, out=None):
@@ -252,29 +252,31 @@ def run_packed_backward(core: Core, xp: Any, c: CoreInputs, state, boundaries, d
     return _into(out, _run_packed_backward(core, xp, c, state, boundaries, do, dfinal, offsets))
 
 
-def _run_packed_backward(core: Core, xp: Any, c: CoreInputs, state, boundaries, do, dstate, offsets):
+def _run_packed_backward(core: Core, xp: Any, c: CoreInputs, state, boundaries, do, dfinal, offsets):
     plan = _varlen.plan_sequences(offsets, core.chunk_size)
     packed = [xp.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (c.q, c.k, c.v, c.g, c.beta)]
     in_place = bool(array_api_compat.is_writeable_array(packed[0]))
     parts: list[list[Any]] = [[] for _ in range(5)]
-    dstates = []
+    dinitials = []
     for group in plan.groups:
         args = [_varlen.gather(xp, x, plan, group) for x in (c.q, c.k, c.v, c.g, c.beta, do)]
-        rows = [_varlen.gather_rows(xp, x, plan, group) for x in (state, dstate)]
-        starts = None if boundaries is None else _varlen.gather_boundaries(xp, boundaries, plan, group)
+        rows = [_varlen.gather_rows(xp, x, plan, group) for x in (state, dfinal)]
+        group_boundaries = (
+            None if boundaries is None else _varlen.gather_boundaries(xp, boundaries, plan, group)
+        )
         out = None
         if in_place and len(group.seqs) == 1:
             a, b = plan.offsets[group.seqs[0]], plan.offsets[group.seqs[0] + 1]
             out = [x[:, :, a:b, ...] for x in packed] + [
                 xp.zeros(rows[1].shape, dtype=rows[1].dtype, device=rows[1].device)
             ]
-        *grads, ds = core.backward(*args[:5], rows[0], starts, args[5], rows[1], out=out)
+        *grads, dinitial = core.backward(*args[:5], rows[0], group_boundaries, args[5], rows[1], out=out)
         if not in_place:
             for acc, x in zip(parts, grads, strict=True):
                 acc.append(x)
         elif out is None:
             _varlen.scatter_into(packed, grads, plan, group)
-        dstates.append(ds)
-    if not in_place and dstates:
+        dinitials.append(dinitial)
+    if not in_place and dinitials:
         packed = [_varlen.scatter(xp, acc, plan) for acc in parts]
-    return (*packed, _varlen.scatter_rows(xp, dstates, plan, dstate))
+    return (*packed, _varlen.scatter_rows(xp, dinitials, plan, dfinal))

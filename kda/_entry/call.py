@@ -187,12 +187,13 @@ class Call:
         return out
 
     def backward(
-        self, inputs: tuple, state: Any, boundaries: Any, do: Any, dstate: Any,
+        self, inputs: tuple, state: Any, boundaries: Any, do: Any, dfinal: Any,
         out: KdaGradients | None = None, workspace: Any = None,
     ) -> KdaGradients:  # fmt: skip
         """Gradients of raw ``inputs = (q, k, v, g, beta, A_log, dt_bias)``.
 
-        ``do``: head-first output gradient in the compute dtype. ``out``: a
+        ``do``: head-first output gradient in the compute dtype; ``dfinal``: the final state's
+        gradient ``[N, HV, K, V]``. ``out``: a
         :class:`KdaGradients` of buffers (each its input's dtype and shape) that receive the
         gradients and are returned; ``workspace`` holds recomputed boundaries on the way.
         """
@@ -205,23 +206,23 @@ class Call:
         with floating_point_quiet(xp):
             if p.offsets is None:
                 grads = self.core.backward(
-                    c.q, c.k, c.v, c.g, c.beta, state, boundaries, do, dstate, bufs, workspace
+                    c.q, c.k, c.v, c.g, c.beta, state, boundaries, do, dfinal, bufs, workspace
                 )
             else:
-                grads = run_packed_backward(self.core, xp, c, state, boundaries, do, dstate, p.offsets, bufs)
-            dq, dk, dv, dlog, dbeta, dstate = grads
+                grads = run_packed_backward(self.core, xp, c, state, boundaries, do, dfinal, p.offsets, bufs)
+            dq, dk, dv, dlog, dbeta, dinitial = grads
             dg, dA_log, ddt_bias = gate_backward(xp, dlog, c, o)
             dq, dk = qk_backward(xp, dq, dk, c, o, p.H)
             dbeta = beta_backward(xp, dbeta, c, o)
         raise_for_gates(p)
         if self.check:
-            warn_if_diverged(xp, dq, dk, dv, dg, dbeta, dstate, stacklevel=5)
+            warn_if_diverged(xp, dq, dk, dv, dg, dbeta, dinitial, stacklevel=5)
         grads = [xp.astype(head_first(xp, x, p.layout), p.dtype, copy=False) for x in (dq, dk, dv, dg, dbeta)]
         params = [
             None if d is None else xp.astype(d, x.dtype, copy=False)
             for d, x in ((dA_log, inputs[5]), (ddt_bias, inputs[6]))
         ]
-        result = KdaGradients(*grads, dstate, *params)
+        result = KdaGradients(*grads, dinitial, *params)
         if out is None:
             return result
         if not direct:
