@@ -114,6 +114,39 @@ def _kda_options(shape: dict, kw: dict) -> dict:
 
 
 @pytest.mark.parametrize("name", OPTION_SETS)
+@pytest.mark.parametrize("method", FUNCTIONS)
+def test_adapter_is_bitwise_the_public_functions(name, method):
+    """The adapter's forward and backward (which rebuilds the forward's validated call) give the
+    bits of kda's public functions on the same arrays with the same options, a scale included."""
+    shape, kw = OPTION_SETS[name]
+    x = make_inputs(21, **{**shape, "T": 13 if "cu_seqlens" not in kw else shape["T"]})
+    o, s = call(FUNCTIONS[method], x, **kw, scale=0.37)
+    gen = torch.Generator().manual_seed(4)
+    do, ds = torch.randn(o.shape, generator=gen, dtype=F64), torch.randn(s.shape, generator=gen, dtype=F64)
+    ((o * do).sum() + (s * ds).sum()).backward()
+
+    n = {k_: t.detach().numpy() for k_, t in x.items()}
+    if "dt_bias" in n:
+        n["dt_bias"] = n["dt_bias"].reshape(n["A_log"].shape[0], -1)
+    opts = {**_kda_options(shape, kw), "scale": 0.37}
+    params = {p: n[p] for p in ("initial_state", "A_log", "dt_bias") if p in n}
+    inputs = [n[m] for m in NAMES[:5]]
+    if method == "chunk":
+        out = kda.chunk_kda(*inputs, **params, **opts, chunk_size=3, save_boundaries=True)
+        grads = kda.chunk_kda_backward(
+            *inputs, out.boundaries, do.numpy(), ds.numpy(), **params, **opts, chunk_size=3
+        )
+    else:
+        out = kda.recurrent_kda(*inputs, **params, **opts)
+        grads = kda.recurrent_kda_backward(*inputs, do.numpy(), ds.numpy(), **params, **opts)
+    np.testing.assert_array_equal(o.detach().numpy(), out.output)
+    np.testing.assert_array_equal(s.detach().numpy(), out.final_state)
+    for name_ in x:
+        want = getattr(grads, name_).reshape(x[name_].shape)
+        np.testing.assert_array_equal(x[name_].grad.numpy(), want, err_msg=name_)
+
+
+@pytest.mark.parametrize("name", OPTION_SETS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_gradient_values_match_the_recurrence(name, dtype):
     """Adapter gradients (chunked) against kda.recurrent_kda_backward in float64, every input."""
