@@ -8,8 +8,10 @@ Arrays are time-major as in fla (``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g
 ``beta [B, T, HV]``, states ``[N, HV, K, V]``), and the keywords are those of :mod:`kda.torch`.
 
 Each call is a :func:`jax.custom_vjp` whose forward and backward are host callbacks
-(:func:`jax.pure_callback`) to kda's NumPy path: :func:`kda.chunk_kda` saves the chunk-start
-states and :func:`kda.chunk_kda_backward` uses them. It works under :func:`jax.jit` (the callback is
+(:func:`jax.pure_callback`) to kda's NumPy path, the host layer shared with :mod:`kda.torch`
+(:mod:`kda._entry.host`): the forward validates the call once and saves the chunk-start states;
+the backward reuses them and the forward's validated call (the gradients of
+:func:`kda.chunk_kda_backward`). It works under :func:`jax.jit` (the callback is
 one opaque operation of the compiled program), :func:`jax.grad` and :func:`jax.vmap` (the callback
 runs once per mapped element). Why a callback rather than tracing kda's array-API code with
 ``jax.numpy``: tracing unrolls every slab of chunks and every step of the state pass into the XLA

@@ -7,8 +7,10 @@
 Tensors are time-major as in fla: ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g [B, T, HV, K]``,
 ``beta [B, T, HV]``, states ``[N, HV, K, V]``. Each call is one ``torch.library`` custom op
 (``torch.ops.kda.forward``) with a fake (meta) implementation and an autograd formula whose
-backward is another custom op (``torch.ops.kda.backward``): :func:`kda.chunk_kda_backward` with the
-chunk-start states saved by the forward, or :func:`kda.recurrent_kda_backward`. ``torch.compile``
+backward is another custom op (``torch.ops.kda.backward``). Both run the host layer shared with
+:mod:`kda.jax` (:mod:`kda._entry.host`): the forward validates the call once and saves the
+chunk-start states; the backward reuses them and the forward's validated call (the gradients of
+:func:`kda.chunk_kda_backward`, or :func:`kda.recurrent_kda_backward`). ``torch.compile``
 therefore traces a model that calls it with ``fullgraph=True``.
 
 CPU tensors reach kda's NumPy path as NumPy views (no copy); CUDA tensors reach the ``cuda``
