@@ -106,7 +106,7 @@ def test_scan_composes_segments(zero_ends):
 @pytest.mark.parametrize("slab_chunks", [1, 3])
 def test_maps_over_several_slabs(monkeypatch, slab_chunks):
     """The maps run slab by slab (a few chunks each): the state (gradient) crosses the slabs."""
-    monkeypatch.setattr(kda.reference, "SLAB_ELEMENTS", slab_chunks * 2 * 16 * 10)
+    monkeypatch.setattr("kda.reference.SLAB_ELEMENTS", slab_chunks * 2 * 16 * 10)  # imports it
     p = _weak(make_problem(6, 1, 2, 70, 6, 4, "mild"))
     ref = kda.recurrent_kda(*p.inputs, initial_state=p.initial_state)
     ref_grads = kda.recurrent_kda_backward(
