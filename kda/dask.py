@@ -39,6 +39,7 @@ except ImportError as err:  # pragma: no cover - exercised without dask installe
 import array_api_compat
 import numpy as np
 
+from ._entry import scan as _scan
 from ._entry.api import KdaGradients, KdaOutput
 from ._entry.api import chunk_kda as _chunk_kda
 from ._entry.api import chunk_kda_backward as _chunk_kda_backward
@@ -310,7 +311,7 @@ def _states(graph: _Graph, x: Any, name: str) -> dict[tuple[int, int], Any]:
     return {(ib, ih): graph.key(x, ib, ih, 0, 0) for ib, ih in plan.rows()}
 
 
-def _saved_boundaries(graph: _Graph, x: Any) -> Any:
+def _boundaries(graph: _Graph, x: Any) -> Any:
     """``[NT, B, HV, K, V]`` boundaries cut like the shards, batch and value heads."""
     plan = graph.plan
     if x is None:
@@ -332,10 +333,10 @@ def _forward_block(q, k, v, g, beta, A_log, dt_bias, state, *, options: dict, sa
 
 
 def _backward_block(
-    q, k, v, g, beta, A_log, dt_bias, state, boundaries, grad_output, dstate, *, options
+    q, k, v, g, beta, A_log, dt_bias, state, boundaries, grad_output, dend, *, options
 ) -> tuple:
     grads = _chunk_kda_backward(
-        q, k, v, g, beta, boundaries, grad_output, dstate, A_log=A_log, dt_bias=dt_bias, initial_state=state,
+        q, k, v, g, beta, boundaries, grad_output, dend, A_log=A_log, dt_bias=dt_bias, initial_state=state,
         **options,
     )  # fmt: skip
     return tuple(grads)
@@ -351,20 +352,14 @@ def _state_gradient_block(q, k, v, g, beta, A_log, dt_bias, grad_output, *, opti
     )
 
 
-def _advance(transition: tuple, state: Any) -> Any:
-    """``S_end = A S_start + N`` (``S_start`` None: zeros)."""
-    A, N = transition
-    if state is None:
-        return N
-    return array_api_compat.array_namespace(A).matmul(A, state) + N
+def _advance(transition: tuple, start: Any) -> Any:
+    """A shard's end state from its start state, ``transition = (A, N)`` (:func:`scan.advance`)."""
+    return _scan.advance(*transition, start)
 
 
-def _retreat(transition: tuple, D: Any, dstate: Any) -> Any:
-    """``dS_start = A^T dS_end + D`` (``dS_end`` None: zeros)."""
-    if dstate is None:
-        return D
-    xp = array_api_compat.array_namespace(D)
-    return xp.matmul(xp.matrix_transpose(transition[0]), dstate) + D
+def _retreat(transition: tuple, D: Any, dend: Any) -> Any:
+    """A shard's start-state gradient from its end-state gradient (:func:`scan.retreat`)."""
+    return _scan.retreat(transition[0], D, dend)
 
 
 def _total(*results: tuple, field: int) -> Any:
@@ -468,10 +463,10 @@ def _packed_carry(transition: tuple, carried: Any, states: Any, *, n: int, throu
     return _advance(transition, start)
 
 
-def _packed_dcarry(transition: tuple, carried: Any, dstates: Any, *, n: int, through: bool) -> Any:
+def _packed_dcarry(transition: tuple, carried: Any, dfinal: Any, *, n: int, through: bool) -> Any:
     """The end-state gradient of the sequence entering a shard: ``A^T dE + D`` from the gradient
     carried from the next shard (through) or from ``n``'s final-state gradient (it ends there)."""
-    end = carried if through else (None if dstates is None else dstates[n])
+    end = carried if through else (None if dfinal is None else dfinal[n])
     return _retreat(transition, transition[1], end)
 
 
@@ -513,15 +508,15 @@ def _packed_forward_block(q, k, v, g, beta, A_log, dt_bias, states, carried, *, 
 
 
 def _packed_backward_block(
-    q, k, v, g, beta, A_log, dt_bias, states, carried, do, dstates, dcarried, *, shard: _Shard, options: dict
+    q, k, v, g, beta, A_log, dt_bias, states, carried, do, dfinal, dcarried, *, shard: _Shard, options: dict
 ):
     shape = (v.shape[1] if options["layout"] == "head_first" else v.shape[2], q.shape[3], v.shape[3])
     xp = array_api_compat.array_namespace(v)
     like = xp.zeros((), dtype=np.float64 if v.dtype == np.float64 else np.float32)
     starts = _local_states(shard, carried, states, True, like, shape)
-    ends = _local_states(shard, dcarried, dstates, False, like, shape)
+    dends = _local_states(shard, dcarried, dfinal, False, like, shape)
     grads = _chunk_kda_backward(
-        q, k, v, g, beta, None, do, ends, A_log=A_log, dt_bias=dt_bias, initial_state=starts,
+        q, k, v, g, beta, None, do, dends, A_log=A_log, dt_bias=dt_bias, initial_state=starts,
         cu_seqlens=shard.local, **options,
     )  # fmt: skip
     return tuple(grads)
@@ -560,7 +555,7 @@ def _packed_forward_scan(x: _Inputs, ih: int, shards: list, states: Any, options
     return carried
 
 
-def _packed_backward_scan(x: _Inputs, ih: int, shards: list, dstates: Any, do: Any, options: dict) -> list:
+def _packed_backward_scan(x: _Inputs, ih: int, shards: list, dfinal: Any, do: Any, options: dict) -> list:
     """The end-state gradient carried out of every shard (None where no sequence leaves it)."""
     g, plan = x.graph, x.graph.plan
     dcarried = [None] * len(shards)
@@ -574,7 +569,7 @@ def _packed_backward_scan(x: _Inputs, ih: int, shards: list, dstates: Any, do: A
             *x.args(0, ih, it), do_key,
         )  # fmt: skip
         step = partial(_packed_dcarry, n=shard.seqs[0], through=shard.through)
-        dcarried[it - 1] = g.task("pdcarry", (0, ih, it - 1), step, tmap, dcarried[it], dstates)
+        dcarried[it - 1] = g.task("pdcarry", (0, ih, it - 1), step, tmap, dcarried[it], dfinal)
     return dcarried
 
 
@@ -602,7 +597,7 @@ def _packed_forward(graph: _Graph, x: _Inputs, initial: dict, options: dict, v: 
 def _packed_backward(graph: _Graph, x: _Inputs, initial: dict, dfinal: dict, do: Any, options: dict, inputs):
     plan = graph.plan
     shards = _shards(plan.offsets, plan.times)
-    results, dinit = {}, {}
+    results, dinitial = {}, {}
     for ib, ih in plan.rows():
         carried = _packed_forward_scan(x, ih, shards, initial[ib, ih], options)
         dcarried = _packed_backward_scan(x, ih, shards, dfinal[ib, ih], do, options)
@@ -616,8 +611,8 @@ def _packed_backward(graph: _Graph, x: _Inputs, initial: dict, dfinal: dict, do:
         collect = partial(
             _packed_collect, shards=tuple(shards), N=len(plan.offsets) - 1, field=5, first=True, like=()
         )
-        dinit[ib, ih] = graph.task("pdinit", (ib, ih), collect, dfinal[ib, ih], *row)
-    return _gradients(graph, results, inputs, x.A_log, x.dt_bias, dinit)
+        dinitial[ib, ih] = graph.task("pdinit", (ib, ih), collect, dfinal[ib, ih], *row)
+    return _gradients(graph, results, inputs, x.A_log, x.dt_bias, dinitial)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -737,27 +732,27 @@ def chunk_kda_backward(
     if plan.offsets is not None and boundaries is not None:
         msg = "boundaries must be None with cu_seqlens in kda.dask (the shard start states are recomputed)"
         raise InvalidInputError(msg)
-    saved = _saved_boundaries(graph, boundaries)
+    boundaries = _boundaries(graph, boundaries)
     graph.name("backward", options, plan.offsets)
     if plan.offsets is not None:
         return _packed_backward(graph, x, initial, dfinal, do, options, (q, k, v, g, beta))
     shard = partial(_backward_block, options=options)
     results = {}
     for ib, ih in plan.rows():
-        if saved is None:
+        if boundaries is None:
             starts, maps = _forward_scan(x, ib, ih, initial[ib, ih], options)
         else:  # each shard's backward reads its start state from its boundaries
             starts, maps = [initial[ib, ih]] + [None] * (len(plan.times) - 1), []
         dends = _backward_scan(x, ib, ih, dfinal[ib, ih], maps, do, options)
         for it, (start, dend) in enumerate(zip(starts, dends)):
-            args = [*x.args(ib, ih, it), start, graph.key(saved, it, ib, ih, 0, 0)]
+            args = [*x.args(ib, ih, it), start, graph.key(boundaries, it, ib, ih, 0, 0)]
             do_key = graph.key(do, *_sequence_index(plan, ib, ih, it, 4))
             results[ib, ih, it] = graph.task("backward", (ib, ih, it), shard, *args, do_key, dend)
     return _gradients(graph, results, (q, k, v, g, beta), A_log, dt_bias)
 
 
 def _gradients(
-    graph: _Graph, results: dict, inputs: tuple, A_log: Any, dt_bias: Any, dinit: dict | None = None
+    graph: _Graph, results: dict, inputs: tuple, A_log: Any, dt_bias: Any, dinitial: dict | None = None
 ) -> KdaGradients:
     """The gradients as Dask arrays (per-head parameters summed over batch and time blocks)."""
     plan = graph.plan
@@ -773,11 +768,11 @@ def _gradients(
     for n, (name, like, (heads, width)) in enumerate(zip(("q", "k", "v", "g", "beta"), inputs, cuts)):
         parts = {index: (key, n) for index, key in results.items()}
         grads.append(graph.sequence_array(f"d{name}", parts, heads, width, like))
-    if dinit is None:
-        dinit = {(ib, ih): (results[ib, ih, 0], 5) for ib, ih in plan.rows()}
+    if dinitial is None:
+        parts = {(ib, ih): (results[ib, ih, 0], 5) for ib, ih in plan.rows()}
     else:
-        dinit = {index: (key, None) for index, key in dinit.items()}
-    dstate = graph.state_array("dinitial-state", dinit)
+        parts = {index: (key, None) for index, key in dinitial.items()}
+    dinitial = graph.state_array("dinitial-state", parts)
     params = []
     for field, param, tail in ((6, A_log, ()), (7, dt_bias, (plan.K,))):
         if param is None:
@@ -792,4 +787,4 @@ def _gradients(
             )
         chunks = (plan.heads, *((w,) for w in tail))
         params.append(graph.array(f"dparam{field}", summed, chunks, param.dtype))
-    return KdaGradients(*grads, dstate, *params)
+    return KdaGradients(*grads, dinitial, *params)

@@ -216,14 +216,13 @@ def worker(rank: int, world_size: int, port: int, options: Any, result_dir: str)
 def simulate(scenario: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
     """Every rank's output, final-state share and gradients (NumPy float64), from cp.py's steps."""
     from kda._entry import cp
-    from kda._entry.fla import core_options
+    from kda._entry.fla import chunk_keywords
 
     x, opts, T = scenario["x"], scenario["opts"], scenario["T"]
     assert not opts, "simulate() runs kda's options directly: plain scenarios only"
     P = T // world_size
     arr = {n: x[n].double().numpy() for n in ("q", "k", "v", "g", "beta", "initial_state", "do")}
-    core = core_options("chunk", K**-0.5, CHUNK, False, "log", None, "")
-    del core["cu_seqlens"]
+    core = chunk_keywords(("chunk", K**-0.5, CHUNK, False, "log", None, ""))
     offsets = x["cu_seqlens"].tolist()
     parts = [cp.partition(offsets, world_size, r) for r in range(world_size)]
     xs = [
@@ -246,8 +245,8 @@ def simulate(scenario: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
     )
     results = []
     for p, xr, d, (starts, out) in zip(parts, xs, dos, fwd):
-        ends = cp.end_gradients(p, bmaps, dF, (HV, K, V), np.float64, np)
-        grads = cp.backward_local(p, xr, starts, out.boundaries, d, ends, core, dF)
+        dends = cp.end_gradients(p, bmaps, dF, (HV, K, V), np.float64, np)
+        grads = cp.backward_local(p, xr, starts, out.boundaries, d, dends, core, dF)
         share = cp.final_state_share(p, out.final_state, s0, np)
         results.append({"o": out.output, "final_share": share, "grads": grads})
     return results

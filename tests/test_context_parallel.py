@@ -20,11 +20,13 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-import torch
-from cp_worker import OPTION_SETS, problem, simulated_errors, worker
 
-import kda
-from kda._entry import cp
+torch = pytest.importorskip("torch")  # before cp_worker, which imports torch
+
+from cp_worker import OPTION_SETS, problem, simulated_errors, worker  # noqa: E402
+
+import kda  # noqa: E402
+from kda._entry import cp  # noqa: E402
 
 TIMEOUT = 240  # seconds for one spawned group (measured: about 20 s for 4 ranks on 2 cores)
 

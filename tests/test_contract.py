@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import assert_close, make_problem, to_numpy
+from helpers import assert_close, make_model_problem, make_problem, to_numpy
 
 import kda
 
@@ -52,23 +52,63 @@ def test_inputs_are_not_modified():
     np.testing.assert_array_equal(out.boundaries, saved)
 
 
-def test_float16_computes_in_float32():
-    """float16 inputs give exactly the float32 computation on the same values, rounded."""
+def _half_dtype(name: str):
+    if name == "float16":
+        return np.float16
+    return pytest.importorskip("ml_dtypes").bfloat16
+
+
+@pytest.mark.parametrize("half", ["float16", "bfloat16"])
+def test_half_precision_computes_in_float32(half):
+    """float16 and NumPy ``ml_dtypes.bfloat16`` inputs give exactly the float32 computation on the
+    same values, rounded to the input dtype (forward, backward, recurrence); states are float32."""
+    dtype = _half_dtype(half)
     p = make_problem(2, 1, 2, 33, 8, 4, "mild", with_state=False, with_grad_state=False)
-    p16 = p.astype(np.float16)
+    p16 = p.astype(dtype)
     p32 = p16.astype(np.float32)
     out16 = kda.chunk_kda(*p16.inputs, chunk_size=16, save_boundaries=True)
     out32 = kda.chunk_kda(*p32.inputs, chunk_size=16, save_boundaries=True)
-    assert out16.output.dtype == np.float16
+    assert out16.output.dtype == dtype
     assert out16.final_state.dtype == np.float32
-    np.testing.assert_array_equal(out16.output, out32.output.astype(np.float16))
+    np.testing.assert_array_equal(out16.output, out32.output.astype(dtype))
     np.testing.assert_array_equal(out16.final_state, out32.final_state)
     g16 = kda.chunk_kda_backward(*p16.inputs, out16.boundaries, p16.grad_output, chunk_size=16)
     g32 = kda.chunk_kda_backward(*p32.inputs, out32.boundaries, p32.grad_output, chunk_size=16)
     for a, b in zip(g16[:5], g32[:5], strict=True):
-        assert a.dtype == np.float16
-        np.testing.assert_array_equal(a, b.astype(np.float16))
+        assert a.dtype == dtype
+        np.testing.assert_array_equal(a, b.astype(dtype))
     assert g16.initial_state.dtype == np.float32
+    r16, r32 = kda.recurrent_kda(*p16.inputs), kda.recurrent_kda(*p32.inputs)
+    assert r16.output.dtype == dtype
+    np.testing.assert_array_equal(r16.output, r32.output.astype(dtype))
+
+
+@pytest.mark.parametrize("half", ["float16", "bfloat16"])
+def test_half_precision_options_and_checks(half):
+    """The gate's parameters may be half precision too; non-finite half inputs are refused."""
+    dtype = _half_dtype(half)
+    m = make_model_problem(3, 1, 2, 20, 4, 4, gate="softplus", qk_l2norm=True, beta_activation="sigmoid")
+    m16 = m.astype(dtype)
+    m32 = m16.astype(np.float32)
+    o16 = kda.chunk_kda(*m16.inputs, chunk_size=8, **m16.kwargs).output
+    o32 = kda.chunk_kda(*m32.inputs, chunk_size=8, **m32.kwargs).output
+    assert o16.dtype == dtype
+    np.testing.assert_array_equal(o16, o32.astype(dtype))
+    bad = [x.copy() for x in m16.inputs]
+    bad[2][0, 1, 5, 2] = np.inf
+    with pytest.raises(kda.InvalidInputError, match="v must be finite"):
+        kda.chunk_kda(*bad, **m16.kwargs)
+
+
+def test_unsupported_floating_dtype_is_named_correctly():
+    """A dtype outside float16, bfloat16, float32, float64 (an 8-bit float) is refused, and the
+    message's list of supported dtypes is the true one."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    p = _ok()
+    with pytest.raises(
+        kda.InvalidTypeError, match=r"\(float16, bfloat16, float32, float64\); got float8_e4m3fn"
+    ):
+        kda.chunk_kda(*(x.astype(ml_dtypes.float8_e4m3fn) for x in (p.q, p.k, p.v, p.g, p.beta)))
 
 
 def test_float16_inputs_take_float32_states():

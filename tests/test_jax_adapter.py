@@ -221,3 +221,27 @@ def test_fla_conventions_match_kda_torch(x64):
     mixed = [jnp.asarray(x[n], dtype=jnp.float32) for n in NAMES[:5]]
     mixed[2], mixed[3] = mixed[2].astype(jnp.bfloat16), -jnp.abs(mixed[3])
     assert kj.fused_recurrent_kda(*mixed)[0].dtype == jnp.bfloat16
+
+
+def test_backward_reuses_the_forward_validation(x64, monkeypatch):
+    """jax.grad validates the inputs and options once, in the forward callback; the backward
+    callback rebuilds that call and scans only the cotangents."""
+    x = make_inputs(5)
+    keys = tuple(x)
+    f = _jax_fn(kj.chunk_kda, keys, {"use_gate_in_kernel": True, "chunk_size": 8})
+    checked, scanned = [], []
+    real_check, real_scan = kda._entry.call.check_options_call, kda._entry.call._check_finite
+    monkeypatch.setattr(kda._entry.call, "check_options_call", lambda *a: checked.append(1) or real_check(*a))
+
+    def scan(xp, name, a, **kw):
+        scanned.append(name)
+        return real_scan(xp, name, a, **kw)
+
+    monkeypatch.setattr(kda._entry.call, "_check_finite", scan)
+    grads = jax.grad(lambda *a: sum(jnp.sum(t) for t in f(*a)), argnums=tuple(range(len(keys))))(
+        *(jnp.asarray(a) for a in x.values())
+    )
+    assert checked == [1]  # the forward's
+    assert scanned[-2:] == ["grad_output", "grad_final_state"]
+    assert scanned.count("q") == 1
+    assert all(np.all(np.isfinite(np.asarray(gr))) for gr in grads)

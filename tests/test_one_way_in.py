@@ -150,3 +150,110 @@ def test_transitions_go_through_the_core(monkeypatch):
     kda.chunk_kda_transition(*p.inputs, chunk_size=32)
     kda.chunk_kda_transition_backward(*p.inputs, np.ones((1, 2, 40, 3), np.float32), chunk_size=32)
     assert len(calls) == 2
+
+
+# ---------------------------------------------------------------------------- short call paths
+# kda's frames on the stack when a call reaches its first backend primitive (/work/frames_probe.py's
+# count: frames whose module is kda or kda.*; the signature wrappers that takes_options and
+# fla_function generate are the public names themselves, "kda.chunk_kda", and not counted). The
+# engine's share is the frames in kda/_engine/chunked.py, from the function the core calls down
+# to the primitive call; the entry layers' share (adapter, entry, core) is everything above it.
+
+ENGINE = "kda._engine.chunked"
+PATHS = {  # name: (the entry layers' budget, the total budget)
+    "kda.chunk_kda": (3, 7),
+    "kda.torch.chunk_kda backward": (4, 8),
+}
+
+
+def _primitive_names() -> set[str]:
+    from kda._backend import Backend
+
+    hooks = {"workers", "worker_context", "launch_gate_check"}
+    return {n for n in vars(Backend) if not n.startswith("_")} - hooks
+
+
+def _stack_at_first_primitive(fn) -> tuple[str, list[str]]:
+    """``(primitive, kda's frames outermost first)`` when ``fn()`` first calls a backend primitive."""
+    import sys
+
+    primitives, found = _primitive_names(), []
+
+    def profile(frame, event, arg):
+        if found or event != "call":
+            return
+        module = frame.f_globals.get("__name__", "")
+        if module.split(".")[:2] in (["kda", "reference"], ["kda", "cpu"], ["kda", "cuda"]):
+            if frame.f_code.co_name in primitives:
+                names, f = [], frame.f_back
+                while f is not None:
+                    m = f.f_globals.get("__name__", "")
+                    if m == "kda" or m.startswith("kda."):
+                        names.append(f"{m}.{f.f_code.co_name}")
+                    f = f.f_back
+                found.append((f"{module}.{frame.f_code.co_name}", names[::-1]))
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    assert found, "no backend primitive was called"
+    return found[0]
+
+
+def _probe_inputs():
+    rng = np.random.default_rng(0)
+    B, H, T, K, V = 1, 2, 256, 32, 32
+    q, k, v = (rng.standard_normal((B, H, T, d)).astype(np.float32) for d in (K, K, V))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    g = np.log(rng.uniform(0.9, 1, (B, H, T, K))).astype(np.float32)
+    beta = rng.uniform(0, 1, (B, H, T)).astype(np.float32)
+    return q, k, v, g, beta
+
+
+def _call_path(name: str) -> list[str]:
+    q, k, v, g, beta = _probe_inputs()
+    if name == "kda.chunk_kda":
+        _, frames = _stack_at_first_primitive(lambda: kda.chunk_kda(q, k, v, g, beta))
+        assert frames[0] == "kda._entry.api.chunk_kda", frames
+        return frames
+    torch = pytest.importorskip("torch")
+    import kda.torch as kt
+
+    x = [torch.tensor(np.swapaxes(a, 1, 2).copy(), requires_grad=True) for a in (q, k, v, g, beta)]
+    o, _ = kt.chunk_kda(*x)
+    _, frames = _stack_at_first_primitive(lambda: o.sum().backward())
+    assert frames[0] == "kda.torch._backward", frames
+    return frames
+
+
+def _shares(frames: list[str]) -> tuple[list[str], list[str]]:
+    """``(the entry layers' frames, the engine's frames)``."""
+    engine = [f for f in frames if f.startswith(ENGINE + ".")]
+    assert frames[len(frames) - len(engine) :] == engine, f"engine frames are not the innermost: {frames}"
+    return frames[: len(frames) - len(engine)], engine
+
+
+@pytest.mark.parametrize("name", sorted(PATHS))
+def test_entry_layers_call_path_budget(name):
+    """Above the engine, kda.chunk_kda (NumPy) reaches the chunked algorithm in at most 3 of kda's
+    frames (api.chunk_kda, Call.forward, ChunkCore.forward) and the backward of kda.torch.chunk_kda
+    in at most 4 (the autograd formula, the backward op, Call.backward, ChunkCore.backward): the
+    backward reuses the forward's validated call instead of re-entering the public API."""
+    mine, engine = _shares(_call_path(name))
+    assert engine, "the path did not go through the chunked algorithm"
+    assert mine[-1] == "kda._engine.core.forward" or mine[-1] == "kda._engine.core.backward", mine
+    assert len(mine) <= PATHS[name][0], mine
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the engine's share (kda/_engine/chunked.py, at most 4 frames) is the CPU-speed branch's; "
+    "remove this marker when both are merged",
+)
+@pytest.mark.parametrize("name", sorted(PATHS))
+def test_total_call_path_budget(name):
+    """The whole path: at most 7 of kda's frames for kda.chunk_kda, 8 for the torch backward."""
+    frames = _call_path(name)
+    assert len(frames) <= PATHS[name][1], frames

@@ -114,6 +114,39 @@ def _kda_options(shape: dict, kw: dict) -> dict:
 
 
 @pytest.mark.parametrize("name", OPTION_SETS)
+@pytest.mark.parametrize("method", FUNCTIONS)
+def test_adapter_is_bitwise_the_public_functions(name, method):
+    """The adapter's forward and backward (which rebuilds the forward's validated call) give the
+    bits of kda's public functions on the same arrays with the same options, a scale included."""
+    shape, kw = OPTION_SETS[name]
+    x = make_inputs(21, **{**shape, "T": 13 if "cu_seqlens" not in kw else shape["T"]})
+    o, s = call(FUNCTIONS[method], x, **kw, scale=0.37)
+    gen = torch.Generator().manual_seed(4)
+    do, ds = torch.randn(o.shape, generator=gen, dtype=F64), torch.randn(s.shape, generator=gen, dtype=F64)
+    ((o * do).sum() + (s * ds).sum()).backward()
+
+    n = {k_: t.detach().numpy() for k_, t in x.items()}
+    if "dt_bias" in n:
+        n["dt_bias"] = n["dt_bias"].reshape(n["A_log"].shape[0], -1)
+    opts = {**_kda_options(shape, kw), "scale": 0.37}
+    params = {p: n[p] for p in ("initial_state", "A_log", "dt_bias") if p in n}
+    inputs = [n[m] for m in NAMES[:5]]
+    if method == "chunk":
+        out = kda.chunk_kda(*inputs, **params, **opts, chunk_size=3, save_boundaries=True)
+        grads = kda.chunk_kda_backward(
+            *inputs, out.boundaries, do.numpy(), ds.numpy(), **params, **opts, chunk_size=3
+        )
+    else:
+        out = kda.recurrent_kda(*inputs, **params, **opts)
+        grads = kda.recurrent_kda_backward(*inputs, do.numpy(), ds.numpy(), **params, **opts)
+    np.testing.assert_array_equal(o.detach().numpy(), out.output)
+    np.testing.assert_array_equal(s.detach().numpy(), out.final_state)
+    for name_ in x:
+        want = getattr(grads, name_).reshape(x[name_].shape)
+        np.testing.assert_array_equal(x[name_].grad.numpy(), want, err_msg=name_)
+
+
+@pytest.mark.parametrize("name", OPTION_SETS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_gradient_values_match_the_recurrence(name, dtype):
     """Adapter gradients (chunked) against kda.recurrent_kda_backward in float64, every input."""
@@ -400,17 +433,45 @@ def test_half_precision_computes_in_float32(dtype):
 def test_cpu_tensors_reach_kda_without_copies(monkeypatch):
     (q, k, v, g, beta), s0 = _plain()
     seen = {}
-    real = kda._entry.api.chunk_kda
+    real = kda._entry.host.forward
 
-    def spy(*arrays, **kw):
-        seen.update(zip(NAMES[:5], arrays), initial_state=kw["initial_state"])
-        return real(*arrays, **kw)
+    def spy(static, arrays, offsets):
+        seen.update(zip(NAMES, arrays))
+        return real(static, arrays, offsets)
 
-    monkeypatch.setattr(kt._api, "chunk_kda", spy)
+    monkeypatch.setattr(kda._entry.host, "forward", spy)
     kt.chunk_kda(q, k, v, g, beta, initial_state=s0)
     for name, t in zip(NAMES, (q, k, v, g, beta, s0)):
         assert isinstance(seen[name], np.ndarray)
         assert seen[name].__array_interface__["data"][0] == t.data_ptr(), name
+
+
+@pytest.mark.parametrize("fn", ["chunk", "recurrent"])
+def test_backward_reuses_the_forward_validation(monkeypatch, fn):
+    """The backward rebuilds the call the forward validated: no option checks, no finiteness scan
+    of the inputs again; only the cotangents, new in the backward, are scanned."""
+    x = make_inputs(13, T=9, H=1, HV=2, gate="softplus")
+    o, s = call(FUNCTIONS[fn], x, use_gate_in_kernel=True)
+    checked, scanned = [], []
+    real_check, real_scan = kda._entry.call.check_options_call, kda._entry.call._check_finite
+    monkeypatch.setattr(kda._entry.call, "check_options_call", lambda *a: checked.append(1) or real_check(*a))
+    monkeypatch.setattr(
+        kda._entry.call,
+        "_check_finite",
+        lambda xp, name, a, **kw: scanned.append(name) or real_scan(xp, name, a, **kw),
+    )
+    (o.sum() + s.sum()).backward()
+    assert checked == [] and scanned == ["grad_output", "grad_final_state"]
+    assert all(x[n].grad is not None for n in x)
+
+
+def test_backward_refuses_a_non_finite_output_gradient():
+    x = make_inputs(14, T=9)
+    o, _ = call(kt.chunk_kda, x)
+    do = torch.ones_like(o)
+    do[0, 3, 0, 1] = math.nan
+    with pytest.raises(kda.InvalidInputError, match="grad_output"):
+        o.backward(do)
 
 
 def test_inputs_are_not_modified_and_outputs_do_not_alias_them():
@@ -470,13 +531,13 @@ def test_cuda_bfloat16_and_zero_copy(monkeypatch):
     x = make_inputs(12, T=64, H=2, K=16, V=16, dtype=torch.float32)
     xc = {n: t.detach().cuda() for n, t in x.items()}
     seen = {}
-    real = kda._entry.api.chunk_kda
+    real = kda._entry.host.forward
 
-    def spy(*arrays, **kw):
+    def spy(static, arrays, offsets):
         seen["q"] = arrays[0]
-        return real(*arrays, **kw)
+        return real(static, arrays, offsets)
 
-    monkeypatch.setattr(kt._api, "chunk_kda", spy)
+    monkeypatch.setattr(kda._entry.host, "forward", spy)
     call(kt.chunk_kda, xc, chunk_size=16)
     assert isinstance(seen["q"], cupy.ndarray) and seen["q"].data.ptr == xc["q"].data_ptr()
     ob, _ = call(kt.chunk_kda, {n: t.bfloat16() if n != "initial_state" else t for n, t in xc.items()})

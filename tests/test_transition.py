@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from helpers import REGIMES, TOLERANCE, assert_close, make_problem
 
 import kda
+from kda._entry import scan
 from kda._entry.transition import chunk_kda_transition, chunk_kda_transition_backward
 
 T_SPLIT = 37  # not a multiple of the chunk sizes used
@@ -74,10 +77,36 @@ def test_two_halves_compose(dtype, chunk_size):
     assert_close(first_grads.initial_state, whole_grads.initial_state, tol=tol, name="initial_state")
 
 
+@pytest.mark.parametrize("zero_ends", [False, True])
+def test_scan_composes_segments(zero_ends):
+    """kda._entry.scan (the one composition Dask, context parallelism and the chunk-start states'
+    gradients use): advance over three segments' maps from the initial state gives the whole call's
+    final state; retreat from the final state's gradient gives its initial-state gradient; None
+    stands for a zero state (gradient)."""
+    p = _weak(make_problem(6, 1, 2, 100, 6, 4, "mild")).astype(np.float64)
+    kw = {"chunk_size": 16}
+    cuts = list(itertools.pairwise((0, 30, 61, 100)))
+    parts = [[x[:, :, a:b] for x in p.inputs] for a, b in cuts]
+    maps = [chunk_kda_transition(*x, **kw) for x in parts]
+    Ds = [chunk_kda_transition_backward(*x, p.grad_output[:, :, a:b], **kw) for x, (a, b) in zip(parts, cuts)]
+    s0, dF = (None, None) if zero_ends else (p.initial_state, p.grad_final_state)
+    whole = kda.chunk_kda(*p.inputs, initial_state=s0, **kw)
+    grads = kda.chunk_kda_backward(*p.inputs, None, p.grad_output, dF, initial_state=s0, **kw)
+    state = s0
+    for A, N in maps:
+        state = scan.advance(A, N, state)
+    dstart = dF
+    for (A, _), D in zip(maps[::-1], Ds[::-1]):
+        dstart = scan.retreat(A, D, dstart)
+    tol = TOLERANCE[np.dtype(np.float64)]
+    assert_close(state, whole.final_state, tol=tol, name="advance")
+    assert_close(dstart, grads.initial_state, tol=tol, name="retreat")
+
+
 @pytest.mark.parametrize("slab_chunks", [1, 3])
 def test_maps_over_several_slabs(monkeypatch, slab_chunks):
     """The maps run slab by slab (a few chunks each): the state (gradient) crosses the slabs."""
-    monkeypatch.setattr(kda.reference, "SLAB_ELEMENTS", slab_chunks * 2 * 16 * 10)
+    monkeypatch.setattr("kda.reference.SLAB_ELEMENTS", slab_chunks * 2 * 16 * 10)  # imports it
     p = _weak(make_problem(6, 1, 2, 70, 6, 4, "mild"))
     ref = kda.recurrent_kda(*p.inputs, initial_state=p.initial_state)
     ref_grads = kda.recurrent_kda_backward(

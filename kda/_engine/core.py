@@ -31,7 +31,14 @@ from . import varlen as _varlen
 from .chunked import chunk_backward, chunk_end_state, chunk_forward, chunk_state_gradient, padded_chunk_size
 from .widening import chunk_compute_dtype
 
-__all__ = ["RECURRENT_MAX_T", "ChunkCore", "Core", "RecurrentCore", "run_backward", "run_forward"]
+__all__ = [
+    "RECURRENT_MAX_T",
+    "ChunkCore",
+    "Core",
+    "RecurrentCore",
+    "run_packed_backward",
+    "run_packed_forward",
+]
 
 # Sequences of at most this many steps (in a single chunk) run the step recurrence inside the
 # chunked functions. Measured at B=8, H=16, K=V=128, float32 on the CPU (one run, side by side):
@@ -50,7 +57,7 @@ class Core(Protocol):
     def forward(self, q, k, v, g, beta, state, keep: bool = True, out=None) -> tuple[Any, Any, Any]: ...
 
     def backward(
-        self, q, k, v, g, beta, state, boundaries, do, dstate, out=None, workspace=None
+        self, q, k, v, g, beta, state, boundaries, do, dfinal, out=None, workspace=None
     ) -> tuple[Any, ...]: ...
 
 
@@ -67,9 +74,9 @@ class RecurrentCore:
         return _into(out, (o, final, None))
 
     def backward(
-        self, q, k, v, g, beta, state, boundaries, do, dstate, out=None, workspace=None
+        self, q, k, v, g, beta, state, boundaries, do, dfinal, out=None, workspace=None
     ) -> tuple[Any, ...]:
-        return _into(out, self.ops.recurrent_backward(q, k, v, g, beta, self.scale, state, do, dstate))
+        return _into(out, self.ops.recurrent_backward(q, k, v, g, beta, self.scale, state, do, dfinal))
 
 
 def _check_pair_memory(rows: int, C: int, T: int, itemsize: int) -> None:
@@ -129,7 +136,7 @@ class ChunkCore:
         return _into(out, _cast(xp, q.dtype, *results))
 
     def backward(
-        self, q, k, v, g, beta, state, boundaries, do, dstate, out=None, workspace=None
+        self, q, k, v, g, beta, state, boundaries, do, dfinal, out=None, workspace=None
     ) -> tuple[Any, ...]:
         """The six gradients. ``out``: six buffers of their shapes that receive them;
         ``workspace``: a ``[NT, B, HV, K, V]`` buffer for the recomputed boundaries (with
@@ -137,15 +144,15 @@ class ChunkCore:
         route = self.route(q)
         if route is None:  # the one boundary, when given, is the initial state
             state = state if boundaries is None or boundaries.shape[0] == 0 else boundaries[0, ...]
-            return _into(out, self.ops.recurrent_backward(q, k, v, g, beta, self.scale, state, do, dstate))
+            return _into(out, self.ops.recurrent_backward(q, k, v, g, beta, self.scale, state, do, dfinal))
         ops, C, wide = route
         xp = _namespace(q)
         if wide == q.dtype:
             bufs = None if out is None else (*out, *(() if workspace is None else (workspace,)))
             return chunk_backward(
-                ops, xp, q, k, v, g, beta, self.scale, state, boundaries, do, dstate, C, bufs
+                ops, xp, q, k, v, g, beta, self.scale, state, boundaries, do, dfinal, C, bufs
             )
-        args = _cast(xp, wide, q, k, v, g, beta, state, boundaries, do, dstate)
+        args = _cast(xp, wide, q, k, v, g, beta, state, boundaries, do, dfinal)
         grads = chunk_backward(ops, xp, *args[:5], self.scale, *args[5:], C)
         return _into(out, _cast(xp, q.dtype, *grads))
 
@@ -203,29 +210,18 @@ def _start_boundaries(state: Any, T: int) -> Any:
     return xp.asarray(state[None, ...], copy=True)
 
 
-def run_forward(
-    core: Core,
-    xp: Any,
-    c: CoreInputs,
-    state: Any,
-    offsets: tuple[int, ...] | None,
-    keep_boundaries: bool = True,
-    out: Any = None,
-):
+def run_packed_forward(core: Core, xp: Any, c: CoreInputs, state: Any, offsets, keep: bool, out=None):
     """``(output, final_state, boundaries)`` of the core on ``c``, per group of packed sequences.
 
-    With packed sequences, ``boundaries`` is None unless ``keep_boundaries``. ``out``: buffers
-    (compute dtype, head-first) that receive the results (written straight in without packed
-    sequences, copied in with them).
+    ``boundaries`` is None unless ``keep``. ``out``: buffers (compute dtype, head-first) that
+    receive the results (copied in). Without packed sequences the caller runs ``core.forward``.
     """
-    if offsets is None:
-        return core.forward(c.q, c.k, c.v, c.g, c.beta, state, keep_boundaries, out=out)
-    return _into(out, _run_packed_forward(core, xp, c, state, offsets, keep_boundaries))
+    return _into(out, _run_packed_forward(core, xp, c, state, offsets, keep))
 
 
 def _run_packed_forward(core: Core, xp: Any, c: CoreInputs, state: Any, offsets, keep_boundaries: bool):
     plan = _varlen.plan_sequences(offsets, core.chunk_size)
-    outs, finals, starts = [], [], []
+    outs, finals, group_boundaries = [], [], []
     for group in plan.groups:
         args = [_varlen.gather(xp, x, plan, group) for x in (c.q, c.k, c.v, c.g, c.beta)]
         o, final, boundaries = core.forward(
@@ -233,64 +229,54 @@ def _run_packed_forward(core: Core, xp: Any, c: CoreInputs, state: Any, offsets,
         )
         outs.append(o)
         finals.append(final)
-        starts.append(boundaries)
+        group_boundaries.append(boundaries)
     if outs:
         output = _varlen.scatter(xp, outs, plan)
     else:
         output = xp.zeros(c.v.shape, dtype=c.v.dtype, device=c.v.device)
     final = _varlen.scatter_rows(xp, finals, plan, state)
-    if not keep_boundaries or (starts and starts[0] is None):
+    if not keep_boundaries or (group_boundaries and group_boundaries[0] is None):
         return output, final, None
     empty = xp.zeros((0, 1, *state.shape[1:]), dtype=state.dtype, device=state.device)
-    return output, final, _varlen.scatter_boundaries(xp, starts, plan, empty)
+    return output, final, _varlen.scatter_boundaries(xp, group_boundaries, plan, empty)
 
 
-def run_backward(
-    core: Core,
-    xp: Any,
-    c: CoreInputs,
-    state: Any,
-    boundaries: Any,
-    do: Any,
-    dstate: Any,
-    offsets,
-    out: Any = None,
-    workspace: Any = None,
-) -> tuple[Any, ...]:
-    """Gradients ``(dq, dk, dv, dg, dbeta, dstate)`` of the core's inputs, per group of sequences.
+def run_packed_backward(core: Core, xp: Any, c: CoreInputs, state, boundaries, do, dfinal, offsets, out=None):
+    """Gradients ``(dq, dk, dv, dg, dbeta, dinitial)`` of the core's inputs, per group of packed
+    sequences (without them the caller runs ``core.backward``).
 
     Where arrays are writable, a group of one sequence writes its gradients straight into views
     of the packed gradients, and other groups are copied in by slices; elsewhere the groups'
     gradients are concatenated. ``out``: six buffers that receive the gradients.
     """
-    if offsets is None:
-        return core.backward(c.q, c.k, c.v, c.g, c.beta, state, boundaries, do, dstate, out, workspace)
-    return _into(out, _run_packed_backward(core, xp, c, state, boundaries, do, dstate, offsets))
+    return _into(out, _run_packed_backward(core, xp, c, state, boundaries, do, dfinal, offsets))
 
 
-def _run_packed_backward(core: Core, xp: Any, c: CoreInputs, state, boundaries, do, dstate, offsets):
+def _run_packed_backward(core: Core, xp: Any, c: CoreInputs, state, boundaries, do, dfinal, offsets):
     plan = _varlen.plan_sequences(offsets, core.chunk_size)
     packed = [xp.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (c.q, c.k, c.v, c.g, c.beta)]
     in_place = bool(array_api_compat.is_writeable_array(packed[0]))
     parts: list[list[Any]] = [[] for _ in range(5)]
-    dstates = []
+    dinitials = []
     for group in plan.groups:
         args = [_varlen.gather(xp, x, plan, group) for x in (c.q, c.k, c.v, c.g, c.beta, do)]
-        rows = [_varlen.gather_rows(xp, x, plan, group) for x in (state, dstate)]
-        starts = None if boundaries is None else _varlen.gather_boundaries(xp, boundaries, plan, group)
+        rows = [_varlen.gather_rows(xp, x, plan, group) for x in (state, dfinal)]
+        group_boundaries = (
+            None if boundaries is None else _varlen.gather_boundaries(xp, boundaries, plan, group)
+        )
         out = None
         if in_place and len(group.seqs) == 1:
             a, b = plan.offsets[group.seqs[0]], plan.offsets[group.seqs[0] + 1]
             out = [x[:, :, a:b, ...] for x in packed] + [
                 xp.zeros(rows[1].shape, dtype=rows[1].dtype, device=rows[1].device)
             ]
-        *grads, ds = core.backward(*args[:5], rows[0], starts, args[5], rows[1], out=out)
+        *grads, dinitial = core.backward(*args[:5], rows[0], group_boundaries, args[5], rows[1], out=out)
         if not in_place:
             for acc, x in zip(parts, grads, strict=True):
                 acc.append(x)
         elif out is None:
             _varlen.scatter_into(packed, grads, plan, group)
-        dstates.append(ds)
-    if not in_place and dstates:
+        dinitials.append(dinitial)
+    if not in_place and dinitials:
         packed = [_varlen.scatter(xp, acc, plan) for acc in parts]
-    return (*packed, _varlen.scatter_rows(xp, dstates, plan, dstate))
+    return (*packed, _varlen.scatter_rows(xp, dinitials, plan, dfinal))

@@ -108,12 +108,12 @@ def chunk_kda_backward(
     state = c.state_or_zeros("initial_state", initial_state)
     c.check_boundaries(boundaries)
     do = c.grad_output(grad_output)
-    dstate = c.state_or_zeros("grad_final_state", grad_final_state)
+    dfinal = c.state_or_zeros("grad_final_state", grad_final_state)
     c.check_inputs_finite(
         q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, boundaries=boundaries,
         grad_output=grad_output, grad_final_state=grad_final_state,
     )  # fmt: skip
-    return c.backward((q, k, v, g, beta, opts.A_log, opts.dt_bias), state, boundaries, do, dstate)
+    return c.backward((q, k, v, g, beta, opts.A_log, opts.dt_bias), state, boundaries, do, dfinal)
 
 
 @takes_options()
@@ -164,12 +164,12 @@ def recurrent_kda_backward(
     c = open_call(q, k, v, g, beta, scale, opts, backend=backend, defer_gate=True)
     state = c.state_or_zeros("initial_state", initial_state)
     do = c.grad_output(grad_output)
-    dstate = c.state_or_zeros("grad_final_state", grad_final_state)
+    dfinal = c.state_or_zeros("grad_final_state", grad_final_state)
     c.check_inputs_finite(
         q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, grad_output=grad_output,
         grad_final_state=grad_final_state,
     )  # fmt: skip
-    return c.backward((q, k, v, g, beta, opts.A_log, opts.dt_bias), state, None, do, dstate)
+    return c.backward((q, k, v, g, beta, opts.A_log, opts.dt_bias), state, None, do, dfinal)
 
 
 for _f in (chunk_kda, chunk_kda_backward, recurrent_kda, recurrent_kda_backward):

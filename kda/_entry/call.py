@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from .._backend import get_backend
-from .._engine.core import ChunkCore, Core, RecurrentCore, run_backward, run_forward
+from .._engine.core import ChunkCore, Core, RecurrentCore, run_packed_backward, run_packed_forward
 from .._options.checks import check_finite as _check_finite
 from .._options.checks import floating_point_quiet, warn_if_diverged
 from .._options.maps import (
@@ -109,29 +109,36 @@ class Call:
     # --- checks of the other arguments
 
     def check_inputs_finite(self, **arrays: Any) -> None:
-        """Refuse NaN / infinite values (``-inf`` allowed in a log gate), when asked to check."""
+        """Refuse NaN / infinite values in ``arrays`` and in the gate's ``A_log``, ``dt_bias``
+        (``-inf`` allowed in a log gate), when asked to check."""
+        self.check_finite(**arrays, A_log=self.o.A_log, dt_bias=self.o.dt_bias)
+
+    def check_finite(self, **arrays: Any) -> None:
+        """Refuse NaN / infinite values in ``arrays`` (``-inf`` allowed in a log gate ``g``;
+        None skipped), when asked to check."""
         if not self.check:
             return
         log_gate = self.o.gate == "log"
         for name, x in arrays.items():
             _check_finite(self.p.xp, name, x, allow_neg_inf=name == "g" and log_gate)
-        for name, x in (("A_log", self.o.A_log), ("dt_bias", self.o.dt_bias)):
-            _check_finite(self.p.xp, name, x)
 
     def state_or_zeros(self, name: str, state: Any) -> Any:
         """A checked ``[N, HV, K, V]`` state, or zeros for None."""
+        state = check_state(name, state, self.p)
+        return self.zero_state() if state is None else state
+
+    def zero_state(self) -> Any:
+        """Zeros ``[N, HV, K, V]`` in the compute dtype."""
         p = self.p
-        state = check_state(name, state, p)
-        if state is not None:
-            return state
         return p.xp.zeros((p.N, p.HV, p.K, p.V), dtype=p.compute_dtype)
 
-    def grad_output(self, grad_output: Any) -> Any:
-        """The checked output gradient, head-first in the compute dtype."""
+    def grad_output(self, grad_output: Any, check: bool = True) -> Any:
+        """The output gradient (checked unless ``check=False``), head-first in the compute dtype."""
         p = self.p
-        shape, letters = p.shape(p.HV, p.V), p.letters("HV", "V")
-        do = check_array("grad_output", grad_output, p, shape, letters, p.dtype, "the dtype of q")
-        return head_first(p.xp, p.xp.astype(do, p.compute_dtype, copy=False), p.layout)
+        if check:
+            shape, letters = p.shape(p.HV, p.V), p.letters("HV", "V")
+            check_array("grad_output", grad_output, p, shape, letters, p.dtype, "the dtype of q")
+        return head_first(p.xp, p.xp.astype(grad_output, p.compute_dtype, copy=False), p.layout)
 
     def boundaries_shape(self) -> tuple[int, ...]:
         p = self.p
@@ -165,7 +172,10 @@ class Call:
         direct = out is not None and p.dtype == p.compute_dtype
         bufs = (head_first(xp, out.output, p.layout), out.final_state, out.boundaries) if direct else None
         with floating_point_quiet(xp):
-            o, final, boundaries = run_forward(self.core, xp, c, state, p.offsets, keep, bufs)
+            if p.offsets is None:
+                o, final, boundaries = self.core.forward(c.q, c.k, c.v, c.g, c.beta, state, keep, bufs)
+            else:
+                o, final, boundaries = run_packed_forward(self.core, xp, c, state, p.offsets, keep, bufs)
         raise_for_gates(p)  # a deferred device check, read once the work is queued
         if self.check:
             warn_if_diverged(xp, o, final, stacklevel=5)
@@ -177,12 +187,13 @@ class Call:
         return out
 
     def backward(
-        self, inputs: tuple, state: Any, boundaries: Any, do: Any, dstate: Any,
+        self, inputs: tuple, state: Any, boundaries: Any, do: Any, dfinal: Any,
         out: KdaGradients | None = None, workspace: Any = None,
     ) -> KdaGradients:  # fmt: skip
         """Gradients of raw ``inputs = (q, k, v, g, beta, A_log, dt_bias)``.
 
-        ``do``: head-first output gradient in the compute dtype. ``out``: a
+        ``do``: head-first output gradient in the compute dtype; ``dfinal``: the final state's
+        gradient ``[N, HV, K, V]``. ``out``: a
         :class:`KdaGradients` of buffers (each its input's dtype and shape) that receive the
         gradients and are returned; ``workspace`` holds recomputed boundaries on the way.
         """
@@ -193,21 +204,25 @@ class Call:
         if direct:
             bufs = (*(head_first(xp, x, p.layout) for x in out[:5]), out.initial_state)
         with floating_point_quiet(xp):
-            dq, dk, dv, dlog, dbeta, dstate = run_backward(
-                self.core, xp, c, state, boundaries, do, dstate, p.offsets, bufs, workspace
-            )
+            if p.offsets is None:
+                grads = self.core.backward(
+                    c.q, c.k, c.v, c.g, c.beta, state, boundaries, do, dfinal, bufs, workspace
+                )
+            else:
+                grads = run_packed_backward(self.core, xp, c, state, boundaries, do, dfinal, p.offsets, bufs)
+            dq, dk, dv, dlog, dbeta, dinitial = grads
             dg, dA_log, ddt_bias = gate_backward(xp, dlog, c, o)
             dq, dk = qk_backward(xp, dq, dk, c, o, p.H)
             dbeta = beta_backward(xp, dbeta, c, o)
         raise_for_gates(p)
         if self.check:
-            warn_if_diverged(xp, dq, dk, dv, dg, dbeta, dstate, stacklevel=5)
+            warn_if_diverged(xp, dq, dk, dv, dg, dbeta, dinitial, stacklevel=5)
         grads = [xp.astype(head_first(xp, x, p.layout), p.dtype, copy=False) for x in (dq, dk, dv, dg, dbeta)]
         params = [
             None if d is None else xp.astype(d, x.dtype, copy=False)
             for d, x in ((dA_log, inputs[5]), (ddt_bias, inputs[6]))
         ]
-        result = KdaGradients(*grads, dstate, *params)
+        result = KdaGradients(*grads, dinitial, *params)
         if out is None:
             return result
         if not direct:

@@ -16,7 +16,7 @@ backward
     1. :func:`backward_map`: ``A`` and ``D`` (``dS_start = A^T dS_end + D``) of the rank's *first*
        local segment (only when that sequence started on an earlier rank);
     2. all-gather; :func:`end_gradients`: every local sequence's true end-state gradient (a fold
-       over the transposed maps of the later ranks, from ``grad_final_state``);
+       over the transposed maps of the later ranks, from the final states' gradient);
     3. :func:`backward_local`: the ordinary chunked backward; the initial-state gradient of a
        sequence is kept only on the rank where it starts (each rank's share).
 
@@ -35,6 +35,7 @@ import array_api_compat
 
 from .._errors import InvalidInputError
 from .api import KdaGradients, KdaOutput, chunk_kda, chunk_kda_backward
+from .scan import advance, retreat
 from .transition import chunk_kda_transition, chunk_kda_transition_backward
 
 __all__ = [
@@ -187,8 +188,7 @@ def start_states(
         s = None if initial_state is None else initial_state[n]
         if i == 0:
             for j in range(p.first_rank[n], p.rank):  # the earlier ranks' maps, in order
-                A, N = maps[j][..., :K], maps[j][..., K:]
-                s = N if s is None else xp.matmul(A, s) + N
+                s = advance(maps[j][..., :K], maps[j][..., K:], s)
         starts.append(xp.zeros((HV, K, V), dtype=dtype) if s is None else s)
     return xp.stack(starts)
 
@@ -251,25 +251,22 @@ def backward_map(
     return xp.concat([A, D], axis=-1)
 
 
-def end_gradients(
-    p: Partition, maps: Any, grad_final_state: Any, shape: tuple[int, ...], dtype: Any, xp: Any
-) -> Any:
+def end_gradients(p: Partition, maps: Any, dfinal: Any, shape: tuple[int, ...], dtype: Any, xp: Any) -> Any:
     """Step 2 of the backward: ``[N_local, HV, K, V]`` true end-state gradients.
 
     ``maps``: ``[W, HV, K, K + V]`` gathered from :func:`backward_map` (None when no sequence
-    crosses a rank boundary); ``grad_final_state``: the global ``[N, HV, K, V]`` or None (zeros).
+    crosses a rank boundary); ``dfinal``: the global ``[N, HV, K, V]`` or None (zeros).
     """
     HV, K, V = shape
-    ends = []
+    dends = []
     last = len(p.local_seqs) - 1
     for i, n in enumerate(p.local_seqs):
-        d = None if grad_final_state is None else grad_final_state[n]
+        d = None if dfinal is None else dfinal[n]
         if i == last:
             for j in range(p.last_rank[n], p.rank, -1):  # the later ranks' maps, last first
-                A, D = maps[j][..., :K], maps[j][..., K:]
-                d = D if d is None else xp.matmul(xp.matrix_transpose(A), d) + D
-        ends.append(xp.zeros((HV, K, V), dtype=dtype) if d is None else d)
-    return xp.stack(ends)
+                d = retreat(maps[j][..., :K], maps[j][..., K:], d)
+        dends.append(xp.zeros((HV, K, V), dtype=dtype) if d is None else d)
+    return xp.stack(dends)
 
 
 def backward_local(
@@ -278,27 +275,27 @@ def backward_local(
     starts: Any,
     boundaries: Any,
     do: Any,
-    ends: Any,
+    dends: Any,
     opts: dict[str, Any],
-    grad_final_state: Any = None,
+    dfinal: Any = None,
 ) -> KdaGradients:
     """Step 3 of the backward: :func:`kda.chunk_kda_backward` over the local slice.
 
     The returned ``initial_state`` field is the global ``[N, HV, K, V]`` share: the gradient of a
-    sequence's initial state on the rank where it starts (empty sequences: ``grad_final_state``
+    sequence's initial state on the rank where it starts (empty sequences: ``dfinal``
     on rank 0), zeros elsewhere. ``A_log``, ``dt_bias``: this rank's share.
     """
     xp = _xp(x[2])
     grads = chunk_kda_backward(
-        *x, boundaries, do, ends, initial_state=starts, cu_seqlens=p.local_offsets, **opts
+        *x, boundaries, do, dends, initial_state=starts, cu_seqlens=p.local_offsets, **opts
     )
     local = grads.initial_state
     share = xp.zeros((p.num_seqs, *local.shape[1:]), dtype=local.dtype)
     for i, n in enumerate(p.local_seqs):
         if p.first_rank[n] == p.rank:
             share[n, ...] = local[i]
-    if p.rank == 0 and grad_final_state is not None:
+    if p.rank == 0 and dfinal is not None:
         for n in range(p.num_seqs):
             if p.first_rank[n] < 0:
-                share[n, ...] = grad_final_state[n]
+                share[n, ...] = dfinal[n]
     return grads._replace(initial_state=share)

@@ -32,11 +32,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import InvalidInputError
+from .._options.table import Choices
 from .._options.validation import check_chunk_size, check_scale
 
 __all__ = [
-    "KEYWORD_TABLE", "FlaCall", "boundary_bound", "check_gate_sizes", "core_options", "packed_chunks",
-    "translate",
+    "KEYWORD_TABLE", "FlaCall", "boundary_bound", "check_gate_sizes", "choices", "chunk_keywords",
+    "packed_chunks", "translate",
 ]  # fmt: skip
 
 # keyword -> (class, what kda does with it); the README's table restates it
@@ -208,10 +209,11 @@ def fla_function(name: str, call: Any, module: str, doc: str) -> Any:
 class FlaCall:
     """One fla-style call, translated.
 
-    ``static`` holds the options that are not arrays, in the order of :func:`core_options`
-    (hashable: an op's non-tensor arguments, or a ``custom_vjp``'s static argument);
-    ``dt_bias_shape`` is ``(HV, K)``; ``state_v_first``, ``output_final_state`` and
-    ``intermediate_states`` (``return_intermediate_states``) are applied by the adapter.
+    ``static`` holds the options that are not arrays, ``(method, scale, chunk_size, qk_l2norm,
+    gate, lower_bound, beta_activation or "")``, checked (:func:`choices` reads them; hashable:
+    an op's non-tensor arguments, or a ``custom_vjp``'s static argument); ``dt_bias_shape`` is
+    ``(HV, K)``; ``state_v_first``, ``output_final_state`` and ``intermediate_states``
+    (``return_intermediate_states``) are applied by the adapter.
     """
 
     static: tuple[Any, ...]
@@ -221,30 +223,23 @@ class FlaCall:
     intermediate_states: bool = False
 
 
-def core_options(
-    method: str,
-    scale: float,
-    chunk_size: int,
-    qk_l2norm: bool,
-    gate: str,
-    lower_bound: float | None,
-    beta_activation: str,
-    offsets: Any = None,
-) -> dict[str, Any]:
-    """Keyword arguments of :func:`kda.chunk_kda` (``method="chunk"``) or :func:`kda.recurrent_kda`
-    from a :attr:`FlaCall.static` tuple and host ``offsets`` (``cu_seqlens``) or None."""
-    opts: dict[str, Any] = {
-        "scale": scale,
-        "layout": "time_major",
-        "qk_l2norm": qk_l2norm,
-        "gate": gate,
-        "lower_bound": lower_bound,
-        "beta_activation": beta_activation or None,
-        "cu_seqlens": offsets,
-    }
-    if method == "chunk":
-        opts["chunk_size"] = chunk_size
-    return opts
+def choices(static: tuple[Any, ...], A_log: Any = None, dt_bias: Any = None, offsets: Any = None) -> Choices:
+    """The options of a :attr:`FlaCall.static` tuple as the table's :class:`~kda._options.table.Choices`
+    (time-major), with the gate's arrays and host ``offsets`` (``cu_seqlens``) or None."""
+    _, _, _, qk_l2norm, gate, lower_bound, beta_activation = static
+    return Choices(
+        layout="time_major", qk_l2norm=qk_l2norm, gate=gate, A_log=A_log, dt_bias=dt_bias,
+        lower_bound=lower_bound, beta_activation=beta_activation or None, cu_seqlens=offsets,
+    )  # fmt: skip
+
+
+def chunk_keywords(static: tuple[Any, ...], A_log: Any = None, dt_bias: Any = None) -> dict[str, Any]:
+    """Keywords of :func:`kda.chunk_kda` (and of the transitions) for a ``static`` tuple, without
+    ``cu_seqlens``: for the paths that call the public functions on parts of a call (context
+    parallelism, gradients through the chunk-start states)."""
+    keywords = choices(static, A_log, dt_bias).keywords()
+    del keywords["cu_seqlens"]
+    return {**keywords, "scale": static[1], "chunk_size": static[2]}
 
 
 def packed_chunks(offsets: Any, chunk_size: int) -> int:

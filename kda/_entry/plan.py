@@ -196,9 +196,9 @@ class BackwardPlan:
 
     def _compute(self) -> None:
         r, p = self._r, self._r.call.p
-        boundaries, do, dstate = self._bound
+        boundaries, do, dfinal = self._bound
         do = head_first(r.xp, r.xp.astype(do, p.compute_dtype, copy=False), p.layout)
-        r.call.backward(r.inputs, r.state, boundaries, do, dstate, out=self.out, workspace=self._workspace)
+        r.call.backward(r.inputs, r.state, boundaries, do, dfinal, out=self.out, workspace=self._workspace)
 
 
 def _prepare(q, k, v, g, beta, scale, chunk_size, backend, initial_state, opts: Choices) -> tuple[Call, Any]:
@@ -316,7 +316,7 @@ def prepare_chunk_kda_backward(
     check_array(
         "grad_output", grad_output, p, p.shape(p.HV, p.V), p.letters("HV", "V"), p.dtype, "the dtype of q"
     )
-    dstate = call.state_or_zeros("grad_final_state", grad_final_state)
+    dfinal = call.state_or_zeros("grad_final_state", grad_final_state)
     finite = {"boundaries": boundaries, "grad_output": grad_output, "grad_final_state": grad_final_state}
     replace(call, check=opts.check_finite).check_inputs_finite(**finite)
     make = _Buffers(p, array_api_compat.device(q))
@@ -327,7 +327,7 @@ def prepare_chunk_kda_backward(
     if boundaries is None and _is_plain(p, o):  # recomputed boundaries, written in place
         workspace = make.state("boundaries workspace", None, call.boundaries_shape(), "NT, B, HV, K, V")
     runner = _Runner(call, (q, k, v, g, beta, opts.A_log, opts.dt_bias), state)
-    return BackwardPlan(runner, grads, (boundaries, grad_output, dstate), workspace)
+    return BackwardPlan(runner, grads, (boundaries, grad_output, dfinal), workspace)
 
 
 def _gradient_letters(p: Problem) -> dict[str, str]:

@@ -19,6 +19,7 @@ from .._errors import InvalidInputError, KdaWarning
 __all__ = [
     "check_finite",
     "floating_point_quiet",
+    "is_real_floating",
     "warn_if_diverged",
 ]
 
@@ -26,6 +27,18 @@ STABILITY = (
     "the delta rule is stable only while beta * |k|^2 <= 2 at every step (each step multiplies the "
     "state by I - beta k k^T); fix: qk_l2norm=True or L2-normalised keys, with beta in [0, 2]"
 )
+
+
+def is_real_floating(xp: Any, dtype: Any) -> bool:
+    """Whether ``dtype`` is a real floating dtype of ``xp``: the standard's (float16 where the
+    library has it, float32, float64), and NumPy's ``ml_dtypes.bfloat16`` (which NumPy does not
+    class as floating). kda computes float16 and bfloat16 in float32."""
+    try:
+        if xp.isdtype(dtype, "real floating"):
+            return True
+    except (TypeError, ValueError):
+        pass
+    return array_api_compat.is_numpy_namespace(xp) and getattr(dtype, "name", None) == "bfloat16"
 
 
 def floating_point_quiet(xp: Any) -> contextlib.AbstractContextManager:
@@ -80,7 +93,7 @@ def check_finite(xp: Any, name: str, x: Any, *, allow_neg_inf: bool = False) -> 
     The message names the argument, how many elements are bad, and the index and value of the
     first one.
     """
-    if x is None or not xp.isdtype(x.dtype, "real floating") or _sum_is_clean(xp, x, allow_neg_inf):
+    if x is None or not is_real_floating(xp, x.dtype) or _sum_is_clean(xp, x, allow_neg_inf):
         return
     with floating_point_quiet(xp):
         bad = xp.isnan(x) | (x == math.inf)

@@ -15,6 +15,7 @@ from typing import Any
 import array_api_compat
 
 from .._errors import InvalidInputError, InvalidTypeError
+from .checks import is_real_floating
 from .maps import Options
 from .table import OPTIONS, Choices
 
@@ -133,13 +134,6 @@ def check_log_decay(xp: Any, g: Any) -> None:
         raise InvalidInputError(msg)
 
 
-def _is_float(xp: Any, dtype: Any) -> bool:
-    try:
-        return bool(xp.isdtype(dtype, "real floating"))
-    except (TypeError, ValueError):
-        return False
-
-
 def _sizes(q: Any, v: Any, layout: str) -> tuple[int, int, int, int, int, int]:
     """``B, H, HV, T, K, V`` read off q and v in ``layout``, with their ranks checked."""
     letters = "B, H, T, K" if layout == "head_first" else "B, T, H, K"
@@ -199,7 +193,7 @@ def validate_problem(
     if K < 1 or V < 1:
         msg = f"K and V must be >= 1; got K={K}, V={V}"
         raise InvalidInputError(msg)
-    if not _is_float(xp, q.dtype):
+    if not is_real_floating(xp, q.dtype):
         allowed = "float16, bfloat16, float32, float64"
         msg = f"q must have a real floating dtype ({allowed}); got {dtype_name(q.dtype)}"
         raise InvalidTypeError(msg)
@@ -262,7 +256,7 @@ def _check_param(name: str, x: Any, p: Problem, shape: tuple[int, ...], letters:
         msg = f"{name} must be an array of the same library as q ({p.xp.__name__}); got {type(x).__name__}"
         raise InvalidTypeError(msg)
     check_shape(name, x, shape, letters)
-    if not _is_float(p.xp, x.dtype):
+    if not is_real_floating(p.xp, x.dtype):
         msg = f"{name} must have a real floating dtype; got {dtype_name(x.dtype)}"
         raise InvalidTypeError(msg)
     return p.xp.astype(x, p.compute_dtype, copy=False)

@@ -1,0 +1,149 @@
+"""The host side of the fla-style adapters (:mod:`kda.torch`, :mod:`kda.jax`): arrays in, arrays out.
+
+Both adapters translate fla's keywords once (:func:`kda._entry.fla.translate`) into a hashable
+``static`` tuple (an op's non-tensor arguments, a ``custom_vjp``'s static argument) and then do
+only what their framework needs: convert tensors to arrays of one namespace (NumPy on the host,
+CuPy on a GPU) and back, and register the forward and backward with their autograd. Everything
+between is here, once:
+
+- :func:`shapes`: the shapes of the forward's three results (for fake tensors and callbacks);
+- :func:`forward`: ``(output, final_state, boundaries)``, the boundaries (chunk-start states)
+  padded to a bound that does not depend on ``cu_seqlens``' values;
+- :func:`backward`: the gradients' work, given the forward's boundaries and the cotangents.
+
+Inputs are time-major (``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g [B, T, HV, K]``,
+``beta [B, T, HV]``), in the compute dtype (float32, or float64); states ``[N, HV, K, V]``;
+``A_log [HV]``, ``dt_bias [HV, K]``; ``offsets`` are host ``cu_seqlens`` or None.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import array_api_compat
+
+from .._backend import get_backend
+from .._engine.core import ChunkCore, RecurrentCore
+from .._options.maps import Options
+from .._options.validation import Problem
+from . import api as _api
+from .call import Call, KdaGradients
+from .fla import boundary_bound, choices, chunk_keywords, packed_chunks
+from .states import backward_with_state_gradients
+
+__all__ = ["backward", "forward", "shapes", "validated_call"]
+
+# the bodies of kda.chunk_kda and kda.recurrent_kda, which take the options as one Choices
+_CHUNK = _api.chunk_kda.__wrapped__
+_RECURRENT = _api.recurrent_kda.__wrapped__
+
+Arrays = tuple[Any, ...]  # q, k, v, g, beta, initial_state, A_log, dt_bias (None where absent)
+
+
+def shapes(
+    static: tuple[Any, ...], q_shape: tuple[int, ...], v_shape: tuple[int, ...], num_seqs: int | None
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """Shapes of :func:`forward`'s ``(output, final_state, boundaries)``.
+
+    ``num_seqs``: the number of packed sequences with ``cu_seqlens``, else None. The boundaries
+    are ``[NT, B, HV, K, V]`` with ``NT`` :func:`~kda._entry.fla.boundary_bound`'s bound
+    (``ceil(T / C)`` without ``cu_seqlens``), or ``[0]`` for the recurrence.
+    """
+    B, T, _, K = q_shape
+    HV, V = v_shape[2], v_shape[3]
+    N = B if num_seqs is None else num_seqs
+    if static[0] != "chunk":
+        return (B, T, HV, V), (N, HV, K, V), (0,)
+    NT = boundary_bound(T, static[2], num_seqs)
+    return (B, T, HV, V), (N, HV, K, V), (NT, B, HV, K, V)
+
+
+def forward(static: tuple[Any, ...], x: Arrays, offsets: tuple[int, ...] | None) -> tuple[Any, Any, Any]:
+    """``(output [B, T, HV, V], final_state [N, HV, K, V], boundaries)`` of one fla-style call.
+
+    The body of :func:`kda.chunk_kda` (or :func:`kda.recurrent_kda`) with the options as the
+    table's :class:`~kda._options.table.Choices`: the inputs and options are validated here,
+    once. ``boundaries``: ``[NT, B, HV, K, V]`` (:func:`shapes`; rows past the packed chunks
+    are zeros) for ``chunk_kda``, an empty ``[0]`` array for the recurrence. Arrays in the
+    inputs' namespace.
+    """
+    opts = choices(static, x[6], x[7], offsets)
+    if static[0] != "chunk":
+        out = _RECURRENT(*x[:5], scale=static[1], initial_state=x[5], backend=None, opts=opts)
+        xp = array_api_compat.array_namespace(out.final_state)
+        empty = xp.zeros((0,), dtype=out.final_state.dtype, device=out.final_state.device)
+        return out.output, out.final_state, empty
+    out = _CHUNK(
+        *x[:5], scale=static[1], initial_state=x[5], chunk_size=static[2], save_boundaries=True,
+        backend=None, opts=opts,
+    )  # fmt: skip
+    NT = boundary_bound(x[0].shape[1], static[2], None if offsets is None else len(offsets) - 1)
+    return out.output, out.final_state, _pad(out.boundaries, NT)
+
+
+def _pad(boundaries: Any, NT: int) -> Any:
+    """``boundaries`` with zero rows appended up to ``NT`` (packed sequences: the static bound)."""
+    if boundaries.shape[0] >= NT:
+        return boundaries
+    xp = array_api_compat.array_namespace(boundaries)
+    shape = (NT - boundaries.shape[0], *boundaries.shape[1:])
+    pad = xp.zeros(shape, dtype=boundaries.dtype, device=boundaries.device)
+    return xp.concat([boundaries, pad])
+
+
+def backward(
+    static: tuple[Any, ...],
+    x: Arrays,
+    offsets: tuple[int, ...] | None,
+    boundaries: Any,
+    do: Any,
+    dfinal: Any,
+    dboundaries: Any,
+) -> Callable[[], KdaGradients]:
+    """The backward of :func:`forward`, as work to run: call the result for the gradients.
+
+    ``x``, ``static`` and ``offsets`` are those that :func:`forward` validated, so they are not
+    checked again (:func:`validated_call`); ``boundaries`` are its (padded) boundaries. The
+    cotangents, new here, are checked for finiteness only: ``do [B, T, HV, V]`` the output's
+    gradient, ``dfinal`` the final state's (None: zeros); ``dboundaries`` the boundaries' (None
+    or all zeros: they did not reach the loss; else the work is
+    :func:`backward_with_state_gradients`, which runs the public functions on the chunks).
+
+    The work is returned to be called, so that the adapter's own frame runs it: the call path
+    from the adapter to the core is :meth:`Call.backward` alone. Gradients ``(q, k, v, g, beta,
+    initial_state, A_log, dt_bias)`` come in :class:`~kda.KdaGradients`, each shaped like its
+    input.
+    """
+    call = validated_call(static, x, offsets)
+    if static[0] != "chunk":
+        boundaries = None
+    else:
+        NT = boundaries.shape[0] if offsets is None else packed_chunks(offsets, static[2])
+        boundaries = boundaries[:NT, ...]
+        if dboundaries is not None and bool(call.p.xp.any(dboundaries[:NT, ...])):  # h reached the loss
+            keywords = chunk_keywords(static, x[6], x[7])
+            args = (x[:5], boundaries, do, dfinal, dboundaries[:NT, ...], x[5], offsets, keywords)
+            return functools.partial(backward_with_state_gradients, *args)
+    call.check_finite(grad_output=do, grad_final_state=dfinal)
+    state = call.zero_state() if x[5] is None else x[5]
+    dfinal = call.zero_state() if dfinal is None else dfinal
+    do = call.grad_output(do, check=False)
+    return functools.partial(call.backward, (*x[:5], x[6], x[7]), state, boundaries, do, dfinal)
+
+
+def validated_call(static: tuple[Any, ...], x: Arrays, offsets: tuple[int, ...] | None) -> Call:
+    """The :class:`~kda._entry.call.Call` that :func:`forward` validated, rebuilt without checks
+    from the same static options and arrays (compute dtype, time-major, ``A_log [HV]``,
+    ``dt_bias [HV, K]``): the problem's sizes, the options and the core."""
+    q, v = x[0], x[2]
+    xp = array_api_compat.array_namespace(q)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    scale = static[1]
+    p = Problem(xp, B, H, HV, T, K, V, q.dtype, q.dtype, scale, "time_major", offsets)
+    o = Options(static[3], static[4], x[6], x[7], static[5], static[6] or None)
+    ops = get_backend(xp, None)
+    core = ChunkCore(ops, scale, static[2]) if static[0] == "chunk" else RecurrentCore(ops, scale)
+    return Call(p, o, core, True)
