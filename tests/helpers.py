@@ -4,11 +4,15 @@ kda.testing (the strategies and the comparison kernel authors use)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import kda.testing as kt
+
+# the repository root (tests are grouped in folders below tests/)
+ROOT = Path(__file__).resolve().parents[1]
 
 # The log-gate regimes of kda.testing (zero, weak, mild, strong, hard, reset)
 REGIMES = kt.LOG_REGIMES

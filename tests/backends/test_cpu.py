@@ -10,7 +10,7 @@ import threading
 
 import numpy as np
 import pytest
-from helpers import BACKENDS, REGIMES, TOLERANCE, assert_close, gates, make_problem
+from helpers import BACKENDS, REGIMES, ROOT, TOLERANCE, assert_close, gates, make_problem
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -210,7 +210,7 @@ def test_concurrent_calls_are_safe_and_bitwise_equal_to_serial():
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(ROOT)
     environ = {**os.environ, "PYTHONPATH": root, **env}
     command = [sys.executable, "-c", code]
     return subprocess.run(command, capture_output=True, text=True, env=environ, timeout=600)

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
 pytest.importorskip("torch")
 pytest.importorskip("matplotlib")
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_recall.py"
+EXAMPLE = ROOT / "examples" / "train_recall.py"
 
 
 def test_train_recall_quick(tmp_path):

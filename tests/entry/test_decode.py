@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import HAS_GPU, REGIMES, TOLERANCE, assert_close, gates
+from helpers import HAS_GPU, REGIMES, ROOT, TOLERANCE, assert_close, gates
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -283,7 +283,7 @@ def test_decode_kernel_compiles_to_ptx_cc90():
 
     pytest.importorskip("numba.cuda", reason="numba-cuda is not installed")
     env = {name: value for name, value in os.environ.items() if name != "NUMBA_ENABLE_CUDASIM"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(ROOT)
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     done = subprocess.run(
         [sys.executable, "-c", PTX_SCRIPT], env=env, capture_output=True, text=True, timeout=600, check=False

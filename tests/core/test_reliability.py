@@ -6,16 +6,13 @@ import subprocess
 import sys
 import threading
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import HAS_GPU, make_problem
+from helpers import HAS_GPU, ROOT, make_problem
 
 import kda
 from kda._options import checks as _checks
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _python(code: str, env_drop: tuple[str, ...] = ()) -> subprocess.CompletedProcess:

@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import ROOT
 
 # numba itself ships a ``numba.cuda`` (its old built-in target) that cannot compile these kernels to
 # PTX without numba-cuda's NVVM bindings: the numba-cuda package is what the test needs
@@ -75,7 +76,7 @@ def test_ptx_compiles_for_cc90():
     from kda.cuda._device import FAMILIES
 
     env = {name: value for name, value in os.environ.items() if name != "NUMBA_ENABLE_CUDASIM"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(ROOT)
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     ptxas = shutil.which("ptxas") or ""
     done = subprocess.run(
