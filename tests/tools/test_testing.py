@@ -184,7 +184,7 @@ def test_bug_under_one_percent_is_wrong_on_float32_alone(name):
 
 
 def test_command_line_prints_summary_and_reproducer(tmp_path):
-    env = os.environ | {"PYTHONPATH": os.pathsep.join([os.getcwd(), os.path.join(os.getcwd(), "tests")])}
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([os.getcwd(), os.path.dirname(os.path.abspath(__file__))])}
     cmd = [sys.executable, "-m", "kda.testing"]
     ok = subprocess.run([*cmd, "kda:chunk_kda", "--backward", "kda:chunk_kda_backward",
                          "--convention", "kda", "--examples", "5", "--dtypes", "float32"],
