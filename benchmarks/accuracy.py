@@ -8,8 +8,9 @@ final-state gradient) plus the fixed problem B=1, H=4, T=256, K=V=64, chunk 64. 
 array is max|chunked - recurrence| / max|recurrence|, the recurrence run in float64 on the same
 (rounded) inputs. The regimes are those of tests/helpers.py (zero, weak, mild, strong, hard, reset).
 K = 1 is left out here: there the initial-state gradient is ill-conditioned in the chunked form (see
-tests/test_chunked.py, DEGENERATE_INITIAL_STATE_TOLERANCE). Small key sizes with large chunks are
-measured separately (kda/_engine/widening.py, FLOAT32_MAX_CHUNK; tests/test_accuracy.py holds that envelope).
+tests/core/test_chunked.py, DEGENERATE_INITIAL_STATE_TOLERANCE). Small key sizes with large chunks are
+measured separately (kda/_engine/widening.py, FLOAT32_MAX_CHUNK; tests/core/test_accuracy.py holds that
+envelope).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@
 #   done
 # Run there from the repository root, carrying the wheels:
 #   run(command="bash scripts/gpu_check.sh", carry=["scripts/wheels"], timeout_s=590)
-# Writes under $OUT: nvidia-smi.txt, pip.txt, pytest.txt (tests/test_cuda.py and tests/test_ptx.py,
+# Writes under $OUT: nvidia-smi.txt, pip.txt, pytest.txt (tests/backends/test_cuda.py and tests/backends/test_ptx.py,
 # plus every other tests/test_*.py that uses CuPy: decode, plans, torch on CUDA, ...; each skips
 # what it cannot run), bench.json + bench.md (accuracy at B=2 H=16 T=4096 K=V=128 float32 vs the
 # float64 reference recurrence; timings of kda.cuda and of fla's Triton chunk_kda at B=1 H=16
@@ -35,7 +35,7 @@ python -m pip list 2>/dev/null | grep -i -E "numba|cupy|torch|triton|fla|hypothe
 
 # 1. the cuda tests on CuPy arrays (the modules pick CuPy when /dev/nvidiactl exists), the PTX
 #    checks, and every other test module that uses CuPy
-# (tests/test_primitives.py is left out: it hands NumPy arrays to the kernels, which only the
+# (tests/backends/test_primitives.py is left out: it hands NumPy arrays to the kernels, which only the
 # simulator takes without a copy warning; CI runs it there)
 gpu_tests=$(grep -l -i -E "cupy|cuda" tests/test_*.py | grep -v test_primitives.py | sort -u | tr '\n' ' ')
 echo "test modules: $gpu_tests" > "$OUT/pytest.txt"

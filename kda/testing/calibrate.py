@@ -92,7 +92,7 @@ def measure(examples: int, dtypes: tuple[str, ...]) -> dict[str, dict[str, float
 
 
 # name -> (loader returning (fn, convention, backward) or raising ImportError, problems() arguments)
-# (the spaces of tests/test_third_party_kernels.py: each narrowed by what the kernel lacks)
+# (the spaces of tests/tools/test_third_party_kernels.py: each narrowed by what the kernel lacks)
 _TRANSFORMERS = dict(
     groups=(1,), packed=(False,), gates=("log",), beta_activations=(None,), scale=("default",)
 )

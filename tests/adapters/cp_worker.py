@@ -1,4 +1,4 @@
-"""Context-parallel scenarios, shared by tests/test_context_parallel.py and its spawned ranks.
+"""Context-parallel scenarios, shared by tests/adapters/test_context_parallel.py and its spawned ranks.
 
 A scenario is a packed ``B == 1`` batch (sequence lengths), a world size, an option set and a
 dtype. :func:`problem` draws the global inputs (the same on every rank from the seed);

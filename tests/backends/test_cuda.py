@@ -5,7 +5,7 @@ simulator costs ~0.2 ms per thread); with one (``/dev/nvidiactl``) they run on C
 tests/conftest.py switches the simulator on (before numba is first imported) where helpers.HAS_GPU
 is False.
 Every kernel runs here with the block shape it has on a GPU (the shapes of the data shrink, the
-blocks do not). tests/test_ptx.py compiles every kernel for compute capability 9.0.
+blocks do not). tests/backends/test_ptx.py compiles every kernel for compute capability 9.0.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Deliberately broken KDA kernels: wrappers around kda.torch.chunk_kda (flash-linear-attention's
-convention), each with one bug that kda.testing.check_kernel must catch (tests/test_testing.py).
+convention), each with one bug that kda.testing.check_kernel must catch (tests/tools/test_testing.py).
 
 Importable without torch (``BROKEN`` lists them; the tests that call them skip)."""
 

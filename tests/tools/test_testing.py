@@ -1,5 +1,5 @@
 """kda.testing: the strategy's coverage, check_kernel on kda's own kernels and on fla's naive chunk,
-and eight deliberately broken kernels (tests/broken_kernels.py) each caught with default settings."""
+and eight deliberately broken kernels (tests/tools/broken_kernels.py) each caught with default settings."""
 
 from __future__ import annotations
 
@@ -184,7 +184,8 @@ def test_bug_under_one_percent_is_wrong_on_float32_alone(name):
 
 
 def test_command_line_prints_summary_and_reproducer(tmp_path):
-    env = os.environ | {"PYTHONPATH": os.pathsep.join([os.getcwd(), os.path.dirname(os.path.abspath(__file__))])}
+    here = os.path.dirname(os.path.abspath(__file__))  # broken_kernels.py
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([os.getcwd(), here])}
     cmd = [sys.executable, "-m", "kda.testing"]
     ok = subprocess.run([*cmd, "kda:chunk_kda", "--backward", "kda:chunk_kda_backward",
                          "--convention", "kda", "--examples", "5", "--dtypes", "float32"],
