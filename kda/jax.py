@@ -28,19 +28,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._entry import api as _api
+from ._entry import host as _host
 from ._entry.fla import (
     CHUNK_DOC,
     RECURRENT_DOC,
     FlaCall,
-    boundary_bound,
     check_gate_sizes,
-    core_options,
     fla_function,
     packed_chunks,
     translate,
 )
-from ._entry.states import backward_with_state_gradients
 from ._errors import InvalidInputError, InvalidTypeError
 
 __all__ = ["chunk_kda", "fused_recurrent_kda"]
@@ -52,72 +49,41 @@ def _compute_dtype(dtype: Any) -> Any:
     return jnp.float64 if dtype == jnp.float64 else jnp.float32
 
 
-def _offsets(cu: Any) -> Any:
-    return None if cu is None else np.asarray(cu, dtype=np.int64)
-
-
 def _struct(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(shape), dtype)
 
 
 # ----------------------------------------------------------------------------------------------
-# Host side: NumPy arrays in, NumPy arrays out
+# The differentiable function: host callbacks to kda._entry.host
 
 
-def _host_forward(static: tuple[Any, ...], nt: int, q, k, v, g, beta, s0, A_log, dt_bias, cu):
-    method = static[0]
-    opts = core_options(*static, _offsets(cu))
-    x = [None if a is None else np.asarray(a) for a in (q, k, v, g, beta, s0, A_log, dt_bias)]
-    params = dict(initial_state=x[5], A_log=x[6], dt_bias=x[7])
-    if method == "chunk":
-        out = _api.chunk_kda(*x[:5], save_boundaries=True, **params, **opts)
-        saved = np.asarray(out.boundaries)
-        if saved.shape[0] < nt:  # packed sequences: pad to the static bound
-            pad = np.zeros((nt - saved.shape[0], *saved.shape[1:]), dtype=saved.dtype)
-            saved = np.concatenate([saved, pad])
-    else:
-        out = _api.recurrent_kda(*x[:5], **params, **opts)
-        saved = np.zeros((0,), dtype=np.asarray(out.final_state).dtype)
-    return np.asarray(out.output), np.asarray(out.final_state), saved
+def _host_arrays(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(None if a is None else np.asarray(a) for a in arrays)
+
+
+def _host_offsets(cu: Any) -> tuple[int, ...] | None:
+    return None if cu is None else tuple(int(n) for n in np.asarray(cu))
+
+
+def _host_forward(static: tuple[Any, ...], *arrays):
+    *x, cu = _host_arrays(arrays)
+    return tuple(np.asarray(a) for a in _host.forward(static, tuple(x), _host_offsets(cu)))
 
 
 def _host_backward(static: tuple[Any, ...], present: tuple[bool, ...], *arrays):
-    q, k, v, g, beta, s0, A_log, dt_bias, cu, saved, do, dfinal, dsaved = (
-        None if a is None else np.asarray(a) for a in arrays
-    )
-    method, chunk_size = static[0], static[2]
-    opts = core_options(*static, _offsets(cu))
-    params = dict(initial_state=s0, A_log=A_log, dt_bias=dt_bias)
-    if method == "chunk":
-        nt = saved.shape[0] if cu is None else packed_chunks(cu, chunk_size)
-        if dsaved is not None and np.any(dsaved[:nt]):  # the chunk-start states reached the loss
-            offsets = opts.pop("cu_seqlens")
-            offsets = None if offsets is None else tuple(int(n) for n in offsets)
-            grads = backward_with_state_gradients(
-                (q, k, v, g, beta), saved[:nt], do, dfinal, dsaved[:nt], s0, offsets,
-                {**opts, "A_log": A_log, "dt_bias": dt_bias},
-            )  # fmt: skip
-        else:
-            grads = _api.chunk_kda_backward(q, k, v, g, beta, saved[:nt], do, dfinal, **params, **opts)
-    else:
-        grads = _api.recurrent_kda_backward(q, k, v, g, beta, do, dfinal, **params, **opts)
+    *x, cu, boundaries, do, dfinal, dboundaries = _host_arrays(arrays)
+    grads = _host.backward(static, tuple(x), _host_offsets(cu), boundaries, do, dfinal, dboundaries)()
     return tuple(np.asarray(gr) for gr, p in zip(grads, present) if p)
 
 
-# ----------------------------------------------------------------------------------------------
-# The differentiable function
-
-
 def _forward(static: tuple[Any, ...], q, k, v, g, beta, s0, A_log, dt_bias, cu):
-    B, T, _, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    N = B if cu is None else cu.shape[0] - 1
+    num_seqs = None if cu is None else cu.shape[0] - 1
+    o, final, boundaries = _host.shapes(static, q.shape, v.shape, num_seqs)
     cd = _compute_dtype(q.dtype)
-    nt = boundary_bound(T, static[2], None if cu is None else N) if static[0] == "chunk" else 0
-    saved_shape = (nt, B, HV, K, V) if static[0] == "chunk" else (0,)
-    shapes = (_struct((B, T, HV, V), q.dtype), _struct((N, HV, K, V), cd), _struct(saved_shape, cd))
-    host = functools.partial(_host_forward, static, nt)
-    return jax.pure_callback(host, shapes, q, k, v, g, beta, s0, A_log, dt_bias, cu, vmap_method="sequential")
+    structs = (_struct(o, q.dtype), _struct(final, cd), _struct(boundaries, cd))
+    host = functools.partial(_host_forward, static)
+    args = (q, k, v, g, beta, s0, A_log, dt_bias, cu)
+    return jax.pure_callback(host, structs, *args, vmap_method="sequential")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -127,18 +93,20 @@ def _kda(static: tuple[Any, ...], q, k, v, g, beta, s0, A_log, dt_bias, cu):
 
 
 def _kda_fwd(static: tuple[Any, ...], *args):
-    o, final, saved = _forward(static, *args)
-    return (o, final, saved), (*args, saved)
+    o, final, boundaries = _forward(static, *args)
+    return (o, final, boundaries), (*args, boundaries)
 
 
 def _kda_bwd(static: tuple[Any, ...], res: tuple[Any, ...], cotangents: tuple[Any, Any, Any]):
-    inputs, cu, saved = res[:8], res[8], res[9]
-    do, dfinal, dsaved = cotangents
+    inputs, cu, boundaries = res[:8], res[8], res[9]
+    do, dfinal, dboundaries = cotangents
     present = tuple(x is not None for x in inputs)
-    shapes = tuple(_struct(x.shape, x.dtype) for x in inputs if x is not None)
+    structs = tuple(_struct(x.shape, x.dtype) for x in inputs if x is not None)
     host = functools.partial(_host_backward, static, present)
     grads = iter(
-        jax.pure_callback(host, shapes, *inputs, cu, saved, do, dfinal, dsaved, vmap_method="sequential")
+        jax.pure_callback(
+            host, structs, *inputs, cu, boundaries, do, dfinal, dboundaries, vmap_method="sequential"
+        )
     )
     return (*(next(grads) if p else None for p in present), None)
 
@@ -181,14 +149,14 @@ def _apply(q, k, v, g, beta, s0, A_log, dt_bias, cu, call: FlaCall):
         except jax.errors.TracerArrayConversionError:
             msg = "return_intermediate_states=True with cu_seqlens needs concrete cu_seqlens (not under jit)"
             raise InvalidInputError(msg) from None
-    o, final, saved = _kda(call.static, q, k, v, g, beta, s0, A_log, dt_bias, cu)
+    o, final, boundaries = _kda(call.static, q, k, v, g, beta, s0, A_log, dt_bias, cu)
     o = o.astype(dtype)
     final = (
         (jnp.swapaxes(final, -1, -2) if call.state_v_first else final) if call.output_final_state else None
     )
     if not call.intermediate_states:
         return o, final
-    h = jnp.moveaxis(saved if nt is None else saved[:nt], 0, 1)  # [B, NT, HV, K, V]
+    h = jnp.moveaxis(boundaries if nt is None else boundaries[:nt], 0, 1)  # [B, NT, HV, K, V]
     return o, final, (jnp.swapaxes(h, -1, -2) if call.state_v_first else h).astype(k_dtype)
 
 

@@ -33,20 +33,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._entry import api as _api
 from ._entry import cp as _cp
+from ._entry import host as _host
 from ._entry.fla import (
     CHUNK_DOC,
     RECURRENT_DOC,
     FlaCall,
-    boundary_bound,
     check_gate_sizes,
     core_options,
     fla_function,
     packed_chunks,
     translate,
 )
-from ._entry.states import backward_with_state_gradients
 from ._errors import InvalidInputError, InvalidTypeError
 
 __all__ = ["KdaCPContext", "build_cp_context", "chunk_kda", "fused_recurrent_kda"]
@@ -115,10 +113,6 @@ def _offsets(cu_seqlens: torch.Tensor | None) -> tuple[int, ...] | None:
     return None if cu_seqlens is None else tuple(int(n) for n in cu_seqlens.tolist())
 
 
-def _num_boundaries(T: Any, chunk_size: int, cu_seqlens: torch.Tensor | None) -> Any:
-    return boundary_bound(T, chunk_size, None if cu_seqlens is None else cu_seqlens.shape[0] - 1)
-
-
 # ----------------------------------------------------------------------------------------------
 # The custom ops
 
@@ -127,44 +121,22 @@ def _num_boundaries(T: Any, chunk_size: int, cu_seqlens: torch.Tensor | None) ->
     "kda::forward", mutates_args=(), schema=f"({_INPUT_ARGS}, {_OPTION_ARGS}) -> (Tensor, Tensor, Tensor)"
 )
 def _forward_op(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, *options):
-    """``(o [B, T, HV, V], final_state [N, HV, K, V], boundaries)``; boundaries are ``[0]`` for the
-    recurrence and padded to :func:`_num_boundaries` chunks for ``cu_seqlens``."""
-    method, _, chunk_size = options[:3]
+    """``(o [B, T, HV, V], final_state [N, HV, K, V], boundaries)`` (:func:`kda._entry.host.forward`)."""
     inputs = (q, k, v, g, beta, initial_state, A_log, dt_bias)
-    opts = core_options(*options, _offsets(cu_seqlens))
     with _on_stream(q.device):
-        x = [_array(t) for t in inputs]
-        if method == "chunk":
-            out = _api.chunk_kda(
-                *x[:5], initial_state=x[5], A_log=x[6], dt_bias=x[7], save_boundaries=True, **opts
-            )
-        else:
-            out = _api.recurrent_kda(*x[:5], initial_state=x[5], A_log=x[6], dt_bias=x[7], **opts)
+        o, final, boundaries = _host.forward(options, tuple(_array(t) for t in inputs), _offsets(cu_seqlens))
         cd = _compute_dtype(q.dtype)
-        o = _tensor(out.output, q.dtype if method == "chunk" else v.dtype, inputs)
-        final = _tensor(out.final_state, cd, inputs)
-        if method != "chunk":
-            return o, final, q.new_empty((0,), dtype=cd)
-        saved = _tensor(out.boundaries, cd, inputs)
-    NT = _num_boundaries(q.shape[1], chunk_size, cu_seqlens)
-    if saved.shape[0] < NT:  # packed sequences: pad to the static bound
-        saved = torch.cat([saved, saved.new_zeros((NT - saved.shape[0], *saved.shape[1:]))])
-    return o, final, saved
+        o = _tensor(o, q.dtype if options[0] == "chunk" else v.dtype, inputs)
+        return o, _tensor(final, cd, inputs), _tensor(boundaries, cd, inputs)
 
 
 @_forward_op.register_fake
 def _forward_fake(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, *options):
-    method, _, chunk_size = options[:3]
-    B, T, _, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    num_seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    o, final, boundaries = _host.shapes(options, tuple(q.shape), tuple(v.shape), num_seqs)
     cd = _compute_dtype(q.dtype)
-    o = q.new_empty((B, T, HV, V), dtype=q.dtype if method == "chunk" else v.dtype)
-    final = q.new_empty((N, HV, K, V), dtype=cd)
-    if method != "chunk":
-        return o, final, q.new_empty((0,), dtype=cd)
-    NT = _num_boundaries(T, chunk_size, cu_seqlens)
-    return o, final, q.new_empty((NT, B, HV, K, V), dtype=cd)
+    out_dtype = q.dtype if options[0] == "chunk" else v.dtype
+    return q.new_empty(o, dtype=out_dtype), q.new_empty(final, dtype=cd), q.new_empty(boundaries, dtype=cd)
 
 
 @torch.library.custom_op(
@@ -177,29 +149,12 @@ def _backward_op(
     q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, boundaries, do, dfinal, dboundaries, *options
 ):
     """Gradients of ``q, k, v, g, beta, initial_state, A_log, dt_bias``, each shaped and typed like
-    its input; an empty tensor for an input that is None. A nonzero ``grad_boundaries`` (the
-    chunk-start states ``h`` reached the loss) takes :func:`backward_with_state_gradients`."""
-    method, _, chunk_size = options[:3]
+    its input; an empty tensor for an input that is None (:func:`kda._entry.host.backward`)."""
     inputs = (q, k, v, g, beta, initial_state, A_log, dt_bias)
-    cu = _offsets(cu_seqlens)
-    opts = core_options(*options, cu)
     with _on_stream(q.device):
-        x = [_array(t) for t in inputs]
-        states = dict(initial_state=x[5], A_log=x[6], dt_bias=x[7])
-        do_, dfinal_ = _array(do), _array(dfinal)
-        if method == "chunk":
-            NT = boundaries.shape[0] if cu is None else packed_chunks(cu, chunk_size)
-            saved = _array(boundaries[:NT])
-            if dboundaries is not None and bool(dboundaries.any()):
-                del opts["cu_seqlens"]
-                grads = backward_with_state_gradients(
-                    x[:5], saved, do_, dfinal_, _array(dboundaries[:NT]), x[5], cu,
-                    {**opts, "A_log": x[6], "dt_bias": x[7]},
-                )  # fmt: skip
-            else:
-                grads = _api.chunk_kda_backward(*x[:5], saved, do_, dfinal_, **states, **opts)
-        else:
-            grads = _api.recurrent_kda_backward(*x[:5], do_, dfinal_, **states, **opts)
+        x = tuple(_array(t) for t in inputs)
+        cotangents = (_array(do), _array(dfinal), _array(dboundaries))
+        grads = _host.backward(options, x, _offsets(cu_seqlens), _array(boundaries), *cotangents)()
         return [
             q.new_empty((0,)) if t is None or gr is None else _tensor(gr, t.dtype, inputs)
             for t, gr in zip(inputs, grads)
@@ -262,15 +217,17 @@ def _apply(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, call: Fl
         initial_state = (initial_state.transpose(-1, -2) if call.state_v_first else initial_state).to(cd)
     if cu_seqlens is not None:
         cu_seqlens = torch.as_tensor(cu_seqlens, dtype=torch.int64)
-    o, final, saved = _forward_op(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, *call.static)
+    o, final, boundaries = _forward_op(
+        q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, *call.static
+    )
     final = (
         None if not call.output_final_state else (final.transpose(-1, -2) if call.state_v_first else final)
     )
     if not call.intermediate_states:
         return o, final
     chunk_size = call.static[2]
-    NT = saved.shape[0] if cu_seqlens is None else packed_chunks(_offsets(cu_seqlens), chunk_size)
-    h = saved[:NT].movedim(0, 1)  # [B, NT, HV, K, V]
+    NT = boundaries.shape[0] if cu_seqlens is None else packed_chunks(_offsets(cu_seqlens), chunk_size)
+    h = boundaries[:NT].movedim(0, 1)  # [B, NT, HV, K, V]
     h = (h.transpose(-1, -2) if call.state_v_first else h).to(k.dtype)
     return o, final, h
 

@@ -400,13 +400,13 @@ def test_half_precision_computes_in_float32(dtype):
 def test_cpu_tensors_reach_kda_without_copies(monkeypatch):
     (q, k, v, g, beta), s0 = _plain()
     seen = {}
-    real = kda._entry.api.chunk_kda
+    real = kda._entry.host.forward
 
-    def spy(*arrays, **kw):
-        seen.update(zip(NAMES[:5], arrays), initial_state=kw["initial_state"])
-        return real(*arrays, **kw)
+    def spy(static, arrays, offsets):
+        seen.update(zip(NAMES, arrays))
+        return real(static, arrays, offsets)
 
-    monkeypatch.setattr(kt._api, "chunk_kda", spy)
+    monkeypatch.setattr(kda._entry.host, "forward", spy)
     kt.chunk_kda(q, k, v, g, beta, initial_state=s0)
     for name, t in zip(NAMES, (q, k, v, g, beta, s0)):
         assert isinstance(seen[name], np.ndarray)
@@ -470,13 +470,13 @@ def test_cuda_bfloat16_and_zero_copy(monkeypatch):
     x = make_inputs(12, T=64, H=2, K=16, V=16, dtype=torch.float32)
     xc = {n: t.detach().cuda() for n, t in x.items()}
     seen = {}
-    real = kda._entry.api.chunk_kda
+    real = kda._entry.host.forward
 
-    def spy(*arrays, **kw):
+    def spy(static, arrays, offsets):
         seen["q"] = arrays[0]
-        return real(*arrays, **kw)
+        return real(static, arrays, offsets)
 
-    monkeypatch.setattr(kt._api, "chunk_kda", spy)
+    monkeypatch.setattr(kda._entry.host, "forward", spy)
     call(kt.chunk_kda, xc, chunk_size=16)
     assert isinstance(seen["q"], cupy.ndarray) and seen["q"].data.ptr == xc["q"].data_ptr()
     ob, _ = call(kt.chunk_kda, {n: t.bfloat16() if n != "initial_state" else t for n, t in xc.items()})
