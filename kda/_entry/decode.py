@@ -36,10 +36,10 @@ from .._errors import InvalidInputError, InvalidTypeError
 from .._options.checks import warn_if_diverged
 from .._options.maps import head_first
 from .._options.table import Array, Choices, takes_options
-from .._options.validation import STATE_DTYPE_RULE, Problem, _host_integers, check_array
-from .call import Call, open_call
+from .._options.validation import STATE_DTYPE_RULE, Problem, _host_integers, check_array, check_state
+from .call import Call, KdaOutput, open_call
 
-__all__ = ["DecodePlan", "Slots", "decode_kda", "prepare_decode_kda"]
+__all__ = ["DecodePlan", "Slots", "decode_kda", "decode_states", "prepare_decode_kda"]
 
 PADDING = -1
 # slot arrays up to this size are checked in Python (cheaper than NumPy's calls on tiny arrays)
@@ -244,12 +244,12 @@ def _slot_per_step(
 # the call
 
 
-def _run(call: Call, inputs: tuple, pool: Any, slots: Slots, out: Any = None) -> Any:
+def _run(call: Call, inputs: tuple, pool: Any, slots: Slots, out: Any = None, final_pool: Any = None) -> Any:
     """The general route: options mapped, the backend's kernel, the output in the caller's layout."""
     p, xp = call.p, call.p.xp
     c = call.core_inputs(*inputs)
     o = call.core.ops.decode_forward(c.q, c.k, c.v, c.g, c.beta, p.scale, pool, slots.start, slots.dest,
-                                     p.offsets)  # fmt: skip
+                                     p.offsets, final_pool)  # fmt: skip
     o = head_first(xp, xp.astype(o, p.dtype, copy=False), p.layout)
     if call.check:
         warn_if_diverged(xp, o, stacklevel=4)
@@ -330,6 +330,55 @@ def decode_kda(
     return _run(call, (q, k, v, g, beta), state_pool, slots)
 
 
+_ROWS: dict[int, Any] = {}  # N -> arange(N) as int64 (read-only): the slots of decode_states
+
+
+def _rows(N: int) -> Any:
+    rows = _ROWS.get(N)
+    if rows is None:
+        import numpy as np
+
+        rows = np.arange(N, dtype=np.int64)
+        rows.flags.writeable = False
+        _ROWS[N] = rows
+    return rows
+
+
+@takes_options()
+def decode_states(
+    q: Array, k: Array, v: Array, g: Array, beta: Array, initial_state: Array | None = None, *,
+    scale: float | None = None, backend: str | None = None, opts: Choices,
+) -> KdaOutput:  # fmt: skip
+    """:func:`kda.recurrent_kda`'s forward through the decode kernel: ``(output, final_state, None)``.
+
+    Request ``n`` (batch row, or packed sequence with ``cu_seqlens``) starts from
+    ``initial_state[n]`` (zeros when None) and its final state is written into a new
+    ``final_state [N, HV, K, V]``; ``initial_state`` is only read. As for :func:`decode_kda`,
+    ``check_finite`` scans the step inputs, not the states. The adapters' recurrent forward
+    (``fused_recurrent_kda``) runs here.
+    """
+    if initial_state is not None and opts.cu_seqlens is None:
+        import numpy as np
+
+        plain = type(initial_state) is np.ndarray and initial_state.ndim == 4
+        if plain and getattr(q, "ndim", 0) == 4 and initial_state.shape[0] == q.shape[0]:
+            final = np.empty(initial_state.shape, initial_state.dtype)
+            out = _numpy_route(q, k, v, g, beta, initial_state, _rows(initial_state.shape[0]), scale, backend,
+                               opts, final)  # fmt: skip
+            if out is not None:
+                return KdaOutput(out, final, None)
+    call = open_call(q, k, v, g, beta, scale, opts, backend=backend)
+    p, xp = call.p, call.p.xp
+    call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta)
+    final = xp.zeros((p.N, p.HV, p.K, p.V), dtype=p.compute_dtype, device=array_api_compat.device(q))
+    rows = _rows(p.N)
+    slots = Slots(rows, rows.reshape(p.N, 1))
+    if initial_state is None:
+        return KdaOutput(_run(call, (q, k, v, g, beta), final, slots), final, None)
+    check_state("initial_state", initial_state, p)
+    return KdaOutput(_run(call, (q, k, v, g, beta), initial_state, slots, final_pool=final), final, None)
+
+
 # ----------------------------------------------------------------------------------------------
 # the direct NumPy route
 
@@ -346,13 +395,14 @@ def _plain(opts: Choices) -> bool:
 _CPU: list[Any] = []  # the cpu backend module, once looked up
 
 
-def _numpy_route(q, k, v, g, beta, pool, state_indices, scale, backend, opts) -> Any:
+def _numpy_route(q, k, v, g, beta, pool, state_indices, scale, backend, opts, final_pool=None) -> Any:
     """The output of a plain NumPy call on the cpu backend, or None to take the general route.
 
     Every check of the general route that can fail for such a call is made here too (types,
     shapes, dtypes, the pool's writability, the slots, ``g <= 0`` and finiteness, the last two in
     one compiled pass over the inputs); any failure returns None before anything is written, and
-    the general route raises its own error.
+    the general route raises its own error. ``final_pool``: the pool that receives the states
+    (checked by the caller), or None (``pool``, in place).
     """
     import numpy as np
 
@@ -381,11 +431,12 @@ def _numpy_route(q, k, v, g, beta, pool, state_indices, scale, backend, opts) ->
     if not ops.decode_screen(q, k, v, g, beta, check):  # dtypes, contiguity, g <= 0, finite
         return None
     s = K**-0.5 if scale is None else float(scale)
+    dest = state_indices.reshape(N, 1)
     if head_major:
-        out = ops.decode_forward(q, k, v, g, beta, s, pool, state_indices, state_indices.reshape(N, 1))
+        out = ops.decode_forward(q, k, v, g, beta, s, pool, state_indices, dest, None, final_pool)
     else:
         qh, kh, vh, gh, bh = (x.swapaxes(1, 2) for x in (q, k, v, g, beta))
-        out = ops.decode_forward(qh, kh, vh, gh, bh, s, pool, state_indices, state_indices.reshape(N, 1))
+        out = ops.decode_forward(qh, kh, vh, gh, bh, s, pool, state_indices, dest, None, final_pool)
         out = out.swapaxes(1, 2)
     if check and not math.isfinite(np.add.reduce(out, None)):
         warn_if_diverged(np, out, stacklevel=3)

@@ -25,6 +25,7 @@ from typing import Any
 import array_api_compat
 
 from . import api as _api
+from . import decode as _decode
 from .call import KdaGradients
 from .fla import boundary_bound, core_options, packed_chunks
 from .states import backward_with_state_gradients
@@ -60,8 +61,8 @@ def forward(static: tuple[Any, ...], x: Arrays, offsets: tuple[int, ...] | None)
     """
     opts = core_options(*static, offsets)
     params = dict(initial_state=x[5], A_log=x[6], dt_bias=x[7])
-    if static[0] != "chunk":
-        out = _api.recurrent_kda(*x[:5], **params, **opts)
+    if static[0] != "chunk":  # the recurrence's forward is the decode kernel's (no states kept)
+        out = _decode.decode_states(*x[:5], **params, **opts)
         xp = array_api_compat.array_namespace(out.final_state)
         empty = xp.zeros((0,), dtype=out.final_state.dtype, device=out.final_state.device)
         return out.output, out.final_state, empty

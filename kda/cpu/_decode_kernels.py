@@ -71,7 +71,7 @@ def _step(S, D, write, q, k, v, g, b, scale, o, e, pred, qs, zero):
             ed = e[d]
             kd = k[d]
             for c in range(V):
-                S[d, c] = ed * S[d, c] + kd * pred[c]
+                D[d, c] = ed * D[d, c] + kd * pred[c]
     elif write:
         for d in range(K):
             ed = e[d]
@@ -99,6 +99,8 @@ def decode(q, k, v, g, beta, scale, src, dst, start, dest, offsets, out, lo, hi)
     pred = np.empty(V, q.dtype)
     qs = np.empty(V, q.dtype)
     zero = np.zeros(1, q.dtype)[0]
+    none = np.empty((0, 0), q.dtype)  # stands for "no state" (typed as the writable states)
+    scratch = none  # a private state, made the first time a step has no slot but is not the last
     for item in range(lo, hi):
         n = item // HV
         h = item - n * HV
@@ -112,28 +114,30 @@ def decode(q, k, v, g, beta, scale, src, dst, start, dest, offsets, out, lo, hi)
                 for c in range(V):
                     o[t, c] = 0
             continue
-        S = src[row, h]
-        scratch = S  # replaced by a private state the first time a step has no slot to write
-        has_scratch = False
+        first = src[row, h]  # read only: src may be a read-only array (a JAX buffer)
+        S = none  # the current state after the first step (writable)
         for t in range(steps):
             slot = dest[n, 0] if W == 1 else dest[n, t]
             write = True
             if slot >= 0:
                 D = dst[slot, h]
             elif t == steps - 1:
-                D = S
+                D = none
                 write = False  # the last state is not kept: outputs only
             else:
-                if not has_scratch:
+                if scratch.shape[0] != K:
                     scratch = np.empty((K, V), q.dtype)
-                    has_scratch = True
                 D = scratch
             i = t0 + t
-            _step(S, D, write, q[b, h, i], k[b, h, i], v[b, h, i], g[b, h, i], beta[b, h, i], scale, o[i],
-                  e, pred, qs, zero)  # fmt: skip
+            if t == 0:
+                _step(first, D, write, q[b, h, i], k[b, h, i], v[b, h, i], g[b, h, i], beta[b, h, i], scale,
+                      o[i], e, pred, qs, zero)  # fmt: skip
+            else:
+                _step(S, D, write, q[b, h, i], k[b, h, i], v[b, h, i], g[b, h, i], beta[b, h, i], scale,
+                      o[i], e, pred, qs, zero)  # fmt: skip
             S = D
         if steps == 0 and W == 1 and dest[n, 0] >= 0:
-            dst[dest[n, 0], h, :, :] = S  # no steps: the final state is the start state
+            dst[dest[n, 0], h, :, :] = first  # no steps: the final state is the start state
 
 
 @_jit
