@@ -37,6 +37,7 @@ from ._entry import cp as _cp
 from ._entry import host as _host
 from ._entry.fla import (
     CHUNK_DOC,
+    DECODE_KEYWORDS,
     RECURRENT_DOC,
     FlaCall,
     check_gate_sizes,
@@ -109,6 +110,13 @@ def _tensor(a: Any, dtype: torch.dtype, inputs: tuple[torch.Tensor | None, ...])
     return t.clone() if t.untyped_storage().data_ptr() in owners else t
 
 
+def _fresh(a: Any, dtype: torch.dtype) -> torch.Tensor:
+    """``a``, a new array of this call (it shares no input's memory), as a contiguous tensor of
+    ``dtype``: no copy where it already is one."""
+    t = torch.from_numpy(a) if isinstance(a, np.ndarray) else torch.from_dlpack(a)
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+
 def _offsets(cu_seqlens: torch.Tensor | None) -> tuple[int, ...] | None:
     return None if cu_seqlens is None else tuple(int(n) for n in cu_seqlens.tolist())
 
@@ -126,8 +134,33 @@ def _forward_op(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, *op
     with _on_stream(q.device):
         o, final, boundaries = _host.forward(options, tuple(_array(t) for t in inputs), _offsets(cu_seqlens))
         cd = _compute_dtype(q.dtype)
-        o = _tensor(o, q.dtype if options[0] == "chunk" else v.dtype, inputs)
+        if options[0] != "chunk":  # the decode kernel's results: new arrays, no input's memory
+            return _fresh(o, v.dtype), _fresh(final, cd), q.new_empty((0,), dtype=cd)
+        o = _tensor(o, q.dtype, inputs)
         return o, _tensor(final, cd, inputs), _tensor(boundaries, cd, inputs)
+
+
+@torch.library.custom_op(
+    "kda::decode",
+    mutates_args=("state_pool",),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state_pool, "
+    "Tensor state_indices, Tensor? num_accepted_tokens, Tensor? A_log, Tensor? dt_bias, Tensor? cu_seqlens, "
+    f"{_OPTION_ARGS}) -> Tensor",
+)
+def _decode_op(q, k, v, g, beta, state_pool, state_indices, num_accepted_tokens, A_log, dt_bias, cu_seqlens,
+               *options):  # fmt: skip
+    """``o [B, T, HV, V]``; the rows of ``state_pool`` the slots name are written in place
+    (:func:`kda._entry.host.decode`)."""
+    with _on_stream(q.device):
+        x = tuple(_array(t) for t in (q, k, v, g, beta, None, A_log, dt_bias))
+        slots = _array(state_indices), _array(num_accepted_tokens)
+        o = _host.decode(options, x, _array(state_pool), *slots, _offsets(cu_seqlens))
+        return _fresh(o, v.dtype)
+
+
+@_decode_op.register_fake
+def _decode_fake(q, k, v, g, beta, state_pool, *rest):
+    return torch.empty_like(v, memory_format=torch.contiguous_format)
 
 
 @_forward_op.register_fake
@@ -232,6 +265,45 @@ def _apply(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, call: Fl
     return o, final, h
 
 
+def _apply_pool(q, k, v, g, beta, pool, A_log, dt_bias, cu_seqlens, call: FlaCall, kw: dict[str, Any]):
+    """``fused_recurrent_kda(..., initial_state=pool, ssm_state_indices=..., num_accepted_tokens=...,
+    inplace_final_state=True)`` as vLLM calls it: the pool updated in place, returned as the final state."""
+    indices, accepted = kw.get("ssm_state_indices"), kw.get("num_accepted_tokens")
+    if not kw.get("inplace_final_state", False):
+        msg = (
+            "ssm_state_indices and num_accepted_tokens need inplace_final_state=True (the state pool, "
+            "initial_state, is updated in place)"
+        )
+        raise InvalidInputError(msg)
+    if pool is None:
+        msg = "inplace_final_state=True needs initial_state: the state pool [P, HV, K, V] it updates"
+        raise InvalidInputError(msg)
+    if accepted is not None and indices is None:
+        msg = "num_accepted_tokens needs ssm_state_indices [N, T] (a slot per step)"
+        raise InvalidInputError(msg)
+    _check_tensors(ssm_state_indices=indices, num_accepted_tokens=accepted)
+    tensors = (q, k, v, g, beta, pool, A_log, dt_bias)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        msg = (
+            "decoding from a state pool (inplace_final_state=True) is inference only: no input may "
+            "require a gradient"
+        )
+        raise InvalidInputError(msg)
+    cd = _compute_dtype(q.dtype)
+    if pool.dtype != cd:
+        msg = f"initial_state (the state pool, updated in place) must have dtype {cd}; got {pool.dtype}"
+        raise InvalidTypeError(msg)
+    if cu_seqlens is not None:
+        cu_seqlens = torch.as_tensor(cu_seqlens, dtype=torch.int64)
+    if indices is None:  # request n continues row n
+        N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        indices = torch.arange(N, dtype=torch.int64)
+    A_log, dt_bias = _gate_params(call, A_log, dt_bias, cd)
+    rows = pool.transpose(-1, -2) if call.state_v_first else pool
+    o = _decode_op(q, k, v, g, beta, rows, indices, accepted, A_log, dt_bias, cu_seqlens, *call.static)
+    return o, pool
+
+
 def _chunk(q, k, v, g, beta, kw: dict[str, Any]):
     return _call("chunk", q, k, v, g, beta, kw)
 
@@ -264,6 +336,10 @@ def _call(method: str, q, k, v, g, beta, kw: dict[str, Any]):
     )  # fmt: skip
     if ctx is not None:
         return _apply_cp(q, k, v, g, beta, s0, A_log, dt_bias, ctx, call)
+    if method != "chunk" and (
+        kw.get("inplace_final_state") or any(kw.get(n) is not None for n in DECODE_KEYWORDS[:2])
+    ):
+        return _apply_pool(q, k, v, g, beta, s0, A_log, dt_bias, cu, call, kw)
     return _apply(q, k, v, g, beta, s0, A_log, dt_bias, cu, call)
 
 

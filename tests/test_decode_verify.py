@@ -318,3 +318,97 @@ def test_plan_allocates_only_the_output():
     finally:
         tracemalloc.stop()
     assert peak < 4096, f"run() allocated {peak} bytes (the output buffer is bound: expected ~0)"
+
+
+# ---------------------------------------------------------------- the adapters: vLLM's call
+
+
+def _packed_problem(dtype, seed=12):
+    """Time-major packed requests ``[1, T_total, HV, *]`` with 2-D slots (holes, a padding request)."""
+    rng = np.random.default_rng(seed)
+    lengths = [3, 2, 1, 3]
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    N, HV, K, V, P = len(lengths), 2, 8, 6, 24
+    head_first = _inputs(rng, 1, HV, int(offsets[-1]), K, V)
+    pool = _pools(rng, P, HV, K, V)
+    slots, accepted = _verify_slots(rng, N, max(lengths), P, lengths, 0.3, 1)
+    want_out, want_pool = oracle(*head_first, pool, slots, accepted, lengths, offsets)
+    tm = [np.ascontiguousarray(np.swapaxes(x, 1, 2)).astype(dtype) for x in head_first]
+    return tm, pool.astype(dtype), slots, accepted, offsets, np.swapaxes(want_out, 1, 2), want_pool
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_torch_verify_as_vllm_calls_it(dtype):
+    """kda.torch.fused_recurrent_kda(initial_state=pool, ssm_state_indices, num_accepted_tokens,
+    inplace_final_state=True, cu_seqlens): the pool is updated in place, as the oracle says."""
+    torch = pytest.importorskip("torch")
+    from kda.torch import fused_recurrent_kda
+
+    tm, pool, slots, accepted, offsets, want_out, want_pool = _packed_problem(dtype)
+    tol = 1e-10 if dtype == np.float64 else 1e-5
+    before = pool.copy()
+    tpool = torch.from_numpy(pool)
+    with torch.inference_mode():
+        o, final = fused_recurrent_kda(
+            *(torch.from_numpy(x) for x in tm), initial_state=tpool, inplace_final_state=True,
+            ssm_state_indices=torch.from_numpy(slots).to(torch.int32),
+            num_accepted_tokens=torch.from_numpy(accepted).to(torch.int32),
+            cu_seqlens=torch.from_numpy(offsets),
+        )  # fmt: skip
+    assert final is tpool
+    assert_close(o.numpy(), want_out.astype(dtype), tol=tol, name="output")
+    assert_close(pool, want_pool.astype(dtype), tol=tol, name="state_pool")
+    _untouched(pool, before, slots)
+
+
+def test_torch_pool_refusals_write_nothing():
+    torch = pytest.importorskip("torch")
+    from kda.torch import fused_recurrent_kda
+
+    tm, pool, slots, accepted, offsets, _, _ = _packed_problem(np.float32)
+    before = pool.copy()
+    x = [torch.from_numpy(a) for a in tm]
+    kw = dict(ssm_state_indices=torch.from_numpy(slots), cu_seqlens=torch.from_numpy(offsets))
+    tpool = torch.from_numpy(pool)
+    with torch.inference_mode():
+        with pytest.raises(kda.InvalidInputError, match="need inplace_final_state=True"):
+            fused_recurrent_kda(*x, initial_state=tpool, **kw)
+        with pytest.raises(kda.InvalidTypeError, match="the state pool, updated in place"):
+            fused_recurrent_kda(*x, initial_state=tpool.double(), inplace_final_state=True, **kw)
+        bad = torch.from_numpy(accepted.copy())
+        bad[1] = 3  # request 1 has 2 steps
+        with pytest.raises(kda.InvalidInputError, match="num_accepted_tokens must be in 1"):
+            fused_recurrent_kda(
+                *x, initial_state=tpool, inplace_final_state=True, num_accepted_tokens=bad, **kw
+            )
+    with pytest.raises(kda.InvalidInputError, match="inference only"):
+        fused_recurrent_kda(
+            x[0].requires_grad_(), *x[1:], initial_state=tpool, inplace_final_state=True, **kw
+        )
+    assert np.array_equal(pool, before)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        from kda.torch import chunk_kda
+
+        chunk_kda(*x, ssm_state_indices=kw["ssm_state_indices"])
+
+
+def test_jax_verify_returns_the_new_pool():
+    """kda.jax: the same call returns the updated pool (a new array), also under jit."""
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    from kda.jax import fused_recurrent_kda
+
+    tm, pool, slots, accepted, offsets, want_out, want_pool = _packed_problem(np.float32)
+
+    def run(q, k, v, g, beta, pool, slots, accepted, offsets):
+        keywords = dict(ssm_state_indices=slots, num_accepted_tokens=accepted, cu_seqlens=offsets)
+        return fused_recurrent_kda(q, k, v, g, beta, initial_state=pool, inplace_final_state=True, **keywords)
+
+    args = (*(jnp.asarray(x) for x in tm), jnp.asarray(pool), jnp.asarray(slots, jnp.int32),
+            jnp.asarray(accepted, jnp.int32), jnp.asarray(offsets, jnp.int32))  # fmt: skip
+    for f in (run, jax.jit(run)):
+        o, new = f(*args)
+        assert_close(np.asarray(o), want_out.astype(np.float32), tol=1e-5, name="output")
+        assert_close(np.asarray(new), want_pool.astype(np.float32), tol=1e-5, name="state_pool")
+        _untouched(np.asarray(new), pool, slots)
+    assert np.array_equal(np.asarray(args[5]), pool), "the input pool changed"

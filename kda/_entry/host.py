@@ -30,7 +30,7 @@ from .call import KdaGradients
 from .fla import boundary_bound, core_options, packed_chunks
 from .states import backward_with_state_gradients
 
-__all__ = ["backward", "forward", "shapes"]
+__all__ = ["backward", "decode", "forward", "shapes"]
 
 Arrays = tuple[Any, ...]  # q, k, v, g, beta, initial_state, A_log, dt_bias (None where absent)
 
@@ -69,6 +69,19 @@ def forward(static: tuple[Any, ...], x: Arrays, offsets: tuple[int, ...] | None)
     out = _api.chunk_kda(*x[:5], save_boundaries=True, **params, **opts)
     NT = boundary_bound(x[0].shape[1], static[2], None if offsets is None else len(offsets) - 1)
     return out.output, out.final_state, _pad(out.boundaries, NT)
+
+
+def decode(
+    static: tuple[Any, ...], x: Arrays, pool: Any, state_indices: Any, num_accepted_tokens: Any,
+    offsets: tuple[int, ...] | None,
+) -> Any:  # fmt: skip
+    """``fused_recurrent_kda`` from a state pool (vLLM's call): :func:`kda.decode_kda` on ``pool``
+    (``[P, HV, K, V]``, updated in place) with ``state_indices`` (``[N]`` or ``[N, T]``) and
+    ``num_accepted_tokens``; returns the output ``[B, T, HV, V]``. ``x[5]`` (the initial state)
+    is unused: the pool is the state."""
+    opts = core_options(*static, offsets)
+    return _decode.decode_kda(*x[:5], pool, state_indices, num_accepted_tokens=num_accepted_tokens,
+                              A_log=x[6], dt_bias=x[7], **opts)  # fmt: skip
 
 
 def _pad(boundaries: Any, NT: int) -> Any:
