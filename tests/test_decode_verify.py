@@ -412,3 +412,22 @@ def test_jax_verify_returns_the_new_pool():
         assert_close(np.asarray(new), want_pool.astype(np.float32), tol=1e-5, name="state_pool")
         _untouched(np.asarray(new), pool, slots)
     assert np.array_equal(np.asarray(args[5]), pool), "the input pool changed"
+
+
+def test_two_threads_are_bitwise_one(monkeypatch):
+    """The cpu backend's split over two cores gives bitwise the one-thread results."""
+    pytest.importorskip("numba")
+    import kda.cpu._decode as cpu_decode
+
+    rng = np.random.default_rng(13)
+    inputs = [x.astype(np.float32) for x in _inputs(rng, 6, 3, 2, 16, 16)]
+    pool = _pools(rng, 20, 3, 16, 16).astype(np.float32)
+    slots, accepted = _verify_slots(rng, 6, 2, 20, [2] * 6, 0.3, 1)
+    results = []
+    for split in (1 << 62, 0):
+        monkeypatch.setattr(cpu_decode, "SPLIT_WORK", split)
+        monkeypatch.setattr(cpu_decode, "_cores", lambda: 2)
+        got = pool.copy()
+        out = kda.decode_kda(*inputs, got, slots, num_accepted_tokens=accepted, backend="cpu")
+        results.append((out, got))
+    assert np.array_equal(results[0][0], results[1][0]) and np.array_equal(results[0][1], results[1][1])

@@ -13,6 +13,7 @@ call names, written back afterwards: still no read of any other row.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -23,6 +24,9 @@ __all__ = ["decode_forward", "decode_screen"]
 _LOCK = threading.Lock()
 _KERNELS: list[Any] = []  # the kernel module, once imported
 _NO_OFFSETS = np.zeros(0, np.int64)
+_HELPER: list[Any] = []
+# state elements a call steps (items x steps x K x V) from which it is split over two cores
+SPLIT_WORK = 1 << 20
 
 
 def _kernels() -> Any:
@@ -90,10 +94,51 @@ def decode_forward(
     offs = _NO_OFFSETS if offsets is None else np.asarray(offsets, np.int64)
     N, HV = start.shape[0], q.shape[1]
     if pool.flags.c_contiguous and dst.flags.c_contiguous:
-        kernel(*args, dt.type(scale), pool, dst, start, dest, offs, out, 0, N * HV)
+        _run(
+            kernel, (*args, dt.type(scale), pool, dst, start, dest, offs, out), N * HV, out.size * q.shape[-1]
+        )
         return out
     _through_copies(kernel, args, dt.type(scale), pool, dst, start, dest, offs, out, N * HV)
     return out
+
+
+def _run(kernel: Any, args: tuple, items: int, work: int) -> None:
+    """``kernel(*args, lo, hi)`` over ``items``: on the calling thread, or split in two halves (the
+    calling thread and one helper) where ``work`` (state elements stepped) passes :data:`SPLIT_WORK`
+    and a second core is usable. Items are independent, so the results do not depend on the split."""
+    if work < SPLIT_WORK or items < 2 or _cores() < 2:
+        kernel(*args, 0, items)
+        return
+    mid = items // 2
+    future = _helper().submit(kernel, *args, mid, items)
+    try:
+        kernel(*args, 0, mid)
+    finally:
+        future.result()
+
+
+def _cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _helper() -> Any:
+    """The one helper thread (made on first use; a forked child makes its own)."""
+    with _LOCK:
+        if not _HELPER:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _HELPER.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="kda-decode"))
+        return _HELPER[0]
+
+
+def _forget_helper() -> None:
+    _HELPER.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_helper)
 
 
 def _through_copies(kernel, args, scale, pool, dst, start, dest, offs, out, items) -> None:
