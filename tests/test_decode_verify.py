@@ -431,3 +431,46 @@ def test_two_threads_are_bitwise_one(monkeypatch):
         out = kda.decode_kda(*inputs, got, slots, num_accepted_tokens=accepted, backend="cpu")
         results.append((out, got))
     assert np.array_equal(results[0][0], results[1][0]) and np.array_equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_pool_is_written_in_place(backend):
+    """A pool that is a strided view (every other row of a buffer): slots with holes, in place;
+    the buffer's other rows are not touched."""
+    rng = np.random.default_rng(14)
+    inputs = _inputs(rng, 3, 2, 3, 4, 5)
+    pool = _pools(rng, 7, 2, 4, 5)
+    slots, accepted = _verify_slots(rng, 3, 3, 7, [3, 3, 3], 0.4, 0)
+    want_out, want_pool = oracle(*inputs, pool, slots, accepted, [3] * 3)
+    buffer = np.stack([pool, np.full_like(pool, 7.0)], axis=1).reshape(14, 2, 4, 5)
+    view = buffer[::2]
+    assert not view.flags.c_contiguous
+    out = kda.decode_kda(*inputs, view, slots, num_accepted_tokens=accepted, backend=backend)
+    assert_close(out, want_out, tol=1e-10, name="output")
+    assert_close(view, want_pool, tol=1e-10, name="state_pool")
+    _untouched(np.ascontiguousarray(view), pool, slots)
+    assert np.all(buffer[1::2] == 7.0), "rows outside the view changed"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("packed", [False, True])
+def test_decode_states_is_the_recurrence(backend, packed):
+    """decode_states (the adapters' recurrent forward): recurrent_kda's output and final state;
+    the initial state is only read (also a read-only one)."""
+    from kda._entry.decode import decode_states
+
+    rng = np.random.default_rng(15)
+    B, T = (1, 7) if packed else (3, 2)
+    q, k, v, g, beta = _inputs(rng, B, 2, T, 4, 3)
+    offsets = np.array([0, 3, 3, 7]) if packed else None
+    s0 = _pools(rng, 3, 2, 4, 3)
+    s0.flags.writeable = False
+    kept = s0.copy()
+    for state in (s0, None):
+        want = kda.recurrent_kda(
+            q, k, v, g, beta, initial_state=state, cu_seqlens=offsets, backend="reference"
+        )
+        got = decode_states(q, k, v, g, beta, state, cu_seqlens=offsets, backend=backend)
+        assert_close(got.output, want.output, tol=1e-10, name="output")
+        assert_close(got.final_state, want.final_state, tol=1e-10, name="final_state")
+    assert np.array_equal(s0, kept)

@@ -169,12 +169,14 @@ def decode_forward(
     if out.size == 0:
         return out
     dev = device(pool)
-    ints = [xp.asarray(np.ascontiguousarray(x, np.int64).reshape(-1), device=dev)
+    ints = [xp.asarray(np.array(x, np.int64).reshape(-1), device=dev)  # copies: the simulator writes back
             for x in (start, dest, np.zeros(0, np.int64) if offsets is None else offsets)]  # fmt: skip
     holes = _has_holes(start, dest, offsets)
     scratch = xp.empty((N, HV, K, V) if holes else (1,), dtype=pool.dtype, device=dev)
     dst = pool if final_pool is None else final_pool
     src_work = _c(NAME, pool)  # the kernel writes dst in place: copied back below if need be
+    if isinstance(src_work, np.ndarray) and not src_work.flags.writeable:
+        src_work = src_work.copy()  # the simulator copies every argument back to the host
     dst_work = src_work if dst is pool else _c(NAME, dst)
     args = (q, k, g, v, beta, pool.dtype.type(scale), src_work, dst_work, *ints, scratch, out)
     grid = -(-N * HV * V // THREADS_PER_BLOCK)
