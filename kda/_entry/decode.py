@@ -471,6 +471,15 @@ class DecodePlan:
     P: int
     direct: bool  # the kernel reads the bound arrays as they are (no option maps, no casts)
 
+    def __post_init__(self) -> None:
+        p, xp = self.call.p, self.call.p.xp
+        # what runs read: head-first views of the bound buffers (valid while they are refilled)
+        self._views = tuple(head_first(xp, x, p.layout) for x in self.inputs)
+        self._buffer = head_first(xp, self.out, p.layout)
+        idx = self.state_indices
+        one_d = _is_int64_vector(idx, p.N) and self.num_accepted_tokens is None and p.offsets is None
+        self._rows = Slots(idx, idx.reshape(p.N, 1)) if one_d else None
+
     def run(self) -> Any:
         """Run from the current contents of the bound arrays; returns :attr:`out`.
 
@@ -479,15 +488,21 @@ class DecodePlan:
         a log gate on host arrays, ``max(g) <= 0``. Shapes, dtypes and options are not re-checked.
         """
         p = self.call.p
-        slots = check_slots(self.state_indices, self.num_accepted_tokens, p.N, p.T, p.offsets, self.P)
+        if self._rows is not None and p.N <= SMALL:
+            _check_rows(
+                "state_indices", self._rows.start.tolist(), self.P, "two requests cannot share a state"
+            )
+            slots = self._rows
+        else:
+            slots = check_slots(self.state_indices, self.num_accepted_tokens, p.N, p.T, p.offsets, self.P)
         self._recheck_gate()
         if not self.direct:
             return _run(self.call, self.inputs, self.pool, slots, self.out)
-        xp = p.xp
-        q, k, v, g, beta = (head_first(xp, x, p.layout) for x in self.inputs)
-        buffer = head_first(xp, self.out, p.layout)
-        o = self.call.core.ops.decode_forward(q, k, v, g, beta, p.scale, self.pool, slots.start, slots.dest,
-                                              p.offsets, out=buffer)  # fmt: skip
+        buffer = self._buffer
+        ops = self.call.core.ops
+        o = ops.decode_forward(
+            *self._views, p.scale, self.pool, slots.start, slots.dest, p.offsets, out=buffer
+        )
         if o is not buffer:
             buffer[...] = o
         return self.out
@@ -496,9 +511,15 @@ class DecodePlan:
         g, xp = self.inputs[3], self.call.p.xp
         if self.call.o.gate != "log" or array_api_compat.is_cupy_namespace(xp) or g.size == 0:
             return
-        if not bool(xp.max(g) <= 0):
+        if not bool((g.max() if hasattr(g, "max") else xp.max(g)) <= 0):
             msg = "g must hold log decays <= 0 (-inf allowed); the refilled g has a positive or NaN element"
             raise InvalidInputError(msg)
+
+
+def _is_int64_vector(x: Any, N: int) -> bool:
+    import numpy as np
+
+    return type(x) is np.ndarray and x.dtype == np.int64 and x.shape == (N,) and x.flags.c_contiguous
 
 
 def _c_contiguous(x: Any) -> bool:
