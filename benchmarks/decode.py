@@ -133,6 +133,13 @@ def _many(H: int, repeats: int) -> dict[str, Any]:
         "decode_kda": _times(lambda: kda.decode_kda(q, k, v, g, beta, pool, rows), repeats)
     }
     row["plan"] = _times(kda.prepare_decode_kda(q, k, v, g, beta, pool, rows).run, repeats)
+    import kda.cpu._decode as cpu_decode
+
+    split, cpu_decode.SPLIT_WORK = cpu_decode.SPLIT_WORK, 1 << 62  # the same call on one thread
+    try:
+        row["one_thread"] = _times(lambda: kda.decode_kda(q, k, v, g, beta, pool, rows), repeats)
+    finally:
+        cpu_decode.SPLIT_WORK = split
     ggml, _ = _ggml(x, np.ascontiguousarray(pool[rows]), repeats, 2)
     row["ggml"] = None if ggml is None else (ggml["time_s"], min(ggml["times_s"]))
     return row
