@@ -12,13 +12,15 @@ verification, as flash-linear-attention and vLLM): request ``n`` starts from slo
 (``-1``: not kept). The backends receive the same two int64 arrays in both cases,
 ``start [N]`` and ``dest [N, W]`` (:meth:`kda._backend.Backend.decode_forward`).
 
-Cost. Validation looks at the small arrays only (the inputs' shapes and dtypes, the indices, one
-reduction per input for the gate and finiteness checks); the pool's shape, dtype and
-writability are read from its header, its contents never. On NumPy the call takes a direct route
+Cost. Validation looks at the small arrays only (the inputs' shapes and dtypes, the indices, and
+the inputs' values for the gate and finiteness checks); the pool's shape, dtype and writability
+are read from its header, its contents never. On NumPy the call takes a direct route
 (:func:`_numpy_route`) whenever the problem is one the kernel computes as given (float32 or
-float64, no element-wise option, ``HV == H``): the same checks, written out, and the same
-kernel, so the results are bitwise those of the general route, which handles everything else
-(and words every error: a direct-route check that fails hands the call to the general route).
+float64, no element-wise option, ``HV == H``, int64 ``state_indices [N]``): the same checks
+written out (the value checks in one compiled pass of the cpu backend, ``decode_screen``) and the
+same kernel, so the results are bitwise those of the general route, which handles everything
+else (and words every error: a direct-route check that fails hands the call to the general
+route). :func:`decode_states` is the adapters' recurrent forward on the same kernel.
 """
 
 from __future__ import annotations
