@@ -474,3 +474,16 @@ def test_decode_states_is_the_recurrence(backend, packed):
         assert_close(got.output, want.output, tol=1e-10, name="output")
         assert_close(got.final_state, want.final_state, tol=1e-10, name="final_state")
     assert np.array_equal(s0, kept)
+
+
+def test_large_finite_outputs_do_not_warn():
+    """Outputs whose float32 sum overflows but which are finite: no warning (filterwarnings=error)."""
+    q = np.full((1, 1, 1, 2), 1.0, np.float32)
+    k = np.array([[[[1.0, 0.0]]]], np.float32)
+    v = np.full((1, 1, 1, 4096), 3e35, np.float32)
+    g = np.zeros((1, 1, 1, 2), np.float32)
+    beta = np.ones((1, 1, 1), np.float32)
+    pool = np.zeros((2, 1, 2, 4096), np.float32)
+    out = kda.decode_kda(q, k, v, g, beta, pool, np.array([1]), scale=1.0)
+    with np.errstate(over="ignore"):
+        assert np.isfinite(out).all() and not np.isfinite(out.sum(dtype=np.float32))
