@@ -49,16 +49,17 @@ def _inputs(rng, B, HV, T, K, V, regime="mild"):
     return q, k, v, gates(rng, (B, HV, T, K), regime), rng.uniform(0.0, 1.5, (B, HV, T))
 
 
-def _verify_slots(rng, N, W, P, lengths, holes, n_pad):
+def _verify_slots(rng, N, W, P, lengths, holes, n_pad, accepted=None):
     """``[N, W]`` distinct rows of ``[0, P)``, some ``-1`` (never at the start slot), ``n_pad``
-    padding requests (``-1`` throughout); and ``num_accepted_tokens`` in ``1..T_n``."""
+    padding requests (``-1`` throughout); and ``num_accepted_tokens`` in ``1..T_n`` (drawn, or
+    ``accepted`` as given)."""
     rows = iter(rng.permutation(P)[: N * W].tolist())
     slots = np.full((N, W), -1, np.int64)
-    accepted = np.ones(N, np.int64)
+    given, accepted = accepted, np.ones(N, np.int64)
     for n, steps in enumerate(lengths):
         if n < n_pad or steps == 0:
             continue
-        accepted[n] = rng.integers(1, steps + 1)
+        accepted[n] = rng.integers(1, steps + 1) if given is None else given[n]
         for t in range(steps):
             if t == accepted[n] - 1 or rng.random() >= holes:
                 slots[n, t] = next(rows)
@@ -331,21 +332,24 @@ def _packed_problem(dtype, seed=12):
     N, HV, K, V, P = len(lengths), 2, 8, 6, 24
     head_first = _inputs(rng, 1, HV, int(offsets[-1]), K, V)
     pool = _pools(rng, P, HV, K, V)
-    slots, accepted = _verify_slots(rng, N, max(lengths), P, lengths, 0.3, 1)
+    slots, accepted = _verify_slots(rng, N, max(lengths), P, lengths, 0.3, 1, accepted=[1, 2, 1, 3])
     want_out, want_pool = oracle(*head_first, pool, slots, accepted, lengths, offsets)
     tm = [np.ascontiguousarray(np.swapaxes(x, 1, 2)).astype(dtype) for x in head_first]
     return tm, pool.astype(dtype), slots, accepted, offsets, np.swapaxes(want_out, 1, 2), want_pool
 
 
-@pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_torch_verify_as_vllm_calls_it(dtype):
+@pytest.mark.parametrize(("dtype", "v_first"), [(np.float64, False), (np.float32, False), (np.float32, True)])
+def test_torch_verify_as_vllm_calls_it(dtype, v_first):
     """kda.torch.fused_recurrent_kda(initial_state=pool, ssm_state_indices, num_accepted_tokens,
-    inplace_final_state=True, cu_seqlens): the pool is updated in place, as the oracle says."""
+    inplace_final_state=True, cu_seqlens): the pool is updated in place, as the oracle says (also
+    a pool of [V, K] states with state_v_first)."""
     torch = pytest.importorskip("torch")
     from kda.torch import fused_recurrent_kda
 
     tm, pool, slots, accepted, offsets, want_out, want_pool = _packed_problem(dtype)
     tol = 1e-10 if dtype == np.float64 else 1e-5
+    if v_first:
+        pool, want_pool = np.ascontiguousarray(pool.swapaxes(-1, -2)), want_pool.swapaxes(-1, -2)
     before = pool.copy()
     tpool = torch.from_numpy(pool)
     with torch.inference_mode():
@@ -353,7 +357,7 @@ def test_torch_verify_as_vllm_calls_it(dtype):
             *(torch.from_numpy(x) for x in tm), initial_state=tpool, inplace_final_state=True,
             ssm_state_indices=torch.from_numpy(slots).to(torch.int32),
             num_accepted_tokens=torch.from_numpy(accepted).to(torch.int32),
-            cu_seqlens=torch.from_numpy(offsets),
+            cu_seqlens=torch.from_numpy(offsets), state_v_first=v_first,
         )  # fmt: skip
     assert final is tpool
     assert_close(o.numpy(), want_out.astype(dtype), tol=tol, name="output")
