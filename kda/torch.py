@@ -140,15 +140,23 @@ def _forward_op(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, *op
         return o, _tensor(final, cd, inputs), _tensor(boundaries, cd, inputs)
 
 
-@torch.library.custom_op(
-    "kda::decode",
-    mutates_args=("state_pool",),
-    schema="(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state_pool, "
-    "Tensor state_indices, Tensor? num_accepted_tokens, Tensor? A_log, Tensor? dt_bias, Tensor? cu_seqlens, "
-    f"{_OPTION_ARGS}) -> Tensor",
+# The inference ops (no autograd): registered with torch.library.Library directly. Measured:
+# calling a torch.library.custom_op costs tens of microseconds of Python (its aliasing checks and
+# wrappers), a Library-registered op about 3 us, and a decode step is a few tens of microseconds.
+_LIB = torch.library.Library("kda", "FRAGMENT")
+_STEPS = "Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta"
+_LIB.define(
+    f"decode({_STEPS}, Tensor(a!) state_pool, Tensor state_indices, Tensor? num_accepted_tokens, "
+    f"Tensor? A_log, Tensor? dt_bias, Tensor? cu_seqlens, {_OPTION_ARGS}) -> Tensor"
 )
-def _decode_op(q, k, v, g, beta, state_pool, state_indices, num_accepted_tokens, A_log, dt_bias, cu_seqlens,
-               *options):  # fmt: skip
+_LIB.define(
+    f"decode_states({_STEPS}, Tensor? initial_state, Tensor? A_log, Tensor? dt_bias, Tensor? cu_seqlens, "
+    f"{_OPTION_ARGS}) -> (Tensor, Tensor)"
+)
+
+
+def _decode_impl(q, k, v, g, beta, state_pool, state_indices, num_accepted_tokens, A_log, dt_bias, cu_seqlens,
+                 *options):  # fmt: skip
     """``o [B, T, HV, V]``; the rows of ``state_pool`` the slots name are written in place
     (:func:`kda._entry.host.decode`)."""
     with _on_stream(q.device):
@@ -158,9 +166,30 @@ def _decode_op(q, k, v, g, beta, state_pool, state_indices, num_accepted_tokens,
         return _fresh(o, v.dtype)
 
 
-@_decode_op.register_fake
+def _decode_states_impl(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, *options):
+    """``(o [B, T, HV, V], final_state [N, HV, K, V])`` of the recurrence without autograd
+    (:func:`kda._entry.host.forward`'s recurrent branch: the decode kernel)."""
+    with _on_stream(q.device):
+        x = tuple(_array(t) for t in (q, k, v, g, beta, initial_state, A_log, dt_bias))
+        o, final, _ = _host.forward(options, x, _offsets(cu_seqlens))
+        return _fresh(o, v.dtype), _fresh(final, _compute_dtype(q.dtype))
+
+
+for _key in ("CPU", "CUDA"):
+    _LIB.impl("decode", _decode_impl, _key)
+    _LIB.impl("decode_states", _decode_states_impl, _key)
+
+
+@torch.library.register_fake("kda::decode", lib=_LIB)
 def _decode_fake(q, k, v, g, beta, state_pool, *rest):
     return torch.empty_like(v, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("kda::decode_states", lib=_LIB)
+def _decode_states_fake(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, *options):
+    num_seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    o, final, _ = _host.shapes(options, tuple(q.shape), tuple(v.shape), num_seqs)
+    return q.new_empty(o, dtype=v.dtype), q.new_empty(final, dtype=_compute_dtype(q.dtype))
 
 
 @_forward_op.register_fake
@@ -243,6 +272,10 @@ def _gate_params(call: FlaCall, A_log: Any, dt_bias: Any, cd: torch.dtype) -> tu
     return A_log, dt_bias
 
 
+def _needs_grad(tensors: tuple[Any, ...]) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _apply(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, call: FlaCall):
     cd = _compute_dtype(q.dtype)
     A_log, dt_bias = _gate_params(call, A_log, dt_bias, cd)
@@ -250,9 +283,11 @@ def _apply(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, call: Fl
         initial_state = (initial_state.transpose(-1, -2) if call.state_v_first else initial_state).to(cd)
     if cu_seqlens is not None:
         cu_seqlens = torch.as_tensor(cu_seqlens, dtype=torch.int64)
-    o, final, boundaries = _forward_op(
-        q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, *call.static
-    )
+    args = (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, *call.static)
+    if call.static[0] != "chunk" and not _needs_grad(args[:8]):
+        o, final = torch.ops.kda.decode_states(*args)  # inference: the decode kernel, no autograd node
+    else:
+        o, final, boundaries = _forward_op(*args)
     final = (
         None if not call.output_final_state else (final.transpose(-1, -2) if call.state_v_first else final)
     )
@@ -282,8 +317,7 @@ def _apply_pool(q, k, v, g, beta, pool, A_log, dt_bias, cu_seqlens, call: FlaCal
         msg = "num_accepted_tokens needs ssm_state_indices [N, T] (a slot per step)"
         raise InvalidInputError(msg)
     _check_tensors(ssm_state_indices=indices, num_accepted_tokens=accepted)
-    tensors = (q, k, v, g, beta, pool, A_log, dt_bias)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+    if _needs_grad((q, k, v, g, beta, pool, A_log, dt_bias)):
         msg = (
             "decoding from a state pool (inplace_final_state=True) is inference only: no input may "
             "require a gradient"
@@ -300,7 +334,9 @@ def _apply_pool(q, k, v, g, beta, pool, A_log, dt_bias, cu_seqlens, call: FlaCal
         indices = torch.arange(N, dtype=torch.int64)
     A_log, dt_bias = _gate_params(call, A_log, dt_bias, cd)
     rows = pool.transpose(-1, -2) if call.state_v_first else pool
-    o = _decode_op(q, k, v, g, beta, rows, indices, accepted, A_log, dt_bias, cu_seqlens, *call.static)
+    o = torch.ops.kda.decode(
+        q, k, v, g, beta, rows, indices, accepted, A_log, dt_bias, cu_seqlens, *call.static
+    )
     return o, pool
 
 

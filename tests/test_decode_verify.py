@@ -491,3 +491,26 @@ def test_large_finite_outputs_do_not_warn():
     out = kda.decode_kda(q, k, v, g, beta, pool, np.array([1]), scale=1.0)
     with np.errstate(over="ignore"):
         assert np.isfinite(out).all() and not np.isfinite(out.sum(dtype=np.float32))
+
+
+def test_torch_compile_traces_the_pool_op():
+    """torch.compile(fullgraph=True) traces vLLM's call (the mutating op kda::decode) and the
+    inference recurrent op; results equal eager, the pool written the same."""
+    torch = pytest.importorskip("torch")
+    from kda.torch import fused_recurrent_kda
+
+    tm, pool, slots, accepted, offsets, _, _ = _packed_problem(np.float32)
+    x = [torch.from_numpy(a) for a in tm]
+
+    def step(q, k, v, g, beta, pool, slots, accepted, offsets):
+        keywords = dict(ssm_state_indices=slots, num_accepted_tokens=accepted, cu_seqlens=offsets)
+        o, _ = fused_recurrent_kda(q, k, v, g, beta, initial_state=pool, inplace_final_state=True, **keywords)
+        return o * 2
+
+    ints = [torch.from_numpy(a) for a in (slots, accepted, offsets)]
+    with torch.inference_mode():
+        eager_pool, compiled_pool = torch.from_numpy(pool.copy()), torch.from_numpy(pool.copy())
+        want = step(*x, eager_pool, *ints)
+        got = torch.compile(step, fullgraph=True, backend="aot_eager")(*x, compiled_pool, *ints)
+    assert torch.equal(want, got) and torch.equal(eager_pool, compiled_pool)
+    assert not torch.equal(eager_pool, torch.from_numpy(pool))
