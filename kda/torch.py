@@ -11,6 +11,11 @@ backward is another custom op (``torch.ops.kda.backward``): :func:`kda.chunk_kda
 chunk-start states saved by the forward, or :func:`kda.recurrent_kda_backward`. ``torch.compile``
 therefore traces a model that calls it with ``fullgraph=True``.
 
+Inference (no input needs a gradient) skips autograd: ``fused_recurrent_kda`` then calls
+``torch.ops.kda.decode_states``, and the pool form (``ssm_state_indices``, ``num_accepted_tokens``,
+``inplace_final_state=True``, as vLLM calls it) ``torch.ops.kda.decode``, which writes the pool in
+place (``docs/decode.md``); both are declared with ``torch.library.Library`` (a cheaper call).
+
 CPU tensors reach kda's NumPy path as NumPy views (no copy); CUDA tensors reach the ``cuda``
 backend as CuPy arrays through DLPack (no copy), on PyTorch's current stream. float16 and
 bfloat16 compute in float32 and return their own dtype. The keywords are fla 0.6's; see
