@@ -150,10 +150,21 @@ class Backend(Protocol):
         """Gradients ``(dq, dk, dv, dg, dbeta, dstate)`` of the recurrence."""  # fmt: skip
 
     def decode_forward(
-        self, q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, pool: Any, indices: Any
-    ) -> Any:
-        """``T`` steps of ``N`` requests from rows ``indices`` (``-1``: padding) of
-        ``pool [P, H, K, V]``, written back in place; returns ``output [N, H, T, V]``."""
+        self, q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, pool: Any, start: Any, dest: Any,
+        offsets: Any = None, final_pool: Any = None, out: Any = None,
+    ) -> Any:  # fmt: skip
+        """Steps of ``N`` requests from rows of ``pool [P, H, K, V]``; returns ``output [B, H, T, V]``.
+
+        Request ``n`` is batch row ``n`` of ``[B, H, T, *]`` inputs, or steps
+        ``offsets[n]:offsets[n + 1]`` of row 0 (``offsets``: ``[N + 1]`` host ints, ``B == 1``).
+        It starts from ``pool[start[n]]`` (``start[n] < 0``: padding, zero outputs, nothing read
+        or written) and writes its state after step ``t`` into row ``dest[n, t]`` of
+        ``final_pool`` (default ``pool``, in place); ``dest [N, 1]`` names only the final
+        state's row; ``-1`` writes nothing. ``start`` and ``dest`` are int64 NumPy arrays whose
+        non-negative rows are in range and distinct across requests (the caller checks). Rows not
+        named are neither read nor written. ``out``: a C-contiguous ``[B, H, T, V]`` buffer of
+        the compute dtype that receives the output (and is returned), or None.
+        """
 
     # --- hooks
     def workers(self, xp: Any, heads: int) -> int:

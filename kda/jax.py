@@ -33,6 +33,7 @@ import numpy as np
 from ._entry import host as _host
 from ._entry.fla import (
     CHUNK_DOC,
+    DECODE_KEYWORDS,
     RECURRENT_DOC,
     FlaCall,
     check_gate_sizes,
@@ -162,6 +163,55 @@ def _apply(q, k, v, g, beta, s0, A_log, dt_bias, cu, call: FlaCall):
     return o, final, (jnp.swapaxes(h, -1, -2) if call.state_v_first else h).astype(k_dtype)
 
 
+def _host_decode(static: tuple[Any, ...], *arrays):
+    q, k, v, g, beta, pool, indices, accepted, A_log, dt_bias, cu = _host_arrays(arrays)
+    pool = np.array(pool)  # JAX arrays are immutable: the updated pool is a new array
+    o = _host.decode(static, (q, k, v, g, beta, None, A_log, dt_bias), pool, indices, accepted,
+                     _host_offsets(cu))  # fmt: skip
+    return np.asarray(o), pool
+
+
+def _apply_pool(q, k, v, g, beta, pool, A_log, dt_bias, cu, call: FlaCall, kw: dict[str, Any]):
+    """``fused_recurrent_kda(..., initial_state=pool, ssm_state_indices=..., inplace_final_state=True)``
+    (vLLM's call), functionally: returns ``(o, new_pool)``, the pool with the slots' rows written
+    (a copy of the pool per call: JAX has no in-place update). Not differentiable."""
+    indices, accepted = (
+        _as_array("ssm_state_indices", kw.get("ssm_state_indices")),
+        kw.get("num_accepted_tokens"),
+    )
+    accepted = _as_array("num_accepted_tokens", accepted)
+    if not kw.get("inplace_final_state", False):
+        msg = (
+            "ssm_state_indices and num_accepted_tokens need inplace_final_state=True (the pool's rows "
+            "are written)"
+        )
+        raise InvalidInputError(msg)
+    if pool is None:
+        msg = "inplace_final_state=True needs initial_state: the state pool [P, HV, K, V] it updates"
+        raise InvalidInputError(msg)
+    if accepted is not None and indices is None:
+        msg = "num_accepted_tokens needs ssm_state_indices [N, T] (a slot per step)"
+        raise InvalidInputError(msg)
+    cd = _compute_dtype(q.dtype)
+    if pool.dtype != cd:
+        msg = f"initial_state (the state pool) must have dtype {jnp.dtype(cd).name}; got {pool.dtype}"
+        raise InvalidTypeError(msg)
+    if indices is None:  # request n continues row n
+        N = q.shape[0] if cu is None else cu.shape[0] - 1
+        indices = jnp.arange(N, dtype=jnp.int32)
+    check_gate_sizes(A_log, dt_bias, call)
+    HV, K = call.dt_bias_shape
+    A_log = None if A_log is None else A_log.reshape(HV).astype(cd)
+    dt_bias = None if dt_bias is None else dt_bias.reshape(HV, K).astype(cd)
+    q, k, v_, g, beta = (x.astype(cd) if x.dtype != cd else x for x in (q, k, v, g, beta))
+    rows = jnp.swapaxes(pool, -1, -2) if call.state_v_first else pool
+    structs = (_struct(v.shape, cd), _struct(rows.shape, cd))
+    host = functools.partial(_host_decode, call.static)
+    args = (q, k, v_, g, beta, rows, indices, accepted, A_log, dt_bias, cu)
+    o, new = jax.pure_callback(host, structs, *args, vmap_method="sequential")
+    return o.astype(v.dtype), (jnp.swapaxes(new, -1, -2) if call.state_v_first else new)
+
+
 def _call(name: str, q, k, v, g, beta, kw: dict[str, Any]):
     arrays = {n: _as_array(n, x) for n, x in zip(("q", "k", "v", "g", "beta"), (q, k, v, g, beta))}
     extra = {n: _as_array(n, kw.get(n)) for n in ("initial_state", "A_log", "dt_bias", "cu_seqlens")}
@@ -181,6 +231,9 @@ def _call(name: str, q, k, v, g, beta, kw: dict[str, Any]):
         has_dt_bias=extra["dt_bias"] is not None,
         has_cu_seqlens=extra["cu_seqlens"] is not None,
     )
+    pool_call = kw.get("inplace_final_state") or any(kw.get(n) is not None for n in DECODE_KEYWORDS[:2])
+    if name == "fused_recurrent_kda" and pool_call:
+        return _apply_pool(*arrays.values(), *extra.values(), call, kw)
     return _apply(*arrays.values(), *extra.values(), call)
 
 

@@ -13,6 +13,11 @@ chunk-start states; the backward reuses them and the forward's validated call (t
 :func:`kda.chunk_kda_backward`, or :func:`kda.recurrent_kda_backward`). ``torch.compile``
 therefore traces a model that calls it with ``fullgraph=True``.
 
+Inference (no input needs a gradient) skips autograd: ``fused_recurrent_kda`` then calls
+``torch.ops.kda.decode_states``, and the pool form (``ssm_state_indices``, ``num_accepted_tokens``,
+``inplace_final_state=True``, as vLLM calls it) ``torch.ops.kda.decode``, which writes the pool in
+place (``docs/decode.md``); both are declared with ``torch.library.Library`` (a cheaper call).
+
 CPU tensors reach kda's NumPy path as NumPy views (no copy); CUDA tensors reach the ``cuda``
 backend as CuPy arrays through DLPack (no copy), on PyTorch's current stream. float16 and
 bfloat16 compute in float32 and return their own dtype. The keywords are fla 0.6's; see
@@ -39,6 +44,7 @@ from ._entry import cp as _cp
 from ._entry import host as _host
 from ._entry.fla import (
     CHUNK_DOC,
+    DECODE_KEYWORDS,
     RECURRENT_DOC,
     FlaCall,
     check_gate_sizes,
@@ -111,6 +117,13 @@ def _tensor(a: Any, dtype: torch.dtype, inputs: tuple[torch.Tensor | None, ...])
     return t.clone() if t.untyped_storage().data_ptr() in owners else t
 
 
+def _fresh(a: Any, dtype: torch.dtype) -> torch.Tensor:
+    """``a``, a new array of this call (it shares no input's memory), as a contiguous tensor of
+    ``dtype``: no copy where it already is one."""
+    t = torch.from_numpy(a) if isinstance(a, np.ndarray) else torch.from_dlpack(a)
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+
 def _offsets(cu_seqlens: torch.Tensor | None) -> tuple[int, ...] | None:
     return None if cu_seqlens is None else tuple(int(n) for n in cu_seqlens.tolist())
 
@@ -128,8 +141,62 @@ def _forward_op(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, *op
     with _on_stream(q.device):
         o, final, boundaries = _host.forward(options, tuple(_array(t) for t in inputs), _offsets(cu_seqlens))
         cd = _compute_dtype(q.dtype)
-        o = _tensor(o, q.dtype if options[0] == "chunk" else v.dtype, inputs)
+        if options[0] != "chunk":  # the decode kernel's results: new arrays, no input's memory
+            return _fresh(o, v.dtype), _fresh(final, cd), q.new_empty((0,), dtype=cd)
+        o = _tensor(o, q.dtype, inputs)
         return o, _tensor(final, cd, inputs), _tensor(boundaries, cd, inputs)
+
+
+# The inference ops (no autograd): registered with torch.library.Library directly. Measured:
+# calling a torch.library.custom_op costs tens of microseconds of Python (its aliasing checks and
+# wrappers), a Library-registered op about 3 us, and a decode step is a few tens of microseconds.
+_LIB = torch.library.Library("kda", "FRAGMENT")
+_STEPS = "Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta"
+_LIB.define(
+    f"decode({_STEPS}, Tensor(a!) state_pool, Tensor state_indices, Tensor? num_accepted_tokens, "
+    f"Tensor? A_log, Tensor? dt_bias, Tensor? cu_seqlens, {_OPTION_ARGS}) -> Tensor"
+)
+_LIB.define(
+    f"decode_states({_STEPS}, Tensor? initial_state, Tensor? A_log, Tensor? dt_bias, Tensor? cu_seqlens, "
+    f"{_OPTION_ARGS}) -> (Tensor, Tensor)"
+)
+
+
+def _decode_impl(q, k, v, g, beta, state_pool, state_indices, num_accepted_tokens, A_log, dt_bias, cu_seqlens,
+                 *options):  # fmt: skip
+    """``o [B, T, HV, V]``; the rows of ``state_pool`` the slots name are written in place
+    (:func:`kda._entry.host.decode`)."""
+    with _on_stream(q.device):
+        x = tuple(_array(t) for t in (q, k, v, g, beta, None, A_log, dt_bias))
+        slots = _array(state_indices), _array(num_accepted_tokens)
+        o = _host.decode(options, x, _array(state_pool), *slots, _offsets(cu_seqlens))
+        return _fresh(o, v.dtype)
+
+
+def _decode_states_impl(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, *options):
+    """``(o [B, T, HV, V], final_state [N, HV, K, V])`` of the recurrence without autograd
+    (:func:`kda._entry.host.forward`'s recurrent branch: the decode kernel)."""
+    with _on_stream(q.device):
+        x = tuple(_array(t) for t in (q, k, v, g, beta, initial_state, A_log, dt_bias))
+        o, final, _ = _host.forward(options, x, _offsets(cu_seqlens))
+        return _fresh(o, v.dtype), _fresh(final, _compute_dtype(q.dtype))
+
+
+for _key in ("CPU", "CUDA"):
+    _LIB.impl("decode", _decode_impl, _key)
+    _LIB.impl("decode_states", _decode_states_impl, _key)
+
+
+@torch.library.register_fake("kda::decode", lib=_LIB)
+def _decode_fake(q, k, v, g, beta, state_pool, *rest):
+    return torch.empty_like(v, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("kda::decode_states", lib=_LIB)
+def _decode_states_fake(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, *options):
+    num_seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    o, final, _ = _host.shapes(options, tuple(q.shape), tuple(v.shape), num_seqs)
+    return q.new_empty(o, dtype=v.dtype), q.new_empty(final, dtype=_compute_dtype(q.dtype))
 
 
 @_forward_op.register_fake
@@ -212,6 +279,10 @@ def _gate_params(call: FlaCall, A_log: Any, dt_bias: Any, cd: torch.dtype) -> tu
     return A_log, dt_bias
 
 
+def _needs_grad(tensors: tuple[Any, ...]) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _apply(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, call: FlaCall):
     cd = _compute_dtype(q.dtype)
     A_log, dt_bias = _gate_params(call, A_log, dt_bias, cd)
@@ -219,9 +290,11 @@ def _apply(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, call: Fl
         initial_state = (initial_state.transpose(-1, -2) if call.state_v_first else initial_state).to(cd)
     if cu_seqlens is not None:
         cu_seqlens = torch.as_tensor(cu_seqlens, dtype=torch.int64)
-    o, final, boundaries = _forward_op(
-        q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, *call.static
-    )
+    args = (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, *call.static)
+    if call.static[0] != "chunk" and not _needs_grad(args[:8]):
+        o, final = torch.ops.kda.decode_states(*args)  # inference: the decode kernel, no autograd node
+    else:
+        o, final, boundaries = _forward_op(*args)
     final = (
         None if not call.output_final_state else (final.transpose(-1, -2) if call.state_v_first else final)
     )
@@ -232,6 +305,46 @@ def _apply(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, call: Fl
     h = boundaries[:NT].movedim(0, 1)  # [B, NT, HV, K, V]
     h = (h.transpose(-1, -2) if call.state_v_first else h).to(k.dtype)
     return o, final, h
+
+
+def _apply_pool(q, k, v, g, beta, pool, A_log, dt_bias, cu_seqlens, call: FlaCall, kw: dict[str, Any]):
+    """``fused_recurrent_kda(..., initial_state=pool, ssm_state_indices=..., num_accepted_tokens=...,
+    inplace_final_state=True)`` as vLLM calls it: the pool updated in place, returned as the final state."""
+    indices, accepted = kw.get("ssm_state_indices"), kw.get("num_accepted_tokens")
+    if not kw.get("inplace_final_state", False):
+        msg = (
+            "ssm_state_indices and num_accepted_tokens need inplace_final_state=True (the state pool, "
+            "initial_state, is updated in place)"
+        )
+        raise InvalidInputError(msg)
+    if pool is None:
+        msg = "inplace_final_state=True needs initial_state: the state pool [P, HV, K, V] it updates"
+        raise InvalidInputError(msg)
+    if accepted is not None and indices is None:
+        msg = "num_accepted_tokens needs ssm_state_indices [N, T] (a slot per step)"
+        raise InvalidInputError(msg)
+    _check_tensors(ssm_state_indices=indices, num_accepted_tokens=accepted)
+    if _needs_grad((q, k, v, g, beta, pool, A_log, dt_bias)):
+        msg = (
+            "decoding from a state pool (inplace_final_state=True) is inference only: no input may "
+            "require a gradient"
+        )
+        raise InvalidInputError(msg)
+    cd = _compute_dtype(q.dtype)
+    if pool.dtype != cd:
+        msg = f"initial_state (the state pool, updated in place) must have dtype {cd}; got {pool.dtype}"
+        raise InvalidTypeError(msg)
+    if cu_seqlens is not None:
+        cu_seqlens = torch.as_tensor(cu_seqlens, dtype=torch.int64)
+    if indices is None:  # request n continues row n
+        N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        indices = torch.arange(N, dtype=torch.int64)
+    A_log, dt_bias = _gate_params(call, A_log, dt_bias, cd)
+    rows = pool.transpose(-1, -2) if call.state_v_first else pool
+    o = torch.ops.kda.decode(
+        q, k, v, g, beta, rows, indices, accepted, A_log, dt_bias, cu_seqlens, *call.static
+    )
+    return o, pool
 
 
 def _chunk(q, k, v, g, beta, kw: dict[str, Any]):
@@ -266,6 +379,10 @@ def _call(method: str, q, k, v, g, beta, kw: dict[str, Any]):
     )  # fmt: skip
     if ctx is not None:
         return _apply_cp(q, k, v, g, beta, s0, A_log, dt_bias, ctx, call)
+    if method != "chunk" and (
+        kw.get("inplace_final_state") or any(kw.get(n) is not None for n in DECODE_KEYWORDS[:2])
+    ):
+        return _apply_pool(q, k, v, g, beta, s0, A_log, dt_bias, cu, call, kw)
     return _apply(q, k, v, g, beta, s0, A_log, dt_bias, cu, call)
 
 

@@ -1,27 +1,55 @@
-"""Decoding from a state pool: ``decode_kda``.
+"""Decoding from a state pool: ``decode_kda``, speculative verification, and the prepared form.
 
 A serving engine keeps the recurrent states of its requests in one pool ``[P, HV, K, V]`` and
 runs a batch of requests, each a few steps long (one for decoding, a few for speculative
-verification), against the rows it names. The rows are updated in place; rows that no request
-names are not touched at all.
+verification), against the rows it names. Rows are written in place; rows that no request names
+are neither read nor written. ``docs/decode.md`` is the guide.
+
+Slots. ``state_indices [N]``: request ``n`` starts from row ``state_indices[n]`` and its final
+state goes back there (``-1``: a padding request). ``state_indices [N, W]`` (speculative
+verification, as flash-linear-attention and vLLM): request ``n`` starts from slot
+``[n, num_accepted_tokens[n] - 1]`` and its state after step ``t`` goes to slot ``[n, t]``
+(``-1``: not kept). The backends receive the same two int64 arrays in both cases,
+``start [N]`` and ``dest [N, W]`` (:meth:`kda._backend.Backend.decode_forward`).
+
+Cost. Validation looks at the small arrays only (the inputs' shapes and dtypes, the indices, and
+the inputs' values for the gate and finiteness checks); the pool's shape, dtype and writability
+are read from its header, its contents never. On NumPy the call takes a direct route
+(:func:`_numpy_route`) whenever the problem is one the kernel computes as given (float32 or
+float64, no element-wise option, ``HV == H``, int64 ``state_indices [N]``): the same checks
+written out (the value checks in one compiled pass of the cpu backend, ``decode_screen``) and the
+same kernel, so the results are bitwise those of the general route, which handles everything
+else (and words every error: a direct-route check that fails hands the call to the general
+route). :func:`decode_states` is the adapters' recurrent forward on the same kernel.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
+import numbers
+from dataclasses import dataclass
 from typing import Any
 
 import array_api_compat
 
+from .._backend import cpu_available, get_backend
 from .._errors import InvalidInputError, InvalidTypeError
 from .._options.checks import warn_if_diverged
 from .._options.maps import head_first
 from .._options.table import Array, Choices, takes_options
-from .._options.validation import STATE_DTYPE_RULE, Problem, _host_integers, check_array
-from .call import open_call
+from .._options.validation import STATE_DTYPE_RULE, Problem, _host_integers, check_array, check_state
+from .call import Call, KdaOutput, open_call
 
-__all__ = ["decode_kda"]
+__all__ = ["DecodePlan", "Slots", "decode_kda", "decode_states", "prepare_decode_kda"]
 
 PADDING = -1
+# slot arrays up to this size are checked in Python (cheaper than NumPy's calls on tiny arrays)
+SMALL = 64
+
+
+# ----------------------------------------------------------------------------------------------
+# the pool and the slots
 
 
 def check_pool(state_pool: Any, p: Problem) -> int:
@@ -45,49 +73,214 @@ def check_pool(state_pool: Any, p: Problem) -> int:
     return P
 
 
-def check_indices(state_indices: Any, N: int, P: int) -> tuple[int, ...]:
-    """``N`` host ints, each ``-1`` (padding) or a distinct row of a pool of ``P`` rows."""
-    try:
-        host = _host_integers("state_indices", state_indices)
-    except InvalidTypeError as err:  # its message also offers None, which is cu_seqlens' case
-        msg = f"state_indices must be a 1-D integer array or list of ints; got {type(state_indices).__name__}"
-        if hasattr(state_indices, "dtype"):
-            msg += f" of dtype {state_indices.dtype}"
-        raise InvalidTypeError(msg) from err
+@dataclass(frozen=True)
+class Slots:
+    """Validated slots of one call, as the backends take them.
+
+    Attributes
+    ----------
+    start : int64 NumPy ``[N]``, the row each request starts from (``-1``: padding).
+    dest : int64 NumPy ``[N, W]``: ``W == 1`` the row of the final state, else the row of the
+        state after each step (``-1``: not kept).
+    """
+
+    start: Any
+    dest: Any
+
+
+def _host_slots(state_indices: Any) -> Any:
+    """``state_indices`` as an int64 NumPy array of 1 or 2 dimensions."""
+    import numpy as np
+
+    if isinstance(state_indices, np.ndarray) and state_indices.dtype == np.int64:
+        host = state_indices
+    elif isinstance(state_indices, (list, tuple)) or array_api_compat.is_array_api_obj(state_indices):
+        if array_api_compat.is_cupy_array(state_indices):
+            state_indices = state_indices.get()
+        try:
+            host = np.asarray(state_indices)
+        except (TypeError, RuntimeError, ValueError):
+            try:
+                host = np.from_dlpack(state_indices)
+            except (TypeError, RuntimeError, ValueError, AttributeError):
+                host = None
+    else:
+        host = None
+    if (
+        host is None
+        or host.ndim not in (1, 2)
+        or not (np.issubdtype(host.dtype, np.integer) or host.size == 0)
+    ):
+        what = type(state_indices).__name__
+        if host is not None:
+            what += f" of shape {tuple(host.shape)} and dtype {host.dtype}"
+        msg = (
+            "state_indices must be a 1-D integer array or list of ints ([N]: one row per request), or a "
+            f"2-D one ([N, T]: one slot per step, for speculative verification); got {what}"
+        )
+        raise InvalidTypeError(msg)
+    return np.ascontiguousarray(host, np.int64)
+
+
+def _repeated(values: list[int]) -> list[int]:
+    seen: set[int] = set()
+    return sorted({r for r in values if r in seen or seen.add(r)})
+
+
+def _check_rows(name: str, rows: list[int], P: int, what: str) -> None:
+    """Every entry ``-1`` or a row of ``[0, P)``; non-negative ones distinct."""
+    if rows and (min(rows) < PADDING or max(rows) >= P):
+        bad = [r for r in rows if not PADDING <= r < P]
+        msg = f"{name} must be -1 (padding) or a row in [0, {P}) of state_pool; got {bad[:5]}"
+        raise InvalidInputError(msg)
+    named = [r for r in rows if r >= 0]
+    if len(set(named)) != len(named):
+        msg = f"{name} must name each pool row at most once ({what}); got {_repeated(named)} more than once"
+        raise InvalidInputError(msg)
+
+
+def _check_rows_numpy(name: str, rows: Any, P: int, what: str) -> None:
+    """:func:`_check_rows` for a large int64 array (sorting, no Python loop)."""
+    import numpy as np
+
+    if rows.size and (int(rows.min()) < PADDING or int(rows.max()) >= P):
+        _check_rows(name, rows.tolist(), P, what)  # words the error
+    named = np.sort(rows[rows >= 0])
+    if named.size > 1 and bool(np.any(named[1:] == named[:-1])):
+        _check_rows(name, named.tolist(), P, what)
+
+
+def _lengths(N: int, T: int, offsets: tuple[int, ...] | None) -> list[int]:
+    if offsets is None:
+        return [T] * N
+    return [b - a for a, b in itertools.pairwise(offsets)]
+
+
+def check_slots(
+    state_indices: Any, num_accepted_tokens: Any, N: int, T: int, offsets: tuple[int, ...] | None, P: int
+) -> Slots:
+    """Validate the slots of ``N`` requests of ``T`` steps (per request with ``offsets``).
+
+    Raises :class:`~kda.InvalidInputError` / :class:`~kda.InvalidTypeError` naming
+    ``state_indices`` or ``num_accepted_tokens``; nothing is written before these checks pass.
+    """
+    host = _host_slots(state_indices)
+    if host.ndim == 1:
+        return _one_slot_each(host, num_accepted_tokens, N, P)
+    return _slot_per_step(host, num_accepted_tokens, N, T, offsets, P)
+
+
+def _one_slot_each(host: Any, num_accepted_tokens: Any, N: int, P: int) -> Slots:
     if host.shape != (N,):
         msg = f"state_indices must have shape [N] = ({N},), one row per request; got {tuple(host.shape)}"
         raise InvalidInputError(msg)
-    bad = [int(i) for i in host if not PADDING <= i < P]
-    if bad:
-        msg = f"state_indices must be -1 (padding) or a row in [0, {P}) of state_pool; got {bad[:5]}"
-        raise InvalidInputError(msg)
-    rows = [int(i) for i in host if i != PADDING]
-    if len(set(rows)) != len(rows):
-        seen: set[int] = set()
-        dups = sorted({r for r in rows if r in seen or seen.add(r)})
+    if num_accepted_tokens is not None:
         msg = (
-            "state_indices must name each pool row at most once (two requests cannot share a state); "
-            f"got {dups} more than once"
+            "num_accepted_tokens needs 2-D state_indices [N, T] (a slot per step); got 1-D state_indices "
+            f"of shape {tuple(host.shape)}"
         )
         raise InvalidInputError(msg)
-    return tuple(int(i) for i in host)
+    what = "two requests cannot share a state"
+    if N <= SMALL:
+        _check_rows("state_indices", host.tolist(), P, what)
+    else:
+        _check_rows_numpy("state_indices", host, P, what)
+    return Slots(host, host.reshape(N, 1))
 
 
-@takes_options(exclude=("cu_seqlens",))
+def _accepted(num_accepted_tokens: Any, N: int, lengths: list[int]) -> list[int]:
+    """``num_accepted_tokens [N]`` as host ints, each in ``1..T_n`` (ignored for empty requests)."""
+    if num_accepted_tokens is None:
+        return [1] * N
+    host = _host_integers("num_accepted_tokens", num_accepted_tokens)
+    if host.shape != (N,):
+        msg = (
+            f"num_accepted_tokens must have shape [N] = ({N},), one count per request; "
+            f"got {tuple(host.shape)}"
+        )
+        raise InvalidInputError(msg)
+    counts = host.tolist()
+    bad = [(n, a, t) for n, (a, t) in enumerate(zip(counts, lengths)) if t > 0 and not 1 <= a <= t]
+    if bad:
+        n, a, t = bad[0]
+        msg = (
+            "num_accepted_tokens must be in 1..T for each request (the start slot is "
+            f"state_indices[n, num_accepted_tokens[n] - 1]); got {a} for request {n} of {t} steps"
+            + (f" ({len(bad)} requests out of range)" if len(bad) > 1 else "")
+        )
+        raise InvalidInputError(msg)
+    return counts
+
+
+def _slot_per_step(
+    host: Any, num_accepted_tokens: Any, N: int, T: int, offsets: tuple[int, ...] | None, P: int
+) -> Slots:
+    import numpy as np
+
+    lengths = _lengths(N, T, offsets)
+    longest = max(lengths, default=0)
+    if host.shape[0] != N or host.shape[1] < max(longest, 1):
+        msg = (
+            f"state_indices must have shape [N, T] = ({N}, {max(longest, 1)}) (a slot per step; more "
+            f"columns are ignored); got {tuple(host.shape)}"
+        )
+        raise InvalidInputError(msg)
+    accepted = _accepted(num_accepted_tokens, N, lengths)
+    table = host.tolist()
+    used = [row[:t] for row, t in zip(table, lengths)]
+    start = [row[a - 1] if row else PADDING for row, a in zip(used, accepted)]
+    flat = [r for row in used for r in row]
+    _check_rows("state_indices", flat, P, "two steps or requests cannot share a slot")
+    idle = [n for n, (s, row) in enumerate(zip(start, used)) if s < 0 and any(r >= 0 for r in row)]
+    if idle:
+        n = idle[0]
+        msg = (
+            f"state_indices[{n}] starts from slot {accepted[n] - 1}, which is -1 (a padding request), but "
+            f"names rows to write ({used[n]}); a padding request must be -1 throughout"
+        )
+        raise InvalidInputError(msg)
+    return Slots(np.asarray(start, np.int64), host)
+
+
+# ----------------------------------------------------------------------------------------------
+# the call
+
+
+def _run(call: Call, inputs: tuple, pool: Any, slots: Slots, out: Any = None, final_pool: Any = None) -> Any:
+    """The general route: options mapped, the backend's kernel, the output in the caller's layout."""
+    p, xp = call.p, call.p.xp
+    c = call.core_inputs(*inputs)
+    o = call.core.ops.decode_forward(c.q, c.k, c.v, c.g, c.beta, p.scale, pool, slots.start, slots.dest,
+                                     p.offsets, final_pool)  # fmt: skip
+    o = head_first(xp, xp.astype(o, p.dtype, copy=False), p.layout)
+    if call.check:
+        warn_if_diverged(xp, o, stacklevel=4)
+    if out is not None:
+        out[...] = o
+        return out
+    return o
+
+
+@takes_options()
 def decode_kda(
     q: Array, k: Array, v: Array, g: Array, beta: Array, state_pool: Array, state_indices: Array, *,
-    scale: float | None = None, backend: str | None = None, opts: Choices,
+    num_accepted_tokens: Array | None = None, scale: float | None = None, backend: str | None = None,
+    opts: Choices,
 ) -> Any:  # fmt: skip
-    """A few KDA steps of a batch of requests, each continuing the state held in a pool row.
+    """A few KDA steps of a batch of requests, each continuing a state held in a pool row.
 
-    Request ``n`` starts from ``state_pool[state_indices[n]]``, runs its ``T`` steps of the
-    recurrence (as :func:`kda.recurrent_kda` would with that row as ``initial_state``) and writes
-    its final state back into that row, in place.
+    With 1-D ``state_indices``, request ``n`` starts from ``state_pool[state_indices[n]]``, runs
+    its steps of the recurrence (as :func:`kda.recurrent_kda` would with that row as
+    ``initial_state``) and writes its final state back into that row, in place. With 2-D
+    ``state_indices [N, T]`` (speculative verification, the convention of flash-linear-attention
+    and vLLM), request ``n`` starts from slot ``[n, num_accepted_tokens[n] - 1]`` and writes its
+    state after step ``t`` into slot ``[n, t]``.
 
     Parameters
     ----------
     q, k : array, shape ``[N, H, T, K]`` (``[N, T, H, K]`` with ``layout="time_major"``)
-        Queries and keys of the ``N`` requests.
+        Queries and keys of the ``N`` requests (``[1, H, T_total, K]`` with ``cu_seqlens``:
+        request ``n`` is steps ``cu_seqlens[n]:cu_seqlens[n + 1]``).
     v : array, shape ``[N, HV, T, V]``
         Values (``HV`` a multiple of ``H``: grouped value heads).
     g : array, shape ``[N, HV, T, K]``
@@ -96,13 +289,20 @@ def decode_kda(
         Delta-rule step sizes (raw, with ``beta_activation``).
     state_pool : array, shape ``[P, HV, K, V]``
         The pool of states, float32 (float64 for float64 inputs), writable; updated in place.
-        Rows that no request names are left bitwise unchanged.
-    state_indices : 1-D integer array or list, shape ``[N]``
-        Row of ``state_pool`` of each request, or ``-1`` for a padding request (its output is
-        zeros and it reads and writes no state). Non-negative indices must be distinct.
+        Rows that no request names are neither read nor written (bitwise unchanged).
+    state_indices : integer array or list, shape ``[N]`` or ``[N, T]``
+        ``[N]``: the row of each request (``-1``: a padding request, whose output is zeros and
+        which reads and writes no state). ``[N, T]``: a row per step (``-1``: that step's state
+        is not kept; a request whose start slot is ``-1`` is padding and must be ``-1``
+        throughout); columns past a request's length are ignored. Non-negative rows are
+        distinct within a call.
+    num_accepted_tokens : integer array or list, shape ``[N]``, optional
+        With 2-D ``state_indices`` only: request ``n`` starts from slot
+        ``[n, num_accepted_tokens[n] - 1]``, each in ``1..T`` (``T``: the request's steps).
+        Default: all 1 (start from slot ``[n, 0]``).
     scale : float, optional
         Query scale; default ``K ** -0.5``.
-    backend : {None, "reference", "cuda"}
+    backend : {None, "reference", "cpu", "cuda"}
         ``None`` picks from the arrays' namespace; CuPy arrays run one CUDA kernel.
     {options}
         (``check_finite`` scans the inputs, not the pool: that would read every row.)
@@ -114,19 +314,269 @@ def decode_kda(
     Raises
     ------
     InvalidInputError
-        Wrong shapes, an index outside ``[-1, P)``, a row named twice, a pool that cannot be
-        written in place (a read-only NumPy array, an immutable namespace such as JAX).
+        Wrong shapes, an index outside ``[-1, P)``, a row named twice in a call, a
+        ``num_accepted_tokens`` outside ``1..T``, a pool that cannot be written in place (a
+        read-only NumPy array, an immutable namespace such as JAX). Nothing is written then.
     InvalidTypeError
         Wrong dtypes (the pool must be the compute dtype) or array types.
     """
+    if opts.cu_seqlens is None and num_accepted_tokens is None:
+        out = _numpy_route(q, k, v, g, beta, state_pool, state_indices, scale, backend, opts)
+        if out is not None:
+            return out
+    call = open_call(q, k, v, g, beta, scale, opts, backend=backend)
+    p = call.p
+    P = check_pool(state_pool, p)
+    slots = check_slots(state_indices, num_accepted_tokens, p.N, p.T, p.offsets, P)
+    call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta)
+    return _run(call, (q, k, v, g, beta), state_pool, slots)
+
+
+_ROWS: dict[int, Any] = {}  # N -> arange(N) as int64 (read-only): the slots of decode_states
+
+
+def _rows(N: int) -> Any:
+    rows = _ROWS.get(N)
+    if rows is None:
+        import numpy as np
+
+        rows = np.arange(N, dtype=np.int64)
+        rows.flags.writeable = False
+        _ROWS[N] = rows
+    return rows
+
+
+@takes_options()
+def decode_states(
+    q: Array, k: Array, v: Array, g: Array, beta: Array, initial_state: Array | None = None, *,
+    scale: float | None = None, backend: str | None = None, opts: Choices,
+) -> KdaOutput:  # fmt: skip
+    """:func:`kda.recurrent_kda`'s forward through the decode kernel: ``(output, final_state, None)``.
+
+    Request ``n`` (batch row, or packed sequence with ``cu_seqlens``) starts from
+    ``initial_state[n]`` (zeros when None) and its final state is written into a new
+    ``final_state [N, HV, K, V]``; ``initial_state`` is only read. As for :func:`decode_kda`,
+    ``check_finite`` scans the step inputs, not the states. The adapters' recurrent forward
+    (``fused_recurrent_kda``) runs here.
+    """
+    if initial_state is not None and opts.cu_seqlens is None:
+        import numpy as np
+
+        plain = type(initial_state) is np.ndarray and initial_state.ndim == 4
+        if plain and getattr(q, "ndim", 0) == 4 and initial_state.shape[0] == q.shape[0]:
+            final = np.empty(initial_state.shape, initial_state.dtype)
+            out = _numpy_route(q, k, v, g, beta, initial_state, _rows(initial_state.shape[0]), scale, backend,
+                               opts, final)  # fmt: skip
+            if out is not None:
+                return KdaOutput(out, final, None)
     call = open_call(q, k, v, g, beta, scale, opts, backend=backend)
     p, xp = call.p, call.p.xp
-    P = check_pool(state_pool, p)
-    indices = check_indices(state_indices, p.B, P)
     call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta)
-    c = call.core_inputs(q, k, v, g, beta)
-    out = call.core.ops.decode_forward(c.q, c.k, c.v, c.g, c.beta, p.scale, state_pool, indices)
-    out = head_first(xp, xp.astype(out, p.dtype, copy=False), p.layout)
-    if call.check:
-        warn_if_diverged(xp, out)
+    final = xp.zeros((p.N, p.HV, p.K, p.V), dtype=p.compute_dtype, device=array_api_compat.device(q))
+    rows = _rows(p.N)
+    slots = Slots(rows, rows.reshape(p.N, 1))
+    if initial_state is None:
+        return KdaOutput(_run(call, (q, k, v, g, beta), final, slots), final, None)
+    check_state("initial_state", initial_state, p)
+    return KdaOutput(_run(call, (q, k, v, g, beta), initial_state, slots, final_pool=final), final, None)
+
+
+# ----------------------------------------------------------------------------------------------
+# the direct NumPy route
+
+
+def _plain(opts: Choices) -> bool:
+    """The options leave the inputs as they are (only the layout and check_finite may differ)."""
+    return (
+        opts.gate == "log" and opts.qk_l2norm is False and opts.beta_activation is None and opts.A_log is None
+        and opts.dt_bias is None and opts.lower_bound is None and opts.cu_seqlens is None
+        and opts.layout in ("head_first", "time_major")
+    )  # fmt: skip
+
+
+_CPU: list[Any] = []  # the cpu backend module, once looked up
+
+
+def _numpy_route(q, k, v, g, beta, pool, state_indices, scale, backend, opts, final_pool=None) -> Any:
+    """The output of a plain NumPy call on the cpu backend, or None to take the general route.
+
+    Every check of the general route that can fail for such a call is made here too (types,
+    shapes, dtypes, the pool's writability, the slots, ``g <= 0`` and finiteness, the last two in
+    one compiled pass over the inputs); any failure returns None before anything is written, and
+    the general route raises its own error. ``final_pool``: the pool that receives the states
+    (checked by the caller), or None (``pool``, in place).
+    """
+    import numpy as np
+
+    nd = np.ndarray
+    if not (type(q) is nd and type(k) is nd and type(v) is nd and type(g) is nd and type(beta) is nd
+            and type(pool) is nd and type(state_indices) is nd):  # fmt: skip
+        return None
+    if backend not in (None, "cpu") or not _plain(opts) or not cpu_available():
+        return None
+    dt, shape, head_major = q.dtype, q.shape, opts.layout == "head_first"
+    if not (pool.dtype is dt and k.shape == shape and g.shape == shape and len(shape) == 4 and v.ndim == 4
+            and v.shape[:3] == shape[:3] and beta.shape == shape[:3] and pool.ndim == 4):  # fmt: skip
+        return None
+    N, K, V = shape[0], shape[3], v.shape[3]
+    H = shape[1] if head_major else shape[2]
+    rows = state_indices.tolist() if state_indices.dtype == np.int64 and state_indices.shape == (N,) else None
+    if not rows or pool.shape[1:] != (H, K, V) or not pool.flags.writeable or not _plain_scale(scale):
+        return None
+    named = [r for r in rows if r >= 0]
+    if min(rows) < PADDING or max(rows) >= pool.shape[0] or len(set(named)) != len(named):
+        return None
+    if not _CPU:
+        _CPU.append(get_backend(np, "cpu"))
+    ops = _CPU[0]
+    check = opts.check_finite is True
+    if not ops.decode_screen(q, k, v, g, beta, check):  # dtypes, contiguity, g <= 0, finite
+        return None
+    s = K**-0.5 if scale is None else float(scale)
+    dest = state_indices.reshape(N, 1)
+    if head_major:
+        out = ops.decode_forward(q, k, v, g, beta, s, pool, state_indices, dest, None, final_pool)
+    else:
+        qh, kh, vh, gh, bh = (x.swapaxes(1, 2) for x in (q, k, v, g, beta))
+        out = ops.decode_forward(qh, kh, vh, gh, bh, s, pool, state_indices, dest, None, final_pool)
+        out = out.swapaxes(1, 2)
+    if check:
+        with np.errstate(over="ignore", invalid="ignore"):  # a sum of large finite values may overflow
+            clean = math.isfinite(np.add.reduce(out, None))
+        if not clean:
+            warn_if_diverged(np, out, stacklevel=3)
     return out
+
+
+def _plain_scale(scale: Any) -> bool:
+    return scale is None or (
+        isinstance(scale, numbers.Real) and not isinstance(scale, bool) and math.isfinite(scale)
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# the prepared form
+
+
+@dataclass
+class DecodePlan:
+    """A validated decode call, to run many times on refilled inputs (:func:`prepare_decode_kda`).
+
+    Attributes
+    ----------
+    out : the output buffer ``[N, HV, T, V]`` (time-major: ``[N, T, HV, V]``) every run writes.
+    """
+
+    call: Call
+    inputs: tuple
+    pool: Any
+    state_indices: Any
+    num_accepted_tokens: Any
+    out: Any
+    P: int
+    direct: bool  # the kernel reads the bound arrays as they are (no option maps, no casts)
+
+    def __post_init__(self) -> None:
+        p, xp = self.call.p, self.call.p.xp
+        # what runs read: head-first views of the bound buffers (valid while they are refilled)
+        self._views = tuple(head_first(xp, x, p.layout) for x in self.inputs)
+        self._buffer = head_first(xp, self.out, p.layout)
+        idx = self.state_indices
+        one_d = _is_int64_vector(idx, p.N) and self.num_accepted_tokens is None and p.offsets is None
+        self._rows = Slots(idx, idx.reshape(p.N, 1)) if one_d else None
+
+    def run(self) -> Any:
+        """Run from the current contents of the bound arrays; returns :attr:`out`.
+
+        Re-checks what a caller refills between runs: the slots (``state_indices``,
+        ``num_accepted_tokens``: range, repeats, counts; O(N T), the pool is not read) and, for
+        a log gate on host arrays, ``max(g) <= 0``. Shapes, dtypes and options are not re-checked.
+        """
+        p = self.call.p
+        if self._rows is not None and p.N <= SMALL:
+            _check_rows(
+                "state_indices", self._rows.start.tolist(), self.P, "two requests cannot share a state"
+            )
+            slots = self._rows
+        else:
+            slots = check_slots(self.state_indices, self.num_accepted_tokens, p.N, p.T, p.offsets, self.P)
+        self._recheck_gate()
+        if not self.direct:
+            return _run(self.call, self.inputs, self.pool, slots, self.out)
+        buffer = self._buffer
+        ops = self.call.core.ops
+        o = ops.decode_forward(
+            *self._views, p.scale, self.pool, slots.start, slots.dest, p.offsets, out=buffer
+        )
+        if o is not buffer:
+            buffer[...] = o
+        return self.out
+
+    def _recheck_gate(self) -> None:
+        g, xp = self.inputs[3], self.call.p.xp
+        if self.call.o.gate != "log" or array_api_compat.is_cupy_namespace(xp) or g.size == 0:
+            return
+        if not bool((g.max() if hasattr(g, "max") else xp.max(g)) <= 0):
+            msg = "g must hold log decays <= 0 (-inf allowed); the refilled g has a positive or NaN element"
+            raise InvalidInputError(msg)
+
+
+def _is_int64_vector(x: Any, N: int) -> bool:
+    import numpy as np
+
+    return type(x) is np.ndarray and x.dtype == np.int64 and x.shape == (N,) and x.flags.c_contiguous
+
+
+def _c_contiguous(x: Any) -> bool:
+    flags = getattr(x, "flags", None)
+    return True if flags is None or not hasattr(flags, "c_contiguous") else bool(flags.c_contiguous)
+
+
+@takes_options()
+def prepare_decode_kda(
+    q: Array, k: Array, v: Array, g: Array, beta: Array, state_pool: Array, state_indices: Array, *,
+    num_accepted_tokens: Array | None = None, out: Array | None = None, scale: float | None = None,
+    backend: str | None = None, opts: Choices,
+) -> DecodePlan:  # fmt: skip
+    """Validate a :func:`decode_kda` call once and bind its arrays: ``plan.run()`` runs it again.
+
+    The arguments are those of :func:`decode_kda`, plus ``out``: a writable output buffer
+    ``[N, HV, T, V]`` (``[N, T, HV, V]`` time-major) of the inputs' dtype, or None to allocate
+    one. Every run reads the *current contents* of the bound arrays, ``state_indices`` and
+    ``num_accepted_tokens`` included (refill them in place; their shapes are fixed), and writes
+    :attr:`DecodePlan.out`. On NumPy, a plain problem (float32 / float64, ``gate="log"``, no
+    ``qk_l2norm`` or beta activation, ``HV == H``) allocates nothing in ``run()``: the kernel
+    reads the bound arrays and writes ``out`` and the pool directly.
+
+    Parameters
+    ----------
+    q, k, v, g, beta, state_pool, state_indices, num_accepted_tokens, scale, backend
+        As for :func:`decode_kda`; the inputs must be C-contiguous.
+    out : array, optional
+        The output buffer.
+    {options}
+
+    Returns
+    -------
+    DecodePlan
+    """
+    call = open_call(q, k, v, g, beta, scale, opts, backend=backend)
+    p = call.p
+    P = check_pool(state_pool, p)
+    check_slots(state_indices, num_accepted_tokens, p.N, p.T, p.offsets, P)
+    call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta)
+    for name, x in zip(("q", "k", "v", "g", "beta"), (q, k, v, g, beta)):
+        if not _c_contiguous(x):
+            msg = f"prepared decode requires C-contiguous bindings: {name} (shape {tuple(x.shape)}) is not"
+            raise InvalidInputError(msg)
+    shape = p.shape(p.HV, p.V)
+    if out is None:
+        out = p.xp.zeros(shape, dtype=p.dtype, device=array_api_compat.device(q))
+    else:
+        check_array("out", out, p, shape, p.letters("HV", "V"), p.dtype, "the dtype of q")
+        if not array_api_compat.is_writeable_array(out) or not _c_contiguous(out):
+            msg = "out must be a writable C-contiguous array (runs write the output into it)"
+            raise InvalidInputError(msg)
+    direct = call.o.is_identity and p.H == p.HV and p.dtype == p.compute_dtype
+    inputs = (q, k, v, g, beta)
+    return DecodePlan(call, inputs, state_pool, state_indices, num_accepted_tokens, out, P, direct)

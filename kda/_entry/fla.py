@@ -86,7 +86,24 @@ KEYWORD_TABLE: dict[str, tuple[str, str]] = {
         "context parallelism over torch.distributed (kda.torch.build_cp_context); with "
         "initial_state and output_final_state too; fused_recurrent_kda and kda.jax: None only",
     ),
+    "ssm_state_indices": (
+        "honoured (fused_recurrent_kda)",
+        "decoding from a state pool (vLLM's call): initial_state is the pool [P, HV, K, V], updated in "
+        "place (inplace_final_state=True); [N] one row per request, [N, T] a slot per step "
+        "(kda.decode_kda); inference only",
+    ),
+    "num_accepted_tokens": (
+        "honoured (fused_recurrent_kda)",
+        "[N], with 2-D ssm_state_indices: request n starts from slot [n, num_accepted_tokens[n] - 1]",
+    ),
+    "inplace_final_state": (
+        "honoured (fused_recurrent_kda)",
+        "write the final states into initial_state (rows ssm_state_indices, or row n for request n); "
+        "the final state returned is initial_state itself; inference only",
+    ),
 }
+# fused_recurrent_kda's pool keywords (vLLM's): refused by chunk_kda
+DECODE_KEYWORDS = ("ssm_state_indices", "num_accepted_tokens", "inplace_final_state")
 
 # fla 0.6's named parameters after ``q, k, v, g, beta``, in its order, with their defaults; the
 # adapters' signatures are generated from these (:func:`fla_function`). Keywords fla reads from
@@ -104,7 +121,7 @@ RECURRENT_PARAMS: tuple[tuple[str, Any], ...] = (
     ("use_qk_l2norm_in_kernel", False), ("use_gate_in_kernel", False), ("use_beta_sigmoid_in_kernel", False),
     ("allow_neg_eigval", False), ("lower_bound", None), ("state_v_first", False), ("cu_seqlens", None),
 )  # fmt: skip
-CHUNK_KEYWORDS = frozenset(KEYWORD_TABLE)
+CHUNK_KEYWORDS = frozenset(KEYWORD_TABLE) - frozenset(DECODE_KEYWORDS)
 # chunk_kda's keywords that do not change a recurrence (kernel choices, chunking), and the two
 # whose defaults are accepted: one keyword dict serves both ops
 RECURRENT_NO_EFFECT = (
@@ -112,7 +129,7 @@ RECURRENT_NO_EFFECT = (
     "return_intermediate_states", "cp_context",
 )  # fmt: skip
 RECURRENT_KEYWORDS = frozenset(
-    {*(n for n, _ in RECURRENT_PARAMS), "transpose_state_layout", *RECURRENT_NO_EFFECT}
+    {*(n for n, _ in RECURRENT_PARAMS), "transpose_state_layout", *RECURRENT_NO_EFFECT, *DECODE_KEYWORDS}
 )
 SIGNATURES = {
     "chunk_kda": (CHUNK_PARAMS, CHUNK_KEYWORDS),

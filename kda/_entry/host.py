@@ -29,15 +29,17 @@ from .._engine.core import ChunkCore, RecurrentCore
 from .._options.maps import Options
 from .._options.validation import Problem
 from . import api as _api
+from . import decode as _decode
 from .call import Call, KdaGradients
 from .fla import boundary_bound, choices, chunk_keywords, packed_chunks
 from .states import backward_with_state_gradients
 
-__all__ = ["backward", "forward", "shapes", "validated_call"]
+__all__ = ["backward", "decode", "forward", "shapes", "validated_call"]
 
-# the bodies of kda.chunk_kda and kda.recurrent_kda, which take the options as one Choices
+# the bodies of kda.chunk_kda and of the decode kernel's recurrent forward, which take the
+# options as one Choices
 _CHUNK = _api.chunk_kda.__wrapped__
-_RECURRENT = _api.recurrent_kda.__wrapped__
+_DECODE_STATES = _decode.decode_states.__wrapped__
 
 Arrays = tuple[Any, ...]  # q, k, v, g, beta, initial_state, A_log, dt_bias (None where absent)
 
@@ -70,17 +72,28 @@ def forward(static: tuple[Any, ...], x: Arrays, offsets: tuple[int, ...] | None)
     inputs' namespace.
     """
     opts = choices(static, x[6], x[7], offsets)
-    if static[0] != "chunk":
-        out = _RECURRENT(*x[:5], scale=static[1], initial_state=x[5], backend=None, opts=opts)
-        xp = array_api_compat.array_namespace(out.final_state)
-        empty = xp.zeros((0,), dtype=out.final_state.dtype, device=out.final_state.device)
-        return out.output, out.final_state, empty
+    if static[0] != "chunk":  # the recurrence's forward is the decode kernel's (no states kept)
+        out = _DECODE_STATES(*x[:5], x[5], scale=static[1], backend=None, opts=opts)
+        return out.output, out.final_state, out.final_state.reshape(-1)[:0]  # no boundaries: [0]
     out = _CHUNK(
         *x[:5], scale=static[1], initial_state=x[5], chunk_size=static[2], save_boundaries=True,
         backend=None, opts=opts,
     )  # fmt: skip
     NT = boundary_bound(x[0].shape[1], static[2], None if offsets is None else len(offsets) - 1)
     return out.output, out.final_state, _pad(out.boundaries, NT)
+
+
+def decode(
+    static: tuple[Any, ...], x: Arrays, pool: Any, state_indices: Any, num_accepted_tokens: Any,
+    offsets: tuple[int, ...] | None,
+) -> Any:  # fmt: skip
+    """``fused_recurrent_kda`` from a state pool (vLLM's call): :func:`kda.decode_kda` on ``pool``
+    (``[P, HV, K, V]``, updated in place) with ``state_indices`` (``[N]`` or ``[N, T]``) and
+    ``num_accepted_tokens``; returns the output ``[B, T, HV, V]``. ``x[5]`` (the initial state)
+    is unused: the pool is the state."""
+    keywords = choices(static, x[6], x[7], offsets).keywords()
+    return _decode.decode_kda(*x[:5], pool, state_indices, num_accepted_tokens=num_accepted_tokens,
+                              scale=static[1], **keywords)  # fmt: skip
 
 
 def _pad(boundaries: Any, NT: int) -> Any:

@@ -38,6 +38,7 @@ import numpy as np
 
 from .._backend import ChunkLocal, from_chunks
 from .._threads import PIN
+from ._decode import decode_forward, decode_screen
 
 NAME = "cpu"
 MAX_CHUNK = None  # any chunk length
@@ -56,6 +57,7 @@ __all__ = [
     "chunk_state_grad_pass",
     "chunk_state_pass",
     "decode_forward",
+    "decode_screen",
     "from_chunks",
     "launch_gate_check",
     "recurrent_backward",
@@ -391,24 +393,6 @@ def recurrent_backward(
         dbeta.reshape(shape),
         dinit.reshape(B, H, K, V),
     )
-
-
-def decode_forward(q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, pool: Any, indices: Any) -> Any:
-    """``T`` steps of ``N`` requests from rows ``indices`` (``-1``: padding) of
-    ``pool [P, HV, K, V]``, updated in place; returns ``output [N, HV, T, V]``."""  # fmt: skip
-    dt = _dtype(pool)
-    N, HV, T, V = v.shape
-    rows = np.asarray(list(indices), dtype=np.int64).reshape(N)
-    args = [_c(x, dt) for x in (q, k, v, g, beta)]
-    out = np.zeros((N, HV, T, V), dt)
-    contiguous = pool.flags.c_contiguous
-    work = pool if contiguous else np.ascontiguousarray(pool)
-    if N * HV * T * V:
-        _run("decode", N * HV, *args, _scale(scale, dt), work, rows, out, blas=False)
-    if not contiguous:
-        touched = rows[rows >= 0]
-        pool[touched] = work[touched]
-    return out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,23 +1,25 @@
-"""Decoding from a state pool: a few recurrent steps of many requests, states updated in place.
+"""Decoding from a state pool: a few recurrent steps of many requests, states written by slot.
 
-Request ``n`` owns row ``indices[n]`` of ``pool: [P, HV, K, V]`` (``-1``: a padding request, whose
-output is zeros and which reads and writes no state). Each step of a value head, with its state
-``S`` (``[K, V]``) and ``e = exp(g_t)``::
+Request ``n`` starts from row ``start[n]`` of ``pool: [P, HV, K, V]`` (``-1``: a padding request,
+whose output is zeros and which reads and writes no state) and writes its state after step ``t``
+into row ``dest[n, t]`` of the final pool (``dest: [N, 1]``: the final state into ``dest[n, 0]``;
+``-1``: not written). Each step of a block of value heads, with its state ``S`` (``[h, K, V]``)
+and ``e = exp(g_t)``::
 
     P   = [k_t * e, q_t * e]^T S        # one read of S: the prediction and the decayed query part
     u   = beta_t * (v_t - P[0])
     o_t = scale * (P[1] + (q_t . k_t) u)  # = scale * S_t^T q_t
-    S   = e[:, None] * S + k_t u^T         # S_t, written back into the pool row
+    S   = e[:, None] * S + k_t u^T         # S_t
 
-so the state is read once per step for both products and updated in place (NumPy), a block of
-heads at a time small enough to stay in the cache between the read and the update.
+so the state is read once per step for both products, a block of heads at a time small enough
+to stay in the cache between the read and the update. A block's start state is read before any
+of its slots is written, so a request may write the row it started from.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import array_api_compat
 from array_api_compat import array_namespace
 
 __all__ = ["BLOCK_ELEMENTS", "decode_forward"]
@@ -29,49 +31,70 @@ BLOCK_ELEMENTS = 1 << 17
 def _step(xp: Any, S: Any, q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float) -> tuple[Any, Any]:
     """One step of a block of heads: ``S: [h, K, V]``, ``q, k, g: [h, K]``, ``v: [h, V]``, ``beta: [h]``.
 
-    Returns the new state and the output ``[h, V]``; on NumPy ``S`` is updated in place.
+    Returns the new state and the output ``[h, V]``.
     """
     e = xp.exp(g)
     P = xp.matmul(xp.stack([k * e, q * e], axis=1), S)  # [h, 2, V]
     u = beta[:, None] * (v - P[:, 0, :])
     o = scale * (P[:, 1, :] + xp.sum(q * k, axis=-1)[:, None] * u)
-    update = k[:, :, None] * u[:, None, :]
-    if array_api_compat.is_numpy_array(S):
-        S *= e[:, :, None]
-        S += update
-        return S, o
-    return e[:, :, None] * S + update, o
+    return e[:, :, None] * S + k[:, :, None] * u[:, None, :], o
 
 
-def decode_forward(q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, pool: Any, indices: Any) -> Any:
-    """Run ``T`` steps of every request from its pool row, and write the new states back.
+def _spans(N: int, T: int, offsets: Any) -> list[tuple[int, int, int]]:
+    """``(batch row, first step, steps)`` of each request."""
+    if offsets is None:
+        return [(n, 0, T) for n in range(N)]
+    offs = [int(x) for x in offsets]
+    return [(0, offs[n], offs[n + 1] - offs[n]) for n in range(N)]
+
+
+def decode_forward(
+    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, pool: Any, start: Any, dest: Any,
+    offsets: Any = None, final_pool: Any = None, out: Any = None,
+) -> Any:  # fmt: skip
+    """Run every request's steps from its start row and write its states to its slots.
 
     Parameters
     ----------
-    q, k, g : ``[N, HV, T, K]``; v : ``[N, HV, T, V]``; beta : ``[N, HV, T]``, all in the pool's
-        dtype (q and k already expanded to the value heads).
+    q, k, g : ``[B, HV, T, K]``; v : ``[B, HV, T, V]``; beta : ``[B, HV, T]``, all in the pool's
+        dtype (q and k already expanded to the value heads). Request ``n`` is batch row ``n``, or
+        with ``offsets`` (``[N + 1]`` host ints, ``B == 1``) steps ``offsets[n]:offsets[n + 1]``.
     scale : float
-    pool : ``[P, HV, K, V]``, writable; rows named by ``indices`` are updated in place.
-    indices : sequence of ``N`` Python ints, each ``-1`` or a distinct row of ``pool``.
+    pool : ``[P, HV, K, V]``; rows ``start`` are read.
+    start : ``[N]`` host ints (NumPy), ``-1`` for padding.
+    dest : ``[N, W]`` host ints: ``W == 1`` the row of the final state, else the row of the state
+        after each step (``-1``: not written). Distinct across the call (the caller checks).
+    final_pool : ``[P', HV, K, V]`` receiving the written rows; None: ``pool`` (in place).
+    out : ``[B, HV, T, V]`` buffer receiving the output, or None.
 
     Returns
     -------
-    output : ``[N, HV, T, V]``, zeros for padding requests.
+    output : ``[B, HV, T, V]``, zeros for padding requests.
     """
     xp = array_namespace(q, k, v, g, beta, pool)
-    N, HV, T, V = v.shape
+    B, HV, T, V = v.shape
     K = q.shape[-1]
-    out = xp.zeros((N, HV, T, V), dtype=v.dtype, device=v.device)
+    dst = pool if final_pool is None else final_pool
+    if out is None:
+        out = xp.zeros((B, HV, T, V), dtype=v.dtype, device=v.device)
+    else:
+        out[...] = 0
     per_block = max(1, BLOCK_ELEMENTS // max(K * V, 1))
-    for n, row in enumerate(indices):
-        if row < 0:
+    starts, slots = start.tolist(), dest.tolist()
+    spans = _spans(len(starts), T, offsets)
+    for n, (b, t0, steps) in enumerate(spans):
+        if starts[n] < 0:
             continue
+        final_only = len(slots[n]) == 1
         for h0 in range(0, HV, per_block):
             hs = slice(h0, min(h0 + per_block, HV))
-            S = pool[row, hs, ...]
-            for t in range(T):
-                step = (x[n, hs, t, ...] for x in (q, k, v, g, beta))
-                S, out[n, hs, t, :] = _step(xp, S, *step, scale)
-            if not array_api_compat.is_numpy_array(S):
-                pool[row, hs, ...] = S
+            S = pool[starts[n], hs, ...]  # read before this block of heads writes
+            for t in range(steps):
+                step = (x[b, hs, t0 + t, ...] for x in (q, k, v, g, beta))
+                S, out[b, hs, t0 + t, :] = _step(xp, S, *step, scale)
+                slot = slots[n][0] if final_only else slots[n][t]
+                if slot >= 0 and (t == steps - 1 or not final_only):
+                    dst[slot, hs, ...] = S
+            if steps == 0 and final_only and slots[n][0] >= 0:
+                dst[slots[n][0], hs, ...] = S
     return out

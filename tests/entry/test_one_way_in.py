@@ -22,6 +22,7 @@ ENTRY_POINTS = {
     "chunk_kda_transition": kda.chunk_kda_transition,
     "chunk_kda_transition_backward": kda.chunk_kda_transition_backward,
     "decode_kda": kda.decode_kda,
+    "prepare_decode_kda": kda.prepare_decode_kda,
 }
 
 
@@ -39,12 +40,12 @@ def _entry_points() -> dict:
 
 @pytest.mark.parametrize("name", sorted(_entry_points()))
 def test_signature_and_docs_follow_the_option_table(name):
-    """Every option of the table (decode: all but cu_seqlens) ends the signature, keyword-only, with
+    """Every option of the table ends the signature, keyword-only, with
     the table's default and its documentation; no **kwargs; an unknown keyword is a TypeError."""
     fn = _entry_points()[name]
     params = inspect.signature(fn).parameters
     assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    options = [o for o in OPTIONS if not (name == "decode_kda" and o.name == "cu_seqlens")]
+    options = list(OPTIONS)
     tail = list(params.values())[-len(options) :]
     assert [p.name for p in tail] == [o.name for o in options]
     for p, o in zip(tail, options, strict=True):

@@ -1,0 +1,203 @@
+"""``python -m benchmarks.decode``: one decode step (T = 1), kda against llama.cpp's ggml, side by side.
+
+Per ``H`` (default 4, 16, 32; ``B = 1``, ``K = V = 128``, float32) it prints, from one run:
+
+- ``ggml``: ``ggml_gated_delta_net`` in KDA mode on ggml's CPU backend, 2 threads
+  (:mod:`benchmarks.llama_cpp` builds it; the graph computation alone, as ggml's own timer
+  sees it), and ggml at ``B = 64`` for the pool-of-256 row;
+- ``decode_kda``: :func:`kda.decode_kda` on a pool of 8 rows, one request (row 3);
+- ``plan``: the prepared form, :func:`kda.prepare_decode_kda` ``.run()``;
+- ``torch``: ``kda.torch.fused_recurrent_kda(q, k, v, g, beta, initial_state=s0,
+  output_final_state=True)`` in ``torch.inference_mode()`` (time-major ``[1, 1, H, K]`` tensors);
+- ``64/256``: ``decode_kda`` and the plan with 64 requests from a pool of 256 rows (split over
+  both cores: ``kda.cpu._decode.SPLIT_WORK``), and ``decode_kda`` held to one thread;
+- ``ggml 1 thread``: the same ggml step on one thread (less sensitive to other load);
+- the targets of issue 25 (``decode_kda <= 1.5 ggml + 25 us``, ``torch <= 1.5 ggml + 60 us``),
+  whether each is met, the agreement of kda's step with ggml's (max abs difference of outputs and
+  states), the same-run GEMM rate and ``os.getloadavg()`` before and after.
+
+Times are the median (and the minimum) of ``--repeats`` calls after a warm-up. Run on a quiet
+machine, without the OpenBLAS settings of the test environment::
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python -m benchmarks.decode
+
+Where ggml cannot be built here (no compiler, cmake or network) its columns say why and the kda
+columns are still printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+import kda
+
+K = V = 128
+POOL, ROW = 8, 3
+MANY, MANY_POOL = 64, 256
+
+
+def _times(fn: Any, repeats: int) -> tuple[float, float]:
+    """(median, min) seconds of ``fn()`` over ``repeats`` calls, after three warm-up calls."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), min(times)
+
+
+def _inputs(B: int, H: int, seed: int = 0) -> dict[str, np.ndarray]:
+    from .chunk import _inputs as chunk_inputs
+
+    return chunk_inputs(B, H, 1, K, V, np.float32, seed)
+
+
+def _ggml(x: dict[str, np.ndarray], state: np.ndarray, repeats: int, threads: int) -> tuple[Any, str]:
+    """ggml's result dict, or None and the reason it cannot run."""
+    try:
+        from .llama_cpp import GgmlUnavailable, ggml_forward
+    except ImportError as err:  # pragma: no cover
+        return None, f"benchmarks.llama_cpp missing: {err}"
+    try:
+        return ggml_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], state, threads, repeats), ""
+    except (GgmlUnavailable, OSError) as err:
+        return None, str(err)
+
+
+def _one_row(H: int, repeats: int) -> dict[str, Any]:
+    """ggml, decode_kda, the plan and kda.torch on one request (row ROW of a pool of POOL)."""
+    x = _inputs(1, H)
+    rng = np.random.default_rng(1)
+    s0 = (0.1 * rng.standard_normal((1, H, K, V))).astype(np.float32)
+    q, k, v, g, beta = (x[n] for n in ("q", "k", "v", "g", "beta"))
+    # agreement: one step of kda from s0 against ggml's
+    check_pool = np.zeros((POOL, H, K, V), np.float32)
+    check_pool[ROW] = s0[0]
+    rows = np.array([ROW], np.int64)
+    kda_out = kda.decode_kda(q, k, v, g, beta, check_pool, rows)
+    row = {"H": H}
+    ggml, why = _ggml(x, s0, repeats, 2)
+    one, _ = _ggml(x, s0, repeats, 1)
+    row["ggml1"] = None if one is None else (one["time_s"], min(one["times_s"]))
+    if ggml is not None:
+        row["ggml"] = (ggml["time_s"], min(ggml["times_s"]))
+        row["agreement"] = max(
+            float(np.abs(kda_out - ggml["output"]).max()),
+            float(np.abs(check_pool[ROW] - ggml["final_state"][0]).max()),
+        )
+    else:
+        row["ggml_missing"] = why
+    pool = np.zeros((POOL, H, K, V), np.float32)
+    pool[ROW] = s0[0]
+    row["decode_kda"] = _times(lambda: kda.decode_kda(q, k, v, g, beta, pool, rows), repeats)
+    plan = kda.prepare_decode_kda(q, k, v, g, beta, pool, rows)
+    row["plan"] = _times(plan.run, repeats)
+    row["torch"] = _torch(x, s0, repeats)
+    return row
+
+
+def _torch(x: dict[str, np.ndarray], s0: np.ndarray, repeats: int) -> Any:
+    try:
+        import torch
+
+        from kda.torch import fused_recurrent_kda
+    except ImportError:
+        return None
+    q, k, v, g, beta = (
+        torch.from_numpy(np.ascontiguousarray(np.swapaxes(x[n], 1, 2))) for n in "q k v g beta".split()
+    )
+    state = torch.from_numpy(s0)
+    with torch.inference_mode():
+        return _times(
+            lambda: fused_recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=True),
+            repeats,
+        )
+
+
+def _many(H: int, repeats: int) -> dict[str, Any]:
+    """MANY requests, distinct rows of a pool of MANY_POOL: decode_kda, the plan, ggml at B = MANY."""
+    x = _inputs(MANY, H, seed=2)
+    q, k, v, g, beta = (x[n] for n in ("q", "k", "v", "g", "beta"))
+    rng = np.random.default_rng(3)
+    pool = (0.1 * rng.standard_normal((MANY_POOL, H, K, V))).astype(np.float32)
+    rows = rng.choice(MANY_POOL, MANY, replace=False).astype(np.int64)
+    row: dict[str, Any] = {
+        "decode_kda": _times(lambda: kda.decode_kda(q, k, v, g, beta, pool, rows), repeats)
+    }
+    row["plan"] = _times(kda.prepare_decode_kda(q, k, v, g, beta, pool, rows).run, repeats)
+    import kda.cpu._decode as cpu_decode
+
+    split, cpu_decode.SPLIT_WORK = cpu_decode.SPLIT_WORK, 1 << 62  # the same call on one thread
+    try:
+        row["one_thread"] = _times(lambda: kda.decode_kda(q, k, v, g, beta, pool, rows), repeats)
+    finally:
+        cpu_decode.SPLIT_WORK = split
+    ggml, _ = _ggml(x, np.ascontiguousarray(pool[rows]), repeats, 2)
+    row["ggml"] = None if ggml is None else (ggml["time_s"], min(ggml["times_s"]))
+    return row
+
+
+def _us(t: Any) -> str:
+    """Median (min) in microseconds, or '-'."""
+    return "-" if t is None else f"{t[0] * 1e6:.1f} ({t[1] * 1e6:.1f})"
+
+
+def _target(measured: Any, target: float | None) -> str:
+    if measured is None or target is None:
+        return "-"
+    return f"{target * 1e6:.1f} {'met' if measured[0] <= target else 'NOT MET'}"
+
+
+COLUMNS = (
+    "H", "ggml", "ggml 1 thread", "decode_kda", "plan", "torch", "kda target (1.5 ggml + 25)",
+    "torch target (1.5 ggml + 60)",
+    "|kda - ggml|", "64/256 decode_kda", "64/256 plan", "64/256 decode_kda 1 thread", "ggml B=64",
+)  # fmt: skip
+
+
+def _gemm_rate(n: int = 1024) -> float:
+    a = np.ones((n, n), np.float32)
+    a @ a
+    t0 = time.perf_counter()
+    a @ a
+    return 2 * n**3 / (time.perf_counter() - t0) / 1e9
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--heads", type=int, nargs="+", default=[4, 16, 32])
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--many-repeats", type=int, default=20)
+    args = parser.parse_args(argv)
+    print(
+        f"load average before: {os.getloadavg()}; same-run GEMM (1024^3 float32): {_gemm_rate():.1f} GFLOP/s"
+    )
+    print(f"one token, B=1, K=V={K}, float32; median (min) us of {args.repeats} calls; ggml 2 threads")
+    print(" | ".join(COLUMNS))
+    for H in args.heads:
+        r, m = _one_row(H, args.repeats), _many(H, args.many_repeats)
+        ggml = r.get("ggml")
+        cells = [
+            str(H), _us(ggml), _us(r["ggml1"]), _us(r["decode_kda"]), _us(r["plan"]), _us(r["torch"]),
+            _target(r["decode_kda"], None if ggml is None else 1.5 * ggml[0] + 25e-6),
+            _target(r["torch"], None if ggml is None else 1.5 * ggml[0] + 60e-6),
+            f"{r['agreement']:.1e}" if "agreement" in r else "-",
+            _us(m["decode_kda"]), _us(m["plan"]), _us(m["one_thread"]), _us(m["ggml"]),
+        ]  # fmt: skip
+        print(" | ".join(cells))
+        if "ggml_missing" in r:
+            print(f"    ggml not run: {r['ggml_missing']}")
+    print(f"load average after: {os.getloadavg()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

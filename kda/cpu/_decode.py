@@ -1,0 +1,160 @@
+"""Decoding from a state pool on the CPU: one Numba kernel, on the calling thread.
+
+The kernel (:mod:`._decode_kernels`, imported on the first call: ``import kda`` does not import
+Numba) reads only the pool rows a call names and writes only the rows it names, in place. The
+work of one decode step is small (a few heads of ``K x V`` states), so the kernel runs on the
+calling thread; handing it to a thread pool costs more than the step.
+
+What a call allocates: the output, and nothing else when the inputs are C-contiguous in the
+pool's dtype and the pool rows are C-contiguous (the kernel takes the pool itself). A pool whose
+rows are strided (a transposed view, say) is served through a contiguous copy of the rows the
+call names, written back afterwards: still no read of any other row.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+__all__ = ["decode_forward", "decode_screen"]
+
+_LOCK = threading.Lock()
+_KERNELS: list[Any] = []  # the kernel module, once imported
+_NO_OFFSETS = np.zeros(0, np.int64)
+_HELPER: list[Any] = []
+# state elements a call steps (items x steps x K x V) from which it is split over two cores
+SPLIT_WORK = 1 << 20
+
+
+def _kernels() -> Any:
+    if not _KERNELS:
+        with _LOCK:
+            if not _KERNELS:
+                from . import _decode_kernels
+
+                _KERNELS.append(_decode_kernels)
+    return _KERNELS[0]
+
+
+def _kernel() -> Any:
+    return _kernels().decode
+
+
+def decode_screen(q: Any, k: Any, v: Any, g: Any, beta: Any, finite: bool) -> bool:
+    """Whether ``g <= 0`` everywhere (NaN fails) and, with ``finite``, ``q, k, v, beta`` are finite.
+
+    One compiled pass over C-contiguous NumPy inputs of one float dtype (False for anything else:
+    the caller's own checks then decide and word the error).
+    """
+    arrays = (q, k, v, g, beta)
+    dt = q.dtype
+    if (dt is not _F32 and dt is not _F64) or not all(x.dtype is dt and x.flags.c_contiguous for x in arrays):
+        return False
+    return bool(_kernels().screen(*(x.reshape(-1) for x in arrays), finite))
+
+
+_F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
+
+
+def _float_dtype(pool: Any) -> np.dtype:
+    dtype = pool.dtype
+    if dtype != np.float32 and dtype != np.float64:
+        from .._errors import InvalidInputError
+
+        msg = f"the cpu backend computes float32 or float64 states; got a pool of {dtype}"
+        raise InvalidInputError(msg)
+    return dtype
+
+
+def decode_forward(
+    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, pool: Any, start: Any, dest: Any,
+    offsets: Any = None, final_pool: Any = None, out: Any = None,
+) -> np.ndarray:  # fmt: skip
+    """``T`` steps of ``N`` requests from ``pool [P, HV, K, V]`` (see :class:`kda._backend.Backend`).
+
+    ``q, k, g: [B, HV, T, K]``, ``v: [B, HV, T, V]``, ``beta: [B, HV, T]``; ``start [N]`` and
+    ``dest [N, W]`` int64 host arrays; ``offsets [N + 1]`` or None; ``final_pool`` receives the
+    written states (None: ``pool``, in place); ``out``: a C-contiguous output buffer, or None.
+    Returns the output ``[B, HV, T, V]``.
+    """
+    dt = _float_dtype(pool)
+    args = [
+        x if x.dtype == dt and x.flags.c_contiguous else np.ascontiguousarray(x, dt)
+        for x in (q, k, v, g, beta)
+    ]
+    if out is None or out.dtype != dt or out.shape != args[2].shape or not out.flags.c_contiguous:
+        out = np.empty(args[2].shape, dt)
+    if out.size == 0:
+        return out
+    dst = pool if final_pool is None else final_pool
+    kernel = _kernel()
+    offs = _NO_OFFSETS if offsets is None else np.asarray(offsets, np.int64)
+    N, HV = start.shape[0], q.shape[1]
+    if pool.flags.c_contiguous and dst.flags.c_contiguous:
+        _run(
+            kernel, (*args, dt.type(scale), pool, dst, start, dest, offs, out), N * HV, out.size * q.shape[-1]
+        )
+        return out
+    _through_copies(kernel, args, dt.type(scale), pool, dst, start, dest, offs, out, N * HV)
+    return out
+
+
+def _run(kernel: Any, args: tuple, items: int, work: int) -> None:
+    """``kernel(*args, lo, hi)`` over ``items``: on the calling thread, or split in two halves (the
+    calling thread and one helper) where ``work`` (state elements stepped) passes :data:`SPLIT_WORK`
+    and a second core is usable. Items are independent, so the results do not depend on the split."""
+    if work < SPLIT_WORK or items < 2 or _cores() < 2:
+        kernel(*args, 0, items)
+        return
+    mid = items // 2
+    future = _helper().submit(kernel, *args, mid, items)
+    try:
+        kernel(*args, 0, mid)
+    finally:
+        future.result()
+
+
+def _cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _helper() -> Any:
+    """The one helper thread (made on first use; a forked child makes its own)."""
+    with _LOCK:
+        if not _HELPER:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _HELPER.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="kda-decode"))
+        return _HELPER[0]
+
+
+def _forget_helper() -> None:
+    _HELPER.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_helper)
+
+
+def _through_copies(kernel, args, scale, pool, dst, start, dest, offs, out, items) -> None:
+    """Run on contiguous copies of the named rows of strided pools; write the written rows back."""
+    read, written = np.unique(start[start >= 0]), np.unique(dest[dest >= 0])
+    if dst is pool:
+        src_rows = dst_rows = np.union1d(read, written)
+        src_work = dst_work = np.ascontiguousarray(pool[src_rows])
+    else:
+        src_rows, dst_rows = read, written
+        src_work, dst_work = np.ascontiguousarray(pool[read]), np.ascontiguousarray(dst[written])
+    kernel(*args, scale, src_work, dst_work, _renumber(start, src_rows), _renumber(dest, dst_rows), offs, out,
+           0, items)  # fmt: skip
+    dst[written] = dst_work[np.searchsorted(dst_rows, written)]
+
+
+def _renumber(rows: np.ndarray, kept: np.ndarray) -> np.ndarray:
+    """``rows`` as positions in the sorted ``kept`` (negative entries stay -1)."""
+    return np.where(rows >= 0, np.searchsorted(kept, rows), -1).astype(np.int64)
