@@ -136,9 +136,12 @@ def test_adapter_is_bitwise_the_public_functions(name, method):
         grads = kda.chunk_kda_backward(
             *inputs, out.boundaries, do.numpy(), ds.numpy(), **params, **opts, chunk_size=3
         )
-    else:
-        out = kda.recurrent_kda(*inputs, **params, **opts)
+    else:  # the recurrent forward runs the decode kernel: kda.decode_kda on a pool of the states
         grads = kda.recurrent_kda_backward(*inputs, do.numpy(), ds.numpy(), **params, **opts)
+        pool = np.array(params["initial_state"]) if "initial_state" in params else np.zeros(s.shape)
+        gate = {p: params[p] for p in ("A_log", "dt_bias") if p in params}
+        output = kda.decode_kda(*inputs, pool, np.arange(pool.shape[0]), **gate, **opts)
+        out = kda.KdaOutput(output, pool, None)
     np.testing.assert_array_equal(o.detach().numpy(), out.output)
     np.testing.assert_array_equal(s.detach().numpy(), out.final_state)
     for name_ in x:
