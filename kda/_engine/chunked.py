@@ -146,6 +146,14 @@ def chunk_forward(
             return o, xp.asarray(state, copy=True), empty
         final_buf[...] = state
         return out
+    if ops.chunk_forward_heads is not None and _writable(o):
+        if saved is None and out is None:
+            saved = xp.empty((NT, *state.shape), dtype=state.dtype, device=state.device)
+        final = ops.chunk_forward_heads(q, k, v, g, beta, scale, state, chunk_size, o, saved)
+        if out is None:
+            return o, final, saved
+        final_buf[...] = final
+        return out
     axis, groups = _head_groups(ops, xp, q.shape)
     if not _writable(o):
         axis, groups = 1, [slice(None)]
@@ -241,6 +249,9 @@ def chunk_backward(
             return (*grads, xp.asarray(grad_state, copy=True))
         dstate_buf[...] = grad_state
         return tuple(out[:6])
+    if ops.chunk_backward_heads is not None and _writable(grads[0]):
+        return _backward_fused(ops, xp, q, k, v, g, beta, scale, state, boundaries, grad_output, grad_state,
+                               chunk_size, grads, dstate_buf, workspace)  # fmt: skip
     axis, groups = _head_groups(ops, xp, q.shape)
     if not _writable(grads[0]):
         axis, groups = 1, [slice(None)]
@@ -266,6 +277,25 @@ def chunk_backward(
     if len(results) == 1:
         return (*results[0][1], results[0][0])
     return (*grads, xp.concat([r[0] for r in results], axis=axis))
+
+
+def _backward_fused(
+    ops: Any, xp: Any, q, k, v, g, beta, scale: float, state: Any, boundaries: Any, grad_output: Any,
+    grad_state: Any, C: int, grads: list[Any], dstate: Any, workspace: Any,
+) -> tuple[Any, ...]:  # fmt: skip
+    """The backward through the backend's fused passes (boundaries recomputed when None)."""
+    if boundaries is None:
+        NT = -(-q.shape[2] // C)
+        if workspace is None:
+            workspace = xp.empty((NT, *state.shape), dtype=state.dtype, device=state.device)
+        ops.chunk_forward_heads(q, k, v, g, beta, scale, state, C, None, workspace)
+        boundaries = workspace
+    if dstate is None:
+        dstate = xp.empty(grad_state.shape, dtype=grad_state.dtype, device=grad_state.device)
+    ops.chunk_backward_heads(
+        q, k, v, g, beta, scale, boundaries, grad_output, grad_state, C, [*grads, dstate]
+    )
+    return (*grads, dstate)
 
 
 def _backward_heads(

@@ -51,6 +51,8 @@ __all__ = [
     "NAME",
     "SLAB_ELEMENTS",
     "ChunkLocal",
+    "chunk_backward_heads",
+    "chunk_forward_heads",
     "chunk_local",
     "chunk_local_backward",
     "chunk_state_grad_pass",
@@ -77,18 +79,18 @@ _LOADED: list[Any] = []
 _POOL: list[Any] = []  # the thread pool of the kernels (created on first use, reset after fork)
 
 
-def _k() -> Any:
-    """The kernel module (imports Numba on first use)."""
+def _k(name: str) -> Any:
+    """Kernel ``name`` of :mod:`._kernels` or :mod:`._fused` (imports Numba on first use)."""
     if not _LOADED:
         with _LOCK:
             if not _LOADED:
                 import scipy.linalg.cython_blas  # noqa: F401  (the BLAS of Numba's np.dot)
 
-                from . import _kernels
+                from . import _fused, _kernels
 
                 PIN.rescan()  # pin that BLAS too
-                _LOADED.append(_kernels)
-    return _LOADED[0]
+                _LOADED.extend((_kernels, _fused))
+    return getattr(_LOADED[0], name, None) or getattr(_LOADED[1], name)
 
 
 def threads() -> int:
@@ -122,7 +124,7 @@ def _run(name: str, items: int, *args: Any, blas: bool = True) -> None:
     core that other processes keep busy does not hold up the call. BLAS is pinned to one thread
     while the kernels run (``blas``): they call it from every thread.
     """
-    kernel = getattr(_k(), name)
+    kernel = _k(name)
     workers = min(items, threads())
     if sum(int(getattr(a, "size", 0)) for a in args) < INLINE_ELEMENTS:
         workers = 1
@@ -324,6 +326,66 @@ def chunk_local_backward(
         dg.reshape(*lead, Cp, K),
         dbeta.reshape(*lead, Cp),
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# the fused passes (what the engine calls; the chunk primitives above remain for the finer paths)
+
+
+def _view(x: Any, dt: Any) -> np.ndarray:
+    """``x`` as a NumPy array of ``dt``, read in place when it already is one (any strides)."""
+    x = np.asarray(x)
+    return x if x.dtype == dt else x.astype(dt)
+
+
+def chunk_forward_heads(
+    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any, chunk_size: int, output: Any,
+    boundaries: Any,
+) -> np.ndarray:  # fmt: skip
+    """The chunked forward, one head per worker from its first chunk to its last.
+
+    ``q, k, g: [B, H, T, K]``, ``v: [B, H, T, V]``, ``beta: [B, H, T]`` (read in place, any
+    strides), ``state: [B, H, K, V]``. Writes ``output [B, H, T, V]`` and ``boundaries
+    [NT, B, H, K, V]`` (the chunk-start states) where they are not None; returns the final state.
+    """
+    dt = _dtype(q)
+    B, H, T, K = q.shape
+    V = v.shape[-1]
+    final = np.empty((B, H, K, V), dt)
+    with_output, with_bounds = output is not None, boundaries is not None
+    out = output if with_output else np.zeros((1, 1, 1, 1), dt)
+    bounds = boundaries if with_bounds else np.zeros((1, 1, 1, 1, 1), dt)
+    ins = [_view(x, dt) for x in (q, k, v, g, beta)]
+    start = _c(state, dt)
+    if B * H * K * V and T:
+        _run("forward_heads", B * H, *ins, _scale(scale, dt), start, chunk_size, with_output, with_bounds,
+             out, bounds, final)  # fmt: skip
+    else:
+        final[...] = start
+    return final
+
+
+def chunk_backward_heads(
+    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, boundaries: Any, grad_output: Any,
+    grad_state: Any, chunk_size: int, grads: Any,
+) -> None:  # fmt: skip
+    """The chunked backward, one head per worker from its last chunk to its first.
+
+    Inputs as :func:`chunk_forward_heads`; ``boundaries [NT, B, H, K, V]`` from the forward,
+    ``grad_output [B, H, T, V]``, ``grad_state [B, H, K, V]``. Writes the six gradients into
+    ``grads`` (``dq, dk, dv, dg, dbeta, dstate``: writable arrays of the inputs' shapes).
+    """
+    dt = _dtype(q)
+    B, H, T, K = q.shape
+    V = v.shape[-1]
+    ins = [_view(x, dt) for x in (q, k, v, g, beta)]
+    bounds, dO, dS = _view(boundaries, dt), _view(grad_output, dt), _c(grad_state, dt)
+    if B * H * K * V and T:
+        _run("backward_heads", B * H, *ins, _scale(scale, dt), bounds, dO, dS, chunk_size, *grads)
+    else:
+        grads[5][...] = dS
+        for x in grads[:5]:
+            x[...] = 0
 
 
 # ----------------------------------------------------------------------------------------------

@@ -75,6 +75,24 @@ def _factors(g, pre, suf):
 
 
 @_jit()
+def _sum(x):
+    """``sum(x)`` (``x`` not empty) in a loop that stores nothing (one compiled order)."""
+    acc = x[0]
+    for d in range(1, x.shape[0]):
+        acc += x[d]
+    return acc
+
+
+@_jit()
+def _sum_products(x, y):
+    """``sum(x * y)`` (not empty) in a loop that stores nothing (one compiled order)."""
+    acc = x[0] * y[0]
+    for d in range(1, x.shape[0]):
+        acc += x[d] * y[d]
+    return acc
+
+
+@_jit()
 def _local_one(q, k, g, v, beta, s, qg, kg, kt, total, A, L, Tinv, w, u0, pre, suf, kd, bk, bv):
     Cp, K = q.shape
     V = v.shape[1]
@@ -87,24 +105,24 @@ def _local_one(q, k, g, v, beta, s, qg, kg, kt, total, A, L, Tinv, w, u0, pre, s
     for d in range(K):
         total[d] = pre[Cp - 1, d]
     # pairs: kd = k[j] * prod(exp(g[l]), j < l <= i), a running product over i
+    # (every sum over channels runs in a loop of its own that stores nothing: a loop that both
+    # stores and sums is compiled twice, vectorised or not behind a run-time overlap check of
+    # its arrays' addresses, and the two sum in different orders)
     A[:, :] = 0.0
     L[:, :] = 0.0
+    pa, pb = np.empty(K, q.dtype), np.empty(K, q.dtype)
     for j in range(Cp):
-        a = A[j, j]
         for d in range(K):
             kd[d] = k[j, d]
-            a += q[j, d] * k[j, d]
-        A[j, j] = s * a
+        A[j, j] = s * _sum_products(q[j], kd)
         for i in range(j + 1, Cp):
-            a = A[i, j]
-            b = L[i, j]
             for d in range(K):
                 x = kd[d] * e[i, d]
                 kd[d] = x
-                a += q[i, d] * x
-                b += k[i, d] * x
-            A[i, j] = s * a
-            L[i, j] = b
+                pa[d] = q[i, d] * x
+                pb[d] = k[i, d] * x
+            A[i, j] = s * _sum(pa)
+            L[i, j] = _sum(pb)
     # T = (I + diag(beta) L)^-1, row by row: T[i, :i] = -beta[i] sum_m L[i, m] T[m, :i]
     Tinv[:, :] = 0.0
     for i in range(Cp):
@@ -261,15 +279,12 @@ def _local_backward_one(
     dX += np.dot(dku, u0.T)
     # dX <- strictly lower part of -dX; dbeta; dL = beta dX
     for i in range(Cp):
-        acc = zero
+        acc = _sum_products(kg[i], dkw[i]) + _sum_products(v[i], dku[i])
+        if i > 0:
+            acc -= _sum_products(dX[i, :i], L[i, :i])
         for j in range(i):
-            x = -dX[i, j]
-            acc += x * L[i, j]
-            dX[i, j] = beta[i] * x
-        for d in range(K):
-            acc += kg[i, d] * dkw[i, d]
+            dX[i, j] = -beta[i] * dX[i, j]
         for c in range(V):
-            acc += v[i, c] * dku[i, c]
             dv[i, c] = beta[i] * dku[i, c]
         dbeta[i] = acc
     # pairs: gradients of A (scale q_i . k_j D) and L (k_i . k_j D), D = prod exp(g) over (j, i]
