@@ -36,6 +36,9 @@ CACHING = True  # False when no cache directory is writable (a read-only install
 
 # Key sizes below this form [W, U0] by forward substitution (more accurate there), above by BLAS
 SUBSTITUTE_BELOW = 16
+# Steps of a sub-block of a chunk: pairs inside one by running products, across them by matrix
+# products (see _pairs; measured in docs/speed.md)
+SUB_BLOCK = 16
 
 
 def _jit():
@@ -93,6 +96,95 @@ def _sum_products(x, y):
 
 
 @_jit()
+def _block_factors(e, c, P, Q):
+    """Per sub-block of ``c`` steps: ``P[i] = prod(e[l], block start <= l <= i)`` and
+    ``Q[j] = prod(e[l], j < l <= block end)`` (both in ``[0, 1]``)."""
+    Cp, K = e.shape
+    for a0 in range(0, Cp, c):
+        a1 = a0 + c
+        for d in range(K):
+            P[a0, d] = e[a0, d]
+            Q[a1 - 1, d] = 1.0
+        for i in range(a0 + 1, a1):
+            for d in range(K):
+                P[i, d] = P[i - 1, d] * e[i, d]
+        for j in range(a1 - 2, a0 - 1, -1):
+            for d in range(K):
+                Q[j, d] = Q[j + 1, d] * e[j + 1, d]
+
+
+@_jit()
+def _pairs_within(q, k, e, s, A, L, kd, a0, a1):
+    """Pairs ``a0 <= j <= i < a1`` of one sub-block by running products over ``i``:
+    ``kd = k[j] * prod(e[l], j < l <= i)``. Every sum over channels runs in a loop of its own
+    that stores nothing (a loop that both stores and sums is compiled twice, vectorised or not
+    behind a run-time overlap check of its arrays' addresses, and the two sum in different
+    orders: the results would depend on where scratch arrays were allocated)."""
+    K = q.shape[1]
+    pa, pb = np.empty(K, q.dtype), np.empty(K, q.dtype)
+    for j in range(a0, a1):
+        for d in range(K):
+            kd[d] = k[j, d]
+        A[j, j] = s * _sum_products(q[j], kd)
+        for i in range(j + 1, a1):
+            for d in range(K):
+                x = kd[d] * e[i, d]
+                kd[d] = x
+                pa[d] = q[i, d] * x
+                pb[d] = k[i, d] * x
+            A[i, j] = s * _sum(pa)
+            L[i, j] = _sum(pb)
+
+
+@_jit()
+def _pairs(q, k, e, s, A, L, kd):
+    """``A`` (lower, ``scale q_i . k_j decay(j..i]``) and ``L`` (strictly lower, ``k_i . k_j
+    decay(j..i]``) of one chunk, zeros above.
+
+    The chunk is cut into sub-blocks of :data:`SUB_BLOCK` steps. Pairs inside a sub-block run as
+    running products (:func:`_pairs_within`); the pairs of a later sub-block ``J`` with all
+    earlier ones are one matrix product ``[s q P; k P]_J @ (k Q M)^T`` whose factors are partial
+    products of ``exp(g)`` (``P``: from the start of ``J`` through ``i``; ``Q``: after ``j`` to the
+    end of its block; ``M``: the whole blocks between), so each decay is the product over exactly
+    the steps it spans, every factor in ``[0, 1]``, no division.
+    """
+    Cp, K = q.shape
+    c = min(SUB_BLOCK, Cp)
+    dt = q.dtype
+    A[:, :] = 0.0
+    L[:, :] = 0.0
+    for a0 in range(0, Cp, c):
+        _pairs_within(q, k, e, s, A, L, kd, a0, a0 + c)
+    if c == Cp:
+        return
+    P, Q = np.empty((Cp, K), dt), np.empty((Cp, K), dt)
+    _block_factors(e, c, P, Q)
+    left = np.empty((2 * c, K), dt)
+    right = np.empty((Cp - c, K), dt)
+    M = np.empty(K, dt)
+    for a0 in range(c, Cp, c):
+        for r in range(c):
+            for d in range(K):
+                x = P[a0 + r, d]
+                left[r, d] = s * q[a0 + r, d] * x
+                left[c + r, d] = k[a0 + r, d] * x
+        for d in range(K):
+            M[d] = 1.0
+        for b0 in range(a0 - c, -1, -c):  # earlier blocks, nearest first
+            if b0 < a0 - c:
+                for d in range(K):
+                    M[d] *= P[b0 + 2 * c - 1, d]  # the whole block after b0's
+            for j in range(b0, b0 + c):
+                for d in range(K):
+                    right[j, d] = k[j, d] * Q[j, d] * M[d]
+        res = np.dot(left, right[:a0].T)
+        for r in range(c):
+            for j in range(a0):
+                A[a0 + r, j] = res[r, j]
+                L[a0 + r, j] = res[c + r, j]
+
+
+@_jit()
 def _local_one(q, k, g, v, beta, s, qg, kg, kt, total, A, L, Tinv, w, u0, pre, suf, kd, bk, bv):
     Cp, K = q.shape
     V = v.shape[1]
@@ -104,25 +196,7 @@ def _local_one(q, k, g, v, beta, s, qg, kg, kt, total, A, L, Tinv, w, u0, pre, s
             kt[i, d] = k[i, d] * suf[i, d]
     for d in range(K):
         total[d] = pre[Cp - 1, d]
-    # pairs: kd = k[j] * prod(exp(g[l]), j < l <= i), a running product over i
-    # (every sum over channels runs in a loop of its own that stores nothing: a loop that both
-    # stores and sums is compiled twice, vectorised or not behind a run-time overlap check of
-    # its arrays' addresses, and the two sum in different orders)
-    A[:, :] = 0.0
-    L[:, :] = 0.0
-    pa, pb = np.empty(K, q.dtype), np.empty(K, q.dtype)
-    for j in range(Cp):
-        for d in range(K):
-            kd[d] = k[j, d]
-        A[j, j] = s * _sum_products(q[j], kd)
-        for i in range(j + 1, Cp):
-            for d in range(K):
-                x = kd[d] * e[i, d]
-                kd[d] = x
-                pa[d] = q[i, d] * x
-                pb[d] = k[i, d] * x
-            A[i, j] = s * _sum(pa)
-            L[i, j] = _sum(pb)
+    _pairs(q, k, e, s, A, L, kd)
     # T = (I + diag(beta) L)^-1, row by row: T[i, :i] = -beta[i] sum_m L[i, m] T[m, :i]
     Tinv[:, :] = 0.0
     for i in range(Cp):
