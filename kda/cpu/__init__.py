@@ -80,17 +80,17 @@ _POOL: list[Any] = []  # the thread pool of the kernels (created on first use, r
 
 
 def _k(name: str) -> Any:
-    """Kernel ``name`` of :mod:`._kernels` or :mod:`._fused` (imports Numba on first use)."""
+    """Kernel ``name`` of :mod:`._kernels` (imports Numba on first use)."""
     if not _LOADED:
         with _LOCK:
             if not _LOADED:
                 import scipy.linalg.cython_blas  # noqa: F401  (the BLAS of Numba's np.dot)
 
-                from . import _fused, _kernels
+                from . import _kernels
 
                 PIN.rescan()  # pin that BLAS too
-                _LOADED.extend((_kernels, _fused))
-    return getattr(_LOADED[0], name, None) or getattr(_LOADED[1], name)
+                _LOADED.append(_kernels)
+    return getattr(_LOADED[0], name)
 
 
 def threads() -> int:

@@ -18,7 +18,9 @@ import numba
 import numpy as np
 
 __all__ = [
+    "backward_heads",
     "decode",
+    "forward_heads",
     "local_backward",
     "local_forward",
     "recurrent_backward",
@@ -325,6 +327,86 @@ def state_grad_pass(w, u0, kt, total, qg, A, dO, bounds, dstate, ends, u, du, di
 
 
 @_jit()
+def _pairs_backward_within(q, k, e, s, dA, dX, DQ, DK, COL, a0, a1):
+    """:func:`_pairs_backward` for the pairs ``a0 <= j < i < a1`` of one sub-block (running
+    products over ``i``; every loop over channels is elementwise)."""
+    K = q.shape[1]
+    Dv = np.empty(K, q.dtype)
+    for j in range(a0, a1):
+        for d in range(K):
+            Dv[d] = 1.0
+        for i in range(j + 1, a1):
+            c = s * dA[i, j]
+            b = dX[i, j]
+            for d in range(K):
+                D = Dv[d] * e[i, d]
+                Dv[d] = D
+                kd = k[j, d] * D
+                DQ[i, d] += c * kd
+                DK[i, d] += b * kd
+                COL[j, d] += (c * q[i, d] + b * k[i, d]) * D
+
+
+@_jit()
+def _pairs_backward(q, k, e, s, dA, dX, DQ, DK, COL):
+    """Sums over the pairs ``j < i`` of a chunk with decay ``D = decay(j..i]``, given the
+    gradients ``dA`` (of ``A / scale``'s pairs: ``c = scale dA``) and ``dX`` (of ``L``):
+    ``DQ[i] = sum_j c k_j D``, ``DK[i] = sum_j dX k_j D``, ``COL[j] = sum_i (c q_i + dX k_i) D``.
+
+    Cut into sub-blocks as :func:`_pairs`: pairs across them as matrix products of the same
+    partial-product factors, ``[DQ; DK]_J += P_J * ([c; dX]_J @ (k Q M))`` and
+    ``COL_I += Q M * ([c; dX]_J^T @ [q P; k P]_J)``.
+    """
+    Cp, K = q.shape
+    c = min(SUB_BLOCK, Cp)
+    dt = q.dtype
+    DQ[:, :] = 0.0
+    DK[:, :] = 0.0
+    COL[:, :] = 0.0
+    for a0 in range(0, Cp, c):
+        _pairs_backward_within(q, k, e, s, dA, dX, DQ, DK, COL, a0, a0 + c)
+    if c == Cp:
+        return
+    P, Q = np.empty((Cp, K), dt), np.empty((Cp, K), dt)
+    _block_factors(e, c, P, Q)
+    left = np.empty((2 * c, K), dt)
+    right, qm = np.empty((Cp - c, K), dt), np.empty((Cp - c, K), dt)
+    M = np.empty(K, dt)
+    for a0 in range(c, Cp, c):
+        for r in range(c):
+            for d in range(K):
+                x = P[a0 + r, d]
+                left[r, d] = q[a0 + r, d] * x
+                left[c + r, d] = k[a0 + r, d] * x
+        for d in range(K):
+            M[d] = 1.0
+        for b0 in range(a0 - c, -1, -c):
+            if b0 < a0 - c:
+                for d in range(K):
+                    M[d] *= P[b0 + 2 * c - 1, d]
+            for j in range(b0, b0 + c):
+                for d in range(K):
+                    x = Q[j, d] * M[d]
+                    qm[j, d] = x
+                    right[j, d] = k[j, d] * x
+        G = np.empty((2 * c, a0), dt)
+        for r in range(c):
+            for j in range(a0):
+                G[r, j] = s * dA[a0 + r, j]
+                G[c + r, j] = dX[a0 + r, j]
+        rows = np.dot(G, right[:a0])  # [2c, K]
+        cols = np.dot(G.T, left)  # [a0, K]
+        for r in range(c):
+            for d in range(K):
+                x = P[a0 + r, d]
+                DQ[a0 + r, d] += x * rows[r, d]
+                DK[a0 + r, d] += x * rows[c + r, d]
+        for j in range(a0):
+            for d in range(K):
+                COL[j, d] += qm[j, d] * cols[j, d]
+
+
+@_jit()
 def _local_backward_one(
     q, k, g, v, beta, s, kg, w, u0, L, Tinv, S, dS, U, dU, dO, dq, dk, dv, dg, dbeta
 ):  # fmt: skip
@@ -362,34 +444,17 @@ def _local_backward_one(
             dv[i, c] = beta[i] * dku[i, c]
         dbeta[i] = acc
     # pairs: gradients of A (scale q_i . k_j D) and L (k_i . k_j D), D = prod exp(g) over (j, i]
-    dq[:, :] = 0.0
-    dk[:, :] = 0.0
-    rowP = np.zeros((Cp, K), q.dtype)
+    DQ, DK, COL = np.empty((Cp, K), q.dtype), np.empty((Cp, K), q.dtype), np.empty((Cp, K), q.dtype)
+    _pairs_backward(q, k, e, s, dA, dX, DQ, DK, COL)
+    rowP = np.empty((Cp, K), q.dtype)
     colP = np.empty((Cp, K), q.dtype)
-    Dv = np.empty(K, q.dtype)
-    col = np.empty(K, q.dtype)
     for j in range(Cp):
-        c0 = s * dA[j, j]
+        c0 = s * dA[j, j]  # the pair (j, j): no decay
         for d in range(K):
-            Dv[d] = 1.0
-            col[d] = 0.0
-            dq[j, d] += c0 * k[j, d]
-            dk[j, d] += c0 * q[j, d]
-        for i in range(j + 1, Cp):
-            c = s * dA[i, j]
-            b = dX[i, j]
-            for d in range(K):
-                D = Dv[d] * e[i, d]
-                Dv[d] = D
-                kd = k[j, d] * D
-                r = c * q[i, d] + b * k[i, d]
-                dq[i, d] += c * kd
-                dk[i, d] += b * kd
-                rowP[i, d] += r * kd
-                col[d] += r * D
-        for d in range(K):
-            dk[j, d] += col[d]
-            colP[j, d] = k[j, d] * col[d]
+            dq[j, d] = c0 * k[j, d] + DQ[j, d]
+            dk[j, d] = c0 * q[j, d] + DK[j, d] + COL[j, d]
+            rowP[j, d] = q[j, d] * DQ[j, d] + k[j, d] * DK[j, d]
+            colP[j, d] = k[j, d] * COL[j, d]
     # dq, dk through the factors; dg from every factor's gradient
     for i in range(Cp):
         for d in range(K):
@@ -427,6 +492,175 @@ def local_backward(
             q[n], k[n], g[n], v[n], beta[n], s, kg[n], w[n], u0[n], L[n], Tinv[n], bounds[t, bh],
             ends[t, bh], u[n], du[n], dO[n], dq[n], dk[n], dv[n], dg[n], dbeta[n],
         )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# the fused passes: one head per worker, chunk after chunk
+#
+# Each chunk's inputs are copied into zero-padded [Cp, *] scratch arrays, its state-free work
+# (_local_one) and its state step follow at once, so the chunk's data and the [K, V] state stay
+# in the cache and nothing of size T is written but the results. Inputs are read in place with
+# whatever strides they have (time-major views included). They live in this file, not one of
+# their own: Numba's cache checks only the file that defines a kernel, so a kernel in another
+# file would keep running stale copies of the helpers here after they change.
+
+
+@_jit()
+def _load(x, b, h, t0, m, buf):
+    """Rows ``t0 .. t0 + m`` of ``x[b, h]`` into ``buf[:m]``; rows ``m ..`` of ``buf`` zeroed."""
+    D = buf.shape[1]
+    for i in range(m):
+        for d in range(D):
+            buf[i, d] = x[b, h, t0 + i, d]
+    for i in range(m, buf.shape[0]):
+        for d in range(D):
+            buf[i, d] = 0.0
+
+
+@_jit()
+def _load_beta(beta, b, h, t0, m, buf):
+    for i in range(m):
+        buf[i] = beta[b, h, t0 + i]
+    for i in range(m, buf.shape[0]):
+        buf[i] = 0.0
+
+
+@_jit()
+def forward_heads(q, k, v, g, beta, scale, state, C, with_output, with_bounds, out, bounds, final, lo, hi):
+    """Heads ``[lo, hi)`` of ``B * H``: the chunked forward.
+
+    ``q, k, g: [B, H, T, K]``, ``v, out: [B, H, T, V]``, ``beta: [B, H, T]`` (any strides),
+    ``state, final: [B, H, K, V]``, ``bounds: [NT, B, H, K, V]`` (the chunk-start states, written
+    with ``with_bounds``); ``out`` is written with ``with_output``.
+    """
+    _B, H, T, K = q.shape
+    V = v.shape[3]
+    Cp = 1
+    while Cp < C:
+        Cp *= 2
+    NT = (T + C - 1) // C
+    s = scale[0]
+    dt = q.dtype
+    qc, kc, gc = np.empty((Cp, K), dt), np.empty((Cp, K), dt), np.empty((Cp, K), dt)
+    vc, bc = np.empty((Cp, V), dt), np.empty(Cp, dt)
+    WQ = np.empty((2 * Cp, K), dt)  # [w; qg]: one product with the state
+    w, qg = WQ[:Cp], WQ[Cp:]
+    kg, kt = np.empty((Cp, K), dt), np.empty((Cp, K), dt)
+    total = np.empty(K, dt)
+    A, L, Tinv = np.empty((Cp, Cp), dt), np.empty((Cp, Cp), dt), np.empty((Cp, Cp), dt)
+    u0 = np.empty((Cp, V), dt)
+    pre, suf, bk = np.empty((Cp, K), dt), np.empty((Cp, K), dt), np.empty((Cp, K), dt)
+    kd, bv = np.empty(K, dt), np.empty((Cp, V), dt)
+    R = np.empty((2 * Cp, V), dt)
+    U = np.empty((Cp, V), dt)
+    O = np.empty((Cp, V), dt)
+    X = np.empty((K, V), dt)
+    S = np.empty((K, V), dt)
+    for bh in range(lo, hi):
+        b = bh // H
+        h = bh - b * H
+        S[:, :] = state[b, h]
+        for n in range(NT):
+            t0 = n * C
+            m = min(C, T - t0)
+            _load(q, b, h, t0, m, qc)
+            _load(k, b, h, t0, m, kc)
+            _load(g, b, h, t0, m, gc)
+            _load(v, b, h, t0, m, vc)
+            _load_beta(beta, b, h, t0, m, bc)
+            _local_one(qc, kc, gc, vc, bc, s, qg, kg, kt, total, A, L, Tinv, w, u0, pre, suf, kd, bk, bv)
+            if with_bounds:
+                bounds[n, b, h] = S
+            np.dot(WQ, S, R)
+            for i in range(Cp):
+                for c in range(V):
+                    U[i, c] = u0[i, c] - R[i, c]
+            if with_output:
+                np.dot(A, U, O)  # A is lower triangular with zeros above
+                for i in range(m):
+                    for c in range(V):
+                        out[b, h, t0 + i, c] = R[Cp + i, c] + O[i, c]
+            np.dot(kt.T, U, X)
+            for d in range(K):
+                t = total[d]
+                for c in range(V):
+                    S[d, c] = t * S[d, c] + X[d, c]
+        final[b, h] = S
+
+
+@_jit()
+def backward_heads(
+    q, k, v, g, beta, scale, bounds, dO, dstate, C, dq, dk, dv, dg, dbeta, dinit, lo, hi
+):  # fmt: skip
+    """Heads ``[lo, hi)`` of ``B * H``: the chunked backward, last chunk first.
+
+    Per chunk: its state-free work again, ``U = u0 - w S``, ``dU = A^T dO + kt dS``, the
+    gradients of its state-free work (:func:`~kda.cpu._kernels._local_backward_one`), then
+    ``dS <- total * dS + qg^T dO - w^T dU``. Shapes as :func:`forward_heads`; ``dO`` and the
+    gradients like their inputs, ``bounds: [NT, B, H, K, V]``, ``dstate, dinit: [B, H, K, V]``.
+    """
+    _B, H, T, K = q.shape
+    V = v.shape[3]
+    Cp = 1
+    while Cp < C:
+        Cp *= 2
+    NT = (T + C - 1) // C
+    s = scale[0]
+    dt = q.dtype
+    qc, kc, gc = np.empty((Cp, K), dt), np.empty((Cp, K), dt), np.empty((Cp, K), dt)
+    vc, bc, dOc = np.empty((Cp, V), dt), np.empty(Cp, dt), np.empty((Cp, V), dt)
+    w, qg = np.empty((Cp, K), dt), np.empty((Cp, K), dt)
+    kg, kt = np.empty((Cp, K), dt), np.empty((Cp, K), dt)
+    total = np.empty(K, dt)
+    A, L, Tinv = np.empty((Cp, Cp), dt), np.empty((Cp, Cp), dt), np.empty((Cp, Cp), dt)
+    u0 = np.empty((Cp, V), dt)
+    pre, suf, bk = np.empty((Cp, K), dt), np.empty((Cp, K), dt), np.empty((Cp, K), dt)
+    kd, bv = np.empty(K, dt), np.empty((Cp, V), dt)
+    U, dU = np.empty((Cp, V), dt), np.empty((Cp, V), dt)
+    X, Y = np.empty((K, V), dt), np.empty((K, V), dt)
+    S, dS, dSend = np.empty((K, V), dt), np.empty((K, V), dt), np.empty((K, V), dt)
+    gq, gk, gg = np.empty((Cp, K), dt), np.empty((Cp, K), dt), np.empty((Cp, K), dt)
+    gv, gb = np.empty((Cp, V), dt), np.empty(Cp, dt)
+    for bh in range(lo, hi):
+        b = bh // H
+        h = bh - b * H
+        dS[:, :] = dstate[b, h]
+        for n in range(NT - 1, -1, -1):
+            t0 = n * C
+            m = min(C, T - t0)
+            _load(q, b, h, t0, m, qc)
+            _load(k, b, h, t0, m, kc)
+            _load(g, b, h, t0, m, gc)
+            _load(v, b, h, t0, m, vc)
+            _load(dO, b, h, t0, m, dOc)
+            _load_beta(beta, b, h, t0, m, bc)
+            _local_one(qc, kc, gc, vc, bc, s, qg, kg, kt, total, A, L, Tinv, w, u0, pre, suf, kd, bk, bv)
+            S[:, :] = bounds[n, b, h]
+            dSend[:, :] = dS
+            np.dot(w, S, U)
+            for i in range(Cp):
+                for c in range(V):
+                    U[i, c] = u0[i, c] - U[i, c]
+            np.dot(kt, dS, dU)
+            dU += np.dot(A.T, dOc)
+            np.dot(qg.T, dOc, X)
+            np.dot(w.T, dU, Y)
+            for d in range(K):
+                t = total[d]
+                for c in range(V):
+                    dS[d, c] = (t * dS[d, c] + X[d, c]) - Y[d, c]
+            _local_backward_one(
+                qc, kc, gc, vc, bc, s, kg, w, u0, L, Tinv, S, dSend, U, dU, dOc, gq, gk, gv, gg, gb
+            )
+            for i in range(m):
+                for d in range(K):
+                    dq[b, h, t0 + i, d] = gq[i, d]
+                    dk[b, h, t0 + i, d] = gk[i, d]
+                    dg[b, h, t0 + i, d] = gg[i, d]
+                for c in range(V):
+                    dv[b, h, t0 + i, c] = gv[i, c]
+                dbeta[b, h, t0 + i] = gb[i]
+        dinit[b, h] = dS
 
 
 # --------------------------------------------------------------------------------------------
