@@ -16,6 +16,10 @@ Everything but the state pass is done for a whole slab of chunks at once (see :f
 so the number of primitive calls does not grow with the number of chunks. Independent heads
 may run in concurrent groups when the backend asks for workers (the CPU reference does).
 
+A backend may instead provide fused passes (``chunk_forward_heads`` / ``chunk_backward_heads``,
+the CPU backend does: one head per worker from its first chunk to its last, see ``docs/speed.md``);
+the forward and backward then call them directly and the slab composition below is not used.
+
 Besides the primitives, a backend module provides ``SLAB_ELEMENTS`` (the size of a slab's
 arrays), ``workers(xp, heads)`` (how many head groups to run at once) and
 ``worker_context()`` (entered around concurrent groups).
@@ -136,7 +140,8 @@ def chunk_forward(
     V = v.shape[-1]
     NT = -(-T // chunk_size)
     if out is None:
-        o = xp.zeros((B, H, T, V), dtype=v.dtype, device=v.device)
+        fill = xp.empty if ops.chunk_forward_heads is not None else xp.zeros  # fused: every row written
+        o = fill((B, H, T, V), dtype=v.dtype, device=v.device)
         final_buf = saved = None
     else:
         o, final_buf, saved = out
@@ -147,7 +152,7 @@ def chunk_forward(
         final_buf[...] = state
         return out
     if ops.chunk_forward_heads is not None and _writable(o):
-        if saved is None and out is None:
+        if out is None:
             saved = xp.empty((NT, *state.shape), dtype=state.dtype, device=state.device)
         final = ops.chunk_forward_heads(q, k, v, g, beta, scale, state, chunk_size, o, saved)
         if out is None:
@@ -239,7 +244,8 @@ def chunk_backward(
     """
     T = q.shape[2]
     if out is None:
-        grads = [xp.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v, g, beta)]
+        fill = xp.empty if ops.chunk_backward_heads is not None else xp.zeros  # fused: every row written
+        grads = [fill(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v, g, beta)]
         dstate_buf = workspace = None
     else:
         grads, dstate_buf = list(out[:5]), out[5]

@@ -46,9 +46,18 @@ MAX_CHUNK = None  # any chunk length
 # per-call overhead is paid a few times per sequence, not per chunk.
 SLAB_ELEMENTS = 1 << 21
 
+# The step recurrence beats this backend's chunked form up to these lengths (measured with
+# `python -m benchmarks.llama_cpp --crossover`, B=1 H=16 K=V=128 float32 on 2 cores; docs/speed.md):
+# a forward alone (no boundaries kept) up to RECURRENT_MAX_T steps, a forward+backward up to
+# RECURRENT_MAX_T_TRAINING (the step loop's backward is the slower one). The core routes there.
+RECURRENT_MAX_T = 256
+RECURRENT_MAX_T_TRAINING = 64
+
 __all__ = [
     "MAX_CHUNK",
     "NAME",
+    "RECURRENT_MAX_T",
+    "RECURRENT_MAX_T_TRAINING",
     "SLAB_ELEMENTS",
     "ChunkLocal",
     "chunk_backward_heads",
