@@ -67,6 +67,7 @@ def _jit(fastmath=_FASTMATH):
 _LOG2E = 1.4426950408889634
 _LN2_HI = 6.93147180369123816490e-01  # ln 2 split so that m * _LN2_HI is exact for |m| < 2**20
 _LN2_LO = 1.90821492927058770002e-10
+_ROUND = 6755399441055744.0  # 1.5 * 2**52: (x + _ROUND) - _ROUND rounds x to an integer
 _EXP_MIN = -708.39  # exp below this is under the smallest normal float64: returned as 0
 
 
@@ -75,15 +76,17 @@ def _exp_row(x, out, work):
     """``out = exp(x)`` for ``x <= 0`` (1-D, float32 or float64), computed in float64.
 
     ``exp(x) = 2**m exp(r)``, ``m = round(x / ln 2)``, ``|r| <= ln(2) / 2`` by a degree-13 Taylor
-    polynomial (within about 1 ulp of float64); ``2**m`` from its bits in ``work`` (float64).
-    ``exp(0) = 1`` and ``exp(-inf) = 0`` exactly. Compiled without reassociation (the reduction
-    of ``x`` must run in the order written) and about five times faster than Numba's float64
-    ``np.exp``.
+    polynomial (within 1 ulp in float64, correctly rounded to float32), ``2**m`` from its bits in
+    ``work`` (float64 scratch of the same length). ``exp(0) = 1`` and ``exp(-inf) = 0`` exactly.
+    Branch-free, so it vectorises: ~1.3 ns an element here, where Numba's ``np.exp`` takes ~4 ns
+    (float32) and ~20 ns (float64). Compiled without reassociation: the range reduction and the
+    rounding must run in the order written.
     """
     bits = work.view(np.int64)
     for i in range(x.shape[0]):
-        xi = max(np.float64(x[i]), _EXP_MIN)
-        m = np.floor(xi * _LOG2E + 0.5)
+        xi = np.float64(x[i])
+        xi = xi if xi > _EXP_MIN else _EXP_MIN
+        m = (xi * _LOG2E + _ROUND) - _ROUND
         r = (xi - m * _LN2_HI) - m * _LN2_LO
         p = 1.0 / 6227020800.0
         p = p * r + 1.0 / 479001600.0
@@ -99,18 +102,15 @@ def _exp_row(x, out, work):
         p = p * r + 0.5
         p = p * r + 1.0
         p = p * r + 1.0
-        out[i] = p
         bits[i] = (np.int64(m) + 1023) << 52
+        out[i] = p
     for i in range(x.shape[0]):
         out[i] = out[i] * work[i] if x[i] >= _EXP_MIN else 0.0
 
 
 @_jit()
 def _exp(g):
-    """``exp(g)`` of a ``[Cp, K]`` array of log decays (``g <= 0``): float64 by :func:`_exp_row`
-    (Numba's float64 ``np.exp`` takes ~20 ns an element here), float32 by ``np.exp`` (~4 ns)."""
-    if g.itemsize == 4:
-        return np.exp(g)
+    """``exp(g)`` of a ``[Cp, K]`` array of log decays (``g <= 0``), row by row (:func:`_exp_row`)."""
     Cp, K = g.shape
     e = np.empty((Cp, K), g.dtype)
     work = np.empty(K, np.float64)
