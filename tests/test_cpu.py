@@ -153,6 +153,28 @@ def test_fused_passes_read_strided_inputs_in_place_and_match_the_reference(regim
         assert_close(a, b, tol=tol, dtype="any", name=name)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_exp_of_decays_is_exact_at_the_ends_and_within_an_ulp(dtype):
+    """The kernels' exp(g): exp(0) = 1, exp(-inf) = exp(-1e4) = exp(-800) = 0 exactly; elsewhere within
+    1 ulp of the correctly rounded float64 value (correctly rounded in float32)."""
+    from kda.cpu import _k
+
+    _k("state_pass")  # loads the kernels
+    from kda.cpu._kernels import _exp
+
+    rng = np.random.default_rng(0)
+    special = [0.0, -0.0, -np.inf, -1e4, -800.0, -708.0, -1e-30]
+    g = np.concatenate([special, -rng.random(4000) * 30, -rng.random(1000) * 700]).astype(dtype)
+    e = _exp(g.reshape(1, -1))[0]
+    assert e.dtype == dtype
+    assert e[0] == 1.0 and e[1] == 1.0 and e[2] == 0.0 and e[3] == 0.0 and e[4] == 0.0
+    want = np.exp(g.astype(np.float64))
+    normal = want.astype(dtype) >= np.finfo(dtype).tiny
+    ulps = np.abs(e[normal] - want[normal].astype(dtype)) / np.spacing(want[normal].astype(dtype))
+    assert ulps.max() <= (1.0 if dtype == np.float64 else 0.0)
+    assert np.all(e[~normal] <= np.finfo(dtype).tiny)
+
+
 def test_decode_plan_and_transition_on_cpu():
     """decode_kda, prepared plans and transition maps run on the cpu backend and agree."""
     p = make_problem(3, 2, 3, 40, 8, 5, "mild")
