@@ -275,6 +275,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=int, default=64)
     p.add_argument("--memory-shape", default="1x4096", help="BxT of the peak-memory pass ('none': skip)")
     p.add_argument(
+        "--sub-block",
+        type=int,
+        default=None,
+        help="run the cpu kernels with this SUB_BLOCK (compiled into a fresh Numba cache directory)",
+    )
+    p.add_argument(
         "--crossover",
         action="store_true",
         help="only chunk vs recurrent at T in 65..1024 (the routing constants)",
@@ -317,10 +323,25 @@ def _ggml_row(x: dict[str, np.ndarray], threads: int, repeats: int, C: int) -> t
     return r["time_s"], f"agree to {diff:.2g}"
 
 
+def _set_sub_block(size: int) -> None:
+    """Compile the cpu kernels with ``SUB_BLOCK = size``. Numba freezes a module constant into the
+    compiled code and its cache does not key on it, so the kernels go to a fresh cache directory
+    (set before Numba is imported) and the usual cache is neither read nor changed."""
+    if "numba" in sys.modules:
+        raise SystemExit("--sub-block must be set before Numba is imported")
+    os.environ["NUMBA_CACHE_DIR"] = tempfile.mkdtemp(prefix="kda-sub-block-")
+    from kda.cpu import _kernels
+
+    _kernels.SUB_BLOCK = size
+    print(f"SUB_BLOCK = {size} (kernels compiled into {os.environ['NUMBA_CACHE_DIR']})")
+
+
 def main(argv: list[str] | None = None) -> int:
     from .chunk import _inputs, _memory, pass_flops
 
     args = _parser().parse_args(argv)
+    if args.sub_block is not None:
+        _set_sub_block(args.sub_block)
     threads = 1 if args.one_core else args.threads
     C, H, D = args.chunk_size, args.H, args.D
     with _one_core(args.one_core):
