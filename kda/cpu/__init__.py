@@ -2,14 +2,19 @@
 
 It runs NumPy arrays (the default backend for them when Numba and SciPy are installed;
 ``backend="reference"`` keeps the array-API path). The chunked algorithm of
-:mod:`kda._engine.chunked` drives it unchanged:
+:mod:`kda._engine.chunked` calls its fused passes (``docs/speed.md``):
 
-- ``chunk_local`` runs every chunk's state-free work in one parallel loop over chunks (decay
-  factors, the pairwise products ``A`` and ``L`` as running products, the unit-lower inverse by
-  rows, ``[W, U0]`` by BLAS), so each chunk's work stays in the cache;
-- ``chunk_state_pass`` / ``chunk_state_grad_pass`` run one parallel loop over heads, each keeping
-  its ``[K, V]`` state hot across the chunks, with the chunk products by BLAS;
-- ``chunk_local_backward`` is again one parallel loop over chunks.
+- ``chunk_forward_heads`` / ``chunk_backward_heads`` run one head per worker from its first chunk
+  to its last (the backward: last to first), each chunk's state-free work and state step at once,
+  so the chunk's data and the ``[K, V]`` state stay in the cache; inputs are read in place with
+  any strides (time-major views too), only the results are written;
+- the chunk primitives (``chunk_local``, ``chunk_state_pass``, ``chunk_state_grad_pass``,
+  ``chunk_local_backward``) compute the same pieces over whole slabs of chunks, from the same
+  per-chunk kernels (decay factors, the pairs ``A`` and ``L`` by sub-blocks, the unit-lower
+  inverse by rows, ``[W, U0]`` by BLAS); the engine uses them for the state-gradient pass alone.
+
+``RECURRENT_MAX_T`` and ``RECURRENT_MAX_T_TRAINING`` are the measured lengths up to which the step
+recurrence is faster than the chunked form here (the core routes there).
 
 Numba is imported on the first call of a primitive, not by ``import kda``. Kernels are compiled
 once per dtype (float32, float64) and cached on disk (``cache=True``); where no cache directory
