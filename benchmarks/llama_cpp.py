@@ -197,10 +197,47 @@ def _median(fn, repeats: int) -> float:
 
 
 def _gemm_rate(n: int = 2048) -> float:
-    """GFLOP/s of an ``n^3`` float32 NumPy matmul on every core this process may use."""
+    """GFLOP/s of an ``n^3`` float32 NumPy matmul on the cores this process may use (BLAS on as
+    many threads as there are such cores)."""
+    import threadpoolctl
+
     rng = np.random.default_rng(1)
     a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
-    return 2.0 * n**3 / _median(lambda: a @ b, 5) / 1e9
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    with threadpoolctl.threadpool_limits(limits=cores, user_api="blas"):
+        return 2.0 * n**3 / _median(lambda: a @ b, 5) / 1e9
+
+
+def _crossover_times(q, k, v, g, beta, do, repeats: int) -> tuple[float, float, float, float]:
+    import kda
+
+    def chunk_both():
+        out = kda.chunk_kda(q, k, v, g, beta, save_boundaries=True)
+        kda.chunk_kda_backward(q, k, v, g, beta, out.boundaries, do)
+
+    def recurrent_both():
+        kda.recurrent_kda(q, k, v, g, beta)
+        kda.recurrent_kda_backward(q, k, v, g, beta, do)
+
+    c = _median(lambda: kda.chunk_kda(q, k, v, g, beta), repeats)
+    r = _median(lambda: kda.recurrent_kda(q, k, v, g, beta), repeats)
+    return c, r, _median(chunk_both, repeats), _median(recurrent_both, repeats)
+
+
+def crossover(H: int, D: int, lengths: tuple[int, ...], repeats: int) -> None:
+    """Print ``chunk_kda`` against ``recurrent_kda``, forward and forward+backward, at short lengths
+    (where ``kda.cpu.RECURRENT_MAX_T`` and ``RECURRENT_MAX_T_TRAINING`` come from)."""
+    from .chunk import _inputs
+
+    print("crossover (B=1): T, fwd chunk / recurrent ms, fwd+bwd chunk / recurrent ms")
+    for T in lengths:
+        x = _inputs(1, H, T, D, D, np.float32, 0)
+        c, r, cb, rb = _crossover_times(*(x[n] for n in ("q", "k", "v", "g", "beta", "do")), repeats)
+        print(
+            f"T={T:6d}  fwd {c * 1e3:8.2f} / {r * 1e3:8.2f} ({c / r:.2f})   "
+            f"fwd+bwd {cb * 1e3:8.2f} / {rb * 1e3:8.2f} ({cb / rb:.2f})",
+            flush=True,
+        )
 
 
 def _kda_times(x: dict[str, np.ndarray], repeats: int, C: int) -> dict[str, float]:
@@ -237,6 +274,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--chunk-size", type=int, default=64)
     p.add_argument("--memory-shape", default="1x4096", help="BxT of the peak-memory pass ('none': skip)")
+    p.add_argument(
+        "--sub-block",
+        type=int,
+        default=None,
+        help="run the cpu kernels with this SUB_BLOCK (compiled into a fresh Numba cache directory)",
+    )
+    p.add_argument(
+        "--crossover",
+        action="store_true",
+        help="only chunk vs recurrent at T in 65..1024 (the routing constants)",
+    )
     return p
 
 
@@ -275,10 +323,25 @@ def _ggml_row(x: dict[str, np.ndarray], threads: int, repeats: int, C: int) -> t
     return r["time_s"], f"agree to {diff:.2g}"
 
 
+def _set_sub_block(size: int) -> None:
+    """Compile the cpu kernels with ``SUB_BLOCK = size``. Numba freezes a module constant into the
+    compiled code and its cache does not key on it, so the kernels go to a fresh cache directory
+    (set before Numba is imported) and the usual cache is neither read nor changed."""
+    if "numba" in sys.modules:
+        raise SystemExit("--sub-block must be set before Numba is imported")
+    os.environ["NUMBA_CACHE_DIR"] = tempfile.mkdtemp(prefix="kda-sub-block-")
+    from kda.cpu import _kernels
+
+    _kernels.SUB_BLOCK = size
+    print(f"SUB_BLOCK = {size} (kernels compiled into {os.environ['NUMBA_CACHE_DIR']})")
+
+
 def main(argv: list[str] | None = None) -> int:
     from .chunk import _inputs, _memory, pass_flops
 
     args = _parser().parse_args(argv)
+    if args.sub_block is not None:
+        _set_sub_block(args.sub_block)
     threads = 1 if args.one_core else args.threads
     C, H, D = args.chunk_size, args.H, args.D
     with _one_core(args.one_core):
@@ -286,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
         gemm = _gemm_rate()
         print(f"cores {cores}, ggml threads {threads}; same-run GEMM (2048^3 float32): {gemm:.1f} GFLOP/s")
         print(f"load average before: {os.getloadavg()}")
+        if args.crossover:
+            crossover(H, D, (65, 96, 128, 192, 256, 384, 512, 1024), args.repeats)
+            print(f"load average after: {os.getloadavg()}")
+            return 0
         head = (
             "B",
             "T",

@@ -137,6 +137,25 @@ class Backend(Protocol):
         """Gradients of every chunk's state-free work: ``dq, dk, dg [..., Cp, K]``,
         ``dv [..., Cp, V]``, ``dbeta [..., Cp]``."""  # fmt: skip
 
+    # --- fused passes (optional: None where the backend leaves the composition to the engine)
+    def chunk_forward_heads(
+        self, q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any, chunk_size: int,
+        output: Any, boundaries: Any,
+    ) -> Any:  # fmt: skip
+        """The whole chunked forward of ``[B, H, T, *]`` inputs (any strides) from ``state
+        [B, H, K, V]``, the chunk primitives above fused per head and chunk; writes ``output
+        [B, H, T, V]`` and ``boundaries [NT, B, H, K, V]`` where they are not None and returns the
+        final state. A backend may set it to None: the engine then runs the chunk primitives slab
+        by slab (``kda/_engine/chunked.py``)."""  # fmt: skip
+
+    def chunk_backward_heads(
+        self, q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, boundaries: Any, grad_output: Any,
+        grad_state: Any, chunk_size: int, grads: Any,
+    ) -> None:  # fmt: skip
+        """The whole chunked backward, last chunk first, from the forward's ``boundaries``;
+        writes ``dq, dk, dv, dg, dbeta, dstate`` into the six buffers ``grads``. None: composed by
+        the engine, as for :meth:`chunk_forward_heads`."""  # fmt: skip
+
     # --- the step recurrence (the oracle, T == 1, decoding)
     def recurrent_forward(
         self, q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any

@@ -16,6 +16,10 @@ Everything but the state pass is done for a whole slab of chunks at once (see :f
 so the number of primitive calls does not grow with the number of chunks. Independent heads
 may run in concurrent groups when the backend asks for workers (the CPU reference does).
 
+A backend may instead provide fused passes (``chunk_forward_heads`` / ``chunk_backward_heads``,
+the CPU backend does: one head per worker from its first chunk to its last, see ``docs/speed.md``);
+the forward and backward then call them directly and the slab composition below is not used.
+
 Besides the primitives, a backend module provides ``SLAB_ELEMENTS`` (the size of a slab's
 arrays), ``workers(xp, heads)`` (how many head groups to run at once) and
 ``worker_context()`` (entered around concurrent groups).
@@ -136,7 +140,8 @@ def chunk_forward(
     V = v.shape[-1]
     NT = -(-T // chunk_size)
     if out is None:
-        o = xp.zeros((B, H, T, V), dtype=v.dtype, device=v.device)
+        fill = xp.empty if ops.chunk_forward_heads is not None else xp.zeros  # fused: every row written
+        o = fill((B, H, T, V), dtype=v.dtype, device=v.device)
         final_buf = saved = None
     else:
         o, final_buf, saved = out
@@ -145,6 +150,14 @@ def chunk_forward(
             empty = xp.zeros((NT, *state.shape), dtype=state.dtype, device=state.device)
             return o, xp.asarray(state, copy=True), empty
         final_buf[...] = state
+        return out
+    if ops.chunk_forward_heads is not None and _writable(o):
+        if out is None:
+            saved = xp.empty((NT, *state.shape), dtype=state.dtype, device=state.device)
+        final = ops.chunk_forward_heads(q, k, v, g, beta, scale, state, chunk_size, o, saved)
+        if out is None:
+            return o, final, saved
+        final_buf[...] = final
         return out
     axis, groups = _head_groups(ops, xp, q.shape)
     if not _writable(o):
@@ -231,7 +244,8 @@ def chunk_backward(
     """
     T = q.shape[2]
     if out is None:
-        grads = [xp.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v, g, beta)]
+        fill = xp.empty if ops.chunk_backward_heads is not None else xp.zeros  # fused: every row written
+        grads = [fill(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v, g, beta)]
         dstate_buf = workspace = None
     else:
         grads, dstate_buf = list(out[:5]), out[5]
@@ -241,6 +255,9 @@ def chunk_backward(
             return (*grads, xp.asarray(grad_state, copy=True))
         dstate_buf[...] = grad_state
         return tuple(out[:6])
+    if ops.chunk_backward_heads is not None and _writable(grads[0]):
+        return _backward_fused(ops, xp, q, k, v, g, beta, scale, state, boundaries, grad_output, grad_state,
+                               chunk_size, grads, dstate_buf, workspace)  # fmt: skip
     axis, groups = _head_groups(ops, xp, q.shape)
     if not _writable(grads[0]):
         axis, groups = 1, [slice(None)]
@@ -266,6 +283,25 @@ def chunk_backward(
     if len(results) == 1:
         return (*results[0][1], results[0][0])
     return (*grads, xp.concat([r[0] for r in results], axis=axis))
+
+
+def _backward_fused(
+    ops: Any, xp: Any, q, k, v, g, beta, scale: float, state: Any, boundaries: Any, grad_output: Any,
+    grad_state: Any, C: int, grads: list[Any], dstate: Any, workspace: Any,
+) -> tuple[Any, ...]:  # fmt: skip
+    """The backward through the backend's fused passes (boundaries recomputed when None)."""
+    if boundaries is None:
+        NT = -(-q.shape[2] // C)
+        if workspace is None:
+            workspace = xp.empty((NT, *state.shape), dtype=state.dtype, device=state.device)
+        ops.chunk_forward_heads(q, k, v, g, beta, scale, state, C, None, workspace)
+        boundaries = workspace
+    if dstate is None:
+        dstate = xp.empty(grad_state.shape, dtype=grad_state.dtype, device=grad_state.device)
+    ops.chunk_backward_heads(
+        q, k, v, g, beta, scale, boundaries, grad_output, grad_state, C, [*grads, dstate]
+    )
+    return (*grads, dstate)
 
 
 def _backward_heads(
@@ -318,6 +354,8 @@ def chunk_end_state(ops: Any, xp: Any, q, k, v, g, beta, scale: float, start: An
     B, H, T, K = q.shape
     if T == 0 or B * H == 0:
         return xp.asarray(start, copy=True)
+    if ops.chunk_forward_heads is not None:  # the fused forward, neither outputs nor boundaries kept
+        return ops.chunk_forward_heads(q, k, v, g, beta, scale, start, chunk_size, None, None)
     state = start
     for n0, n1 in slabs(q.shape, chunk_size, max(K, v.shape[-1]), ops.SLAB_ELEMENTS):
         t = _steps(n0, n1, chunk_size, T)

@@ -2,14 +2,19 @@
 
 It runs NumPy arrays (the default backend for them when Numba and SciPy are installed;
 ``backend="reference"`` keeps the array-API path). The chunked algorithm of
-:mod:`kda._engine.chunked` drives it unchanged:
+:mod:`kda._engine.chunked` calls its fused passes (``docs/speed.md``):
 
-- ``chunk_local`` runs every chunk's state-free work in one parallel loop over chunks (decay
-  factors, the pairwise products ``A`` and ``L`` as running products, the unit-lower inverse by
-  rows, ``[W, U0]`` by BLAS), so each chunk's work stays in the cache;
-- ``chunk_state_pass`` / ``chunk_state_grad_pass`` run one parallel loop over heads, each keeping
-  its ``[K, V]`` state hot across the chunks, with the chunk products by BLAS;
-- ``chunk_local_backward`` is again one parallel loop over chunks.
+- ``chunk_forward_heads`` / ``chunk_backward_heads`` run one head per worker from its first chunk
+  to its last (the backward: last to first), each chunk's state-free work and state step at once,
+  so the chunk's data and the ``[K, V]`` state stay in the cache; inputs are read in place with
+  any strides (time-major views too), only the results are written;
+- the chunk primitives (``chunk_local``, ``chunk_state_pass``, ``chunk_state_grad_pass``,
+  ``chunk_local_backward``) compute the same pieces over whole slabs of chunks, from the same
+  per-chunk kernels (decay factors, the pairs ``A`` and ``L`` by sub-blocks, the unit-lower
+  inverse by rows, ``[W, U0]`` by BLAS); the engine uses them for the state-gradient pass alone.
+
+``RECURRENT_MAX_T`` and ``RECURRENT_MAX_T_TRAINING`` are the measured lengths up to which the step
+recurrence is faster than the chunked form here (the core routes there).
 
 Numba is imported on the first call of a primitive, not by ``import kda``. Kernels are compiled
 once per dtype (float32, float64) and cached on disk (``cache=True``); where no cache directory
@@ -47,11 +52,22 @@ MAX_CHUNK = None  # any chunk length
 # per-call overhead is paid a few times per sequence, not per chunk.
 SLAB_ELEMENTS = 1 << 21
 
+# The step recurrence beats this backend's chunked form up to these lengths (measured with
+# `python -m benchmarks.llama_cpp --crossover`, B=1 H=16 K=V=128 float32 on 2 cores; docs/speed.md):
+# a forward alone (no boundaries kept) up to RECURRENT_MAX_T steps, a forward+backward up to
+# RECURRENT_MAX_T_TRAINING (the step loop's backward is the slower one). The core routes there.
+RECURRENT_MAX_T = 256
+RECURRENT_MAX_T_TRAINING = 64
+
 __all__ = [
     "MAX_CHUNK",
     "NAME",
+    "RECURRENT_MAX_T",
+    "RECURRENT_MAX_T_TRAINING",
     "SLAB_ELEMENTS",
     "ChunkLocal",
+    "chunk_backward_heads",
+    "chunk_forward_heads",
     "chunk_local",
     "chunk_local_backward",
     "chunk_state_grad_pass",
@@ -79,8 +95,8 @@ _LOADED: list[Any] = []
 _POOL: list[Any] = []  # the thread pool of the kernels (created on first use, reset after fork)
 
 
-def _k() -> Any:
-    """The kernel module (imports Numba on first use)."""
+def _k(name: str) -> Any:
+    """Kernel ``name`` of :mod:`._kernels` (imports Numba on first use)."""
     if not _LOADED:
         with _LOCK:
             if not _LOADED:
@@ -90,7 +106,7 @@ def _k() -> Any:
 
                 PIN.rescan()  # pin that BLAS too
                 _LOADED.append(_kernels)
-    return _LOADED[0]
+    return getattr(_LOADED[0], name)
 
 
 def threads() -> int:
@@ -124,7 +140,7 @@ def _run(name: str, items: int, *args: Any, blas: bool = True) -> None:
     core that other processes keep busy does not hold up the call. BLAS is pinned to one thread
     while the kernels run (``blas``): they call it from every thread.
     """
-    kernel = getattr(_k(), name)
+    kernel = _k(name)
     workers = min(items, threads())
     if sum(int(getattr(a, "size", 0)) for a in args) < INLINE_ELEMENTS:
         workers = 1
@@ -326,6 +342,66 @@ def chunk_local_backward(
         dg.reshape(*lead, Cp, K),
         dbeta.reshape(*lead, Cp),
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# the fused passes (what the engine calls; the chunk primitives above remain for the finer paths)
+
+
+def _view(x: Any, dt: Any) -> np.ndarray:
+    """``x`` as a NumPy array of ``dt``, read in place when it already is one (any strides)."""
+    x = np.asarray(x)
+    return x if x.dtype == dt else x.astype(dt)
+
+
+def chunk_forward_heads(
+    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any, chunk_size: int, output: Any,
+    boundaries: Any,
+) -> np.ndarray:  # fmt: skip
+    """The chunked forward, one head per worker from its first chunk to its last.
+
+    ``q, k, g: [B, H, T, K]``, ``v: [B, H, T, V]``, ``beta: [B, H, T]`` (read in place, any
+    strides), ``state: [B, H, K, V]``. Writes ``output [B, H, T, V]`` and ``boundaries
+    [NT, B, H, K, V]`` (the chunk-start states) where they are not None; returns the final state.
+    """
+    dt = _dtype(q)
+    B, H, T, K = q.shape
+    V = v.shape[-1]
+    final = np.empty((B, H, K, V), dt)
+    with_output, with_bounds = output is not None, boundaries is not None
+    out = output if with_output else np.zeros((1, 1, 1, 1), dt)
+    bounds = boundaries if with_bounds else np.zeros((1, 1, 1, 1, 1), dt)
+    ins = [_view(x, dt) for x in (q, k, v, g, beta)]
+    start = _c(state, dt)
+    if B * H * K * V and T:
+        _run("forward_heads", B * H, *ins, _scale(scale, dt), start, chunk_size, with_output, with_bounds,
+             out, bounds, final)  # fmt: skip
+    else:
+        final[...] = start
+    return final
+
+
+def chunk_backward_heads(
+    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, boundaries: Any, grad_output: Any,
+    grad_state: Any, chunk_size: int, grads: Any,
+) -> None:  # fmt: skip
+    """The chunked backward, one head per worker from its last chunk to its first.
+
+    Inputs as :func:`chunk_forward_heads`; ``boundaries [NT, B, H, K, V]`` from the forward,
+    ``grad_output [B, H, T, V]``, ``grad_state [B, H, K, V]``. Writes the six gradients into
+    ``grads`` (``dq, dk, dv, dg, dbeta, dstate``: writable arrays of the inputs' shapes).
+    """
+    dt = _dtype(q)
+    B, H, T, K = q.shape
+    V = v.shape[-1]
+    ins = [_view(x, dt) for x in (q, k, v, g, beta)]
+    bounds, dO, dS = _view(boundaries, dt), _view(grad_output, dt), _c(grad_state, dt)
+    if B * H * K * V and T:
+        _run("backward_heads", B * H, *ins, _scale(scale, dt), bounds, dO, dS, chunk_size, *grads)
+    else:
+        grads[5][...] = dS
+        for x in grads[:5]:
+            x[...] = 0
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,15 +1,17 @@
 """Numba-compiled kernels of the CPU backend (imported on first use: this imports numba).
 
-Every kernel takes C-contiguous arrays of one floating dtype (float32 or float64) and writes its
-results into output arrays the caller allocated. Each kernel computes the items ``[lo, hi)`` of
-its independent chunks or heads and releases the GIL (``nogil``), so the caller runs ranges on
-threads of its own; no sum crosses items, so the results do not depend on how they are split.
-Dense products of a chunk (``[Cp, K] x [K, V]`` and the like) call
-BLAS through Numba's ``np.dot``; the pairwise decayed products run as hand loops whose inner loop
-over channels vectorises.
+Every kernel takes arrays of one floating dtype (float32 or float64; C-contiguous, except the
+inputs of the fused passes, read in place with any strides) and writes its results into output
+arrays the caller allocated. Each kernel computes the items ``[lo, hi)`` of its independent
+chunks or heads and releases the GIL (``nogil``), so the caller runs ranges on threads of its
+own; no sum crosses items, so the results do not depend on how they are split. Dense products of
+a chunk (``[Cp, K] x [K, V]`` and the like) call BLAS through Numba's ``np.dot``; the pairwise
+decayed products run as matrix products across sub-blocks of a chunk and as hand loops inside
+them (see :func:`_pairs`). Every sum over channels runs in a loop that stores nothing, so it is
+compiled once (see :func:`_pairs_within`) and the order of its terms never depends on addresses.
 
 Decay factors are products of ``exp(g)`` over exactly the steps they span (running products from
-one end), so ``g = -inf`` gives an exact 0 and no NaN arises.
+one end, or products of such partial products), so ``g = -inf`` gives an exact 0 and no NaN arises.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import numba
 import numpy as np
 
 __all__ = [
+    "backward_heads",
     "decode",
+    "forward_heads",
     "local_backward",
     "local_forward",
     "recurrent_backward",
@@ -36,14 +40,17 @@ CACHING = True  # False when no cache directory is writable (a read-only install
 
 # Key sizes below this form [W, U0] by forward substitution (more accurate there), above by BLAS
 SUBSTITUTE_BELOW = 16
+# Steps of a sub-block of a chunk: pairs inside one by running products, across them by matrix
+# products (see _pairs; measured in docs/speed.md)
+SUB_BLOCK = 16
 
 
-def _jit():
+def _jit(fastmath=_FASTMATH):
     """``numba.njit`` with caching, or without it where no cache directory is writable."""
 
     def decorate(fn):
         global CACHING
-        options = {"nogil": True, "fastmath": _FASTMATH, "error_model": "numpy"}
+        options = {"nogil": True, "fastmath": fastmath, "error_model": "numpy"}
         try:
             return numba.njit(cache=True, **options)(fn)
         except (RuntimeError, OSError):  # numba: "no locator available" for a read-only tree
@@ -57,11 +64,66 @@ def _jit():
 # chunk_local
 
 
+_LOG2E = 1.4426950408889634
+_LN2_HI = 6.93147180369123816490e-01  # ln 2 split so that m * _LN2_HI is exact for |m| < 2**20
+_LN2_LO = 1.90821492927058770002e-10
+_ROUND = 6755399441055744.0  # 1.5 * 2**52: (x + _ROUND) - _ROUND rounds x to an integer
+_EXP_MIN = -708.39  # exp below this is under the smallest normal float64: returned as 0
+
+
+@_jit(fastmath={"contract"})
+def _exp_row(x, out, work):
+    """``out = exp(x)`` for ``x <= 0`` (1-D, float32 or float64), computed in float64.
+
+    ``exp(x) = 2**m exp(r)``, ``m = round(x / ln 2)``, ``|r| <= ln(2) / 2`` by a degree-13 Taylor
+    polynomial (within 1 ulp in float64, correctly rounded to float32), ``2**m`` from its bits in
+    ``work`` (float64 scratch of the same length). ``exp(0) = 1`` and ``exp(-inf) = 0`` exactly.
+    Branch-free, so it vectorises: ~1.3 ns an element here, where Numba's ``np.exp`` takes ~4 ns
+    (float32) and ~20 ns (float64). Compiled without reassociation: the range reduction and the
+    rounding must run in the order written.
+    """
+    bits = work.view(np.int64)
+    for i in range(x.shape[0]):
+        xi = np.float64(x[i])
+        xi = xi if xi > _EXP_MIN else _EXP_MIN
+        m = (xi * _LOG2E + _ROUND) - _ROUND
+        r = (xi - m * _LN2_HI) - m * _LN2_LO
+        p = 1.0 / 6227020800.0
+        p = p * r + 1.0 / 479001600.0
+        p = p * r + 1.0 / 39916800.0
+        p = p * r + 1.0 / 3628800.0
+        p = p * r + 1.0 / 362880.0
+        p = p * r + 1.0 / 40320.0
+        p = p * r + 1.0 / 5040.0
+        p = p * r + 1.0 / 720.0
+        p = p * r + 1.0 / 120.0
+        p = p * r + 1.0 / 24.0
+        p = p * r + 1.0 / 6.0
+        p = p * r + 0.5
+        p = p * r + 1.0
+        p = p * r + 1.0
+        bits[i] = (np.int64(m) + 1023) << 52
+        out[i] = p
+    for i in range(x.shape[0]):
+        out[i] = out[i] * work[i] if x[i] >= _EXP_MIN else 0.0
+
+
+@_jit()
+def _exp(g):
+    """``exp(g)`` of a ``[Cp, K]`` array of log decays (``g <= 0``), row by row (:func:`_exp_row`)."""
+    Cp, K = g.shape
+    e = np.empty((Cp, K), g.dtype)
+    work = np.empty(K, np.float64)
+    for i in range(Cp):
+        _exp_row(g[i], e[i], work)
+    return e
+
+
 @_jit()
 def _factors(g, pre, suf):
     """``pre[i] = prod(exp(g[l]), l <= i)``, ``suf[j] = prod(exp(g[l]), l > j)``; returns exp(g)."""
     Cp, K = g.shape
-    e = np.exp(g)
+    e = _exp(g)
     for d in range(K):
         pre[0, d] = e[0, d]
         suf[Cp - 1, d] = 1.0
@@ -72,6 +134,113 @@ def _factors(g, pre, suf):
         for d in range(K):
             suf[j, d] = suf[j + 1, d] * e[j + 1, d]
     return e
+
+
+@_jit()
+def _sum(x):
+    """``sum(x)`` (``x`` not empty) in a loop that stores nothing (one compiled order)."""
+    acc = x[0]
+    for d in range(1, x.shape[0]):
+        acc += x[d]
+    return acc
+
+
+@_jit()
+def _sum_products(x, y):
+    """``sum(x * y)`` (not empty) in a loop that stores nothing (one compiled order)."""
+    acc = x[0] * y[0]
+    for d in range(1, x.shape[0]):
+        acc += x[d] * y[d]
+    return acc
+
+
+@_jit()
+def _block_factors(e, c, P, Q):
+    """Per sub-block of ``c`` steps: ``P[i] = prod(e[l], block start <= l <= i)`` and
+    ``Q[j] = prod(e[l], j < l <= block end)`` (both in ``[0, 1]``)."""
+    Cp, K = e.shape
+    for a0 in range(0, Cp, c):
+        a1 = a0 + c
+        for d in range(K):
+            P[a0, d] = e[a0, d]
+            Q[a1 - 1, d] = 1.0
+        for i in range(a0 + 1, a1):
+            for d in range(K):
+                P[i, d] = P[i - 1, d] * e[i, d]
+        for j in range(a1 - 2, a0 - 1, -1):
+            for d in range(K):
+                Q[j, d] = Q[j + 1, d] * e[j + 1, d]
+
+
+@_jit()
+def _pairs_within(q, k, e, s, A, L, kd, a0, a1):
+    """Pairs ``a0 <= j <= i < a1`` of one sub-block by running products over ``i``:
+    ``kd = k[j] * prod(e[l], j < l <= i)``. Every sum over channels runs in a loop of its own
+    that stores nothing (a loop that both stores and sums is compiled twice, vectorised or not
+    behind a run-time overlap check of its arrays' addresses, and the two sum in different
+    orders: the results would depend on where scratch arrays were allocated)."""
+    K = q.shape[1]
+    pa, pb = np.empty(K, q.dtype), np.empty(K, q.dtype)
+    for j in range(a0, a1):
+        for d in range(K):
+            kd[d] = k[j, d]
+        A[j, j] = s * _sum_products(q[j], kd)
+        for i in range(j + 1, a1):
+            for d in range(K):
+                x = kd[d] * e[i, d]
+                kd[d] = x
+                pa[d] = q[i, d] * x
+                pb[d] = k[i, d] * x
+            A[i, j] = s * _sum(pa)
+            L[i, j] = _sum(pb)
+
+
+@_jit()
+def _pairs(q, k, e, s, A, L, kd):
+    """``A`` (lower, ``scale q_i . k_j decay(j..i]``) and ``L`` (strictly lower, ``k_i . k_j
+    decay(j..i]``) of one chunk, zeros above.
+
+    The chunk is cut into sub-blocks of :data:`SUB_BLOCK` steps. Pairs inside a sub-block run as
+    running products (:func:`_pairs_within`); the pairs of a later sub-block ``J`` with all
+    earlier ones are one matrix product ``[s q P; k P]_J @ (k Q M)^T`` whose factors are partial
+    products of ``exp(g)`` (``P``: from the start of ``J`` through ``i``; ``Q``: after ``j`` to the
+    end of its block; ``M``: the whole blocks between), so each decay is the product over exactly
+    the steps it spans, every factor in ``[0, 1]``, no division.
+    """
+    Cp, K = q.shape
+    c = min(SUB_BLOCK, Cp)
+    dt = q.dtype
+    A[:, :] = 0.0
+    L[:, :] = 0.0
+    for a0 in range(0, Cp, c):
+        _pairs_within(q, k, e, s, A, L, kd, a0, a0 + c)
+    if c == Cp:
+        return
+    P, Q = np.empty((Cp, K), dt), np.empty((Cp, K), dt)
+    _block_factors(e, c, P, Q)
+    left = np.empty((2 * c, K), dt)
+    right = np.empty((Cp - c, K), dt)
+    M = np.empty(K, dt)
+    for a0 in range(c, Cp, c):
+        for r in range(c):
+            for d in range(K):
+                x = P[a0 + r, d]
+                left[r, d] = s * q[a0 + r, d] * x
+                left[c + r, d] = k[a0 + r, d] * x
+        for d in range(K):
+            M[d] = 1.0
+        for b0 in range(a0 - c, -1, -c):  # earlier blocks, nearest first
+            if b0 < a0 - c:
+                for d in range(K):
+                    M[d] *= P[b0 + 2 * c - 1, d]  # the whole block after b0's
+            for j in range(b0, b0 + c):
+                for d in range(K):
+                    right[j, d] = k[j, d] * Q[j, d] * M[d]
+        res = np.dot(left, right[:a0].T)
+        for r in range(c):
+            for j in range(a0):
+                A[a0 + r, j] = res[r, j]
+                L[a0 + r, j] = res[c + r, j]
 
 
 @_jit()
@@ -86,25 +255,7 @@ def _local_one(q, k, g, v, beta, s, qg, kg, kt, total, A, L, Tinv, w, u0, pre, s
             kt[i, d] = k[i, d] * suf[i, d]
     for d in range(K):
         total[d] = pre[Cp - 1, d]
-    # pairs: kd = k[j] * prod(exp(g[l]), j < l <= i), a running product over i
-    A[:, :] = 0.0
-    L[:, :] = 0.0
-    for j in range(Cp):
-        a = A[j, j]
-        for d in range(K):
-            kd[d] = k[j, d]
-            a += q[j, d] * k[j, d]
-        A[j, j] = s * a
-        for i in range(j + 1, Cp):
-            a = A[i, j]
-            b = L[i, j]
-            for d in range(K):
-                x = kd[d] * e[i, d]
-                kd[d] = x
-                a += q[i, d] * x
-                b += k[i, d] * x
-            A[i, j] = s * a
-            L[i, j] = b
+    _pairs(q, k, e, s, A, L, kd)
     # T = (I + diag(beta) L)^-1, row by row: T[i, :i] = -beta[i] sum_m L[i, m] T[m, :i]
     Tinv[:, :] = 0.0
     for i in range(Cp):
@@ -142,6 +293,7 @@ def _local_one(q, k, g, v, beta, s, qg, kg, kt, total, A, L, Tinv, w, u0, pre, s
                 w[i, d] = beta[i] * bk[0, d]
             for c in range(V):
                 u0[i, c] = beta[i] * bv[0, c]
+    return e
 
 
 @_jit()
@@ -233,14 +385,106 @@ def state_grad_pass(w, u0, kt, total, qg, A, dO, bounds, dstate, ends, u, du, di
 
 
 @_jit()
+def _pairs_backward_within(q, k, e, s, dA, dX, DQ, DK, COL, a0, a1):
+    """:func:`_pairs_backward` for the pairs ``a0 <= j < i < a1`` of one sub-block (running
+    products over ``i``; every loop over channels is elementwise)."""
+    K = q.shape[1]
+    Dv = np.empty(K, q.dtype)
+    for j in range(a0, a1):
+        for d in range(K):
+            Dv[d] = 1.0
+        for i in range(j + 1, a1):
+            c = s * dA[i, j]
+            b = dX[i, j]
+            for d in range(K):
+                D = Dv[d] * e[i, d]
+                Dv[d] = D
+                kd = k[j, d] * D
+                DQ[i, d] += c * kd
+                DK[i, d] += b * kd
+                COL[j, d] += (c * q[i, d] + b * k[i, d]) * D
+
+
+@_jit()
+def _pairs_backward(q, k, e, s, dA, dX, DQ, DK, COL):
+    """Sums over the pairs ``j < i`` of a chunk with decay ``D = decay(j..i]``, given the
+    gradients ``dA`` (of ``A / scale``'s pairs: ``c = scale dA``) and ``dX`` (of ``L``):
+    ``DQ[i] = sum_j c k_j D``, ``DK[i] = sum_j dX k_j D``, ``COL[j] = sum_i (c q_i + dX k_i) D``.
+
+    Cut into sub-blocks as :func:`_pairs`: pairs across them as matrix products of the same
+    partial-product factors, ``[DQ; DK]_J += P_J * ([c; dX]_J @ (k Q M))`` and
+    ``COL_I += Q M * ([c; dX]_J^T @ [q P; k P]_J)``.
+    """
+    Cp, K = q.shape
+    c = min(SUB_BLOCK, Cp)
+    dt = q.dtype
+    DQ[:, :] = 0.0
+    DK[:, :] = 0.0
+    COL[:, :] = 0.0
+    for a0 in range(0, Cp, c):
+        _pairs_backward_within(q, k, e, s, dA, dX, DQ, DK, COL, a0, a0 + c)
+    if c == Cp:
+        return
+    P, Q = np.empty((Cp, K), dt), np.empty((Cp, K), dt)
+    _block_factors(e, c, P, Q)
+    left = np.empty((2 * c, K), dt)
+    right, qm = np.empty((Cp - c, K), dt), np.empty((Cp - c, K), dt)
+    M = np.empty(K, dt)
+    for a0 in range(c, Cp, c):
+        for r in range(c):
+            for d in range(K):
+                x = P[a0 + r, d]
+                left[r, d] = q[a0 + r, d] * x
+                left[c + r, d] = k[a0 + r, d] * x
+        for d in range(K):
+            M[d] = 1.0
+        for b0 in range(a0 - c, -1, -c):
+            if b0 < a0 - c:
+                for d in range(K):
+                    M[d] *= P[b0 + 2 * c - 1, d]
+            for j in range(b0, b0 + c):
+                for d in range(K):
+                    x = Q[j, d] * M[d]
+                    qm[j, d] = x
+                    right[j, d] = k[j, d] * x
+        G = np.empty((2 * c, a0), dt)
+        for r in range(c):
+            for j in range(a0):
+                G[r, j] = s * dA[a0 + r, j]
+                G[c + r, j] = dX[a0 + r, j]
+        rows = np.dot(G, right[:a0])  # [2c, K]
+        cols = np.dot(G.T, left)  # [a0, K]
+        for r in range(c):
+            for d in range(K):
+                x = P[a0 + r, d]
+                DQ[a0 + r, d] += x * rows[r, d]
+                DK[a0 + r, d] += x * rows[c + r, d]
+        for j in range(a0):
+            for d in range(K):
+                COL[j, d] += qm[j, d] * cols[j, d]
+
+
+@_jit()
 def _local_backward_one(
     q, k, g, v, beta, s, kg, w, u0, L, Tinv, S, dS, U, dU, dO, dq, dk, dv, dg, dbeta
 ):  # fmt: skip
     Cp, K = q.shape
-    V = v.shape[1]
     pre = np.empty((Cp, K), q.dtype)
     suf = np.empty((Cp, K), q.dtype)
     e = _factors(g, pre, suf)
+    _local_backward_core(
+        q, k, e, pre, suf, v, beta, s, kg, w, u0, L, Tinv, S, dS, U, dU, dO, dq, dk, dv, dg, dbeta
+    )
+    return e
+
+
+@_jit()
+def _local_backward_core(
+    q, k, e, pre, suf, v, beta, s, kg, w, u0, L, Tinv, S, dS, U, dU, dO, dq, dk, dv, dg, dbeta
+):  # fmt: skip
+    """Gradients of one chunk's state-free work given its factors ``e = exp(g)``, ``pre``, ``suf``."""
+    Cp, K = q.shape
+    V = v.shape[1]
     zero = np.zeros(1, q.dtype)[0]
     # O = qg S + A U and S' = total S + kt^T U
     dqg = np.dot(dO, S.T)  # [Cp, K]
@@ -261,46 +505,26 @@ def _local_backward_one(
     dX += np.dot(dku, u0.T)
     # dX <- strictly lower part of -dX; dbeta; dL = beta dX
     for i in range(Cp):
-        acc = zero
+        acc = _sum_products(kg[i], dkw[i]) + _sum_products(v[i], dku[i])
+        if i > 0:
+            acc -= _sum_products(dX[i, :i], L[i, :i])
         for j in range(i):
-            x = -dX[i, j]
-            acc += x * L[i, j]
-            dX[i, j] = beta[i] * x
-        for d in range(K):
-            acc += kg[i, d] * dkw[i, d]
+            dX[i, j] = -beta[i] * dX[i, j]
         for c in range(V):
-            acc += v[i, c] * dku[i, c]
             dv[i, c] = beta[i] * dku[i, c]
         dbeta[i] = acc
     # pairs: gradients of A (scale q_i . k_j D) and L (k_i . k_j D), D = prod exp(g) over (j, i]
-    dq[:, :] = 0.0
-    dk[:, :] = 0.0
-    rowP = np.zeros((Cp, K), q.dtype)
+    DQ, DK, COL = np.empty((Cp, K), q.dtype), np.empty((Cp, K), q.dtype), np.empty((Cp, K), q.dtype)
+    _pairs_backward(q, k, e, s, dA, dX, DQ, DK, COL)
+    rowP = np.empty((Cp, K), q.dtype)
     colP = np.empty((Cp, K), q.dtype)
-    Dv = np.empty(K, q.dtype)
-    col = np.empty(K, q.dtype)
     for j in range(Cp):
-        c0 = s * dA[j, j]
+        c0 = s * dA[j, j]  # the pair (j, j): no decay
         for d in range(K):
-            Dv[d] = 1.0
-            col[d] = 0.0
-            dq[j, d] += c0 * k[j, d]
-            dk[j, d] += c0 * q[j, d]
-        for i in range(j + 1, Cp):
-            c = s * dA[i, j]
-            b = dX[i, j]
-            for d in range(K):
-                D = Dv[d] * e[i, d]
-                Dv[d] = D
-                kd = k[j, d] * D
-                r = c * q[i, d] + b * k[i, d]
-                dq[i, d] += c * kd
-                dk[i, d] += b * kd
-                rowP[i, d] += r * kd
-                col[d] += r * D
-        for d in range(K):
-            dk[j, d] += col[d]
-            colP[j, d] = k[j, d] * col[d]
+            dq[j, d] = c0 * k[j, d] + DQ[j, d]
+            dk[j, d] = c0 * q[j, d] + DK[j, d] + COL[j, d]
+            rowP[j, d] = q[j, d] * DQ[j, d] + k[j, d] * DK[j, d]
+            colP[j, d] = k[j, d] * COL[j, d]
     # dq, dk through the factors; dg from every factor's gradient
     for i in range(Cp):
         for d in range(K):
@@ -320,7 +544,6 @@ def _local_backward_one(
         for i in range(Cp):
             dg[i, d] += acc + tot
             acc += k[i, d] * suf[i, d] * dkt[i, d]
-    return e
 
 
 @_jit()
@@ -338,6 +561,175 @@ def local_backward(
             q[n], k[n], g[n], v[n], beta[n], s, kg[n], w[n], u0[n], L[n], Tinv[n], bounds[t, bh],
             ends[t, bh], u[n], du[n], dO[n], dq[n], dk[n], dv[n], dg[n], dbeta[n],
         )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# the fused passes: one head per worker, chunk after chunk
+#
+# Each chunk's inputs are copied into zero-padded [Cp, *] scratch arrays, its state-free work
+# (_local_one) and its state step follow at once, so the chunk's data and the [K, V] state stay
+# in the cache and nothing of size T is written but the results. Inputs are read in place with
+# whatever strides they have (time-major views included). They live in this file, not one of
+# their own: Numba's cache checks only the file that defines a kernel, so a kernel in another
+# file would keep running stale copies of the helpers here after they change.
+
+
+@_jit()
+def _load(x, b, h, t0, m, buf):
+    """Rows ``t0 .. t0 + m`` of ``x[b, h]`` into ``buf[:m]``; rows ``m ..`` of ``buf`` zeroed."""
+    D = buf.shape[1]
+    for i in range(m):
+        for d in range(D):
+            buf[i, d] = x[b, h, t0 + i, d]
+    for i in range(m, buf.shape[0]):
+        for d in range(D):
+            buf[i, d] = 0.0
+
+
+@_jit()
+def _load_beta(beta, b, h, t0, m, buf):
+    for i in range(m):
+        buf[i] = beta[b, h, t0 + i]
+    for i in range(m, buf.shape[0]):
+        buf[i] = 0.0
+
+
+@_jit()
+def forward_heads(q, k, v, g, beta, scale, state, C, with_output, with_bounds, out, bounds, final, lo, hi):
+    """Heads ``[lo, hi)`` of ``B * H``: the chunked forward.
+
+    ``q, k, g: [B, H, T, K]``, ``v, out: [B, H, T, V]``, ``beta: [B, H, T]`` (any strides),
+    ``state, final: [B, H, K, V]``, ``bounds: [NT, B, H, K, V]`` (the chunk-start states, written
+    with ``with_bounds``); ``out`` is written with ``with_output``.
+    """
+    _B, H, T, K = q.shape
+    V = v.shape[3]
+    Cp = 1
+    while Cp < C:
+        Cp *= 2
+    NT = (T + C - 1) // C
+    s = scale[0]
+    dt = q.dtype
+    qc, kc, gc = np.empty((Cp, K), dt), np.empty((Cp, K), dt), np.empty((Cp, K), dt)
+    vc, bc = np.empty((Cp, V), dt), np.empty(Cp, dt)
+    WQ = np.empty((2 * Cp, K), dt)  # [w; qg]: one product with the state
+    w, qg = WQ[:Cp], WQ[Cp:]
+    kg, kt = np.empty((Cp, K), dt), np.empty((Cp, K), dt)
+    total = np.empty(K, dt)
+    A, L, Tinv = np.empty((Cp, Cp), dt), np.empty((Cp, Cp), dt), np.empty((Cp, Cp), dt)
+    u0 = np.empty((Cp, V), dt)
+    pre, suf, bk = np.empty((Cp, K), dt), np.empty((Cp, K), dt), np.empty((Cp, K), dt)
+    kd, bv = np.empty(K, dt), np.empty((Cp, V), dt)
+    R = np.empty((2 * Cp, V), dt)
+    U = np.empty((Cp, V), dt)
+    O = np.empty((Cp, V), dt)
+    X = np.empty((K, V), dt)
+    S = np.empty((K, V), dt)
+    for bh in range(lo, hi):
+        b = bh // H
+        h = bh - b * H
+        S[:, :] = state[b, h]
+        for n in range(NT):
+            t0 = n * C
+            m = min(C, T - t0)
+            _load(q, b, h, t0, m, qc)
+            _load(k, b, h, t0, m, kc)
+            _load(g, b, h, t0, m, gc)
+            _load(v, b, h, t0, m, vc)
+            _load_beta(beta, b, h, t0, m, bc)
+            _local_one(qc, kc, gc, vc, bc, s, qg, kg, kt, total, A, L, Tinv, w, u0, pre, suf, kd, bk, bv)
+            if with_bounds:
+                bounds[n, b, h] = S
+            np.dot(WQ, S, R)
+            for i in range(Cp):
+                for c in range(V):
+                    U[i, c] = u0[i, c] - R[i, c]
+            if with_output:
+                np.dot(A, U, O)  # A is lower triangular with zeros above
+                for i in range(m):
+                    for c in range(V):
+                        out[b, h, t0 + i, c] = R[Cp + i, c] + O[i, c]
+            np.dot(kt.T, U, X)
+            for d in range(K):
+                t = total[d]
+                for c in range(V):
+                    S[d, c] = t * S[d, c] + X[d, c]
+        final[b, h] = S
+
+
+@_jit()
+def backward_heads(
+    q, k, v, g, beta, scale, bounds, dO, dstate, C, dq, dk, dv, dg, dbeta, dinit, lo, hi
+):  # fmt: skip
+    """Heads ``[lo, hi)`` of ``B * H``: the chunked backward, last chunk first.
+
+    Per chunk: its state-free work again, ``U = u0 - w S``, ``dU = A^T dO + kt dS``, the
+    gradients of its state-free work (:func:`_local_backward_core`), then
+    ``dS <- total * dS + qg^T dO - w^T dU``. Shapes as :func:`forward_heads`; ``dO`` and the
+    gradients like their inputs, ``bounds: [NT, B, H, K, V]``, ``dstate, dinit: [B, H, K, V]``.
+    """
+    _B, H, T, K = q.shape
+    V = v.shape[3]
+    Cp = 1
+    while Cp < C:
+        Cp *= 2
+    NT = (T + C - 1) // C
+    s = scale[0]
+    dt = q.dtype
+    qc, kc, gc = np.empty((Cp, K), dt), np.empty((Cp, K), dt), np.empty((Cp, K), dt)
+    vc, bc, dOc = np.empty((Cp, V), dt), np.empty(Cp, dt), np.empty((Cp, V), dt)
+    w, qg = np.empty((Cp, K), dt), np.empty((Cp, K), dt)
+    kg, kt = np.empty((Cp, K), dt), np.empty((Cp, K), dt)
+    total = np.empty(K, dt)
+    A, L, Tinv = np.empty((Cp, Cp), dt), np.empty((Cp, Cp), dt), np.empty((Cp, Cp), dt)
+    u0 = np.empty((Cp, V), dt)
+    pre, suf, bk = np.empty((Cp, K), dt), np.empty((Cp, K), dt), np.empty((Cp, K), dt)
+    kd, bv = np.empty(K, dt), np.empty((Cp, V), dt)
+    U, dU = np.empty((Cp, V), dt), np.empty((Cp, V), dt)
+    X, Y = np.empty((K, V), dt), np.empty((K, V), dt)
+    S, dS, dSend = np.empty((K, V), dt), np.empty((K, V), dt), np.empty((K, V), dt)
+    gq, gk, gg = np.empty((Cp, K), dt), np.empty((Cp, K), dt), np.empty((Cp, K), dt)
+    gv, gb = np.empty((Cp, V), dt), np.empty(Cp, dt)
+    for bh in range(lo, hi):
+        b = bh // H
+        h = bh - b * H
+        dS[:, :] = dstate[b, h]
+        for n in range(NT - 1, -1, -1):
+            t0 = n * C
+            m = min(C, T - t0)
+            _load(q, b, h, t0, m, qc)
+            _load(k, b, h, t0, m, kc)
+            _load(g, b, h, t0, m, gc)
+            _load(v, b, h, t0, m, vc)
+            _load(dO, b, h, t0, m, dOc)
+            _load_beta(beta, b, h, t0, m, bc)
+            e = _local_one(qc, kc, gc, vc, bc, s, qg, kg, kt, total, A, L, Tinv, w, u0, pre, suf, kd, bk, bv)
+            S[:, :] = bounds[n, b, h]
+            dSend[:, :] = dS
+            np.dot(w, S, U)
+            for i in range(Cp):
+                for c in range(V):
+                    U[i, c] = u0[i, c] - U[i, c]
+            np.dot(kt, dS, dU)
+            dU += np.dot(A.T, dOc)
+            np.dot(qg.T, dOc, X)
+            np.dot(w.T, dU, Y)
+            for d in range(K):
+                t = total[d]
+                for c in range(V):
+                    dS[d, c] = (t * dS[d, c] + X[d, c]) - Y[d, c]
+            _local_backward_core(
+                qc, kc, e, pre, suf, vc, bc, s, kg, w, u0, L, Tinv, S, dSend, U, dU, dOc, gq, gk, gv, gg, gb
+            )
+            for i in range(m):
+                for d in range(K):
+                    dq[b, h, t0 + i, d] = gq[i, d]
+                    dk[b, h, t0 + i, d] = gk[i, d]
+                    dg[b, h, t0 + i, d] = gg[i, d]
+                for c in range(V):
+                    dv[b, h, t0 + i, c] = gv[i, c]
+                dbeta[b, h, t0 + i] = gb[i]
+        dinit[b, h] = dS
 
 
 # --------------------------------------------------------------------------------------------

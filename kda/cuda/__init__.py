@@ -28,12 +28,17 @@ from .recurrent import recurrent_backward, recurrent_forward
 from .state_pass import chunk_state_grad_pass, chunk_state_pass
 
 NAME = "cuda"
+# no fused passes: the engine composes the chunk primitives slab by slab (kda/_engine/chunked.py)
+chunk_forward_heads = None
+chunk_backward_heads = None
 
 __all__ = [
     "MAX_CHUNK",
     "NAME",
     "SLAB_ELEMENTS",
     "ChunkLocal",
+    "chunk_backward_heads",
+    "chunk_forward_heads",
     "chunk_local",
     "chunk_local_backward",
     "chunk_state_grad_pass",

@@ -27,6 +27,9 @@ from ._recurrent import recurrent_backward, recurrent_forward
 from ._scheduling import SLAB_ELEMENTS, worker_context, workers
 
 NAME = "reference"
+# no fused passes: the engine composes the chunk primitives slab by slab (kda/_engine/chunked.py)
+chunk_forward_heads = None
+chunk_backward_heads = None
 MAX_CHUNK = None  # any chunk length
 
 
@@ -41,7 +44,9 @@ __all__ = [
     "SLAB_ELEMENTS",
     "ChunkFactors",
     "ChunkLocal",
+    "chunk_backward_heads",
     "chunk_factors",
+    "chunk_forward_heads",
     "chunk_gate_gradient",
     "chunk_local",
     "chunk_local_backward",

@@ -122,6 +122,59 @@ def test_whole_calls_against_the_recurrence(regime, dtype, T, K, V, chunk_size):
             assert_close(a, b, tol=tol, dtype="any", name=name)
 
 
+@pytest.mark.parametrize("regime", REGIMES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_fused_passes_read_strided_inputs_in_place_and_match_the_reference(regime, dtype):
+    """The cpu backend's fused passes on time-major views (strided, read in place) give bitwise the
+    results of contiguous copies, and match the reference's slab-by-slab composition (chunk 48:
+    padded chunks of Cp=64 in four sub-blocks, and a short last chunk)."""
+    from kda._engine.chunked import chunk_backward, chunk_forward
+
+    cpu, ref = _ops("cpu"), _ops("reference")
+    p = make_problem(3, 2, 3, 150, 24, 7, regime).astype(dtype)
+    tm = [np.ascontiguousarray(np.swapaxes(x, 1, 2)) for x in (*p.inputs, p.grad_output)]
+    views = [np.swapaxes(x, 1, 2) for x in tm]  # [B, H, T, *] views of time-major buffers
+    assert not views[0].flags.c_contiguous
+
+    def run(ops, xs, state=p.initial_state, dS=p.grad_final_state):
+        o, fin, bnd = chunk_forward(ops, np, *xs[:5], SCALE, state, 48)
+        grads = chunk_backward(ops, np, *xs[:5], SCALE, state, bnd, xs[5], dS, 48)
+        return [o, fin, bnd, *grads]
+
+    strided = run(cpu, views)
+    contiguous = run(cpu, [*p.inputs, p.grad_output])
+    for a, b in zip(strided, contiguous, strict=True):
+        assert np.array_equal(a, b)
+    p64 = p.astype(np.float64)
+    want = run(ref, [*p64.inputs, p64.grad_output], p64.initial_state, p64.grad_final_state)
+    tol = TOLERANCE[np.dtype(dtype)] * (10 if regime in ("strong", "hard") else 1)
+    names = ("output", "final", "boundaries", "dq", "dk", "dv", "dg", "dbeta", "dstate")
+    for name, a, b in zip(names, contiguous, want, strict=True):
+        assert_close(a, b, tol=tol, dtype="any", name=name)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_exp_of_decays_is_exact_at_the_ends_and_within_an_ulp(dtype):
+    """The kernels' exp(g): exp(0) = 1, exp(-inf) = exp(-1e4) = exp(-800) = 0 exactly; elsewhere within
+    1 ulp of the correctly rounded float64 value (correctly rounded in float32)."""
+    from kda.cpu import _k
+
+    _k("state_pass")  # loads the kernels
+    from kda.cpu._kernels import _exp
+
+    rng = np.random.default_rng(0)
+    special = [0.0, -0.0, -np.inf, -1e4, -800.0, -708.0, -1e-30]
+    g = np.concatenate([special, -rng.random(4000) * 30, -rng.random(1000) * 700]).astype(dtype)
+    e = _exp(g.reshape(1, -1))[0]
+    assert e.dtype == dtype
+    assert e[0] == 1.0 and e[1] == 1.0 and e[2] == 0.0 and e[3] == 0.0 and e[4] == 0.0
+    want = np.exp(g.astype(np.float64))
+    normal = want.astype(dtype) >= np.finfo(dtype).tiny
+    ulps = np.abs(e[normal] - want[normal].astype(dtype)) / np.spacing(want[normal].astype(dtype))
+    assert ulps.max() <= (1.0 if dtype == np.float64 else 0.0)
+    assert np.all(e[~normal] <= np.finfo(dtype).tiny)
+
+
 def test_decode_plan_and_transition_on_cpu():
     """decode_kda, prepared plans and transition maps run on the cpu backend and agree."""
     p = make_problem(3, 2, 3, 40, 8, 5, "mild")
