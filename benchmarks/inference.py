@@ -2,10 +2,11 @@
 
 - ``short``: :func:`kda.chunk_kda` against :func:`kda.recurrent_kda` for ``T`` in 1..64 (default
   B=8, H=16, K=V=128, float32), forward and forward+backward. ``chunk_kda`` is timed twice: as
-  shipped (it runs the step recurrence for ``T <= kda._engine.core.RECURRENT_MAX_T``) and with the
-  chunked algorithm forced at every ``T`` (``RECURRENT_MAX_T`` set to 0 for the measurement and
-  restored), which gives the crossover: the smallest ``T`` from which the chunked algorithm is
-  faster than the recurrence at every measured length. Target: shipped ``chunk_kda`` at ``T=1``
+  shipped (it runs the step recurrence up to the backend's ``RECURRENT_MAX_T`` and
+  ``RECURRENT_MAX_T_TRAINING``) and with the chunked algorithm forced at every ``T`` (both set to
+  0 for the measurement and restored), which gives the crossover: the smallest ``T`` from which
+  the chunked algorithm is faster than the recurrence at every measured length. Target: shipped
+  ``chunk_kda`` at ``T=1``
   within 1.3x of ``recurrent_kda``.
 - ``decode``: :func:`kda.decode_kda` with ``N`` requests (default N=8, H=16, K=V=128, T=1,
   float32) on a pool of ``4 N`` rows, against ``np.copyto`` of the touched states' bytes (one
@@ -116,8 +117,9 @@ def _inputs(x: dict[str, np.ndarray]) -> tuple[np.ndarray, ...]:
 
 def _short_fns(x: dict[str, np.ndarray]) -> dict[str, dict[str, Callable[[], Any]]]:
     import kda
-    from kda._engine import core as _core
+    from kda._backend import get_backend
 
+    ops = get_backend(np, None)  # the backend kda.chunk_kda runs NumPy arrays on
     args, s0, do = _inputs(x), x["state"], x["do"]
 
     def chunk_fwd():
@@ -129,12 +131,12 @@ def _short_fns(x: dict[str, np.ndarray]) -> dict[str, dict[str, Callable[[], Any
 
     def forced(fn):
         def run():
-            saved = _core.RECURRENT_MAX_T
-            _core.RECURRENT_MAX_T = 0
+            saved = ops.RECURRENT_MAX_T, ops.RECURRENT_MAX_T_TRAINING
+            ops.RECURRENT_MAX_T = ops.RECURRENT_MAX_T_TRAINING = 0
             try:
                 return fn()
             finally:
-                _core.RECURRENT_MAX_T = saved
+                ops.RECURRENT_MAX_T, ops.RECURRENT_MAX_T_TRAINING = saved
 
         return run
 
@@ -169,7 +171,6 @@ def crossover(rows: list[dict[str, Any]], pass_: str) -> int | None:
 
 
 def run_short(cfg: InferenceConfig, step: Callable[[str], None]) -> dict[str, Any]:
-    from kda._engine import core as _core
 
     B, H, K, V = cfg.short_shape
     rows = []
@@ -182,7 +183,13 @@ def run_short(cfg: InferenceConfig, step: Callable[[str], None]) -> dict[str, An
             )
             rows += [{"method": m, "pass": pass_, "T": T, **t} for m, t in times.items()]
     at1 = {r["method"] + " " + r["pass"]: r["time_s"] for r in rows if r["T"] == 1}
-    summary = {"recurrent_max_T": _core.RECURRENT_MAX_T}
+    from kda._backend import get_backend
+
+    ops = get_backend(np, None)
+    summary = {
+        "recurrent_max_T": ops.RECURRENT_MAX_T,
+        "recurrent_max_T_training": ops.RECURRENT_MAX_T_TRAINING,
+    }
     for pass_ in ("fwd", "fwd+bwd"):
         summary[f"crossover_T {pass_}"] = crossover(rows, pass_)
         if f"chunk_kda {pass_}" in at1:

@@ -11,7 +11,8 @@ A core computes KDA on ready inputs ``q, k, g: [B, HV, T, K]``, ``v: [B, HV, T, 
 
 - :class:`ChunkCore`: the chunked algorithm of :mod:`kda._engine.chunked`. A chunk is clamped to the
   sequence (``T < chunk_size`` computes one ``T``-step chunk: the same boundaries, ``NT = 1``),
-  and a sequence of at most :data:`RECURRENT_MAX_T` steps in one chunk runs the step recurrence.
+  and a sequence up to the backend's measured crossover (its ``RECURRENT_MAX_T`` hooks) runs the
+  step recurrence.
   float32 problems with few key channels and long chunks compute in float64
   (:func:`kda._engine.widening.chunk_compute_dtype`: their WY chunk maps lose float32 accuracy).
 - :class:`RecurrentCore`: the step recurrence, the oracle.
@@ -32,7 +33,6 @@ from .chunked import chunk_backward, chunk_end_state, chunk_forward, chunk_state
 from .widening import chunk_compute_dtype
 
 __all__ = [
-    "RECURRENT_MAX_T",
     "ChunkCore",
     "Core",
     "RecurrentCore",
@@ -40,11 +40,6 @@ __all__ = [
     "run_packed_forward",
 ]
 
-# Sequences of at most this many steps (in a single chunk) run the step recurrence inside the
-# chunked functions. Measured at B=8, H=16, K=V=128, float32 on the CPU (one run, side by side):
-# T=1 forward 8 ms recurrence / 34 ms chunked (backward 98 / 233 ms); T=2 about even (43 / 41 ms);
-# from T=3 on the chunked form wins (70 / 62 ms, and 3-8x at T >= 8).
-RECURRENT_MAX_T = 1
 
 # The pair matrices of one chunk for all heads, ``B * HV * Cp * Cp`` elements, are refused above
 # this many bytes: a chunk that large cannot be worth computing as one block.
@@ -98,8 +93,9 @@ class ChunkCore:
 
     Every method takes the core's inputs (head-first, compute dtype, options applied) and
     decides, from their sizes, the chunk length (clamped to the sequence), the route (the step
-    recurrence for ``0 < T <= RECURRENT_MAX_T``), the pair-memory limit, the backend that can
-    hold such chunks (:func:`kda._backend.resolve`) and the dtype to compute in
+    recurrence up to the backend's crossover: ``RECURRENT_MAX_T`` steps for a forward that keeps
+    no boundaries, ``RECURRENT_MAX_T_TRAINING`` and one chunk otherwise), the pair-memory limit,
+    the backend that can hold such chunks (:func:`kda._backend.resolve`) and the dtype to compute in
     (:func:`~kda._engine.widening.chunk_compute_dtype`). Results come back in the inputs' dtype;
     ``out`` buffers (compute dtype) receive them in place.
     """
@@ -108,11 +104,19 @@ class ChunkCore:
     scale: float
     chunk_size: int
 
-    def route(self, q) -> tuple[Any, int, Any] | None:
-        """``(backend, chunk length, dtype to compute in)``, or None for the step recurrence."""
+    def route(self, q, training: bool) -> tuple[Any, int, Any] | None:
+        """``(backend, chunk length, dtype to compute in)``, or None for the step recurrence.
+
+        The step recurrence runs where the backend measured it faster: up to
+        ``ops.RECURRENT_MAX_T`` steps for a forward that keeps no boundaries (``training=False``),
+        up to ``ops.RECURRENT_MAX_T_TRAINING`` steps in one chunk for a forward that keeps them
+        and for every backward (its one boundary is then the initial state).
+        """
         B, HV, T = q.shape[:3]
         C = min(self.chunk_size, max(T, 1))
-        if 0 < T <= min(RECURRENT_MAX_T, self.chunk_size):
+        ops = self.ops
+        steps = min(ops.RECURRENT_MAX_T_TRAINING, self.chunk_size) if training else ops.RECURRENT_MAX_T
+        if 0 < T <= steps:
             return None
         _check_pair_memory(B * HV, C, T, 8)
         xp = _namespace(q)
@@ -123,7 +127,7 @@ class ChunkCore:
 
         ``out``: ``(output, final_state, boundaries or None)`` buffers, filled and returned.
         """
-        route = self.route(q)
+        route = self.route(q, training=keep)
         if route is None:
             o, final = self.ops.recurrent_forward(q, k, v, g, beta, self.scale, state)
             return _into(out, (o, final, _start_boundaries(state, q.shape[2]) if keep else None))
@@ -141,7 +145,7 @@ class ChunkCore:
         """The six gradients. ``out``: six buffers of their shapes that receive them;
         ``workspace``: a ``[NT, B, HV, K, V]`` buffer for the recomputed boundaries (with
         ``boundaries=None`` and ``out``)."""
-        route = self.route(q)
+        route = self.route(q, training=True)
         if route is None:  # the one boundary, when given, is the initial state
             state = state if boundaries is None or boundaries.shape[0] == 0 else boundaries[0, ...]
             return _into(out, self.ops.recurrent_backward(q, k, v, g, beta, self.scale, state, do, dfinal))
@@ -158,7 +162,7 @@ class ChunkCore:
 
     def end_state(self, q, k, v, g, beta, start) -> Any:
         """The state after the inputs from ``start`` (no outputs formed)."""
-        route = self.route(q)
+        route = self.route(q, training=False)
         if route is None:
             return self.ops.recurrent_forward(q, k, v, g, beta, self.scale, start)[1]
         ops, C, wide = route
@@ -170,7 +174,7 @@ class ChunkCore:
 
     def state_gradient(self, q, k, v, g, beta, do) -> Any:
         """The start-state gradient when the end-state gradient is zero (``D`` of a transition)."""
-        route = self.route(q)
+        route = self.route(q, training=True)
         xp = _namespace(q)
         if route is None:
             B, HV, _, K = q.shape

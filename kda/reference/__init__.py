@@ -32,6 +32,10 @@ chunk_forward_heads = None
 chunk_backward_heads = None
 MAX_CHUNK = None  # any chunk length
 
+# the step recurrence runs one-step calls only (measured: from T = 2 on the chunked form is as fast or
+# faster here); kda/cpu measures its own crossover
+RECURRENT_MAX_T = RECURRENT_MAX_T_TRAINING = 1
+
 
 def launch_gate_check(g: Any) -> None:
     """No device-side check: validation checks ``g`` on the host."""
@@ -41,6 +45,8 @@ def launch_gate_check(g: Any) -> None:
 __all__ = [
     "MAX_CHUNK",
     "NAME",
+    "RECURRENT_MAX_T",
+    "RECURRENT_MAX_T_TRAINING",
     "SLAB_ELEMENTS",
     "ChunkFactors",
     "ChunkLocal",
