@@ -2,9 +2,9 @@
 
 - ``short``: :func:`kda.chunk_kda` against :func:`kda.recurrent_kda` for ``T`` in 1..64 (default
   B=8, H=16, K=V=128, float32), forward and forward+backward. ``chunk_kda`` is timed twice: as
-  shipped (it runs the step recurrence up to the backend's ``RECURRENT_MAX_T`` and
-  ``RECURRENT_MAX_T_TRAINING``) and with the chunked algorithm forced at every ``T`` (both set to
-  0 for the measurement and restored), which gives the crossover: the smallest ``T`` from which
+  shipped (it runs the step recurrence up to the backend's ``RECURRENT_MAX_T``) and with
+  the chunked algorithm forced at every ``T`` (``RECURRENT_MAX_T`` set to 0 for the measurement
+  and restored), which gives the crossover: the smallest ``T`` from which
   the chunked algorithm is faster than the recurrence at every measured length. Target: shipped
   ``chunk_kda`` at ``T=1``
   within 1.3x of ``recurrent_kda``.
@@ -131,12 +131,12 @@ def _short_fns(x: dict[str, np.ndarray]) -> dict[str, dict[str, Callable[[], Any
 
     def forced(fn):
         def run():
-            saved = ops.RECURRENT_MAX_T, ops.RECURRENT_MAX_T_TRAINING
-            ops.RECURRENT_MAX_T = ops.RECURRENT_MAX_T_TRAINING = 0
+            saved = ops.RECURRENT_MAX_T
+            ops.RECURRENT_MAX_T = 0
             try:
                 return fn()
             finally:
-                ops.RECURRENT_MAX_T, ops.RECURRENT_MAX_T_TRAINING = saved
+                ops.RECURRENT_MAX_T = saved
 
         return run
 
@@ -186,10 +186,7 @@ def run_short(cfg: InferenceConfig, step: Callable[[str], None]) -> dict[str, An
     from kda._backend import get_backend
 
     ops = get_backend(np, None)
-    summary = {
-        "recurrent_max_T": ops.RECURRENT_MAX_T,
-        "recurrent_max_T_training": ops.RECURRENT_MAX_T_TRAINING,
-    }
+    summary = {"recurrent_max_T": ops.RECURRENT_MAX_T}
     for pass_ in ("fwd", "fwd+bwd"):
         summary[f"crossover_T {pass_}"] = crossover(rows, pass_)
         if f"chunk_kda {pass_}" in at1:

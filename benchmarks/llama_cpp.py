@@ -226,7 +226,7 @@ def _crossover_times(q, k, v, g, beta, do, repeats: int) -> tuple[float, float, 
 
 def crossover(H: int, D: int, lengths: tuple[int, ...], repeats: int) -> None:
     """Print ``chunk_kda`` against ``recurrent_kda``, forward and forward+backward, at short lengths
-    (where ``kda.cpu.RECURRENT_MAX_T`` and ``RECURRENT_MAX_T_TRAINING`` come from)."""
+    (where ``kda.cpu.RECURRENT_MAX_T`` comes from)."""
     from .chunk import _inputs
 
     print("crossover (B=1): T, fwd chunk / recurrent ms, fwd+bwd chunk / recurrent ms")

@@ -97,10 +97,9 @@ class Backend(Protocol):
     NAME: str
     SLAB_ELEMENTS: int  # elements of one [B, H, NT, Cp, max(K, V)] array of a slab of chunks
     MAX_CHUNK: int | None  # the longest padded chunk Cp it computes (None: any)
-    # the step recurrence is faster than the chunked form up to this many steps (measured per
-    # backend): a forward that keeps no boundaries, and a forward+backward (the core routes there)
+    # the step recurrence is faster than the chunked form up to this many steps in one chunk
+    # (measured per backend): the core routes every call of that length there
     RECURRENT_MAX_T: int
-    RECURRENT_MAX_T_TRAINING: int
 
     # --- layout
     def to_chunks(self, x: Any, chunk_size: int, padded_size: int) -> Any:

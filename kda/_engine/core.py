@@ -93,30 +93,26 @@ class ChunkCore:
 
     Every method takes the core's inputs (head-first, compute dtype, options applied) and
     decides, from their sizes, the chunk length (clamped to the sequence), the route (the step
-    recurrence up to the backend's crossover: ``RECURRENT_MAX_T`` steps for a forward that keeps
-    no boundaries, ``RECURRENT_MAX_T_TRAINING`` and one chunk otherwise), the pair-memory limit,
-    the backend that can hold such chunks (:func:`kda._backend.resolve`) and the dtype to compute in
-    (:func:`~kda._engine.widening.chunk_compute_dtype`). Results come back in the inputs' dtype;
-    ``out`` buffers (compute dtype) receive them in place.
+    recurrence up to the backend's crossover, ``ops.RECURRENT_MAX_T`` steps in one chunk), the
+    pair-memory limit, the backend that can hold such chunks (:func:`kda._backend.resolve`) and the
+    dtype to compute in (:func:`~kda._engine.widening.chunk_compute_dtype`). Results come back in
+    the inputs' dtype; ``out`` buffers (compute dtype) receive them in place.
     """
 
     ops: Any
     scale: float
     chunk_size: int
 
-    def route(self, q, training: bool) -> tuple[Any, int, Any] | None:
+    def route(self, q) -> tuple[Any, int, Any] | None:
         """``(backend, chunk length, dtype to compute in)``, or None for the step recurrence.
 
-        The step recurrence runs where the backend measured it faster: up to
-        ``ops.RECURRENT_MAX_T`` steps for a forward that keeps no boundaries (``training=False``),
-        up to ``ops.RECURRENT_MAX_T_TRAINING`` steps in one chunk for a forward that keeps them
-        and for every backward (its one boundary is then the initial state).
+        The step recurrence runs where the backend measured it faster, up to
+        ``ops.RECURRENT_MAX_T`` steps in one chunk (the one boundary is then the initial state),
+        whatever the call keeps: an output's bits do not depend on ``save_boundaries``.
         """
         B, HV, T = q.shape[:3]
         C = min(self.chunk_size, max(T, 1))
-        ops = self.ops
-        steps = min(ops.RECURRENT_MAX_T_TRAINING, self.chunk_size) if training else ops.RECURRENT_MAX_T
-        if 0 < T <= steps:
+        if 0 < T <= min(self.ops.RECURRENT_MAX_T, self.chunk_size):
             return None
         _check_pair_memory(B * HV, C, T, 8)
         xp = _namespace(q)
@@ -127,7 +123,7 @@ class ChunkCore:
 
         ``out``: ``(output, final_state, boundaries or None)`` buffers, filled and returned.
         """
-        route = self.route(q, training=keep)
+        route = self.route(q)
         if route is None:
             o, final = self.ops.recurrent_forward(q, k, v, g, beta, self.scale, state)
             return _into(out, (o, final, _start_boundaries(state, q.shape[2]) if keep else None))
@@ -145,7 +141,7 @@ class ChunkCore:
         """The six gradients. ``out``: six buffers of their shapes that receive them;
         ``workspace``: a ``[NT, B, HV, K, V]`` buffer for the recomputed boundaries (with
         ``boundaries=None`` and ``out``)."""
-        route = self.route(q, training=True)
+        route = self.route(q)
         if route is None:  # the one boundary, when given, is the initial state
             state = state if boundaries is None or boundaries.shape[0] == 0 else boundaries[0, ...]
             return _into(out, self.ops.recurrent_backward(q, k, v, g, beta, self.scale, state, do, dfinal))
@@ -162,7 +158,7 @@ class ChunkCore:
 
     def end_state(self, q, k, v, g, beta, start) -> Any:
         """The state after the inputs from ``start`` (no outputs formed)."""
-        route = self.route(q, training=False)
+        route = self.route(q)
         if route is None:
             return self.ops.recurrent_forward(q, k, v, g, beta, self.scale, start)[1]
         ops, C, wide = route
@@ -174,7 +170,7 @@ class ChunkCore:
 
     def state_gradient(self, q, k, v, g, beta, do) -> Any:
         """The start-state gradient when the end-state gradient is zero (``D`` of a transition)."""
-        route = self.route(q, training=True)
+        route = self.route(q)
         xp = _namespace(q)
         if route is None:
             B, HV, _, K = q.shape

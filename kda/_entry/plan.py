@@ -210,7 +210,7 @@ def _prepare(q, k, v, g, beta, scale, chunk_size, backend, initial_state, opts: 
     state = call.state_or_zeros("initial_state", initial_state)
     call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
     # refuses pair matrices that cannot fit
-    call.core.route(head_first(call.p.xp, q, call.p.layout), training=True)
+    call.core.route(head_first(call.p.xp, q, call.p.layout))
     return replace(call, check=False), state
 
 

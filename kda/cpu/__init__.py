@@ -13,8 +13,8 @@ It runs NumPy arrays (the default backend for them when Numba and SciPy are inst
   per-chunk kernels (decay factors, the pairs ``A`` and ``L`` by sub-blocks, the unit-lower
   inverse by rows, ``[W, U0]`` by BLAS); the engine uses them for the state-gradient pass alone.
 
-``RECURRENT_MAX_T`` and ``RECURRENT_MAX_T_TRAINING`` are the measured lengths up to which the step
-recurrence is faster than the chunked form here (the core routes there).
+``RECURRENT_MAX_T`` is the measured length up to which the step recurrence is faster than the
+chunked form here, forward and backward (the core routes there).
 
 Numba is imported on the first call of a primitive, not by ``import kda``. Kernels are compiled
 once per dtype (float32, float64) and cached on disk (``cache=True``); where no cache directory
@@ -52,18 +52,17 @@ MAX_CHUNK = None  # any chunk length
 # per-call overhead is paid a few times per sequence, not per chunk.
 SLAB_ELEMENTS = 1 << 21
 
-# The step recurrence beats this backend's chunked form up to these lengths (measured with
-# `python -m benchmarks.llama_cpp --crossover`, B=1 H=16 K=V=128 float32 on 2 cores; docs/speed.md):
-# a forward alone (no boundaries kept) up to RECURRENT_MAX_T steps, a forward+backward up to
-# RECURRENT_MAX_T_TRAINING (the step loop's backward is the slower one). The core routes there.
-RECURRENT_MAX_T = 256
-RECURRENT_MAX_T_TRAINING = 64
+# The step recurrence beats this backend's chunked form up to this many steps in one chunk
+# (measured with `python -m benchmarks.llama_cpp --crossover`, B=1 H=16 K=V=128 float32 on 2 cores;
+# docs/speed.md): forward+backward up to 64 steps; a forward alone up to about 256, but the route
+# cannot depend on whether boundaries are kept (an output's bits must not), so the core takes the
+# smaller of the two for every call.
+RECURRENT_MAX_T = 64
 
 __all__ = [
     "MAX_CHUNK",
     "NAME",
     "RECURRENT_MAX_T",
-    "RECURRENT_MAX_T_TRAINING",
     "SLAB_ELEMENTS",
     "ChunkLocal",
     "chunk_backward_heads",

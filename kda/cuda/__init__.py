@@ -34,13 +34,12 @@ chunk_backward_heads = None
 
 # the step recurrence runs one-step calls only (the chunked kernels are as fast from T = 2 on;
 # not measured on a GPU yet)
-RECURRENT_MAX_T = RECURRENT_MAX_T_TRAINING = 1
+RECURRENT_MAX_T = 1
 
 __all__ = [
     "MAX_CHUNK",
     "NAME",
     "RECURRENT_MAX_T",
-    "RECURRENT_MAX_T_TRAINING",
     "SLAB_ELEMENTS",
     "ChunkLocal",
     "chunk_backward_heads",

@@ -34,7 +34,7 @@ MAX_CHUNK = None  # any chunk length
 
 # the step recurrence runs one-step calls only (measured: from T = 2 on the chunked form is as fast or
 # faster here); kda/cpu measures its own crossover
-RECURRENT_MAX_T = RECURRENT_MAX_T_TRAINING = 1
+RECURRENT_MAX_T = 1
 
 
 def launch_gate_check(g: Any) -> None:
@@ -46,7 +46,6 @@ __all__ = [
     "MAX_CHUNK",
     "NAME",
     "RECURRENT_MAX_T",
-    "RECURRENT_MAX_T_TRAINING",
     "SLAB_ELEMENTS",
     "ChunkFactors",
     "ChunkLocal",
