@@ -180,18 +180,7 @@ def _apply_pool(q, k, v, g, beta, pool, A_log, dt_bias, cu, call: FlaCall, kw: d
         kw.get("num_accepted_tokens"),
     )
     accepted = _as_array("num_accepted_tokens", accepted)
-    if not kw.get("inplace_final_state", False):
-        msg = (
-            "ssm_state_indices and num_accepted_tokens need inplace_final_state=True (the pool's rows "
-            "are written)"
-        )
-        raise InvalidInputError(msg)
-    if pool is None:
-        msg = "inplace_final_state=True needs initial_state: the state pool [P, HV, K, V] it updates"
-        raise InvalidInputError(msg)
-    if accepted is not None and indices is None:
-        msg = "num_accepted_tokens needs ssm_state_indices [N, T] (a slot per step)"
-        raise InvalidInputError(msg)
+    _host.check_pool_call(kw, pool, indices, accepted)
     cd = _compute_dtype(q.dtype)
     if pool.dtype != cd:
         msg = f"initial_state (the state pool) must have dtype {jnp.dtype(cd).name}; got {pool.dtype}"

@@ -311,18 +311,7 @@ def _apply_pool(q, k, v, g, beta, pool, A_log, dt_bias, cu_seqlens, call: FlaCal
     """``fused_recurrent_kda(..., initial_state=pool, ssm_state_indices=..., num_accepted_tokens=...,
     inplace_final_state=True)`` as vLLM calls it: the pool updated in place, returned as the final state."""
     indices, accepted = kw.get("ssm_state_indices"), kw.get("num_accepted_tokens")
-    if not kw.get("inplace_final_state", False):
-        msg = (
-            "ssm_state_indices and num_accepted_tokens need inplace_final_state=True (the state pool, "
-            "initial_state, is updated in place)"
-        )
-        raise InvalidInputError(msg)
-    if pool is None:
-        msg = "inplace_final_state=True needs initial_state: the state pool [P, HV, K, V] it updates"
-        raise InvalidInputError(msg)
-    if accepted is not None and indices is None:
-        msg = "num_accepted_tokens needs ssm_state_indices [N, T] (a slot per step)"
-        raise InvalidInputError(msg)
+    _host.check_pool_call(kw, pool, indices, accepted)
     _check_tensors(ssm_state_indices=indices, num_accepted_tokens=accepted)
     if _needs_grad((q, k, v, g, beta, pool, A_log, dt_bias)):
         msg = (

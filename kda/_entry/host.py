@@ -26,6 +26,7 @@ import array_api_compat
 
 from .._backend import get_backend
 from .._engine.core import ChunkCore, RecurrentCore
+from .._errors import InvalidInputError
 from .._options.maps import Options
 from .._options.validation import Problem
 from . import api as _api
@@ -34,7 +35,7 @@ from .call import Call, KdaGradients
 from .fla import boundary_bound, choices, chunk_keywords, packed_chunks
 from .states import backward_with_state_gradients
 
-__all__ = ["backward", "decode", "forward", "shapes", "validated_call"]
+__all__ = ["backward", "check_pool_call", "decode", "forward", "shapes", "validated_call"]
 
 # the bodies of kda.chunk_kda and of the decode kernel's recurrent forward, which take the
 # options as one Choices
@@ -94,6 +95,25 @@ def decode(
     keywords = choices(static, x[6], x[7], offsets).keywords()
     return _decode.decode_kda(*x[:5], pool, state_indices, num_accepted_tokens=num_accepted_tokens,
                               scale=static[1], **keywords)  # fmt: skip
+
+
+def check_pool_call(kw: dict[str, Any], pool: Any, indices: Any, accepted: Any) -> None:
+    """The keywords of a pool call (vLLM's ``fused_recurrent_kda(..., initial_state=pool,
+    ssm_state_indices=..., num_accepted_tokens=..., inplace_final_state=True)``) fit together;
+    :class:`~kda.InvalidInputError` naming what is missing otherwise. The arrays themselves are
+    checked by :func:`kda.decode_kda`."""
+    if not kw.get("inplace_final_state", False):
+        msg = (
+            "ssm_state_indices and num_accepted_tokens need inplace_final_state=True (the state pool, "
+            "initial_state, is updated in place)"
+        )
+        raise InvalidInputError(msg)
+    if pool is None:
+        msg = "inplace_final_state=True needs initial_state: the state pool [P, HV, K, V] it updates"
+        raise InvalidInputError(msg)
+    if accepted is not None and indices is None:
+        msg = "num_accepted_tokens needs ssm_state_indices [N, T] (a slot per step)"
+        raise InvalidInputError(msg)
 
 
 def _pad(boundaries: Any, NT: int) -> Any:
