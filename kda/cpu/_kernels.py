@@ -21,7 +21,6 @@ import numpy as np
 
 __all__ = [
     "backward_heads",
-    "decode",
     "forward_heads",
     "local_backward",
     "local_forward",
@@ -775,24 +774,6 @@ def recurrent_forward(q, k, v, g, beta, scale, state, out, final, lo, hi):
         pred = np.empty(V, q.dtype)
         for t in range(T):
             _step(S, q[bh, t], k[bh, t], v[bh, t], g[bh, t], beta[bh, t], s, out[bh, t], pred)
-
-
-@_jit()
-def decode(q, k, v, g, beta, scale, pool, rows, out, lo, hi):
-    """``q: [N, HV, T, K]``; request ``n`` runs on ``pool[rows[n]]`` in place (``-1``: skipped)."""
-    _N, HV, T, _K = q.shape
-    V = v.shape[3]
-    s = scale[0]
-    for nh in range(lo, hi):
-        n = nh // HV
-        h = nh - n * HV
-        row = rows[n]
-        if row < 0:
-            continue
-        S = pool[row, h]
-        pred = np.empty(V, q.dtype)
-        for t in range(T):
-            _step(S, q[n, h, t], k[n, h, t], v[n, h, t], g[n, h, t], beta[n, h, t], s, out[n, h, t], pred)
 
 
 @_jit()

@@ -119,6 +119,27 @@ def _as_float64(x: Any, name: str) -> np.ndarray:
     return a.astype(np.float64)
 
 
+def shapes_and_finite(actual: Any, expected: Any, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(actual, expected, finite)`` in float64 with ``finite`` the mask of finite ``expected``
+    elements; :class:`Mismatch` (``check`` ``"shape"`` or ``"finite"``) when the shapes differ or
+    ``actual`` is not finite where ``expected`` is."""
+    a, e = _as_float64(actual, "actual"), _as_float64(expected, "expected")
+    if a.shape != e.shape:
+        raise Mismatch(
+            f"{name}: shape {a.shape} != expected {e.shape}", name=name, ratio=np.inf, check="shape"
+        )
+    finite = np.isfinite(e)
+    bad = finite & ~np.isfinite(a)
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise Mismatch(
+            f"{name}: {int(bad.sum())} non-finite elements where the reference is finite; first at "
+            f"{idx}: got {a[idx]!r}, expected {e[idx]!r}",
+            name=name, ratio=np.inf, check="finite",
+        )  # fmt: skip
+    return a, e, finite
+
+
 def compare(
     actual: Any, expected: Any, *, dtype: Any, name: str = "", scale: Any = None, tol: float | None = None
 ) -> float:
@@ -130,22 +151,7 @@ def compare(
     elif not (isinstance(tol, float | int) and tol > 0):
         raise InvalidInputError(f"tol must be a positive number; got {tol!r}")
     label = name or "array"
-    a, e = _as_float64(actual, "actual"), _as_float64(expected, "expected")
-    if a.shape != e.shape:
-        raise Mismatch(
-            f"{label}: shape {a.shape} != expected {e.shape}", name=label, ratio=np.inf, check="shape"
-        )
-    if a.size == 0:
-        return 0.0
-    finite = np.isfinite(e)
-    bad = finite & ~np.isfinite(a)
-    if bad.any():
-        idx = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise Mismatch(
-            f"{label}: {int(bad.sum())} non-finite elements where the reference is finite; first at "
-            f"{idx}: got {a[idx]!r}, expected {e[idx]!r}",
-            name=label, ratio=np.inf, check="finite",
-        )  # fmt: skip
+    a, e, finite = shapes_and_finite(actual, expected, label)
     if not finite.any():
         return 0.0
     with np.errstate(invalid="ignore"):

@@ -140,21 +140,9 @@ def judge(actual: Any, expected: Any, scale: float, *, name: str) -> tuple[float
     and a description of the worst element; raises :class:`kda.testing.Mismatch` (``check`` of
     ``"shape"`` or ``"finite"``) when the shapes differ or ``actual`` is not finite where
     ``expected`` is."""
-    from ._compare import Mismatch, _as_float64
+    from ._compare import shapes_and_finite
 
-    a, e = _as_float64(actual, "actual"), _as_float64(expected, "expected")
-    if a.shape != e.shape:
-        msg = f"{name}: shape {a.shape} != expected {e.shape}"
-        raise Mismatch(msg, name=name, ratio=np.inf, check="shape")
-    finite = np.isfinite(e)
-    bad = finite & ~np.isfinite(a)
-    if bad.any():
-        idx = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise Mismatch(
-            f"{name}: {int(bad.sum())} non-finite elements where the reference is finite; first at "
-            f"{idx}: got {a[idx]!r}, expected {e[idx]!r}",
-            name=name, ratio=np.inf, check="finite",
-        )  # fmt: skip
+    a, e, finite = shapes_and_finite(actual, expected, name)
     if not finite.any():
         return 0.0, ""
     with np.errstate(invalid="ignore"):
