@@ -127,12 +127,14 @@ def _writable(x: Any) -> bool:
 
 
 def chunk_forward(
-    ops: Any, xp: Any, q, k, v, g, beta, scale: float, state: Any, chunk_size: int, out: Any = None
-) -> tuple[Any, Any, Any]:
+    ops: Any, xp: Any, q, k, v, g, beta, scale: float, state: Any, chunk_size: int, out: Any = None,
+    keep: bool = True,
+) -> tuple[Any, Any, Any]:  # fmt: skip
     """Chunked forward on arrays of the compute dtype.
 
     Returns ``output [B, H, T, V]``, ``final_state [B, H, K, V]`` and
-    ``boundaries [NT, B, H, K, V]``. ``out``, when given, is a triple of caller-owned writable
+    ``boundaries [NT, B, H, K, V]`` (None from the fused pass with ``keep=False``: a forward
+    that keeps no boundaries writes none). ``out``, when given, is a triple of caller-owned writable
     buffers of those shapes (compute dtype) that receive the results in place and are returned:
     then nothing is allocated whose size grows with ``T`` beyond one slab's work.
     """
@@ -152,7 +154,7 @@ def chunk_forward(
         final_buf[...] = state
         return out
     if ops.chunk_forward_heads is not None and _writable(o):
-        if out is None:
+        if out is None and keep:
             saved = xp.empty((NT, *state.shape), dtype=state.dtype, device=state.device)
         final = ops.chunk_forward_heads(q, k, v, g, beta, scale, state, chunk_size, o, saved)
         if out is None:

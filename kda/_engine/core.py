@@ -130,9 +130,9 @@ class ChunkCore:
         ops, C, wide = route
         xp = _namespace(q)
         if wide == q.dtype:
-            return chunk_forward(ops, xp, q, k, v, g, beta, self.scale, state, C, out=out)
+            return chunk_forward(ops, xp, q, k, v, g, beta, self.scale, state, C, out=out, keep=keep)
         args = _cast(xp, wide, q, k, v, g, beta, state)
-        results = chunk_forward(ops, xp, *args[:5], self.scale, args[5], C)
+        results = chunk_forward(ops, xp, *args[:5], self.scale, args[5], C, keep=keep)
         return _into(out, _cast(xp, q.dtype, *results))
 
     def backward(

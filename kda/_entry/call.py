@@ -114,13 +114,17 @@ class Call:
         self.check_finite(**arrays, A_log=self.o.A_log, dt_bias=self.o.dt_bias)
 
     def check_finite(self, **arrays: Any) -> None:
-        """Refuse NaN / infinite values in ``arrays`` (``-inf`` allowed in a log gate ``g``;
-        None skipped), when asked to check."""
+        """Refuse NaN / infinite values in ``arrays`` (None skipped), when asked to check.
+
+        A log gate ``g`` is skipped: validation refused NaN and ``+inf`` in it already (every
+        element ``<= 0``), and ``-inf`` is a legal reset.
+        """
         if not self.check:
             return
         log_gate = self.o.gate == "log"
         for name, x in arrays.items():
-            _check_finite(self.p.xp, name, x, allow_neg_inf=name == "g" and log_gate)
+            if not (name == "g" and log_gate):
+                _check_finite(self.p.xp, name, x)
 
     def state_or_zeros(self, name: str, state: Any) -> Any:
         """A checked ``[N, HV, K, V]`` state, or zeros for None."""

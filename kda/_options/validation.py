@@ -122,7 +122,14 @@ def check_scale(scale: Any, K: int) -> float:
 
 
 def check_log_decay(xp: Any, g: Any) -> None:
-    """``g`` is a log decay: every element must be <= 0 or -inf; NaN and positive values are refused."""
+    """``g`` is a log decay: every element must be <= 0 or -inf; NaN and positive values are refused.
+
+    One reduction on the common path: the maximum, through which NaN propagates (the array API
+    standard's ``max``), is ``<= 0`` exactly when every element is. This also rules out NaN and
+    ``+inf``, so a log gate needs no finiteness check of its own (:meth:`Call.check_finite`).
+    """
+    if math.prod(_shape(g)) == 0 or bool(xp.max(g) <= 0):
+        return
     bad = xp.logical_not(g <= 0)  # True for g > 0 and for NaN
     if bool(xp.any(bad)):
         n_nan = int(xp.sum(xp.astype(xp.isnan(g), xp.int64)))

