@@ -536,17 +536,21 @@ def _local_backward_core(
             dk[i, d] += pre[i, d] * dkg + suf[i, d] * dkt[i, d]
     # dg[l] = sum_{i >= l} (prefix terms + pair rows - pair cols)[i] + sum_{j < l} suffix terms[j]
     #         + total * dtotal
+    #         (running sums over rows, a row of channels at a time: the loops vectorise)
+    acc = np.zeros(K, q.dtype)
+    for i in range(Cp - 1, -1, -1):
+        b = beta[i]
+        for d in range(K):
+            x = acc[d] + (s * q[i, d] * dqg[i, d] + k[i, d] * b * dkw[i, d]) * pre[i, d]
+            x += rowP[i, d] - colP[i, d]
+            acc[d] = x
+            dg[i, d] = x
     for d in range(K):
-        acc = zero
-        for i in range(Cp - 1, -1, -1):
-            acc += (s * q[i, d] * dqg[i, d] + k[i, d] * beta[i] * dkw[i, d]) * pre[i, d]
-            acc += rowP[i, d] - colP[i, d]
-            dg[i, d] = acc
-        acc = zero
-        tot = pre[Cp - 1, d] * dtotal[d]
-        for i in range(Cp):
-            dg[i, d] += acc + tot
-            acc += k[i, d] * suf[i, d] * dkt[i, d]
+        acc[d] = zero
+    for i in range(Cp):
+        for d in range(K):
+            dg[i, d] += acc[d] + pre[Cp - 1, d] * dtotal[d]
+            acc[d] += k[i, d] * suf[i, d] * dkt[i, d]
 
 
 @_jit()
