@@ -67,6 +67,6 @@ def pytest_runtest_logreport(report):
 
 def pytest_sessionfinish(session):
     path = os.environ.get("KDA_RECORD_SKIPPED")
-    if path:
+    if path and not hasattr(session.config, "workerinput"):  # pytest-xdist: the controller writes
         with open(path, "w", encoding="utf-8") as fh:
             fh.writelines(f"{nodeid}\n" for nodeid in dict.fromkeys(_SKIPPED))
