@@ -143,13 +143,16 @@ class Backend(Protocol):
     # --- fused passes (optional: None where the backend leaves the composition to the engine)
     def chunk_forward_heads(
         self, q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any, chunk_size: int,
-        output: Any, boundaries: Any,
+        output: Any, boundaries: Any, screen: Any = None,
     ) -> Any:  # fmt: skip
         """The whole chunked forward of ``[B, H, T, *]`` inputs (any strides) from ``state
         [B, H, K, V]``, the chunk primitives above fused per head and chunk; writes ``output
         [B, H, T, V]`` and ``boundaries [NT, B, H, K, V]`` where they are not None and returns the
-        final state. A backend may set it to None: the engine then runs the chunk primitives slab
-        by slab (``kda/_engine/chunked.py``)."""  # fmt: skip
+        final state. ``screen``, when given (float64 ``[B * H, 2]``), receives per head
+        ``sum(x * 0)`` over ``q, k, v`` and over the output and final state: NaN where one holds a
+        non-finite value (the call's finiteness checks, read off the chunks as they pass). A
+        backend may set it to None: the engine then runs the chunk primitives slab by slab
+        (``kda/_engine/chunked.py``)."""  # fmt: skip
 
     def chunk_backward_heads(
         self, q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, boundaries: Any, grad_output: Any,

@@ -128,15 +128,17 @@ def _writable(x: Any) -> bool:
 
 def chunk_forward(
     ops: Any, xp: Any, q, k, v, g, beta, scale: float, state: Any, chunk_size: int, out: Any = None,
-    keep: bool = True,
+    keep: bool = True, screen: Any = None,
 ) -> tuple[Any, Any, Any]:  # fmt: skip
     """Chunked forward on arrays of the compute dtype.
 
     Returns ``output [B, H, T, V]``, ``final_state [B, H, K, V]`` and
     ``boundaries [NT, B, H, K, V]`` (None from the fused pass with ``keep=False``: a forward
-    that keeps no boundaries writes none). ``out``, when given, is a triple of caller-owned writable
-    buffers of those shapes (compute dtype) that receive the results in place and are returned:
-    then nothing is allocated whose size grows with ``T`` beyond one slab's work.
+    that keeps no boundaries writes none). ``screen``: a zeroed float64 ``[B * H, 2]`` array that
+    the fused pass fills (see the backend's ``chunk_forward_heads``). ``out``, when given, is a
+    triple of caller-owned writable buffers of those shapes (compute dtype) that receive the
+    results in place and are returned: then nothing is allocated whose size grows with ``T``
+    beyond one slab's work.
     """
     B, H, T, _ = q.shape
     V = v.shape[-1]
@@ -156,7 +158,7 @@ def chunk_forward(
     if ops.chunk_forward_heads is not None and _writable(o):
         if out is None and keep:
             saved = xp.empty((NT, *state.shape), dtype=state.dtype, device=state.device)
-        final = ops.chunk_forward_heads(q, k, v, g, beta, scale, state, chunk_size, o, saved)
+        final = ops.chunk_forward_heads(q, k, v, g, beta, scale, state, chunk_size, o, saved, screen)
         if out is None:
             return o, final, saved
         final_buf[...] = final

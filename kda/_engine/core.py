@@ -49,7 +49,11 @@ PAIR_BYTES_LIMIT = 1 << 31
 class Core(Protocol):
     chunk_size: int
 
-    def forward(self, q, k, v, g, beta, state, keep: bool = True, out=None) -> tuple[Any, Any, Any]: ...
+    def screens(self, q) -> bool: ...
+
+    def forward(
+        self, q, k, v, g, beta, state, keep: bool = True, out=None, screen=None
+    ) -> tuple[Any, Any, Any]: ...
 
     def backward(
         self, q, k, v, g, beta, state, boundaries, do, dfinal, out=None, workspace=None
@@ -64,7 +68,12 @@ class RecurrentCore:
     scale: float
     chunk_size: int = 1  # packed sequences are grouped by exact length
 
-    def forward(self, q, k, v, g, beta, state, keep: bool = True, out=None) -> tuple[Any, Any, Any]:
+    def screens(self, q) -> bool:
+        return False
+
+    def forward(
+        self, q, k, v, g, beta, state, keep: bool = True, out=None, screen=None
+    ) -> tuple[Any, Any, Any]:
         o, final = self.ops.recurrent_forward(q, k, v, g, beta, self.scale, state)
         return _into(out, (o, final, None))
 
@@ -118,10 +127,20 @@ class ChunkCore:
         xp = _namespace(q)
         return resolve(self.ops, padded_chunk_size(C)), C, chunk_compute_dtype(xp, q.shape[-1], C, q.dtype)
 
-    def forward(self, q, k, v, g, beta, state, keep: bool = True, out=None) -> tuple[Any, Any, Any]:
+    def screens(self, q) -> bool:
+        """Whether :meth:`forward` (without ``out``) reads the finiteness of ``q, k, v`` and of
+        its results off the chunks as they pass: the backend's fused forward, in ``q``'s dtype."""
+        route = self.route(q) if q.shape[2] else None
+        return route is not None and route[0].chunk_forward_heads is not None and route[2] == q.dtype
+
+    def forward(
+        self, q, k, v, g, beta, state, keep: bool = True, out=None, screen=None
+    ) -> tuple[Any, Any, Any]:
         """``(output, final_state, boundaries)``; ``keep=False`` may return None boundaries.
 
         ``out``: ``(output, final_state, boundaries or None)`` buffers, filled and returned.
+        ``screen``: where :meth:`screens`, a zeroed float64 ``[B * H, 2]`` array that receives
+        per head ``sum(x * 0)`` over ``q, k, v`` and over the results (NaN: not finite).
         """
         route = self.route(q)
         if route is None:
@@ -130,7 +149,7 @@ class ChunkCore:
         ops, C, wide = route
         xp = _namespace(q)
         if wide == q.dtype:
-            return chunk_forward(ops, xp, q, k, v, g, beta, self.scale, state, C, out=out, keep=keep)
+            return chunk_forward(ops, xp, q, k, v, g, beta, self.scale, state, C, out, keep, screen)
         args = _cast(xp, wide, q, k, v, g, beta, state)
         results = chunk_forward(ops, xp, *args[:5], self.scale, args[5], C, keep=keep)
         return _into(out, _cast(xp, q.dtype, *results))

@@ -10,6 +10,7 @@ they compute the same thing the same way:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -126,6 +127,13 @@ class Call:
             if not (name == "g" and log_gate):
                 _check_finite(self.p.xp, name, x)
 
+    def _screen(self, q: Any) -> Any:
+        """A zeroed float64 ``[B * HV, 2]`` screen for the core's fused pass (head-first ``q``), or
+        None where the call does not check or the core does not screen (packed sequences too)."""
+        if not self.check or self.p.offsets is not None or not self.core.screens(q):
+            return None
+        return self.p.xp.zeros((q.shape[0] * q.shape[1], 2), dtype=self.p.xp.float64)
+
     def state_or_zeros(self, name: str, state: Any) -> Any:
         """A checked ``[N, HV, K, V]`` state, or zeros for None."""
         state = check_state(name, state, self.p)
@@ -165,23 +173,41 @@ class Call:
         with floating_point_quiet(xp):
             return prepare_core_inputs(xp, *arrays, self.o, p.HV)
 
-    def forward(self, inputs: tuple, state: Any, keep: bool, out: KdaOutput | None = None) -> KdaOutput:
+    def forward(
+        self, inputs: tuple, state: Any, keep: bool, out: KdaOutput | None = None, check_inputs: bool = False
+    ) -> KdaOutput:  # fmt: skip
         """The forward of raw ``inputs = (q, k, v, g, beta)`` from ``state``.
 
         ``out``: a :class:`KdaOutput` of buffers (the output's dtype and layout; states in the
         compute dtype; ``boundaries`` may be None) that receive the results and are returned.
+        ``check_inputs``: refuse NaN / infinite ``inputs`` here (:meth:`check_inputs_finite`).
+        Where the core screens (:meth:`~kda._engine.core.ChunkCore.screens`), ``q, k, v`` and the
+        results are read off its fused pass instead of passes of their own, and ``q, k, v`` are
+        looked at again, for the message, only when it saw a non-finite value.
         """
         p, xp = self.p, self.p.xp
         c = self.core_inputs(*inputs)
+        screen = self._screen(c.q) if check_inputs and out is None else None
+        if check_inputs:
+            named = dict(zip(("q", "k", "v", "g", "beta"), inputs))
+            rest = {n: x for n, x in named.items() if screen is None or n not in ("q", "k", "v")}
+            self.check_inputs_finite(**rest)
         direct = out is not None and p.dtype == p.compute_dtype
         bufs = (head_first(xp, out.output, p.layout), out.final_state, out.boundaries) if direct else None
         with floating_point_quiet(xp):
             if p.offsets is None:
-                o, final, boundaries = self.core.forward(c.q, c.k, c.v, c.g, c.beta, state, keep, bufs)
+                args = (c.q, c.k, c.v, c.g, c.beta, state, keep, bufs, screen)
+                o, final, boundaries = self.core.forward(*args)
             else:
                 o, final, boundaries = run_packed_forward(self.core, xp, c, state, p.offsets, keep, bufs)
         raise_for_gates(p)  # a deferred device check, read once the work is queued
-        if self.check:
+        if screen is not None:
+            seen_in, seen_out = (float(x) for x in xp.sum(screen, axis=0))
+            if not math.isfinite(seen_in):
+                self.check_finite(**{n: named[n] for n in ("q", "k", "v")})  # raises, naming the first
+            if not math.isfinite(seen_out):
+                warn_if_diverged(xp, o, final, stacklevel=5)
+        elif self.check:
             warn_if_diverged(xp, o, final, stacklevel=5)
         result = KdaOutput(xp.astype(head_first(xp, o, p.layout), p.dtype, copy=False), final, boundaries)
         if out is None:

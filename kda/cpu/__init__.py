@@ -355,13 +355,15 @@ def _view(x: Any, dt: Any) -> np.ndarray:
 
 def chunk_forward_heads(
     q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any, chunk_size: int, output: Any,
-    boundaries: Any,
+    boundaries: Any, screen: Any = None,
 ) -> np.ndarray:  # fmt: skip
     """The chunked forward, one head per worker from its first chunk to its last.
 
     ``q, k, g: [B, H, T, K]``, ``v: [B, H, T, V]``, ``beta: [B, H, T]`` (read in place, any
     strides), ``state: [B, H, K, V]``. Writes ``output [B, H, T, V]`` and ``boundaries
     [NT, B, H, K, V]`` (the chunk-start states) where they are not None; returns the final state.
+    ``screen``: a float64 ``[B * H, 2]`` array, or None; receives per head ``sum(x * 0)`` over
+    ``q, k, v`` and over the output and final state (0 when finite, NaN when not).
     """
     dt = _dtype(q)
     B, H, T, K = q.shape
@@ -372,11 +374,13 @@ def chunk_forward_heads(
     bounds = boundaries if with_bounds else np.zeros((1, 1, 1, 1, 1), dt)
     ins = [_view(x, dt) for x in (q, k, v, g, beta)]
     start = _c(state, dt)
+    screened = np.zeros((0, 2)) if screen is None else screen
     if B * H * K * V and T:
         _run("forward_heads", B * H, *ins, _scale(scale, dt), start, chunk_size, with_output, with_bounds,
-             out, bounds, final)  # fmt: skip
+             out, bounds, final, screened)  # fmt: skip
     else:
         final[...] = start
+        screened[...] = 0.0
     return final
 
 

@@ -594,6 +594,19 @@ def _load(x, b, h, t0, m, buf):
 
 
 @_jit()
+def _zeros_of(x):
+    """``sum(x * 0)`` of a 2-D array as float64: 0 where every element is finite, NaN where one
+    is not (``inf * 0`` is NaN); the order of the terms cannot change that."""
+    acc = 0.0
+    for i in range(x.shape[0]):
+        row = x[i, :0].sum()
+        for d in range(x.shape[1]):
+            row += x[i, d] * 0.0
+        acc += row
+    return acc
+
+
+@_jit()
 def _load_beta(beta, b, h, t0, m, buf):
     for i in range(m):
         buf[i] = beta[b, h, t0 + i]
@@ -602,12 +615,17 @@ def _load_beta(beta, b, h, t0, m, buf):
 
 
 @_jit()
-def forward_heads(q, k, v, g, beta, scale, state, C, with_output, with_bounds, out, bounds, final, lo, hi):
+def forward_heads(
+    q, k, v, g, beta, scale, state, C, with_output, with_bounds, out, bounds, final, screen, lo, hi
+):  # fmt: skip
     """Heads ``[lo, hi)`` of ``B * H``: the chunked forward.
 
     ``q, k, g: [B, H, T, K]``, ``v, out: [B, H, T, V]``, ``beta: [B, H, T]`` (any strides),
     ``state, final: [B, H, K, V]``, ``bounds: [NT, B, H, K, V]`` (the chunk-start states, written
-    with ``with_bounds``); ``out`` is written with ``with_output``.
+    with ``with_bounds``); ``out`` is written with ``with_output``. ``screen: [B * H, 2]`` (float64;
+    ``[0, 2]`` for none) receives, per head, ``sum(x * 0)`` over its ``q, k, v`` and over its
+    output and final state: 0 where they are finite, NaN where not (a pass over chunks that are
+    in the cache already, instead of one over the whole arrays).
     """
     _B, H, T, K = q.shape
     V = v.shape[3]
@@ -632,10 +650,12 @@ def forward_heads(q, k, v, g, beta, scale, state, C, with_output, with_bounds, o
     O = np.empty((Cp, V), dt)
     X = np.empty((K, V), dt)
     S = np.empty((K, V), dt)
+    with_screen = screen.shape[0] > 0
     for bh in range(lo, hi):
         b = bh // H
         h = bh - b * H
         S[:, :] = state[b, h]
+        seen_in = seen_out = 0.0
         for n in range(NT):
             t0 = n * C
             m = min(C, T - t0)
@@ -644,6 +664,8 @@ def forward_heads(q, k, v, g, beta, scale, state, C, with_output, with_bounds, o
             _load(g, b, h, t0, m, gc)
             _load(v, b, h, t0, m, vc)
             _load_beta(beta, b, h, t0, m, bc)
+            if with_screen:
+                seen_in += _zeros_of(qc) + _zeros_of(kc) + _zeros_of(vc)
             _local_one(qc, kc, gc, vc, bc, s, qg, kg, kt, total, A, L, Tinv, w, u0, pre, suf, kd, bk, bv)
             if with_bounds:
                 bounds[n, b, h] = S
@@ -653,15 +675,23 @@ def forward_heads(q, k, v, g, beta, scale, state, C, with_output, with_bounds, o
                     U[i, c] = u0[i, c] - R[i, c]
             if with_output:
                 np.dot(A, U, O)  # A is lower triangular with zeros above
+                for i in range(Cp):
+                    for c in range(V):
+                        O[i, c] += R[Cp + i, c]
                 for i in range(m):
                     for c in range(V):
-                        out[b, h, t0 + i, c] = R[Cp + i, c] + O[i, c]
+                        out[b, h, t0 + i, c] = O[i, c]
+                if with_screen:
+                    seen_out += _zeros_of(O[:m])
             np.dot(kt.T, U, X)
             for d in range(K):
                 t = total[d]
                 for c in range(V):
                     S[d, c] = t * S[d, c] + X[d, c]
         final[b, h] = S
+        if with_screen:
+            screen[bh, 0] = seen_in
+            screen[bh, 1] = seen_out + _zeros_of(S)
 
 
 @_jit()
