@@ -236,11 +236,13 @@ def chunk_backward(
     grad_state: Any,
     chunk_size: int,
     out: Any = None,
+    screen: Any = None,
 ) -> tuple[Any, Any, Any, Any, Any, Any]:
     """Chunked backward on arrays of the compute dtype.
 
     ``boundaries`` are the chunk-start states of the forward, or ``None`` to recompute them
     from ``state``. Returns the gradients of ``q, k, v, g, beta`` and of the initial state.
+    ``screen``: as for :func:`chunk_forward`, filled by the fused backward pass.
     ``out``, when given, is a tuple of caller-owned writable buffers (compute dtype) for those
     six gradients, optionally followed by a ``[NT, B, H, K, V]`` workspace that receives the
     recomputed boundaries when ``boundaries`` is None; the gradients are written in place and
@@ -261,7 +263,7 @@ def chunk_backward(
         return tuple(out[:6])
     if ops.chunk_backward_heads is not None and _writable(grads[0]):
         return _backward_fused(ops, xp, q, k, v, g, beta, scale, state, boundaries, grad_output, grad_state,
-                               chunk_size, grads, dstate_buf, workspace)  # fmt: skip
+                               chunk_size, grads, dstate_buf, workspace, screen)  # fmt: skip
     axis, groups = _head_groups(ops, xp, q.shape)
     if not _writable(grads[0]):
         axis, groups = 1, [slice(None)]
@@ -291,7 +293,7 @@ def chunk_backward(
 
 def _backward_fused(
     ops: Any, xp: Any, q, k, v, g, beta, scale: float, state: Any, boundaries: Any, grad_output: Any,
-    grad_state: Any, C: int, grads: list[Any], dstate: Any, workspace: Any,
+    grad_state: Any, C: int, grads: list[Any], dstate: Any, workspace: Any, screen: Any = None,
 ) -> tuple[Any, ...]:  # fmt: skip
     """The backward through the backend's fused passes (boundaries recomputed when None)."""
     if boundaries is None:
@@ -303,7 +305,7 @@ def _backward_fused(
     if dstate is None:
         dstate = xp.empty(grad_state.shape, dtype=grad_state.dtype, device=grad_state.device)
     ops.chunk_backward_heads(
-        q, k, v, g, beta, scale, boundaries, grad_output, grad_state, C, [*grads, dstate]
+        q, k, v, g, beta, scale, boundaries, grad_output, grad_state, C, [*grads, dstate], screen
     )
     return (*grads, dstate)
 

@@ -56,7 +56,7 @@ class Core(Protocol):
     ) -> tuple[Any, Any, Any]: ...
 
     def backward(
-        self, q, k, v, g, beta, state, boundaries, do, dfinal, out=None, workspace=None
+        self, q, k, v, g, beta, state, boundaries, do, dfinal, out=None, workspace=None, screen=None
     ) -> tuple[Any, ...]: ...
 
 
@@ -78,7 +78,7 @@ class RecurrentCore:
         return _into(out, (o, final, None))
 
     def backward(
-        self, q, k, v, g, beta, state, boundaries, do, dfinal, out=None, workspace=None
+        self, q, k, v, g, beta, state, boundaries, do, dfinal, out=None, workspace=None, screen=None
     ) -> tuple[Any, ...]:
         return _into(out, self.ops.recurrent_backward(q, k, v, g, beta, self.scale, state, do, dfinal))
 
@@ -128,10 +128,13 @@ class ChunkCore:
         return resolve(self.ops, padded_chunk_size(C)), C, chunk_compute_dtype(xp, q.shape[-1], C, q.dtype)
 
     def screens(self, q) -> bool:
-        """Whether :meth:`forward` (without ``out``) reads the finiteness of ``q, k, v`` and of
-        its results off the chunks as they pass: the backend's fused forward, in ``q``'s dtype."""
+        """Whether :meth:`forward` and :meth:`backward` (without ``out``) read the finiteness of
+        their inputs and results off the chunks as they pass: the backend's fused passes, in
+        ``q``'s dtype."""
         route = self.route(q) if q.shape[2] else None
-        return route is not None and route[0].chunk_forward_heads is not None and route[2] == q.dtype
+        if route is None or route[2] != q.dtype:
+            return False
+        return route[0].chunk_forward_heads is not None and route[0].chunk_backward_heads is not None
 
     def forward(
         self, q, k, v, g, beta, state, keep: bool = True, out=None, screen=None
@@ -155,11 +158,12 @@ class ChunkCore:
         return _into(out, _cast(xp, q.dtype, *results))
 
     def backward(
-        self, q, k, v, g, beta, state, boundaries, do, dfinal, out=None, workspace=None
+        self, q, k, v, g, beta, state, boundaries, do, dfinal, out=None, workspace=None, screen=None
     ) -> tuple[Any, ...]:
         """The six gradients. ``out``: six buffers of their shapes that receive them;
         ``workspace``: a ``[NT, B, HV, K, V]`` buffer for the recomputed boundaries (with
-        ``boundaries=None`` and ``out``)."""
+        ``boundaries=None`` and ``out``); ``screen``: as for :meth:`forward`, over ``q, k, v,
+        do`` and the boundaries, and over the gradients."""
         route = self.route(q)
         if route is None:  # the one boundary, when given, is the initial state
             state = state if boundaries is None or boundaries.shape[0] == 0 else boundaries[0, ...]
@@ -169,7 +173,7 @@ class ChunkCore:
         if wide == q.dtype:
             bufs = None if out is None else (*out, *(() if workspace is None else (workspace,)))
             return chunk_backward(
-                ops, xp, q, k, v, g, beta, self.scale, state, boundaries, do, dfinal, C, bufs
+                ops, xp, q, k, v, g, beta, self.scale, state, boundaries, do, dfinal, C, bufs, screen
             )
         args = _cast(xp, wide, q, k, v, g, beta, state, boundaries, do, dfinal)
         grads = chunk_backward(ops, xp, *args[:5], self.scale, *args[5:], C)

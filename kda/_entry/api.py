@@ -109,11 +109,12 @@ def chunk_kda_backward(
     c.check_boundaries(boundaries)
     do = c.grad_output(grad_output)
     dfinal = c.state_or_zeros("grad_final_state", grad_final_state)
-    c.check_inputs_finite(
+    finite = dict(
         q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, boundaries=boundaries,
         grad_output=grad_output, grad_final_state=grad_final_state,
     )  # fmt: skip
-    return c.backward((q, k, v, g, beta, opts.A_log, opts.dt_bias), state, boundaries, do, dfinal)
+    inputs = (q, k, v, g, beta, opts.A_log, opts.dt_bias)
+    return c.backward(inputs, state, boundaries, do, dfinal, check_inputs=finite)
 
 
 @takes_options()

@@ -218,7 +218,7 @@ class Call:
 
     def backward(
         self, inputs: tuple, state: Any, boundaries: Any, do: Any, dfinal: Any,
-        out: KdaGradients | None = None, workspace: Any = None,
+        out: KdaGradients | None = None, workspace: Any = None, check_inputs: dict | None = None,
     ) -> KdaGradients:  # fmt: skip
         """Gradients of raw ``inputs = (q, k, v, g, beta, A_log, dt_bias)``.
 
@@ -226,9 +226,16 @@ class Call:
         gradient ``[N, HV, K, V]``. ``out``: a
         :class:`KdaGradients` of buffers (each its input's dtype and shape) that receive the
         gradients and are returned; ``workspace`` holds recomputed boundaries on the way.
+        ``check_inputs``: the raw arrays to refuse NaN / inf in, by name, as :meth:`forward`
+        does: where the core screens, ``q, k, v, boundaries, grad_output`` are read off its
+        fused pass.
         """
         p, xp, o = self.p, self.p.xp, self.o
         c = self.core_inputs(*inputs[:5])
+        screen = self._screen(c.q) if check_inputs is not None and out is None else None
+        if check_inputs is not None:
+            skip = ("q", "k", "v", "boundaries", "grad_output") if screen is not None else ()
+            self.check_inputs_finite(**{n: x for n, x in check_inputs.items() if n not in skip})
         direct = out is not None and p.dtype == p.compute_dtype and o.is_identity and p.H == p.HV
         bufs = None
         if direct:
@@ -236,7 +243,7 @@ class Call:
         with floating_point_quiet(xp):
             if p.offsets is None:
                 grads = self.core.backward(
-                    c.q, c.k, c.v, c.g, c.beta, state, boundaries, do, dfinal, bufs, workspace
+                    c.q, c.k, c.v, c.g, c.beta, state, boundaries, do, dfinal, bufs, workspace, screen
                 )
             else:
                 grads = run_packed_backward(self.core, xp, c, state, boundaries, do, dfinal, p.offsets, bufs)
@@ -245,7 +252,11 @@ class Call:
             dq, dk = qk_backward(xp, dq, dk, c, o, p.H)
             dbeta = beta_backward(xp, dbeta, c, o)
         raise_for_gates(p)
-        if self.check:
+        seen_in, seen_out = (0.0, math.nan) if screen is None else (float(x) for x in xp.sum(screen, axis=0))
+        if not math.isfinite(seen_in):
+            skipped = ("q", "k", "v", "boundaries", "grad_output")
+            self.check_finite(**{n: check_inputs[n] for n in skipped if n in check_inputs})  # raises
+        if self.check and not (o.is_identity and math.isfinite(seen_out)):  # the screen: core gradients
             warn_if_diverged(xp, dq, dk, dv, dg, dbeta, dinitial, stacklevel=5)
         grads = [xp.astype(head_first(xp, x, p.layout), p.dtype, copy=False) for x in (dq, dk, dv, dg, dbeta)]
         params = [

@@ -386,22 +386,26 @@ def chunk_forward_heads(
 
 def chunk_backward_heads(
     q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, boundaries: Any, grad_output: Any,
-    grad_state: Any, chunk_size: int, grads: Any,
+    grad_state: Any, chunk_size: int, grads: Any, screen: Any = None,
 ) -> None:  # fmt: skip
     """The chunked backward, one head per worker from its last chunk to its first.
 
     Inputs as :func:`chunk_forward_heads`; ``boundaries [NT, B, H, K, V]`` from the forward,
     ``grad_output [B, H, T, V]``, ``grad_state [B, H, K, V]``. Writes the six gradients into
     ``grads`` (``dq, dk, dv, dg, dbeta, dstate``: writable arrays of the inputs' shapes).
+    ``screen``: as for :func:`chunk_forward_heads`, over ``q, k, v, grad_output`` and the
+    boundaries, and over the six gradients.
     """
     dt = _dtype(q)
     B, H, T, K = q.shape
     V = v.shape[-1]
     ins = [_view(x, dt) for x in (q, k, v, g, beta)]
     bounds, dO, dS = _view(boundaries, dt), _view(grad_output, dt), _c(grad_state, dt)
+    screened = np.zeros((0, 2)) if screen is None else screen
     if B * H * K * V and T:
-        _run("backward_heads", B * H, *ins, _scale(scale, dt), bounds, dO, dS, chunk_size, *grads)
+        _run("backward_heads", B * H, *ins, _scale(scale, dt), bounds, dO, dS, chunk_size, *grads, screened)
     else:
+        screened[...] = 0.0
         grads[5][...] = dS
         for x in grads[:5]:
             x[...] = 0

@@ -696,7 +696,7 @@ def forward_heads(
 
 @_jit()
 def backward_heads(
-    q, k, v, g, beta, scale, bounds, dO, dstate, C, dq, dk, dv, dg, dbeta, dinit, lo, hi
+    q, k, v, g, beta, scale, bounds, dO, dstate, C, dq, dk, dv, dg, dbeta, dinit, screen, lo, hi
 ):  # fmt: skip
     """Heads ``[lo, hi)`` of ``B * H``: the chunked backward, last chunk first.
 
@@ -704,6 +704,8 @@ def backward_heads(
     gradients of its state-free work (:func:`_local_backward_core`), then
     ``dS <- total * dS + qg^T dO - w^T dU``. Shapes as :func:`forward_heads`; ``dO`` and the
     gradients like their inputs, ``bounds: [NT, B, H, K, V]``, ``dstate, dinit: [B, H, K, V]``.
+    ``screen: [B * H, 2]`` as in :func:`forward_heads`: ``sum(x * 0)`` over the head's ``q, k,
+    v, dO`` and boundaries, and over its six gradients.
     """
     _B, H, T, K = q.shape
     V = v.shape[3]
@@ -727,10 +729,12 @@ def backward_heads(
     S, dS, dSend = np.empty((K, V), dt), np.empty((K, V), dt), np.empty((K, V), dt)
     gq, gk, gg = np.empty((Cp, K), dt), np.empty((Cp, K), dt), np.empty((Cp, K), dt)
     gv, gb = np.empty((Cp, V), dt), np.empty(Cp, dt)
+    with_screen = screen.shape[0] > 0
     for bh in range(lo, hi):
         b = bh // H
         h = bh - b * H
         dS[:, :] = dstate[b, h]
+        seen_in = seen_out = 0.0
         for n in range(NT - 1, -1, -1):
             t0 = n * C
             m = min(C, T - t0)
@@ -742,6 +746,8 @@ def backward_heads(
             _load_beta(beta, b, h, t0, m, bc)
             e = _local_one(qc, kc, gc, vc, bc, s, qg, kg, kt, total, A, L, Tinv, w, u0, pre, suf, kd, bk, bv)
             S[:, :] = bounds[n, b, h]
+            if with_screen:
+                seen_in += _zeros_of(qc) + _zeros_of(kc) + _zeros_of(vc) + _zeros_of(dOc) + _zeros_of(S)
             dSend[:, :] = dS
             np.dot(w, S, U)
             for i in range(Cp):
@@ -766,7 +772,14 @@ def backward_heads(
                 for c in range(V):
                     dv[b, h, t0 + i, c] = gv[i, c]
                 dbeta[b, h, t0 + i] = gb[i]
+            if with_screen:
+                seen_out += _zeros_of(gq[:m]) + _zeros_of(gk[:m]) + _zeros_of(gg[:m]) + _zeros_of(gv[:m])
+                for i in range(m):
+                    seen_out += gb[i] * 0.0
         dinit[b, h] = dS
+        if with_screen:
+            screen[bh, 0] = seen_in
+            screen[bh, 1] = seen_out + _zeros_of(dS)
 
 
 # --------------------------------------------------------------------------------------------
