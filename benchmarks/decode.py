@@ -3,8 +3,12 @@
 Per ``H`` (default 4, 16, 32; ``B = 1``, ``K = V = 128``, float32) it prints, from one run:
 
 - ``ggml``: ``ggml_gated_delta_net`` in KDA mode on ggml's CPU backend, 2 threads
-  (:mod:`benchmarks.llama_cpp` builds it; the graph computation alone, as ggml's own timer
-  sees it), and ggml at ``B = 64`` for the pool-of-256 row;
+  (:mod:`benchmarks.llama_cpp` builds ``benchmarks/ggml_kda.c``), and ggml at ``B = 64`` for the
+  pool-of-256 row. ggml's timer covers ``ggml_graph_compute`` of a one-node graph alone, run as
+  llama.cpp runs a model: the threadpool (ggml's default parameters: polling workers) and the
+  compute plan with its work buffer are made once before the repeats, so no thread is created or
+  joined inside the timer; the inputs are already in ggml tensors and nothing is copied in or out.
+  kda's columns, by contrast, time the whole Python call (validation, dispatch, output allocation);
 - ``decode_kda``: :func:`kda.decode_kda` on a pool of 8 rows, one request (row 3);
 - ``plan``: the prepared form, :func:`kda.prepare_decode_kda` ``.run()``;
 - ``torch``: ``kda.torch.fused_recurrent_kda(q, k, v, g, beta, initial_state=s0,
