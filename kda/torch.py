@@ -76,12 +76,16 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-@contextlib.contextmanager
-def _on_stream(device: torch.device) -> Iterator[None]:
+_NO_STREAM = contextlib.nullcontext()  # reusable: entering it does nothing
+
+
+def _on_stream(device: torch.device) -> contextlib.AbstractContextManager:
     """CUDA: make CuPy's current stream PyTorch's current stream on ``device``; CPU: nothing."""
-    if device.type != "cuda":
-        yield
-        return
+    return _NO_STREAM if device.type != "cuda" else _cuda_stream(device)
+
+
+@contextlib.contextmanager
+def _cuda_stream(device: torch.device) -> Iterator[None]:
     import cupy
 
     stream = torch.cuda.current_stream(device)
@@ -89,10 +93,18 @@ def _on_stream(device: torch.device) -> Iterator[None]:
         yield
 
 
+_VIEWED = (torch.float32, torch.float64)  # dtypes a CPU tensor's own NumPy view serves as is
+
+
 def _array(t: torch.Tensor | None) -> Any:
     """A NumPy (CPU) or CuPy (CUDA) view of ``t``; half-precision floats as float32 first."""
     if t is None:
         return None
+    if t.dtype in _VIEWED and t.is_cpu:
+        try:
+            return t.numpy()  # the common case, a view; refused if t requires a gradient
+        except RuntimeError:
+            pass
     t = t.detach()
     if t.dtype in _HALF:
         t = t.float()
@@ -272,6 +284,8 @@ def _gate_params(call: FlaCall, A_log: Any, dt_bias: Any, cd: torch.dtype) -> tu
     """``A_log`` (``HV`` elements, as ``[HV]``) and ``dt_bias`` (``HV * K`` elements, as
     ``[HV, K]``) in the compute dtype; reshapes, so autograd returns their gradients in the
     shapes given."""
+    if A_log is None and dt_bias is None:
+        return None, None
     check_gate_sizes(A_log, dt_bias, call)
     HV, K = call.dt_bias_shape
     A_log = None if A_log is None else A_log.reshape(HV).to(cd)
@@ -287,7 +301,10 @@ def _apply(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, call: Fl
     cd = _compute_dtype(q.dtype)
     A_log, dt_bias = _gate_params(call, A_log, dt_bias, cd)
     if initial_state is not None:
-        initial_state = (initial_state.transpose(-1, -2) if call.state_v_first else initial_state).to(cd)
+        if call.state_v_first:
+            initial_state = initial_state.transpose(-1, -2)
+        if initial_state.dtype != cd:
+            initial_state = initial_state.to(cd)
     if cu_seqlens is not None:
         cu_seqlens = torch.as_tensor(cu_seqlens, dtype=torch.int64)
     args = (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, *call.static)

@@ -34,7 +34,7 @@ from typing import Any
 import array_api_compat
 
 from .._backend import cpu_available, get_backend
-from .._errors import InvalidInputError, InvalidTypeError
+from .._errors import InvalidInputError, InvalidTypeError, KdaError
 from .._options.checks import warn_if_diverged
 from .._options.maps import head_first
 from .._options.table import Array, Choices, takes_options
@@ -320,8 +320,9 @@ def decode_kda(
     InvalidTypeError
         Wrong dtypes (the pool must be the compute dtype) or array types.
     """
-    if opts.cu_seqlens is None and num_accepted_tokens is None:
-        out = _numpy_route(q, k, v, g, beta, state_pool, state_indices, scale, backend, opts)
+    if opts.cu_seqlens is None:
+        out = _numpy_route(q, k, v, g, beta, state_pool, state_indices, scale, backend, opts,
+                           num_accepted_tokens=num_accepted_tokens)  # fmt: skip
         if out is not None:
             return out
     call = open_call(q, k, v, g, beta, scale, opts, backend=backend)
@@ -397,20 +398,21 @@ def _plain(opts: Choices) -> bool:
 _CPU: list[Any] = []  # the cpu backend module, once looked up
 
 
-def _numpy_route(q, k, v, g, beta, pool, state_indices, scale, backend, opts, final_pool=None) -> Any:
+def _numpy_route(q, k, v, g, beta, pool, state_indices, scale, backend, opts, final_pool=None,
+                 num_accepted_tokens=None) -> Any:  # fmt: skip
     """The output of a plain NumPy call on the cpu backend, or None to take the general route.
 
     Every check of the general route that can fail for such a call is made here too (types,
-    shapes, dtypes, the pool's writability, the slots, ``g <= 0`` and finiteness, the last two in
-    one compiled pass over the inputs); any failure returns None before anything is written, and
-    the general route raises its own error. ``final_pool``: the pool that receives the states
-    (checked by the caller), or None (``pool``, in place).
+    shapes, dtypes, the pool's writability, the slots by :func:`check_slots` itself, ``g <= 0``
+    and finiteness, the last two in one compiled pass over the inputs); any failure returns None
+    before anything is written, and the general route raises its own error. ``final_pool``: the
+    pool that receives the states (checked by the caller), or None (``pool``, in place).
     """
     import numpy as np
 
     nd = np.ndarray
     if not (type(q) is nd and type(k) is nd and type(v) is nd and type(g) is nd and type(beta) is nd
-            and type(pool) is nd and type(state_indices) is nd):  # fmt: skip
+            and type(pool) is nd):  # fmt: skip
         return None
     if backend not in (None, "cpu") or not _plain(opts) or not cpu_available():
         return None
@@ -419,12 +421,12 @@ def _numpy_route(q, k, v, g, beta, pool, state_indices, scale, backend, opts, fi
             and v.shape[:3] == shape[:3] and beta.shape == shape[:3] and pool.ndim == 4):  # fmt: skip
         return None
     N, K, V = shape[0], shape[3], v.shape[3]
-    H = shape[1] if head_major else shape[2]
-    rows = state_indices.tolist() if state_indices.dtype == np.int64 and state_indices.shape == (N,) else None
-    if not rows or pool.shape[1:] != (H, K, V) or not pool.flags.writeable or not _plain_scale(scale):
+    H, T = (shape[1], shape[2]) if head_major else (shape[2], shape[1])
+    if pool.shape[1:] != (H, K, V) or not pool.flags.writeable or not _plain_scale(scale):
         return None
-    named = [r for r in rows if r >= 0]
-    if min(rows) < PADDING or max(rows) >= pool.shape[0] or len(set(named)) != len(named):
+    try:
+        slots = check_slots(state_indices, num_accepted_tokens, N, T, None, pool.shape[0])
+    except KdaError:
         return None
     if not _CPU:
         _CPU.append(get_backend(np, "cpu"))
@@ -433,18 +435,14 @@ def _numpy_route(q, k, v, g, beta, pool, state_indices, scale, backend, opts, fi
     if not ops.decode_screen(q, k, v, g, beta, check):  # dtypes, contiguity, g <= 0, finite
         return None
     s = K**-0.5 if scale is None else float(scale)
-    dest = state_indices.reshape(N, 1)
+    start, dest = slots.start, slots.dest
     if head_major:
-        out = ops.decode_forward(q, k, v, g, beta, s, pool, state_indices, dest, None, final_pool)
+        out = ops.decode_forward(q, k, v, g, beta, s, pool, start, dest, None, final_pool)
     else:
         qh, kh, vh, gh, bh = (x.swapaxes(1, 2) for x in (q, k, v, g, beta))
-        out = ops.decode_forward(qh, kh, vh, gh, bh, s, pool, state_indices, dest, None, final_pool)
-        out = out.swapaxes(1, 2)
-    if check:
-        with np.errstate(over="ignore", invalid="ignore"):  # a sum of large finite values may overflow
-            clean = math.isfinite(np.add.reduce(out, None))
-        if not clean:
-            warn_if_diverged(np, out, stacklevel=3)
+        out = ops.decode_forward(qh, kh, vh, gh, bh, s, pool, start, dest, None, final_pool).swapaxes(1, 2)
+    if check and not np.isfinite(out).all():  # no warning from a sum of large finite values
+        warn_if_diverged(np, out, stacklevel=3)
     return out
 
 

@@ -72,7 +72,8 @@ def forward(static: tuple[Any, ...], x: Arrays, offsets: tuple[int, ...] | None)
     are zeros) for ``chunk_kda``, an empty ``[0]`` array for the recurrence. Arrays in the
     inputs' namespace.
     """
-    opts = choices(static, x[6], x[7], offsets)
+    opts = _plain_choices(static) if x[6] is None and x[7] is None and offsets is None else None
+    opts = choices(static, x[6], x[7], offsets) if opts is None else opts
     if static[0] != "chunk":  # the recurrence's forward is the decode kernel's (no states kept)
         out = _DECODE_STATES(*x[:5], x[5], scale=static[1], backend=None, opts=opts)
         return out.output, out.final_state, out.final_state.reshape(-1)[:0]  # no boundaries: [0]
@@ -82,6 +83,13 @@ def forward(static: tuple[Any, ...], x: Arrays, offsets: tuple[int, ...] | None)
     )  # fmt: skip
     NT = boundary_bound(x[0].shape[1], static[2], None if offsets is None else len(offsets) - 1)
     return out.output, out.final_state, _pad(out.boundaries, NT)
+
+
+@functools.lru_cache(maxsize=256)
+def _plain_choices(static: tuple[Any, ...]) -> Any:
+    """:func:`choices` of a call with no gate arrays and no offsets (immutable: made once per
+    ``static``)."""
+    return choices(static)
 
 
 def decode(

@@ -49,11 +49,15 @@ def decode_screen(q: Any, k: Any, v: Any, g: Any, beta: Any, finite: bool) -> bo
     One compiled pass over C-contiguous NumPy inputs of one float dtype (False for anything else:
     the caller's own checks then decide and word the error).
     """
-    arrays = (q, k, v, g, beta)
     dt = q.dtype
-    if (dt is not _F32 and dt is not _F64) or not all(x.dtype is dt and x.flags.c_contiguous for x in arrays):
+    if (dt is not _F32 and dt is not _F64) or not (
+        k.dtype is dt and v.dtype is dt and g.dtype is dt and beta.dtype is dt and q.flags.c_contiguous
+        and k.flags.c_contiguous and v.flags.c_contiguous and g.flags.c_contiguous and beta.flags.c_contiguous
+    ):  # fmt: skip
         return False
-    return bool(_kernels().screen(*(x.reshape(-1) for x in arrays), finite))
+    return _kernels().screen(
+        q.reshape(-1), k.reshape(-1), v.reshape(-1), g.reshape(-1), beta.reshape(-1), finite
+    )
 
 
 _F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
