@@ -424,9 +424,8 @@ def _numpy_route(q, k, v, g, beta, pool, state_indices, scale, backend, opts, fi
     H, T = (shape[1], shape[2]) if head_major else (shape[2], shape[1])
     if pool.shape[1:] != (H, K, V) or not pool.flags.writeable or not _plain_scale(scale):
         return None
-    try:
-        slots = check_slots(state_indices, num_accepted_tokens, N, T, None, pool.shape[0])
-    except KdaError:
+    slots = _direct_slots(state_indices, num_accepted_tokens, N, T, pool.shape[0])
+    if slots is None:
         return None
     if not _CPU:
         _CPU.append(get_backend(np, "cpu"))
@@ -444,6 +443,26 @@ def _numpy_route(q, k, v, g, beta, pool, state_indices, scale, backend, opts, fi
     if check and not np.isfinite(out).all():  # no warning from a sum of large finite values
         warn_if_diverged(np, out, stacklevel=3)
     return out
+
+
+def _direct_slots(state_indices: Any, num_accepted_tokens: Any, N: int, T: int, P: int) -> Slots | None:
+    """:func:`check_slots`' result, or None where it would raise. The common decode call (int64
+    NumPy ``[N]``, a few requests) is checked inline, the same checks."""
+    import numpy as np
+
+    if (
+        num_accepted_tokens is None and type(state_indices) is np.ndarray and state_indices.dtype == np.int64
+        and state_indices.shape == (N,) and state_indices.flags.c_contiguous and 0 < N <= SMALL
+    ):  # fmt: skip
+        rows = state_indices.tolist()
+        named = [r for r in rows if r >= 0]
+        if min(rows) < PADDING or max(rows) >= P or len(set(named)) != len(named):
+            return None
+        return Slots(state_indices, state_indices.reshape(N, 1))
+    try:
+        return check_slots(state_indices, num_accepted_tokens, N, T, None, P)
+    except KdaError:
+        return None
 
 
 def _plain_scale(scale: Any) -> bool:

@@ -385,6 +385,7 @@ class _Absent:
 
 
 _ABSENT = _Absent()
+_ABSENTS = (_ABSENT,) * len(TRANSLATED)
 _PLAIN_TYPES = frozenset({type(None), bool, int, float, str, _Absent})
 _MEMO: dict[tuple[Any, ...], FlaCall] = {}  # translate's results of calls seen before
 MEMO_SIZE = 256  # entries kept (cleared when full: a serving loop repeats a few shapes)
@@ -398,14 +399,13 @@ def _memo_key(
     Each value enters with its type (``1`` and ``True`` are equal keys otherwise)."""
     if "transpose_state_layout" in kw or kw.get("cp_context") is not None:
         return None
-    key: list[Any] = [function, q_shape, v_shape, flags]
-    for name in TRANSLATED:
-        x = kw.get(name, _ABSENT)
-        kind = type(x)
-        if kind not in _PLAIN_TYPES:
-            return None
-        key += (kind, x.hex() if kind is float else x)  # hex: -0.0 is not 0.0
-    return tuple(key)
+    values = tuple(map(kw.get, TRANSLATED, _ABSENTS))
+    kinds = tuple(map(type, values))
+    if not _PLAIN_TYPES.issuperset(kinds):
+        return None
+    if float in kinds:  # -0.0 == 0.0, but they are different scales: floats by their bits
+        values = tuple(x.hex() if type(x) is float else x for x in values)
+    return (function, q_shape, v_shape, flags, values, kinds)
 
 
 def translate(
