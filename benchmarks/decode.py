@@ -11,8 +11,13 @@ Per ``H`` (default 4, 16, 32; ``B = 1``, ``K = V = 128``, float32) it prints, fr
   kda's columns, by contrast, time the whole Python call (validation, dispatch, output allocation);
 - ``decode_kda``: :func:`kda.decode_kda` on a pool of 8 rows, one request (row 3);
 - ``plan``: the prepared form, :func:`kda.prepare_decode_kda` ``.run()``;
+- ``decode_kda split``: ``decode_kda`` with the step split over both cores whatever its size
+  (``kda.cpu._decode.SPLIT_WORK = 0``; by default a step this small runs on the calling thread):
+  whether the split threshold should be lower;
 - ``torch``: ``kda.torch.fused_recurrent_kda(q, k, v, g, beta, initial_state=s0,
   output_final_state=True)`` in ``torch.inference_mode()`` (time-major ``[1, 1, H, K]`` tensors);
+- ``torch pool``: vLLM's call, ``fused_recurrent_kda(q, k, v, g, beta, initial_state=pool,
+  ssm_state_indices=rows, inplace_final_state=True)`` with int32 ``rows`` (row 3 of a pool of 8);
 - ``64/256``: ``decode_kda`` and the plan with 64 requests from a pool of 256 rows (split over
   both cores: ``kda.cpu._decode.SPLIT_WORK``), and ``decode_kda`` held to one thread;
 - ``ggml 1 thread``: the same ggml step on one thread (less sensitive to other load);
@@ -104,26 +109,52 @@ def _one_row(H: int, repeats: int) -> dict[str, Any]:
     row["decode_kda"] = _times(lambda: kda.decode_kda(q, k, v, g, beta, pool, rows), repeats)
     plan = kda.prepare_decode_kda(q, k, v, g, beta, pool, rows)
     row["plan"] = _times(plan.run, repeats)
-    row["torch"] = _torch(x, s0, repeats)
+    row["split"] = _split(lambda: kda.decode_kda(q, k, v, g, beta, pool, rows), repeats)
+    row["torch"], row["torch_pool"] = _torch(x, s0, repeats)
     return row
 
 
-def _torch(x: dict[str, np.ndarray], s0: np.ndarray, repeats: int) -> Any:
+def _split(fn: Any, repeats: int) -> Any:
+    """``fn`` timed with every decode step split over both cores (``SPLIT_WORK = 0``), or None
+    on one core: whether the split threshold should be lower."""
+    import kda.cpu._decode as cpu_decode
+
+    if cpu_decode._cores() < 2:
+        return None
+    split, cpu_decode.SPLIT_WORK = cpu_decode.SPLIT_WORK, 0
+    try:
+        return _times(fn, repeats)
+    finally:
+        cpu_decode.SPLIT_WORK = split
+
+
+def _torch(x: dict[str, np.ndarray], s0: np.ndarray, repeats: int) -> tuple[Any, Any]:
+    """kda.torch's plain recurrent call and its pool call (vLLM's), (median, min) each."""
     try:
         import torch
 
         from kda.torch import fused_recurrent_kda
     except ImportError:
-        return None
+        return None, None
     q, k, v, g, beta = (
         torch.from_numpy(np.ascontiguousarray(np.swapaxes(x[n], 1, 2))) for n in "q k v g beta".split()
     )
     state = torch.from_numpy(s0)
+    pool = torch.zeros((POOL, *s0.shape[1:]))
+    pool[ROW] = state[0]
+    rows = torch.tensor([ROW], dtype=torch.int32)
     with torch.inference_mode():
-        return _times(
+        plain = _times(
             lambda: fused_recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=True),
             repeats,
         )
+        vllm = _times(
+            lambda: fused_recurrent_kda(
+                q, k, v, g, beta, initial_state=pool, ssm_state_indices=rows, inplace_final_state=True
+            ),
+            repeats,
+        )
+    return plain, vllm
 
 
 def _many(H: int, repeats: int) -> dict[str, Any]:
@@ -161,7 +192,8 @@ def _target(measured: Any, target: float | None) -> str:
 
 
 COLUMNS = (
-    "H", "ggml", "ggml 1 thread", "decode_kda", "plan", "torch", "kda target (1.5 ggml + 25)",
+    "H", "ggml", "ggml 1 thread", "decode_kda", "plan", "decode_kda split", "torch", "torch pool",
+    "kda target (1.5 ggml + 25)",
     "torch target (1.5 ggml + 60)",
     "|kda - ggml|", "64/256 decode_kda", "64/256 plan", "64/256 decode_kda 1 thread", "ggml B=64",
 )  # fmt: skip
@@ -190,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         r, m = _one_row(H, args.repeats), _many(H, args.many_repeats)
         ggml = r.get("ggml")
         cells = [
-            str(H), _us(ggml), _us(r["ggml1"]), _us(r["decode_kda"]), _us(r["plan"]), _us(r["torch"]),
+            str(H), _us(ggml), _us(r["ggml1"]), _us(r["decode_kda"]), _us(r["plan"]), _us(r["split"]),
+            _us(r["torch"]),
+            _us(r["torch_pool"]),
             _target(r["decode_kda"], None if ggml is None else 1.5 * ggml[0] + 25e-6),
             _target(r["torch"], None if ggml is None else 1.5 * ggml[0] + 60e-6),
             f"{r['agreement']:.1e}" if "agreement" in r else "-",

@@ -422,7 +422,8 @@ def _numpy_route(q, k, v, g, beta, pool, state_indices, scale, backend, opts, fi
         return None
     N, K, V = shape[0], shape[3], v.shape[3]
     H, T = (shape[1], shape[2]) if head_major else (shape[2], shape[1])
-    if pool.shape[1:] != (H, K, V) or not pool.flags.writeable or not _plain_scale(scale):
+    writable = final_pool is not None or pool.flags.writeable  # a separate final_pool: pool is only read
+    if pool.shape[1:] != (H, K, V) or not writable or not _plain_scale(scale):
         return None
     slots = _direct_slots(state_indices, num_accepted_tokens, N, T, pool.shape[0])
     if slots is None:

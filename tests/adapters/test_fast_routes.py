@@ -161,6 +161,14 @@ def test_views_gradients_and_strides_take_the_same_path():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def test_a_negative_view_is_resolved():
+    """A tensor with the negative bit set (a lazy negation) cannot be viewed as is: the general
+    conversion resolves it."""
+    x = torch.arange(4.0)
+    neg = torch._neg_view(x)
+    assert neg.is_neg() and np.array_equal(kt._array(neg), -x.numpy())
+
+
 @pytest.mark.parametrize(
     ("name", "value", "match"),
     [("q", float("nan"), "^q must"), ("g", 0.5, "^g must hold log decays"), ("beta", float("inf"), "^beta")],

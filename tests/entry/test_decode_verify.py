@@ -239,9 +239,11 @@ def test_the_direct_route_is_bitwise_the_general_route(form, layout, dtype, monk
 
 
 @pytest.mark.parametrize("layout", ["head_first", "time_major"])
-def test_decode_states_direct_route_is_the_general_route(layout, monkeypatch):
+@pytest.mark.parametrize("read_only", [False, True])
+def test_decode_states_direct_route_is_the_general_route(layout, read_only, monkeypatch):
     """The adapters' recurrent forward (decode_states): the direct route's output and final state
-    are bitwise the general route's, and the initial state is only read."""
+    are bitwise the general route's, and the initial state is only read (a read-only one, as a
+    JAX callback passes it, takes the direct route too)."""
     from kda._entry.decode import decode_states
 
     rng = np.random.default_rng(5)
@@ -250,6 +252,7 @@ def test_decode_states_direct_route_is_the_general_route(layout, monkeypatch):
         inputs = [np.ascontiguousarray(np.swapaxes(x, 1, 2)) for x in inputs]
     s0 = _pools(rng, 2, 3, 16, 8).astype(np.float32)
     before = s0.copy()
+    s0.flags.writeable = not read_only
     served = _spy_direct(monkeypatch)
     fast = decode_states(*inputs, s0, layout=layout)
     assert served == [True] and np.array_equal(s0, before)
