@@ -78,9 +78,10 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 _NO_STREAM = contextlib.nullcontext()  # reusable: entering it does nothing
 
 
-def _on_stream(device: torch.device) -> contextlib.AbstractContextManager:
-    """CUDA: make CuPy's current stream PyTorch's current stream on ``device``; CPU: nothing."""
-    return _NO_STREAM if device.type != "cuda" else _cuda_stream(device)
+def _on_stream(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """A CUDA tensor: make CuPy's current stream PyTorch's current stream on ``t``'s device; a
+    CPU tensor: nothing."""
+    return _cuda_stream(t.device) if t.is_cuda else _NO_STREAM
 
 
 @contextlib.contextmanager
@@ -150,7 +151,7 @@ def _offsets(cu_seqlens: torch.Tensor | None) -> tuple[int, ...] | None:
 def _forward_op(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, *options):
     """``(o [B, T, HV, V], final_state [N, HV, K, V], boundaries)`` (:func:`kda._entry.host.forward`)."""
     inputs = (q, k, v, g, beta, initial_state, A_log, dt_bias)
-    with _on_stream(q.device):
+    with _on_stream(q):
         o, final, boundaries = _host.forward(options, tuple(_array(t) for t in inputs), _offsets(cu_seqlens))
         cd = _compute_dtype(q.dtype)
         if options[0] != "chunk":  # the decode kernel's results: new arrays, no input's memory
@@ -178,7 +179,7 @@ def _decode_impl(q, k, v, g, beta, state_pool, state_indices, num_accepted_token
                  *options):  # fmt: skip
     """``o [B, T, HV, V]``; the rows of ``state_pool`` the slots name are written in place
     (:func:`kda._entry.host.decode`)."""
-    with _on_stream(q.device):
+    with _on_stream(q):
         x = tuple(_array(t) for t in (q, k, v, g, beta, None, A_log, dt_bias))
         slots = _array(state_indices), _array(num_accepted_tokens)
         o = _host.decode(options, x, _array(state_pool), *slots, _offsets(cu_seqlens))
@@ -188,7 +189,7 @@ def _decode_impl(q, k, v, g, beta, state_pool, state_indices, num_accepted_token
 def _decode_states_impl(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, *options):
     """``(o [B, T, HV, V], final_state [N, HV, K, V])`` of the recurrence without autograd
     (:func:`kda._entry.host.forward`'s recurrent branch: the decode kernel)."""
-    with _on_stream(q.device):
+    with _on_stream(q):
         x = tuple(_array(t) for t in (q, k, v, g, beta, initial_state, A_log, dt_bias))
         o, final, _ = _host.forward(options, x, _offsets(cu_seqlens))
         return _fresh(o, v.dtype), _fresh(final, _compute_dtype(q.dtype))
@@ -232,7 +233,7 @@ def _backward_op(
     """Gradients of ``q, k, v, g, beta, initial_state, A_log, dt_bias``, each shaped and typed like
     its input; an empty tensor for an input that is None (:func:`kda._entry.host.backward`)."""
     inputs = (q, k, v, g, beta, initial_state, A_log, dt_bias)
-    with _on_stream(q.device):
+    with _on_stream(q):
         x = tuple(_array(t) for t in inputs)
         cotangents = (_array(do), _array(dfinal), _array(dboundaries))
         grads = _host.backward(options, x, _offsets(cu_seqlens), _array(boundaries), *cotangents)()
@@ -532,7 +533,7 @@ class _ContextParallel(torch.autograd.Function):
         p, group = cp_ctx.partition, cp_ctx.group
         inputs = (q, k, v, g, beta, s0, A_log, dt_bias)
         cd = _compute_dtype(q.dtype)
-        with _on_stream(q.device):
+        with _on_stream(q):
             x = [_array(t) for t in inputs]
             opts = chunk_keywords(static, x[6], x[7])
             xp, adt = _namespace(x[2]), x[2].dtype
@@ -565,7 +566,7 @@ class _ContextParallel(torch.autograd.Function):
             if dfinal is None:
                 dfinal = starts.new_zeros((p.num_seqs, *starts.shape[1:]))
             dfinal = _all_reduce(dfinal.to(starts.dtype).clone(), group)
-        with _on_stream(q.device):
+        with _on_stream(q):
             x = [_array(t) for t in inputs]
             opts = chunk_keywords(ctx.static, x[6], x[7])
             xp, adt = _namespace(x[2]), x[2].dtype

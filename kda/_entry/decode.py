@@ -333,18 +333,19 @@ def decode_kda(
     return _run(call, (q, k, v, g, beta), state_pool, slots)
 
 
-_ROWS: dict[int, Any] = {}  # N -> arange(N) as int64 (read-only): the slots of decode_states
+_ROWS: dict[int, Slots] = {}  # N -> request n on row n (arange(N), int64, read-only): decode_states
 
 
-def _rows(N: int) -> Any:
-    rows = _ROWS.get(N)
-    if rows is None:
+def _rows(N: int) -> Slots:
+    """The slots of :func:`decode_states`: request ``n`` reads row ``n`` and writes row ``n``."""
+    slots = _ROWS.get(N)
+    if slots is None:
         import numpy as np
 
         rows = np.arange(N, dtype=np.int64)
         rows.flags.writeable = False
-        _ROWS[N] = rows
-    return rows
+        slots = _ROWS[N] = Slots(rows, rows.reshape(N, 1))
+    return slots
 
 
 @takes_options()
@@ -366,16 +367,16 @@ def decode_states(
         plain = type(initial_state) is np.ndarray and initial_state.ndim == 4
         if plain and getattr(q, "ndim", 0) == 4 and initial_state.shape[0] == q.shape[0]:
             final = np.empty(initial_state.shape, initial_state.dtype)
-            out = _numpy_route(q, k, v, g, beta, initial_state, _rows(initial_state.shape[0]), scale, backend,
-                               opts, final)  # fmt: skip
+            rows = _rows(initial_state.shape[0])
+            out = _numpy_route(q, k, v, g, beta, initial_state, rows.start, scale, backend, opts, final,
+                               slots=rows)  # fmt: skip
             if out is not None:
                 return KdaOutput(out, final, None)
     call = open_call(q, k, v, g, beta, scale, opts, backend=backend)
     p, xp = call.p, call.p.xp
     call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta)
     final = xp.zeros((p.N, p.HV, p.K, p.V), dtype=p.compute_dtype, device=array_api_compat.device(q))
-    rows = _rows(p.N)
-    slots = Slots(rows, rows.reshape(p.N, 1))
+    slots = _rows(p.N)
     if initial_state is None:
         return KdaOutput(_run(call, (q, k, v, g, beta), final, slots), final, None)
     check_state("initial_state", initial_state, p)
@@ -399,14 +400,16 @@ _CPU: list[Any] = []  # the cpu backend module, once looked up
 
 
 def _numpy_route(q, k, v, g, beta, pool, state_indices, scale, backend, opts, final_pool=None,
-                 num_accepted_tokens=None) -> Any:  # fmt: skip
+                 num_accepted_tokens=None, slots=None) -> Any:  # fmt: skip
     """The output of a plain NumPy call on the cpu backend, or None to take the general route.
 
     Every check of the general route that can fail for such a call is made here too (types,
     shapes, dtypes, the pool's writability, the slots by :func:`check_slots` itself, ``g <= 0``
     and finiteness, the last two in one compiled pass over the inputs); any failure returns None
     before anything is written, and the general route raises its own error. ``final_pool``: the
-    pool that receives the states (checked by the caller), or None (``pool``, in place).
+    pool that receives the states (checked by the caller), or None (``pool``, in place);
+    ``slots``: the :class:`Slots` of ``state_indices`` where the caller knows them valid (each
+    request its own row: :func:`decode_states`), or None to check them here.
     """
     import numpy as np
 
@@ -425,7 +428,8 @@ def _numpy_route(q, k, v, g, beta, pool, state_indices, scale, backend, opts, fi
     writable = final_pool is not None or pool.flags.writeable  # a separate final_pool: pool is only read
     if pool.shape[1:] != (H, K, V) or not writable or not _plain_scale(scale):
         return None
-    slots = _direct_slots(state_indices, num_accepted_tokens, N, T, pool.shape[0])
+    if slots is None:
+        slots = _direct_slots(state_indices, num_accepted_tokens, N, T, pool.shape[0])
     if slots is None:
         return None
     if not _CPU:
@@ -439,7 +443,8 @@ def _numpy_route(q, k, v, g, beta, pool, state_indices, scale, backend, opts, fi
     if head_major:
         out = ops.decode_forward(q, k, v, g, beta, s, pool, start, dest, None, final_pool)
     else:
-        qh, kh, vh, gh, bh = (x.swapaxes(1, 2) for x in (q, k, v, g, beta))
+        qh, kh, vh = q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2)
+        gh, bh = g.swapaxes(1, 2), beta.swapaxes(1, 2)
         out = ops.decode_forward(qh, kh, vh, gh, bh, s, pool, start, dest, None, final_pool).swapaxes(1, 2)
     if check and not np.isfinite(out).all():  # no warning from a sum of large finite values
         warn_if_diverged(np, out, stacklevel=3)
@@ -467,9 +472,9 @@ def _direct_slots(state_indices: Any, num_accepted_tokens: Any, N: int, T: int, 
 
 
 def _plain_scale(scale: Any) -> bool:
-    return scale is None or (
-        isinstance(scale, numbers.Real) and not isinstance(scale, bool) and math.isfinite(scale)
-    )
+    if scale is None or type(scale) is float:  # the adapters pass a float: no ABC check
+        return scale is None or math.isfinite(scale)
+    return isinstance(scale, numbers.Real) and not isinstance(scale, bool) and math.isfinite(scale)
 
 
 # ----------------------------------------------------------------------------------------------
