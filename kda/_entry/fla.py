@@ -212,7 +212,8 @@ def fla_function(name: str, call: Any, module: str, doc: str) -> Any:
     collected = ", ".join(f"{n!r}: {n}" for n, _ in params)
     source = (
         f"def {name}(q, k, v, g, beta, {named}, **kwargs):\n"
-        f"    _check(_name, kwargs, _allowed)\n"
+        f"    if kwargs:\n"
+        f"        _check(_name, kwargs, _allowed)\n"
         f"    return _call(q, k, v, g, beta, {{{collected}, **kwargs}})\n"
     )
     namespace = {"_check": check_keywords, "_name": name, "_allowed": allowed, "_call": call}
