@@ -16,11 +16,12 @@ Cost. Validation looks at the small arrays only (the inputs' shapes and dtypes, 
 the inputs' values for the gate and finiteness checks); the pool's shape, dtype and writability
 are read from its header, its contents never. On NumPy the call takes a direct route
 (:func:`_numpy_route`) whenever the problem is one the kernel computes as given (float32 or
-float64, no element-wise option, ``HV == H``, int64 ``state_indices [N]``): the same checks
-written out (the value checks in one compiled pass of the cpu backend, ``decode_screen``) and the
-same kernel, so the results are bitwise those of the general route, which handles everything
-else (and words every error: a direct-route check that fails hands the call to the general
-route). :func:`decode_states` is the adapters' recurrent forward on the same kernel.
+float64, no element-wise option, ``HV == H``, no ``cu_seqlens``; any slot form): the same checks
+written out (the slots by :func:`check_slots` itself, the value checks in one compiled pass of
+the cpu backend, ``decode_screen``) and the same kernel, so the results are bitwise those of the
+general route, which handles everything else (and words every error: a direct-route check that
+fails hands the call to the general route). :func:`decode_states` is the adapters' recurrent
+forward on the same kernel.
 """
 
 from __future__ import annotations
