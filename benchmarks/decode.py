@@ -3,12 +3,21 @@
 Per ``H`` (default 4, 16, 32; ``B = 1``, ``K = V = 128``, float32) it prints, from one run:
 
 - ``ggml``: ``ggml_gated_delta_net`` in KDA mode on ggml's CPU backend, 2 threads
-  (:mod:`benchmarks.llama_cpp` builds it; the graph computation alone, as ggml's own timer
-  sees it), and ggml at ``B = 64`` for the pool-of-256 row;
+  (:mod:`benchmarks.llama_cpp` builds ``benchmarks/ggml_kda.c``), and ggml at ``B = 64`` for the
+  pool-of-256 row. ggml's timer covers ``ggml_graph_compute`` of a one-node graph alone, run as
+  llama.cpp runs a model: the threadpool (ggml's default parameters: polling workers) and the
+  compute plan with its work buffer are made once before the repeats, so no thread is created or
+  joined inside the timer; the inputs are already in ggml tensors and nothing is copied in or out.
+  kda's columns, by contrast, time the whole Python call (validation, dispatch, output allocation);
 - ``decode_kda``: :func:`kda.decode_kda` on a pool of 8 rows, one request (row 3);
 - ``plan``: the prepared form, :func:`kda.prepare_decode_kda` ``.run()``;
+- ``decode_kda split``: ``decode_kda`` with the step split over both cores whatever its size
+  (``kda.cpu._decode.SPLIT_WORK = 0``; by default a step this small runs on the calling thread):
+  whether the split threshold should be lower;
 - ``torch``: ``kda.torch.fused_recurrent_kda(q, k, v, g, beta, initial_state=s0,
   output_final_state=True)`` in ``torch.inference_mode()`` (time-major ``[1, 1, H, K]`` tensors);
+- ``torch pool``: vLLM's call, ``fused_recurrent_kda(q, k, v, g, beta, initial_state=pool,
+  ssm_state_indices=rows, inplace_final_state=True)`` with int32 ``rows`` (row 3 of a pool of 8);
 - ``64/256``: ``decode_kda`` and the plan with 64 requests from a pool of 256 rows (split over
   both cores: ``kda.cpu._decode.SPLIT_WORK``), and ``decode_kda`` held to one thread;
 - ``ggml 1 thread``: the same ggml step on one thread (less sensitive to other load);
@@ -16,7 +25,7 @@ Per ``H`` (default 4, 16, 32; ``B = 1``, ``K = V = 128``, float32) it prints, fr
   whether each is met, the agreement of kda's step with ggml's (max abs difference of outputs and
   states), the same-run GEMM rate and ``os.getloadavg()`` before and after.
 
-Times are the median (and the minimum) of ``--repeats`` calls after a warm-up. Run on a quiet
+Times are the median (and the minimum) of ``--repeats`` calls after 50 warm-up calls. Run on a quiet
 machine, without the OpenBLAS settings of the test environment::
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python -m benchmarks.decode
@@ -42,9 +51,12 @@ POOL, ROW = 8, 3
 MANY, MANY_POOL = 64, 256
 
 
+WARM_UP = 50  # calls before the timed ones: a serving loop's steady state, not its first calls
+
+
 def _times(fn: Any, repeats: int) -> tuple[float, float]:
-    """(median, min) seconds of ``fn()`` over ``repeats`` calls, after three warm-up calls."""
-    for _ in range(3):
+    """(median, min) seconds of ``fn()`` over ``repeats`` calls, after :data:`WARM_UP` calls."""
+    for _ in range(WARM_UP):
         fn()
     times = []
     for _ in range(repeats):
@@ -52,6 +64,17 @@ def _times(fn: Any, repeats: int) -> tuple[float, float]:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times), min(times)
+
+
+def _aligned(a: np.ndarray) -> np.ndarray:
+    """``a`` as float32 in a 64-byte-aligned buffer: NumPy aligns large arrays to 16 bytes only,
+    and a state whose rows start 16 bytes into a cache line steps 10-20% slower (measured at
+    H = 32), which made the figures differ from run to run with where the allocator put them."""
+    buf = np.empty(a.size + 16, np.float32)
+    start = (-buf.ctypes.data % 64) // 4
+    out = buf[start : start + a.size].reshape(a.shape)
+    out[...] = a
+    return out
 
 
 def _inputs(B: int, H: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -76,7 +99,7 @@ def _one_row(H: int, repeats: int) -> dict[str, Any]:
     """ggml, decode_kda, the plan and kda.torch on one request (row ROW of a pool of POOL)."""
     x = _inputs(1, H)
     rng = np.random.default_rng(1)
-    s0 = (0.1 * rng.standard_normal((1, H, K, V))).astype(np.float32)
+    s0 = _aligned(0.1 * rng.standard_normal((1, H, K, V)))
     q, k, v, g, beta = (x[n] for n in ("q", "k", "v", "g", "beta"))
     # agreement: one step of kda from s0 against ggml's
     check_pool = np.zeros((POOL, H, K, V), np.float32)
@@ -95,31 +118,57 @@ def _one_row(H: int, repeats: int) -> dict[str, Any]:
         )
     else:
         row["ggml_missing"] = why
-    pool = np.zeros((POOL, H, K, V), np.float32)
+    pool = _aligned(np.zeros((POOL, H, K, V)))
     pool[ROW] = s0[0]
     row["decode_kda"] = _times(lambda: kda.decode_kda(q, k, v, g, beta, pool, rows), repeats)
     plan = kda.prepare_decode_kda(q, k, v, g, beta, pool, rows)
     row["plan"] = _times(plan.run, repeats)
-    row["torch"] = _torch(x, s0, repeats)
+    row["split"] = _split(lambda: kda.decode_kda(q, k, v, g, beta, pool, rows), repeats)
+    row["torch"], row["torch_pool"] = _torch(x, s0, repeats)
     return row
 
 
-def _torch(x: dict[str, np.ndarray], s0: np.ndarray, repeats: int) -> Any:
+def _split(fn: Any, repeats: int) -> Any:
+    """``fn`` timed with every decode step split over both cores (``SPLIT_WORK = 0``), or None
+    on one core: whether the split threshold should be lower."""
+    import kda.cpu._decode as cpu_decode
+
+    if cpu_decode._cores() < 2:
+        return None
+    split, cpu_decode.SPLIT_WORK = cpu_decode.SPLIT_WORK, 0
+    try:
+        return _times(fn, repeats)
+    finally:
+        cpu_decode.SPLIT_WORK = split
+
+
+def _torch(x: dict[str, np.ndarray], s0: np.ndarray, repeats: int) -> tuple[Any, Any]:
+    """kda.torch's plain recurrent call and its pool call (vLLM's), (median, min) each."""
     try:
         import torch
 
         from kda.torch import fused_recurrent_kda
     except ImportError:
-        return None
+        return None, None
     q, k, v, g, beta = (
         torch.from_numpy(np.ascontiguousarray(np.swapaxes(x[n], 1, 2))) for n in "q k v g beta".split()
     )
     state = torch.from_numpy(s0)
+    pool = torch.zeros((POOL, *s0.shape[1:]))
+    pool[ROW] = state[0]
+    rows = torch.tensor([ROW], dtype=torch.int32)
     with torch.inference_mode():
-        return _times(
+        plain = _times(
             lambda: fused_recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=True),
             repeats,
         )
+        vllm = _times(
+            lambda: fused_recurrent_kda(
+                q, k, v, g, beta, initial_state=pool, ssm_state_indices=rows, inplace_final_state=True
+            ),
+            repeats,
+        )
+    return plain, vllm
 
 
 def _many(H: int, repeats: int) -> dict[str, Any]:
@@ -127,7 +176,7 @@ def _many(H: int, repeats: int) -> dict[str, Any]:
     x = _inputs(MANY, H, seed=2)
     q, k, v, g, beta = (x[n] for n in ("q", "k", "v", "g", "beta"))
     rng = np.random.default_rng(3)
-    pool = (0.1 * rng.standard_normal((MANY_POOL, H, K, V))).astype(np.float32)
+    pool = _aligned(0.1 * rng.standard_normal((MANY_POOL, H, K, V)))
     rows = rng.choice(MANY_POOL, MANY, replace=False).astype(np.int64)
     row: dict[str, Any] = {
         "decode_kda": _times(lambda: kda.decode_kda(q, k, v, g, beta, pool, rows), repeats)
@@ -157,7 +206,8 @@ def _target(measured: Any, target: float | None) -> str:
 
 
 COLUMNS = (
-    "H", "ggml", "ggml 1 thread", "decode_kda", "plan", "torch", "kda target (1.5 ggml + 25)",
+    "H", "ggml", "ggml 1 thread", "decode_kda", "plan", "decode_kda split", "torch", "torch pool",
+    "kda target (1.5 ggml + 25)",
     "torch target (1.5 ggml + 60)",
     "|kda - ggml|", "64/256 decode_kda", "64/256 plan", "64/256 decode_kda 1 thread", "ggml B=64",
 )  # fmt: skip
@@ -186,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         r, m = _one_row(H, args.repeats), _many(H, args.many_repeats)
         ggml = r.get("ggml")
         cells = [
-            str(H), _us(ggml), _us(r["ggml1"]), _us(r["decode_kda"]), _us(r["plan"]), _us(r["torch"]),
+            str(H), _us(ggml), _us(r["ggml1"]), _us(r["decode_kda"]), _us(r["plan"]), _us(r["split"]),
+            _us(r["torch"]),
+            _us(r["torch_pool"]),
             _target(r["decode_kda"], None if ggml is None else 1.5 * ggml[0] + 25e-6),
             _target(r["torch"], None if ggml is None else 1.5 * ggml[0] + 60e-6),
             f"{r['agreement']:.1e}" if "agreement" in r else "-",

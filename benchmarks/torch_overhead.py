@@ -14,6 +14,22 @@ them), interleaved round by round so that load on a shared machine hits all of t
 Reports the minimum over rounds (and the median) of the wall time and of the process's CPU
 time (all threads; less sensitive to other load on the machine), and writes
 ``benchmarks/results/torch_overhead.json``.
+
+``--decode`` instead splits one decode step (T = 1, B = 1, K = V = 128, float32, ``--H`` heads;
+inference mode) into the layers it passes, each timed as a whole call, interleaved in blocks
+(median and minimum microseconds of ``--repeats`` calls per block, best block of ``--rounds``)::
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/torch_overhead.py --decode --H 4
+
+* ``decode_kda``: :func:`kda.decode_kda` in place on a pool row (NumPy, head-first);
+* ``decode_states``: the adapters' recurrent forward on NumPy views (time-major; a new final state);
+* ``host.forward``: the host layer on the same views, with the translated options;
+* ``op``: ``torch.ops.kda.decode_states`` (the dispatcher, the tensor <-> array views, the host layer);
+* ``fused_recurrent_kda``: the public call (fla's keywords, their translation, the op);
+* ``pool call``: ``fused_recurrent_kda(initial_state=pool, ssm_state_indices=int32,
+  inplace_final_state=True)``, vLLM's call.
+
+Each row also prints its difference from the call it wraps (the pool call: from ``decode_kda``).
 """
 
 from __future__ import annotations
@@ -70,14 +86,87 @@ def _summary(times: dict[str, list[float]]) -> dict[str, dict]:
     return {name: {"min": min(t), "median": statistics.median(t), "all": t} for name, t in times.items()}
 
 
+def _decode_layers(H: int, K: int) -> dict[str, object]:
+    """One decode step's calls, outermost last (see the module docstring)."""
+    from kda._entry import host
+    from kda._entry.decode import decode_states
+
+    x = _inputs(1, 1, H, K, K)
+    rng = np.random.default_rng(1)
+    s0 = (0.1 * rng.standard_normal((1, H, K, K))).astype(np.float32)
+    q, k, v, g, beta = (torch.from_numpy(a) for a in x[:5])  # time-major [1, 1, H, K]
+    state = torch.from_numpy(s0)
+    views = tuple(t.numpy() for t in (q, k, v, g, beta))
+    head_first = [np.ascontiguousarray(np.swapaxes(a, 1, 2)) for a in x[:5]]
+    pool = np.zeros((8, H, K, K), np.float32)
+    pool[3] = s0[0]
+    rows = np.array([3], np.int64)
+    tpool, trows = torch.from_numpy(pool.copy()), torch.tensor([3], dtype=torch.int32)
+    static = ("recurrent", K**-0.5, 64, False, "log", None, "")
+    return {
+        "decode_kda": lambda: kda.decode_kda(*head_first, pool, rows),
+        "decode_states": lambda: decode_states(*views, s0, layout="time_major"),
+        "host.forward": lambda: host.forward(static, (*views, s0, None, None), None),
+        "op": lambda: torch.ops.kda.decode_states(q, k, v, g, beta, state, None, None, None, *static),
+        "fused_recurrent_kda": lambda: kt.fused_recurrent_kda(
+            q, k, v, g, beta, initial_state=state, output_final_state=True
+        ),
+        "pool call": lambda: kt.fused_recurrent_kda(
+            q, k, v, g, beta, initial_state=tpool, ssm_state_indices=trows, inplace_final_state=True
+        ),
+    }
+
+
+# each layer against the call it wraps (the pool call against decode_kda, its NumPy equivalent)
+BASES = {
+    "decode_states": "decode_kda",
+    "host.forward": "decode_states",
+    "op": "host.forward",
+    "fused_recurrent_kda": "op",
+    "pool call": "decode_kda",
+}
+
+
+def decode(H: int, K: int, rounds: int, repeats: int) -> None:
+    """Print the per-layer table of one decode step (``--decode``)."""
+    calls = _decode_layers(H, K)
+    best: dict[str, tuple[float, float]] = {}
+    print(f"load average before: {os.getloadavg()}")
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for name, fn in calls.items():
+                for _ in range(5):
+                    fn()
+                t = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    fn()
+                    t.append(time.perf_counter() - t0)
+                med, low = statistics.median(t), min(t)
+                old = best.get(name, (float("inf"), float("inf")))
+                best[name] = (min(old[0], med), min(old[1], low))
+    print(f"one decode step, B=1, T=1, H={H}, K=V={K}, float32, torch {torch.__version__}, inference mode")
+    print("layer | median us | min us | compared with | median difference us")
+    for name, (med, low) in best.items():
+        base = BASES.get(name)
+        step = "-" if base is None else f"{base} | {(med - best[base][0]) * 1e6:+.1f}"
+        print(f"{name} | {med * 1e6:.1f} | {low * 1e6:.1f} | {step}")
+    print(f"load average after: {os.getloadavg()}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--T", type=int, default=2048)
     p.add_argument("--H", type=int, default=16)
     p.add_argument("--K", type=int, default=128)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=300, help="calls per block (--decode)")
+    p.add_argument("--decode", action="store_true", help="the per-layer cost of one decode step")
     p.add_argument("--out", type=Path, default=Path("benchmarks") / "results" / "torch_overhead.json")
     args = p.parse_args()
+    if args.decode:
+        decode(args.H, args.K, args.rounds, args.repeats)
+        return
     x = _inputs(1, args.T, args.H, args.K, args.K)
     head_first = [np.ascontiguousarray(np.swapaxes(a, 1, 2)) for a in x]
     methods = {

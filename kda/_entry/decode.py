@@ -16,11 +16,12 @@ Cost. Validation looks at the small arrays only (the inputs' shapes and dtypes, 
 the inputs' values for the gate and finiteness checks); the pool's shape, dtype and writability
 are read from its header, its contents never. On NumPy the call takes a direct route
 (:func:`_numpy_route`) whenever the problem is one the kernel computes as given (float32 or
-float64, no element-wise option, ``HV == H``, int64 ``state_indices [N]``): the same checks
-written out (the value checks in one compiled pass of the cpu backend, ``decode_screen``) and the
-same kernel, so the results are bitwise those of the general route, which handles everything
-else (and words every error: a direct-route check that fails hands the call to the general
-route). :func:`decode_states` is the adapters' recurrent forward on the same kernel.
+float64, no element-wise option, ``HV == H``, no ``cu_seqlens``; any slot form): the same checks
+written out (the slots by :func:`check_slots` itself, the value checks in one compiled pass of
+the cpu backend, ``decode_screen``) and the same kernel, so the results are bitwise those of the
+general route, which handles everything else (and words every error: a direct-route check that
+fails hands the call to the general route). :func:`decode_states` is the adapters' recurrent
+forward on the same kernel.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any
 import array_api_compat
 
 from .._backend import cpu_available, get_backend
-from .._errors import InvalidInputError, InvalidTypeError
+from .._errors import InvalidInputError, InvalidTypeError, KdaError
 from .._options.checks import warn_if_diverged
 from .._options.maps import head_first
 from .._options.table import Array, Choices, takes_options
@@ -320,8 +321,9 @@ def decode_kda(
     InvalidTypeError
         Wrong dtypes (the pool must be the compute dtype) or array types.
     """
-    if opts.cu_seqlens is None and num_accepted_tokens is None:
-        out = _numpy_route(q, k, v, g, beta, state_pool, state_indices, scale, backend, opts)
+    if opts.cu_seqlens is None:
+        out = _numpy_route(q, k, v, g, beta, state_pool, state_indices, scale, backend, opts,
+                           num_accepted_tokens=num_accepted_tokens)  # fmt: skip
         if out is not None:
             return out
     call = open_call(q, k, v, g, beta, scale, opts, backend=backend)
@@ -332,18 +334,19 @@ def decode_kda(
     return _run(call, (q, k, v, g, beta), state_pool, slots)
 
 
-_ROWS: dict[int, Any] = {}  # N -> arange(N) as int64 (read-only): the slots of decode_states
+_ROWS: dict[int, Slots] = {}  # N -> request n on row n (arange(N), int64, read-only): decode_states
 
 
-def _rows(N: int) -> Any:
-    rows = _ROWS.get(N)
-    if rows is None:
+def _rows(N: int) -> Slots:
+    """The slots of :func:`decode_states`: request ``n`` reads row ``n`` and writes row ``n``."""
+    slots = _ROWS.get(N)
+    if slots is None:
         import numpy as np
 
         rows = np.arange(N, dtype=np.int64)
         rows.flags.writeable = False
-        _ROWS[N] = rows
-    return rows
+        slots = _ROWS[N] = Slots(rows, rows.reshape(N, 1))
+    return slots
 
 
 @takes_options()
@@ -365,16 +368,16 @@ def decode_states(
         plain = type(initial_state) is np.ndarray and initial_state.ndim == 4
         if plain and getattr(q, "ndim", 0) == 4 and initial_state.shape[0] == q.shape[0]:
             final = np.empty(initial_state.shape, initial_state.dtype)
-            out = _numpy_route(q, k, v, g, beta, initial_state, _rows(initial_state.shape[0]), scale, backend,
-                               opts, final)  # fmt: skip
+            rows = _rows(initial_state.shape[0])
+            out = _numpy_route(q, k, v, g, beta, initial_state, rows.start, scale, backend, opts, final,
+                               slots=rows)  # fmt: skip
             if out is not None:
                 return KdaOutput(out, final, None)
     call = open_call(q, k, v, g, beta, scale, opts, backend=backend)
     p, xp = call.p, call.p.xp
     call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta)
     final = xp.zeros((p.N, p.HV, p.K, p.V), dtype=p.compute_dtype, device=array_api_compat.device(q))
-    rows = _rows(p.N)
-    slots = Slots(rows, rows.reshape(p.N, 1))
+    slots = _rows(p.N)
     if initial_state is None:
         return KdaOutput(_run(call, (q, k, v, g, beta), final, slots), final, None)
     check_state("initial_state", initial_state, p)
@@ -397,20 +400,23 @@ def _plain(opts: Choices) -> bool:
 _CPU: list[Any] = []  # the cpu backend module, once looked up
 
 
-def _numpy_route(q, k, v, g, beta, pool, state_indices, scale, backend, opts, final_pool=None) -> Any:
+def _numpy_route(q, k, v, g, beta, pool, state_indices, scale, backend, opts, final_pool=None,
+                 num_accepted_tokens=None, slots=None) -> Any:  # fmt: skip
     """The output of a plain NumPy call on the cpu backend, or None to take the general route.
 
     Every check of the general route that can fail for such a call is made here too (types,
-    shapes, dtypes, the pool's writability, the slots, ``g <= 0`` and finiteness, the last two in
-    one compiled pass over the inputs); any failure returns None before anything is written, and
-    the general route raises its own error. ``final_pool``: the pool that receives the states
-    (checked by the caller), or None (``pool``, in place).
+    shapes, dtypes, the pool's writability, the slots by :func:`check_slots` itself, ``g <= 0``
+    and finiteness, the last two in one compiled pass over the inputs); any failure returns None
+    before anything is written, and the general route raises its own error. ``final_pool``: the
+    pool that receives the states (checked by the caller), or None (``pool``, in place);
+    ``slots``: the :class:`Slots` of ``state_indices`` where the caller knows them valid (each
+    request its own row: :func:`decode_states`), or None to check them here.
     """
     import numpy as np
 
     nd = np.ndarray
     if not (type(q) is nd and type(k) is nd and type(v) is nd and type(g) is nd and type(beta) is nd
-            and type(pool) is nd and type(state_indices) is nd):  # fmt: skip
+            and type(pool) is nd):  # fmt: skip
         return None
     if backend not in (None, "cpu") or not _plain(opts) or not cpu_available():
         return None
@@ -419,12 +425,13 @@ def _numpy_route(q, k, v, g, beta, pool, state_indices, scale, backend, opts, fi
             and v.shape[:3] == shape[:3] and beta.shape == shape[:3] and pool.ndim == 4):  # fmt: skip
         return None
     N, K, V = shape[0], shape[3], v.shape[3]
-    H = shape[1] if head_major else shape[2]
-    rows = state_indices.tolist() if state_indices.dtype == np.int64 and state_indices.shape == (N,) else None
-    if not rows or pool.shape[1:] != (H, K, V) or not pool.flags.writeable or not _plain_scale(scale):
+    H, T = (shape[1], shape[2]) if head_major else (shape[2], shape[1])
+    writable = final_pool is not None or pool.flags.writeable  # a separate final_pool: pool is only read
+    if pool.shape[1:] != (H, K, V) or not writable or not _plain_scale(scale):
         return None
-    named = [r for r in rows if r >= 0]
-    if min(rows) < PADDING or max(rows) >= pool.shape[0] or len(set(named)) != len(named):
+    if slots is None:
+        slots = _direct_slots(state_indices, num_accepted_tokens, N, T, pool.shape[0])
+    if slots is None:
         return None
     if not _CPU:
         _CPU.append(get_backend(np, "cpu"))
@@ -433,25 +440,42 @@ def _numpy_route(q, k, v, g, beta, pool, state_indices, scale, backend, opts, fi
     if not ops.decode_screen(q, k, v, g, beta, check):  # dtypes, contiguity, g <= 0, finite
         return None
     s = K**-0.5 if scale is None else float(scale)
-    dest = state_indices.reshape(N, 1)
+    start, dest = slots.start, slots.dest
     if head_major:
-        out = ops.decode_forward(q, k, v, g, beta, s, pool, state_indices, dest, None, final_pool)
+        out = ops.decode_forward(q, k, v, g, beta, s, pool, start, dest, None, final_pool)
     else:
-        qh, kh, vh, gh, bh = (x.swapaxes(1, 2) for x in (q, k, v, g, beta))
-        out = ops.decode_forward(qh, kh, vh, gh, bh, s, pool, state_indices, dest, None, final_pool)
-        out = out.swapaxes(1, 2)
-    if check:
-        with np.errstate(over="ignore", invalid="ignore"):  # a sum of large finite values may overflow
-            clean = math.isfinite(np.add.reduce(out, None))
-        if not clean:
-            warn_if_diverged(np, out, stacklevel=3)
+        qh, kh, vh = q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2)
+        gh, bh = g.swapaxes(1, 2), beta.swapaxes(1, 2)
+        out = ops.decode_forward(qh, kh, vh, gh, bh, s, pool, start, dest, None, final_pool).swapaxes(1, 2)
+    if check and not np.isfinite(out).all():  # no warning from a sum of large finite values
+        warn_if_diverged(np, out, stacklevel=3)
     return out
 
 
+def _direct_slots(state_indices: Any, num_accepted_tokens: Any, N: int, T: int, P: int) -> Slots | None:
+    """:func:`check_slots`' result, or None where it would raise. The common decode call (int64
+    NumPy ``[N]``, a few requests) is checked inline, the same checks."""
+    import numpy as np
+
+    if (
+        num_accepted_tokens is None and type(state_indices) is np.ndarray and state_indices.dtype == np.int64
+        and state_indices.shape == (N,) and state_indices.flags.c_contiguous and 0 < N <= SMALL
+    ):  # fmt: skip
+        rows = state_indices.tolist()
+        named = [r for r in rows if r >= 0]
+        if min(rows) < PADDING or max(rows) >= P or len(set(named)) != len(named):
+            return None
+        return Slots(state_indices, state_indices.reshape(N, 1))
+    try:
+        return check_slots(state_indices, num_accepted_tokens, N, T, None, P)
+    except KdaError:
+        return None
+
+
 def _plain_scale(scale: Any) -> bool:
-    return scale is None or (
-        isinstance(scale, numbers.Real) and not isinstance(scale, bool) and math.isfinite(scale)
-    )
+    if scale is None or type(scale) is float:  # the adapters pass a float: no ABC check
+        return scale is None or math.isfinite(scale)
+    return isinstance(scale, numbers.Real) and not isinstance(scale, bool) and math.isfinite(scale)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -212,7 +212,8 @@ def fla_function(name: str, call: Any, module: str, doc: str) -> Any:
     collected = ", ".join(f"{n!r}: {n}" for n, _ in params)
     source = (
         f"def {name}(q, k, v, g, beta, {named}, **kwargs):\n"
-        f"    _check(_name, kwargs, _allowed)\n"
+        f"    if kwargs:\n"
+        f"        _check(_name, kwargs, _allowed)\n"
         f"    return _call(q, k, v, g, beta, {{{collected}, **kwargs}})\n"
     )
     namespace = {"_check": check_keywords, "_name": name, "_allowed": allowed, "_call": call}
@@ -371,6 +372,43 @@ def _check_shapes(q: tuple[int, ...], v: tuple[int, ...], cu_seqlens: bool) -> t
     return v[2], q[3]
 
 
+# the keywords translate reads by value (the arrays are read by presence only), and the plain
+# types a memo key may hold: a key of these compares by value and type, never by an array's ==
+TRANSLATED = (
+    "scale", "chunk_size", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+    "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "safe_gate", "lower_bound", "state_v_first",
+    "return_intermediate_states",
+)  # fmt: skip
+
+
+class _Absent:
+    """A keyword not passed (a memo key tells it from one passed as None)."""
+
+
+_ABSENT = _Absent()
+_ABSENTS = (_ABSENT,) * len(TRANSLATED)
+_PLAIN_TYPES = frozenset({type(None), bool, int, float, str, _Absent})
+_MEMO: dict[tuple[Any, ...], FlaCall] = {}  # translate's results of calls seen before
+MEMO_SIZE = 256  # entries kept (cleared when full: a serving loop repeats a few shapes)
+
+
+def _memo_key(
+    function: str, q_shape: tuple[int, ...], v_shape: tuple[int, ...], kw: dict[str, Any], flags: tuple
+) -> tuple[Any, ...] | None:
+    """The memo key of a call: everything :func:`translate` reads, or None where a value is not
+    a plain scalar (an array, a NumPy scalar) or the call warns (``transpose_state_layout``).
+    Each value enters with its type (``1`` and ``True`` are equal keys otherwise)."""
+    if "transpose_state_layout" in kw or kw.get("cp_context") is not None:
+        return None
+    values = tuple(map(kw.get, TRANSLATED, _ABSENTS))
+    kinds = tuple(map(type, values))
+    if not _PLAIN_TYPES.issuperset(kinds):
+        return None
+    if float in kinds:  # -0.0 == 0.0, but they are different scales: floats by their bits
+        values = tuple(x.hex() if type(x) is float else x for x in values)
+    return (function, q_shape, v_shape, flags, values, kinds)
+
+
 def translate(
     function: str,
     q_shape: tuple[int, ...],
@@ -381,9 +419,32 @@ def translate(
     has_dt_bias: bool,
     has_cu_seqlens: bool,
 ) -> FlaCall:
-    """Translate fla keywords ``kw`` (already restricted to the known ones) into kda options."""
+    """Translate fla keywords ``kw`` (already restricted to the known ones) into kda options.
+
+    A call whose keywords are plain scalars is translated once: later calls with the same shapes,
+    presence flags and keyword values (and types: ``scale=1`` and ``scale=True`` differ) get the
+    same :class:`FlaCall` from a memo. Refusals are never memoised, so they are raised every time.
+    """
+    q_shape, v_shape = tuple(q_shape), tuple(v_shape)
+    key = _memo_key(function, q_shape, v_shape, kw, (has_A_log, has_dt_bias, has_cu_seqlens))
+    if key is not None:
+        call = _MEMO.get(key)
+        if call is not None:
+            return call
+    call = _translate(function, q_shape, v_shape, kw, has_A_log, has_dt_bias, has_cu_seqlens)
+    if key is not None:
+        if len(_MEMO) >= MEMO_SIZE:
+            _MEMO.clear()
+        _MEMO[key] = call
+    return call
+
+
+def _translate(
+    function: str, q_shape: tuple[int, ...], v_shape: tuple[int, ...], kw: dict[str, Any],
+    has_A_log: bool, has_dt_bias: bool, has_cu_seqlens: bool,
+) -> FlaCall:  # fmt: skip
     _check_unsupported(function, kw)
-    HV, K = _check_shapes(tuple(q_shape), tuple(v_shape), has_cu_seqlens)
+    HV, K = _check_shapes(q_shape, v_shape, has_cu_seqlens)
     gate = _gate(kw, has_A_log, has_dt_bias)
     static = (
         "chunk" if function == "chunk_kda" else "recurrent",

@@ -37,10 +37,11 @@ from .states import backward_with_state_gradients
 
 __all__ = ["backward", "check_pool_call", "decode", "forward", "shapes", "validated_call"]
 
-# the bodies of kda.chunk_kda and of the decode kernel's recurrent forward, which take the
-# options as one Choices
+# the bodies of kda.chunk_kda, kda.decode_kda and the decode kernel's recurrent forward, which
+# take the options as one Choices
 _CHUNK = _api.chunk_kda.__wrapped__
 _DECODE_STATES = _decode.decode_states.__wrapped__
+_DECODE = _decode.decode_kda.__wrapped__
 
 Arrays = tuple[Any, ...]  # q, k, v, g, beta, initial_state, A_log, dt_bias (None where absent)
 
@@ -72,7 +73,7 @@ def forward(static: tuple[Any, ...], x: Arrays, offsets: tuple[int, ...] | None)
     are zeros) for ``chunk_kda``, an empty ``[0]`` array for the recurrence. Arrays in the
     inputs' namespace.
     """
-    opts = choices(static, x[6], x[7], offsets)
+    opts = _call_options(static, x, offsets)
     if static[0] != "chunk":  # the recurrence's forward is the decode kernel's (no states kept)
         out = _DECODE_STATES(*x[:5], x[5], scale=static[1], backend=None, opts=opts)
         return out.output, out.final_state, out.final_state.reshape(-1)[:0]  # no boundaries: [0]
@@ -84,6 +85,19 @@ def forward(static: tuple[Any, ...], x: Arrays, offsets: tuple[int, ...] | None)
     return out.output, out.final_state, _pad(out.boundaries, NT)
 
 
+def _call_options(static: tuple[Any, ...], x: Arrays, offsets: tuple[int, ...] | None) -> Any:
+    """The table's :class:`~kda._options.table.Choices` of a call: made once per ``static`` for
+    a call with no gate arrays and no offsets (immutable), else from the arrays."""
+    if x[6] is None and x[7] is None and offsets is None:
+        return _plain_choices(static)
+    return choices(static, x[6], x[7], offsets)
+
+
+@functools.lru_cache(maxsize=256)
+def _plain_choices(static: tuple[Any, ...]) -> Any:
+    return choices(static)
+
+
 def decode(
     static: tuple[Any, ...], x: Arrays, pool: Any, state_indices: Any, num_accepted_tokens: Any,
     offsets: tuple[int, ...] | None,
@@ -92,9 +106,9 @@ def decode(
     (``[P, HV, K, V]``, updated in place) with ``state_indices`` (``[N]`` or ``[N, T]``) and
     ``num_accepted_tokens``; returns the output ``[B, T, HV, V]``. ``x[5]`` (the initial state)
     is unused: the pool is the state."""
-    keywords = choices(static, x[6], x[7], offsets).keywords()
-    return _decode.decode_kda(*x[:5], pool, state_indices, num_accepted_tokens=num_accepted_tokens,
-                              scale=static[1], **keywords)  # fmt: skip
+    opts = _call_options(static, x, offsets)
+    return _DECODE(*x[:5], pool, state_indices, num_accepted_tokens=num_accepted_tokens, scale=static[1],
+                   backend=None, opts=opts)  # fmt: skip
 
 
 def check_pool_call(kw: dict[str, Any], pool: Any, indices: Any, accepted: Any) -> None:

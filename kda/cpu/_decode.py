@@ -49,11 +49,14 @@ def decode_screen(q: Any, k: Any, v: Any, g: Any, beta: Any, finite: bool) -> bo
     One compiled pass over C-contiguous NumPy inputs of one float dtype (False for anything else:
     the caller's own checks then decide and word the error).
     """
-    arrays = (q, k, v, g, beta)
     dt = q.dtype
-    if (dt is not _F32 and dt is not _F64) or not all(x.dtype is dt and x.flags.c_contiguous for x in arrays):
+    if (dt is not _F32 and dt is not _F64) or not (
+        k.dtype is dt and v.dtype is dt and g.dtype is dt and beta.dtype is dt and q.flags.c_contiguous
+        and k.flags.c_contiguous and v.flags.c_contiguous and g.flags.c_contiguous and beta.flags.c_contiguous
+    ):  # fmt: skip
         return False
-    return bool(_kernels().screen(*(x.reshape(-1) for x in arrays), finite))
+    screen = _KERNELS[0].screen if _KERNELS else _kernels().screen
+    return screen(q.reshape(-1), k.reshape(-1), v.reshape(-1), g.reshape(-1), beta.reshape(-1), finite)
 
 
 _F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
@@ -80,23 +83,27 @@ def decode_forward(
     written states (None: ``pool``, in place); ``out``: a C-contiguous output buffer, or None.
     Returns the output ``[B, HV, T, V]``.
     """
-    dt = _float_dtype(pool)
+    dt = pool.dtype
+    if dt is not _F32 and dt is not _F64:
+        dt = _float_dtype(pool)
     args = [
-        x if x.dtype == dt and x.flags.c_contiguous else np.ascontiguousarray(x, dt)
+        x if x.dtype is dt and x.flags.c_contiguous else np.ascontiguousarray(x, dt)
         for x in (q, k, v, g, beta)
     ]
-    if out is None or out.dtype != dt or out.shape != args[2].shape or not out.flags.c_contiguous:
+    if out is None or out.dtype is not dt or out.shape != args[2].shape or not out.flags.c_contiguous:
         out = np.empty(args[2].shape, dt)
     if out.size == 0:
         return out
     dst = pool if final_pool is None else final_pool
-    kernel = _kernel()
+    kernel = _KERNELS[0].decode if _KERNELS else _kernel()
     offs = _NO_OFFSETS if offsets is None else np.asarray(offsets, np.int64)
     N, HV = start.shape[0], q.shape[1]
     if pool.flags.c_contiguous and dst.flags.c_contiguous:
-        _run(
-            kernel, (*args, dt.type(scale), pool, dst, start, dest, offs, out), N * HV, out.size * q.shape[-1]
-        )
+        work = out.size * q.shape[3]
+        if work < SPLIT_WORK:  # the common decode step: on this thread, no more checks
+            kernel(*args, dt.type(scale), pool, dst, start, dest, offs, out, 0, N * HV)
+        else:
+            _run(kernel, (*args, dt.type(scale), pool, dst, start, dest, offs, out), N * HV, work)
         return out
     _through_copies(kernel, args, dt.type(scale), pool, dst, start, dest, offs, out, N * HV)
     return out

@@ -142,19 +142,29 @@ def decode(q, k, v, g, beta, scale, src, dst, start, dest, offsets, out, lo, hi)
 
 @_jit
 def _finite(x):
+    """Whether every element of ``x`` is finite: ``x * 0`` is NaN exactly where ``x`` is NaN or
+    infinite (never folded to 0: no nnan / nsz), and a sum keeps a NaN; branch-free, it vectorises."""
+    acc = 0.0
     for i in range(x.size):
-        if not np.isfinite(x[i]):
-            return False
-    return True
+        acc += x[i] * 0.0
+    return acc == 0.0
+
+
+@_jit
+def _log_decays(g):
+    """Whether every ``g <= 0`` (``-inf`` allowed; NaN and positive values fail); branch-free."""
+    bad = 0
+    for i in range(g.size):
+        bad += not g[i] <= 0
+    return bad == 0
 
 
 @_jit
 def screen(q, k, v, g, beta, finite):
     """Whether every ``g <= 0`` (``-inf`` allowed, NaN not) and, with ``finite``, every element of
     ``q, k, v, beta`` is finite: one pass over the (small) inputs, flattened C-contiguous arrays."""
-    for i in range(g.size):
-        if not g[i] <= 0:
-            return False
+    if not _log_decays(g):
+        return False
     if finite:
         return _finite(q) and _finite(k) and _finite(v) and _finite(beta)
     return True

@@ -182,16 +182,141 @@ def test_untouched_rows_are_not_read(backend):
     assert np.isnan(got[[0, 1, 3, 4, 7]]).all()
 
 
-def test_backends_agree_with_the_direct_numpy_route():
-    """The direct NumPy route (1-D int64 indices, plain options) is bitwise the general route."""
+# ---------------------------------------------------------------- the direct NumPy route
+
+# slot forms of 4 requests of T = 2 steps in a pool of 9 (request 2 is padding)
+SLOT_FORMS = {
+    "int64 [N]": (np.array([8, 0, -1, 3], np.int64), None),
+    "int32 [N]": (np.array([8, 0, -1, 3], np.int32), None),
+    "list [N]": ([8, 0, -1, 3], None),
+    "strided int64 [N]": (np.array([8, 7, 0, 7, -1, 7, 3, 7], np.int64)[::2], None),
+    "int64 [N, T]": (np.array([[8, 1], [0, -1], [-1, -1], [3, 5]], np.int64), [2, 1, 1, 2]),
+    "int32 [N, T]": (np.array([[8, 1], [0, -1], [-1, -1], [3, 5]], np.int32), np.array([1, 1, 1, 2])),
+}  # fmt: skip
+
+
+def _spy_direct(monkeypatch) -> list[bool]:
+    """Record, per call, whether the direct route served it (returned an output)."""
+    import kda._entry.decode as entry
+
+    served, direct = [], entry._numpy_route
+
+    def spy(*args, **kwargs):
+        out = direct(*args, **kwargs)
+        served.append(out is not None)
+        return out
+
+    monkeypatch.setattr(entry, "_numpy_route", spy)
+    return served
+
+
+def _general_only(monkeypatch) -> None:
+    import kda._entry.decode as entry
+
+    monkeypatch.setattr(entry, "_numpy_route", lambda *args, **kwargs: None)
+
+
+@pytest.mark.parametrize("form", list(SLOT_FORMS))
+@pytest.mark.parametrize("layout", ["head_first", "time_major"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_direct_route_is_bitwise_the_general_route(form, layout, dtype, monkeypatch):
+    """Every slot form, layout and dtype the direct route serves: bitwise the general route's
+    output and pool (the spy asserts that the direct route did serve the first call)."""
     rng = np.random.default_rng(2)
-    inputs = [x.astype(np.float32) for x in _inputs(rng, 4, 3, 1, 16, 8)]
-    pool = _pools(rng, 9, 3, 16, 8).astype(np.float32)
-    idx = np.array([8, 0, -1, 3], np.int64)
+    inputs = [x.astype(dtype) for x in _inputs(rng, 4, 3, 2, 16, 8)]
+    if layout == "time_major":
+        inputs = [np.ascontiguousarray(np.swapaxes(x, 1, 2)) for x in inputs]
+    pool = _pools(rng, 9, 3, 16, 8).astype(dtype)
+    slots, accepted = SLOT_FORMS[form]
     a, b = pool.copy(), pool.copy()
-    fast = kda.decode_kda(*inputs, a, idx)  # the direct route
-    slow = kda.decode_kda(*inputs, b, list(idx))  # a list: the general route
+    served = _spy_direct(monkeypatch)
+    fast = kda.decode_kda(*inputs, a, slots, num_accepted_tokens=accepted, layout=layout)
+    assert served == [True]
+    _general_only(monkeypatch)
+    slow = kda.decode_kda(*inputs, b, slots, num_accepted_tokens=accepted, layout=layout)
     assert np.array_equal(fast, slow) and np.array_equal(a, b)
+    assert not np.array_equal(a, pool)  # something was written
+
+
+@pytest.mark.parametrize("layout", ["head_first", "time_major"])
+@pytest.mark.parametrize("read_only", [False, True])
+def test_decode_states_direct_route_is_the_general_route(layout, read_only, monkeypatch):
+    """The adapters' recurrent forward (decode_states): the direct route's output and final state
+    are bitwise the general route's, and the initial state is only read (a read-only one, as a
+    JAX callback passes it, takes the direct route too)."""
+    from kda._entry.decode import decode_states
+
+    rng = np.random.default_rng(5)
+    inputs = [x.astype(np.float32) for x in _inputs(rng, 2, 3, 1, 16, 8)]
+    if layout == "time_major":
+        inputs = [np.ascontiguousarray(np.swapaxes(x, 1, 2)) for x in inputs]
+    s0 = _pools(rng, 2, 3, 16, 8).astype(np.float32)
+    before = s0.copy()
+    s0.flags.writeable = not read_only
+    served = _spy_direct(monkeypatch)
+    fast = decode_states(*inputs, s0, layout=layout)
+    assert served == [True] and np.array_equal(s0, before)
+    _general_only(monkeypatch)
+    slow = decode_states(*inputs, s0, layout=layout)
+    assert np.array_equal(fast.output, slow.output) and np.array_equal(fast.final_state, slow.final_state)
+    assert np.array_equal(s0, before)
+
+
+@pytest.mark.parametrize(
+    ("slots", "accepted", "match"),
+    [
+        (np.array([1, 1], np.int64), None, r"at most once.*\[1\]"),
+        (np.array([0, 6], np.int64), None, r"row in \[0, 6\).*\[6\]"),
+        (np.array([-2, 0], np.int32), None, r"state_indices must be -1.*\[-2\]"),
+        (np.array([[0, 3], [3, 2]], np.int64), [1, 1], r"at most once.*\[3\]"),
+        (np.array([[0, 3], [1, 2]], np.int32), np.array([1, 3]), r"num_accepted_tokens must be in 1..T"),
+        (np.array([0, 1], np.int64), [1, 1], r"num_accepted_tokens needs 2-D state_indices"),
+    ],
+)  # fmt: skip
+def test_direct_route_refusals_name_the_argument(slots, accepted, match, monkeypatch):
+    """Bad slots of a call the direct route would serve (float32, plain): the named KdaError, nothing
+    written; the direct route declined the call (the general route words the error)."""
+    inputs, pool = _small()
+    inputs, pool = [x.astype(np.float32) for x in inputs], pool.astype(np.float32)
+    before = pool.copy()
+    served = _spy_direct(monkeypatch)
+    with pytest.raises(kda.InvalidInputError, match=match):
+        kda.decode_kda(*inputs, pool, slots, num_accepted_tokens=accepted)
+    assert served == [False] and np.array_equal(pool, before)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_cpu_screen(dtype):
+    """kda.cpu.decode_screen (the direct route's value check, branch-free): g <= 0 with -inf and
+    -0.0 allowed, NaN and any positive value refused; q, k, v, beta finite, however large."""
+    import kda.cpu
+
+    screen = kda.cpu.decode_screen
+    rng = np.random.default_rng(0)
+    shape = (1, 3, 1, 37)  # odd sizes: the vector loops' tails
+    x = [rng.standard_normal(shape).astype(dtype) for _ in range(3)]
+    g = -rng.uniform(0, 1, shape).astype(dtype)
+    beta = rng.uniform(0, 1, shape[:3]).astype(dtype)
+    assert screen(*x, g, beta, True)
+    huge = np.finfo(dtype).max
+    assert screen(*(np.full(shape, huge, dtype) for _ in range(3)), g, np.full(shape[:3], huge, dtype), True)
+    g[0, 0, 0, :3] = [-np.inf, -0.0, 0.0]
+    assert screen(*x, g, beta, True)
+    for bad in (np.nan, np.finfo(dtype).smallest_subnormal, 1.0, np.inf):
+        for i in (0, 40, g.size - 1):
+            worse = g.copy()
+            worse.reshape(-1)[i] = bad
+            assert not screen(*x, worse, beta, True) and not screen(*x, worse, beta, False)
+    arrays = [*x, beta]
+    for j in range(4):
+        for bad in (np.nan, np.inf, -np.inf):
+            for i in (0, arrays[j].size - 1):
+                worse = [a.copy() for a in arrays]
+                worse[j].reshape(-1)[i] = bad
+                assert not screen(*worse[:3], g, worse[3], True)
+                assert screen(*worse[:3], g, worse[3], False)  # finite=False: the gate alone
+    assert not screen(*x, g.astype(np.float64 if dtype == np.float32 else np.float32), beta, True)
+    assert not screen(x[0][..., ::-1], *x[1:], g, beta, True)  # not C-contiguous: the caller decides
 
 
 # ---------------------------------------------------------------- refusals: nothing written
@@ -253,7 +378,7 @@ def test_bad_values_write_nothing():
     for i, name in enumerate("qkvg"):
         bad = [x.copy() for x in inputs]
         bad[i][0, 0, 0, 0] = np.nan if name != "g" else 1.0
-        for idx in (np.array([0, 1]), [0, 1]):  # the direct route, the general route
+        for idx in (np.array([0, 1]), np.array([[0], [1]])):  # 1-D and 2-D slots
             with pytest.raises(kda.InvalidInputError, match=f"^{name} must"):
                 kda.decode_kda(*bad, pool, idx)
             assert np.array_equal(pool, before)
