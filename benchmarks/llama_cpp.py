@@ -186,14 +186,18 @@ def ggml_forward_times(
 # kda side
 
 
-def _median(fn, repeats: int) -> float:
+def _times(fn, repeats: int) -> list[float]:
     fn()  # warm-up (compiles on first use)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
+
+
+def _median(fn, repeats: int) -> float:
+    return statistics.median(_times(fn, repeats))
 
 
 def _gemm_rate(n: int = 2048) -> float:
@@ -251,7 +255,6 @@ def _kda_times(x: dict[str, np.ndarray], repeats: int, C: int) -> dict[str, floa
 
     x64 = [a.astype(np.float64) for a in (q, k, v, g, beta)]
     return {
-        "chunk_fwd": _median(lambda: kda.chunk_kda(q, k, v, g, beta, chunk_size=C), repeats),
         "chunk_fwd_bwd": _median(fwd_bwd, repeats),
         "chunk_fwd_f64": _median(lambda: kda.chunk_kda(*x64, chunk_size=C), repeats),
         "recurrent_fwd": _median(lambda: kda.recurrent_kda(q, k, v, g, beta), max(1, repeats // 2)),
@@ -272,6 +275,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2, help="ggml's threads (default 2)")
     p.add_argument("--one-core", action="store_true", help="pin the process to one core, ggml on 1 thread")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--rounds", type=int, default=3, help="rounds of ggml then kda's forward, each --repeats runs"
+    )
     p.add_argument("--chunk-size", type=int, default=64)
     p.add_argument("--memory-shape", default="1x4096", help="BxT of the peak-memory pass ('none': skip)")
     p.add_argument(
@@ -301,26 +307,40 @@ def _one_core(on: bool):
         os.sched_setaffinity(0, before)
 
 
-def _ggml_row(x: dict[str, np.ndarray], threads: int, repeats: int, C: int) -> tuple[float | None, str]:
-    """ggml's median time and its agreement with kda on the same inputs (or why it is skipped)."""
+def _side_by_side(
+    x: dict[str, np.ndarray], threads: int, repeats: int, rounds: int, C: int
+) -> tuple[float | None, float, str]:
+    """``(ggml's median, kda's forward median, note)``: ``rounds`` rounds, each ``repeats`` ggml
+    runs then ``repeats`` kda forwards, so that a drift of the machine's speed during the run
+    (seen here: 30-40 % between minutes) falls on both; the note is ggml's agreement with kda on
+    the same inputs, or why ggml is skipped."""
     import kda
 
     q, k, v, g, beta = (x[n] for n in ("q", "k", "v", "g", "beta"))
     B, H, _, K = q.shape
     state = np.zeros((B, H, K, v.shape[-1]), np.float32)
-    try:
-        r = ggml_forward(q, k, v, g, beta, state, threads, repeats)
-    except GgmlUnavailable as err:
-        return None, f"ggml skipped: {err}"
     out = kda.chunk_kda(q, k, v, g, beta, chunk_size=C)
-    diff = max(
-        float(np.max(np.abs(r["output"] - out.output))),
-        float(np.max(np.abs(r["final_state"] - out.final_state))),
-    )
-    if not diff <= AGREEMENT:
-        msg = f"ggml and kda disagree: max |difference| {diff:.3g} > {AGREEMENT}"
-        raise SystemExit(msg)
-    return r["time_s"], f"agree to {diff:.2g}"
+    ggml_times: list[float] = []
+    kda_times: list[float] = []
+    note = ""
+    for _ in range(rounds):
+        try:
+            r = ggml_forward(q, k, v, g, beta, state, threads, repeats)
+        except GgmlUnavailable as err:
+            note = f"ggml skipped: {err}"
+        else:
+            ggml_times += r["times_s"]
+            diff = max(
+                float(np.max(np.abs(r["output"] - out.output))),
+                float(np.max(np.abs(r["final_state"] - out.final_state))),
+            )
+            if not diff <= AGREEMENT:
+                msg = f"ggml and kda disagree: max |difference| {diff:.3g} > {AGREEMENT}"
+                raise SystemExit(msg)
+            note = f"agree to {diff:.2g}"
+        kda_times += _times(lambda: kda.chunk_kda(q, k, v, g, beta, chunk_size=C), repeats)
+    ggml = statistics.median(ggml_times) if ggml_times else None
+    return ggml, statistics.median(kda_times), note
 
 
 def _set_sub_block(size: int) -> None:
@@ -369,8 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         for shape in args.shapes:
             B, T = map(int, shape.split("x"))
             x = _inputs(B, H, T, D, D, np.float32, 0)
-            ggml, note = _ggml_row(x, threads, args.repeats, C)
-            t = _kda_times(x, args.repeats, C)
+            ggml, fwd_time, note = _side_by_side(x, threads, args.repeats, args.rounds, C)
+            t = {"chunk_fwd": fwd_time, **_kda_times(x, args.repeats, C)}
             fwd = 100 * pass_flops("fwd", B, H, T, D, C) / t["chunk_fwd"] / 1e9 / gemm
             both = 100 * pass_flops("fwd+bwd", B, H, T, D, C) / t["chunk_fwd_bwd"] / 1e9 / gemm
             ratio = "-" if ggml is None else f"{t['chunk_fwd'] / ggml:.3f}"
@@ -388,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{m['ratio']:.3f}x inputs+outputs+boundaries+gradients "
                 f"({m['essential_bytes'] / 2**20:.1f} MiB)"
             )
+        print(f"same-run GEMM again at the end: {_gemm_rate():.1f} GFLOP/s (the % columns use the first)")
         print(f"load average after: {os.getloadavg()}")
     return 0
 
