@@ -153,6 +153,25 @@ def test_fused_passes_read_strided_inputs_in_place_and_match_the_reference(regim
         assert_close(a, b, tol=tol, dtype="any", name=name)
 
 
+def test_a_forward_that_keeps_no_boundaries_writes_none():
+    """The fused forward with keep=False forms no [NT, B, H, K, V] array (it used to fill one and
+    drop it) and gives bitwise the output and final state of the forward that keeps them."""
+    import tracemalloc
+
+    from kda._engine.chunked import chunk_forward
+
+    cpu = _ops("cpu")
+    p = make_problem(4, 1, 4, 512, 32, 32, "mild").astype(np.float32)
+    kept = chunk_forward(cpu, np, *p.inputs, SCALE, p.initial_state, 16)
+    tracemalloc.start()
+    dropped = chunk_forward(cpu, np, *p.inputs, SCALE, p.initial_state, 16, keep=False)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert dropped[2] is None and kept[2].shape == (32, 1, 4, 32, 32)
+    assert np.array_equal(dropped[0], kept[0]) and np.array_equal(dropped[1], kept[1])
+    assert peak < kept[0].nbytes + kept[2].nbytes // 2, peak  # the output, not the boundaries
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_exp_of_decays_is_exact_at_the_ends_and_within_an_ulp(dtype):
     """The kernels' exp(g): exp(0) = 1, exp(-inf) = exp(-1e4) = exp(-800) = 0 exactly; elsewhere within
