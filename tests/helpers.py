@@ -240,3 +240,25 @@ def fla_naive_gates() -> dict:
             names,
         )
     return names
+
+
+def spy_direct_decode_route(monkeypatch) -> list[bool]:
+    """Record, per call, whether kda's direct NumPy decode route served it (returned an output)."""
+    import kda._entry.decode as entry
+
+    served, direct = [], entry._numpy_route
+
+    def spy(*args, **kwargs):
+        out = direct(*args, **kwargs)
+        served.append(out is not None)
+        return out
+
+    monkeypatch.setattr(entry, "_numpy_route", spy)
+    return served
+
+
+def decline_direct_decode_route(monkeypatch) -> None:
+    """Send every decode call the general way (the direct route declines each one)."""
+    import kda._entry.decode as entry
+
+    monkeypatch.setattr(entry, "_numpy_route", lambda *args, **kwargs: None)

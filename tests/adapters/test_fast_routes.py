@@ -8,6 +8,7 @@ import warnings
 
 import numpy as np
 import pytest
+from helpers import decline_direct_decode_route, spy_direct_decode_route
 
 torch = pytest.importorskip("torch")
 
@@ -102,26 +103,9 @@ def test_numpy_scalar_options_are_translated_every_time():
 # ---------------------------------------------------------------- kda.torch's recurrent inference call
 
 
-def _spy(monkeypatch) -> list[bool]:
-    """Record, per call, whether the direct NumPy decode route served it."""
-    import kda._entry.decode as entry
-
-    served, direct = [], entry._numpy_route
-
-    def spy(*args, **kwargs):
-        out = direct(*args, **kwargs)
-        served.append(out is not None)
-        return out
-
-    monkeypatch.setattr(entry, "_numpy_route", spy)
-    return served
-
-
 def _general(monkeypatch):
     """The long way round: the general tensor conversion and the general decode route."""
-    import kda._entry.decode as entry
-
-    monkeypatch.setattr(entry, "_numpy_route", lambda *args, **kwargs: None)
+    decline_direct_decode_route(monkeypatch)
     monkeypatch.setattr(kt, "_VIEWED", ())
 
 
@@ -130,7 +114,7 @@ def _general(monkeypatch):
 def test_recurrent_inference_is_bitwise_the_general_route(dtype, v_first, monkeypatch):
     q, k, v, g, beta, s0 = _step(dtype=dtype)
     before = [t.clone() for t in (q, k, v, g, beta, s0)]
-    served = _spy(monkeypatch)
+    served = spy_direct_decode_route(monkeypatch)
     with torch.inference_mode():
         fast = kt.fused_recurrent_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True,
                                       state_v_first=v_first)  # fmt: skip
@@ -206,7 +190,7 @@ def test_pool_call_is_bitwise_the_general_route(index_dtype, per_step, monkeypat
     else:
         kw = {"ssm_state_indices": torch.tensor([4, 9, -1], dtype=index_dtype)}
     a, b = pool.clone(), pool.clone()
-    served = _spy(monkeypatch)
+    served = spy_direct_decode_route(monkeypatch)
     with torch.inference_mode():
         fast, _ = kt.fused_recurrent_kda(q, k, v, g, beta, initial_state=a, inplace_final_state=True, **kw)
         assert served == [True]

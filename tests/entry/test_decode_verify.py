@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import BACKENDS, REGIMES, assert_close, gates
+from helpers import (
+    BACKENDS,
+    REGIMES,
+    assert_close,
+    decline_direct_decode_route,
+    gates,
+    spy_direct_decode_route,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -195,27 +202,6 @@ SLOT_FORMS = {
 }  # fmt: skip
 
 
-def _spy_direct(monkeypatch) -> list[bool]:
-    """Record, per call, whether the direct route served it (returned an output)."""
-    import kda._entry.decode as entry
-
-    served, direct = [], entry._numpy_route
-
-    def spy(*args, **kwargs):
-        out = direct(*args, **kwargs)
-        served.append(out is not None)
-        return out
-
-    monkeypatch.setattr(entry, "_numpy_route", spy)
-    return served
-
-
-def _general_only(monkeypatch) -> None:
-    import kda._entry.decode as entry
-
-    monkeypatch.setattr(entry, "_numpy_route", lambda *args, **kwargs: None)
-
-
 @pytest.mark.parametrize("form", list(SLOT_FORMS))
 @pytest.mark.parametrize("layout", ["head_first", "time_major"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -229,10 +215,10 @@ def test_the_direct_route_is_bitwise_the_general_route(form, layout, dtype, monk
     pool = _pools(rng, 9, 3, 16, 8).astype(dtype)
     slots, accepted = SLOT_FORMS[form]
     a, b = pool.copy(), pool.copy()
-    served = _spy_direct(monkeypatch)
+    served = spy_direct_decode_route(monkeypatch)
     fast = kda.decode_kda(*inputs, a, slots, num_accepted_tokens=accepted, layout=layout)
     assert served == [True]
-    _general_only(monkeypatch)
+    decline_direct_decode_route(monkeypatch)
     slow = kda.decode_kda(*inputs, b, slots, num_accepted_tokens=accepted, layout=layout)
     assert np.array_equal(fast, slow) and np.array_equal(a, b)
     assert not np.array_equal(a, pool)  # something was written
@@ -253,10 +239,10 @@ def test_decode_states_direct_route_is_the_general_route(layout, read_only, monk
     s0 = _pools(rng, 2, 3, 16, 8).astype(np.float32)
     before = s0.copy()
     s0.flags.writeable = not read_only
-    served = _spy_direct(monkeypatch)
+    served = spy_direct_decode_route(monkeypatch)
     fast = decode_states(*inputs, s0, layout=layout)
     assert served == [True] and np.array_equal(s0, before)
-    _general_only(monkeypatch)
+    decline_direct_decode_route(monkeypatch)
     slow = decode_states(*inputs, s0, layout=layout)
     assert np.array_equal(fast.output, slow.output) and np.array_equal(fast.final_state, slow.final_state)
     assert np.array_equal(s0, before)
@@ -279,7 +265,7 @@ def test_direct_route_refusals_name_the_argument(slots, accepted, match, monkeyp
     inputs, pool = _small()
     inputs, pool = [x.astype(np.float32) for x in inputs], pool.astype(np.float32)
     before = pool.copy()
-    served = _spy_direct(monkeypatch)
+    served = spy_direct_decode_route(monkeypatch)
     with pytest.raises(kda.InvalidInputError, match=match):
         kda.decode_kda(*inputs, pool, slots, num_accepted_tokens=accepted)
     assert served == [False] and np.array_equal(pool, before)
