@@ -74,8 +74,8 @@ def chunk_kda(
     """
     c = open_call(q, k, v, g, beta, scale, opts, backend=backend, chunk_size=chunk_size, defer_gate=True)
     state = c.state_or_zeros("initial_state", initial_state)
-    c.check_finite(initial_state=initial_state)
-    return c.forward((q, k, v, g, beta), state, save_boundaries, check_inputs=True)
+    finite = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+    return c.forward((q, k, v, g, beta), state, save_boundaries, check_inputs=finite)
 
 
 @takes_options()

@@ -41,6 +41,10 @@ from .._options.validation import (
 
 __all__ = ["Call", "KdaGradients", "KdaOutput", "open_call"]
 
+# The raw inputs a backend's fused passes screen for NaN / inf as their chunks pass (the forward
+# reads q, k, v; the backward also grad_output and the boundaries): see Call.forward.
+SCREENED = ("q", "k", "v", "boundaries", "grad_output")
+
 
 class KdaOutput(NamedTuple):
     """Result of a KDA forward.
@@ -127,6 +131,22 @@ class Call:
             if not (name == "g" and log_gate):
                 _check_finite(self.p.xp, name, x)
 
+    def _check_before(self, arrays: dict | None, screen: Any) -> None:
+        """Refuse NaN / inf in ``arrays`` now, but for those a fused pass screens (``screen``)."""
+        if arrays is not None:
+            unscreened = {n: x for n, x in arrays.items() if screen is None or n not in SCREENED}
+            self.check_inputs_finite(**unscreened)
+
+    def _results_finite(self, arrays: dict | None, screen: Any) -> bool:
+        """Read a fused pass's ``screen``: raise for a non-finite screened input (the message
+        from the array itself); return whether the results were finite (False: not screened)."""
+        if screen is None:
+            return False
+        seen_in, seen_out = (float(x) for x in self.p.xp.sum(screen, axis=0))
+        if not math.isfinite(seen_in):
+            self.check_finite(**{n: arrays[n] for n in SCREENED if n in arrays})  # raises, naming it
+        return math.isfinite(seen_out)
+
     def _screen(self, q: Any) -> Any:
         """A zeroed float64 ``[B * HV, 2]`` screen for the core's fused pass (head-first ``q``), or
         None where the call does not check or the core does not screen (packed sequences too)."""
@@ -174,24 +194,23 @@ class Call:
             return prepare_core_inputs(xp, *arrays, self.o, p.HV)
 
     def forward(
-        self, inputs: tuple, state: Any, keep: bool, out: KdaOutput | None = None, check_inputs: bool = False
+        self, inputs: tuple, state: Any, keep: bool, out: KdaOutput | None = None,
+        check_inputs: dict | None = None,
     ) -> KdaOutput:  # fmt: skip
         """The forward of raw ``inputs = (q, k, v, g, beta)`` from ``state``.
 
         ``out``: a :class:`KdaOutput` of buffers (the output's dtype and layout; states in the
         compute dtype; ``boundaries`` may be None) that receive the results and are returned.
-        ``check_inputs``: refuse NaN / infinite ``inputs`` here (:meth:`check_inputs_finite`).
-        Where the core screens (:meth:`~kda._engine.core.ChunkCore.screens`), ``q, k, v`` and the
-        results are read off its fused pass instead of passes of their own, and ``q, k, v`` are
-        looked at again, for the message, only when it saw a non-finite value.
+        ``check_inputs``: the raw arrays to refuse NaN / inf in, by name
+        (:meth:`check_inputs_finite`). Where the core screens
+        (:meth:`~kda._engine.core.ChunkCore.screens`), those of :data:`SCREENED` and the results
+        are read off its fused pass instead of passes of their own, and looked at again, for the
+        message, only when it saw a non-finite value.
         """
         p, xp = self.p, self.p.xp
         c = self.core_inputs(*inputs)
-        screen = self._screen(c.q) if check_inputs and out is None else None
-        if check_inputs:
-            named = dict(zip(("q", "k", "v", "g", "beta"), inputs))
-            rest = {n: x for n, x in named.items() if screen is None or n not in ("q", "k", "v")}
-            self.check_inputs_finite(**rest)
+        screen = self._screen(c.q) if check_inputs is not None and out is None else None
+        self._check_before(check_inputs, screen)
         direct = out is not None and p.dtype == p.compute_dtype
         bufs = (head_first(xp, out.output, p.layout), out.final_state, out.boundaries) if direct else None
         with floating_point_quiet(xp):
@@ -201,13 +220,7 @@ class Call:
             else:
                 o, final, boundaries = run_packed_forward(self.core, xp, c, state, p.offsets, keep, bufs)
         raise_for_gates(p)  # a deferred device check, read once the work is queued
-        if screen is not None:
-            seen_in, seen_out = (float(x) for x in xp.sum(screen, axis=0))
-            if not math.isfinite(seen_in):
-                self.check_finite(**{n: named[n] for n in ("q", "k", "v")})  # raises, naming the first
-            if not math.isfinite(seen_out):
-                warn_if_diverged(xp, o, final, stacklevel=5)
-        elif self.check:
+        if self.check and not self._results_finite(check_inputs, screen):
             warn_if_diverged(xp, o, final, stacklevel=5)
         result = KdaOutput(xp.astype(head_first(xp, o, p.layout), p.dtype, copy=False), final, boundaries)
         if out is None:
@@ -226,16 +239,12 @@ class Call:
         gradient ``[N, HV, K, V]``. ``out``: a
         :class:`KdaGradients` of buffers (each its input's dtype and shape) that receive the
         gradients and are returned; ``workspace`` holds recomputed boundaries on the way.
-        ``check_inputs``: the raw arrays to refuse NaN / inf in, by name, as :meth:`forward`
-        does: where the core screens, ``q, k, v, boundaries, grad_output`` are read off its
-        fused pass.
+        ``check_inputs``: as for :meth:`forward`.
         """
         p, xp, o = self.p, self.p.xp, self.o
         c = self.core_inputs(*inputs[:5])
         screen = self._screen(c.q) if check_inputs is not None and out is None else None
-        if check_inputs is not None:
-            skip = ("q", "k", "v", "boundaries", "grad_output") if screen is not None else ()
-            self.check_inputs_finite(**{n: x for n, x in check_inputs.items() if n not in skip})
+        self._check_before(check_inputs, screen)
         direct = out is not None and p.dtype == p.compute_dtype and o.is_identity and p.H == p.HV
         bufs = None
         if direct:
@@ -252,11 +261,8 @@ class Call:
             dq, dk = qk_backward(xp, dq, dk, c, o, p.H)
             dbeta = beta_backward(xp, dbeta, c, o)
         raise_for_gates(p)
-        seen_in, seen_out = (0.0, math.nan) if screen is None else (float(x) for x in xp.sum(screen, axis=0))
-        if not math.isfinite(seen_in):
-            skipped = ("q", "k", "v", "boundaries", "grad_output")
-            self.check_finite(**{n: check_inputs[n] for n in skipped if n in check_inputs})  # raises
-        if self.check and not (o.is_identity and math.isfinite(seen_out)):  # the screen: core gradients
+        finite = self._results_finite(check_inputs, screen)  # of the core's gradients
+        if self.check and not (o.is_identity and finite):
             warn_if_diverged(xp, dq, dk, dv, dg, dbeta, dinitial, stacklevel=5)
         grads = [xp.astype(head_first(xp, x, p.layout), p.dtype, copy=False) for x in (dq, dk, dv, dg, dbeta)]
         params = [
