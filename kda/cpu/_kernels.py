@@ -761,12 +761,14 @@ def backward_heads(
 ):  # fmt: skip
     """Heads ``[lo, hi)`` of ``B * H``: the chunked backward, last chunk first.
 
-    Per chunk: its state-free work again, ``U = u0 - w S``, ``dU = A^T dO + kt dS``, the
-    gradients of its state-free work (:func:`_local_backward_core`), then
-    ``dS <- total * dS + qg^T dO - w^T dU``. Shapes as :func:`forward_heads`; ``dO`` and the
-    gradients like their inputs, ``bounds: [NT, B, H, K, V]``, ``dstate, dinit: [B, H, K, V]``.
-    ``screen: [B * H, 2]`` as in :func:`forward_heads`: ``sum(x * 0)`` over the head's ``q, k,
-    v, dO`` and boundaries, and over its six gradients.
+    Per chunk, with its chunk-start state ``S`` (from ``bounds``) and the gradient ``dS`` of its
+    end state: its state-free work again and ``U`` as in :func:`forward_heads`, ``dU = A^T dO +
+    kt dS``, ``dY = Tinv^T dU`` and ``dR = -beta dY`` (the gradient of ``kg S``), the state step
+    ``dS <- total dS + [qg; kg]^T [dO; dR]`` (one product), then the chunk's local gradients
+    (:func:`_fused_local_backward`). Shapes as :func:`forward_heads`; ``dO`` and the gradients like
+    their inputs, ``bounds: [NT, B, H, K, V]``, ``dstate, dinit: [B, H, K, V]``. ``screen: [B * H,
+    2]`` as in :func:`forward_heads`: ``sum(x * 0)`` over the head's ``q, k, v, dO`` and boundaries,
+    and over its six gradients.
     """
     _B, H, T, K = q.shape
     V = v.shape[3]
@@ -776,17 +778,20 @@ def backward_heads(
     NT = (T + C - 1) // C
     s = scale[0]
     dt = q.dtype
+    by_inverse = K >= SUBSTITUTE_BELOW
     qc, kc, gc = np.empty((Cp, K), dt), np.empty((Cp, K), dt), np.empty((Cp, K), dt)
-    vc, bc, dOc = np.empty((Cp, V), dt), np.empty(Cp, dt), np.empty((Cp, V), dt)
-    w, qg = np.empty((Cp, K), dt), np.empty((Cp, K), dt)
-    kg, kt = np.empty((Cp, K), dt), np.empty((Cp, K), dt)
+    vc, bc = np.empty((Cp, V), dt), np.empty(Cp, dt)
+    KQ = np.empty((2 * Cp, K), dt)  # [kg; qg]
+    kg, qg = KQ[:Cp], KQ[Cp:]
+    RO = np.empty((2 * Cp, V), dt)  # [dR; dO]: the gradients of [kg; qg] S
+    dR, dOc = RO[:Cp], RO[Cp:]
+    kt = np.empty((Cp, K), dt)
     total = np.empty(K, dt)
     A, L, Tinv = np.empty((Cp, Cp), dt), np.empty((Cp, Cp), dt), np.empty((Cp, Cp), dt)
-    u0 = np.empty((Cp, V), dt)
-    pre, suf, bk = np.empty((Cp, K), dt), np.empty((Cp, K), dt), np.empty((Cp, K), dt)
-    kd, bv = np.empty(K, dt), np.empty((Cp, V), dt)
-    U, dU = np.empty((Cp, V), dt), np.empty((Cp, V), dt)
-    X, Y = np.empty((K, V), dt), np.empty((K, V), dt)
+    pre, suf, kd = np.empty((Cp, K), dt), np.empty((Cp, K), dt), np.empty(K, dt)
+    Rk, Z, Y = np.empty((Cp, V), dt), np.empty((Cp, V), dt), np.empty((Cp, V), dt)
+    U, dU, dY = np.empty((Cp, V), dt), np.empty((Cp, V), dt), np.empty((Cp, V), dt)
+    X = np.empty((K, V), dt)
     S, dS, dSend = np.empty((K, V), dt), np.empty((K, V), dt), np.empty((K, V), dt)
     gq, gk, gg = np.empty((Cp, K), dt), np.empty((Cp, K), dt), np.empty((Cp, K), dt)
     gv, gb = np.empty((Cp, V), dt), np.empty(Cp, dt)
@@ -799,48 +804,127 @@ def backward_heads(
         for n in range(NT - 1, -1, -1):
             t0 = n * C
             m = min(C, T - t0)
-            _load(q, b, h, t0, m, qc)
-            _load(k, b, h, t0, m, kc)
+            seen_in += _load(q, b, h, t0, m, qc) + _load(k, b, h, t0, m, kc) + _load(v, b, h, t0, m, vc)
+            seen_in += _load(dO, b, h, t0, m, dOc)
             _load(g, b, h, t0, m, gc)
-            _load(v, b, h, t0, m, vc)
-            _load(dO, b, h, t0, m, dOc)
             _load_beta(beta, b, h, t0, m, bc)
-            e = _local_one(qc, kc, gc, vc, bc, s, qg, kg, kt, total, A, L, Tinv, w, u0, pre, suf, kd, bk, bv)
+            e = _local_pairs(qc, kc, gc, bc, s, qg, kg, kt, total, A, L, Tinv, pre, suf, kd, True)
             S[:, :] = bounds[n, b, h]
             if with_screen:
-                seen_in += _zeros_of(qc) + _zeros_of(kc) + _zeros_of(vc) + _zeros_of(dOc) + _zeros_of(S)
+                seen_in += _zeros_of(S)
             dSend[:, :] = dS
-            np.dot(w, S, U)
+            np.dot(kg, S, Rk)
             for i in range(Cp):
+                x = bc[i]
                 for c in range(V):
-                    U[i, c] = u0[i, c] - U[i, c]
+                    z = vc[i, c] - Rk[i, c]
+                    Z[i, c] = z
+                    Y[i, c] = x * z
+            _solve(L, bc, Tinv, Y, U, by_inverse)
             np.dot(kt, dS, dU)
             dU += np.dot(A.T, dOc)
-            np.dot(qg.T, dOc, X)
-            np.dot(w.T, dU, Y)
+            np.dot(Tinv.T, dU, dY)
+            for i in range(Cp):
+                x = -bc[i]
+                for c in range(V):
+                    dR[i, c] = x * dY[i, c]
+            np.dot(KQ.T, RO, X)
             for d in range(K):
                 t = total[d]
                 for c in range(V):
-                    dS[d, c] = (t * dS[d, c] + X[d, c]) - Y[d, c]
-            _local_backward_core(
-                qc, kc, e, pre, suf, vc, bc, s, kg, w, u0, L, Tinv, S, dSend, U, dU, dOc, gq, gk, gv, gg, gb
-            )
+                    dS[d, c] = t * dS[d, c] + X[d, c]
+            _fused_local_backward(
+                qc, kc, e, pre, suf, vc, bc, s, L, S, dSend, RO, Z, U, dY, gq, gk, gv, gg, gb
+            )  # fmt: skip
+            seen_out += _store(gq, dq, b, h, t0, m) + _store(gk, dk, b, h, t0, m)
+            seen_out += _store(gg, dg, b, h, t0, m) + _store(gv, dv, b, h, t0, m)
             for i in range(m):
-                for d in range(K):
-                    dq[b, h, t0 + i, d] = gq[i, d]
-                    dk[b, h, t0 + i, d] = gk[i, d]
-                    dg[b, h, t0 + i, d] = gg[i, d]
-                for c in range(V):
-                    dv[b, h, t0 + i, c] = gv[i, c]
                 dbeta[b, h, t0 + i] = gb[i]
-            if with_screen:
-                seen_out += _zeros_of(gq[:m]) + _zeros_of(gk[:m]) + _zeros_of(gg[:m]) + _zeros_of(gv[:m])
-                for i in range(m):
-                    seen_out += gb[i] * 0.0
+                seen_out += gb[i] * 0.0
         dinit[b, h] = dS
         if with_screen:
             screen[bh, 0] = seen_in
             screen[bh, 1] = seen_out + _zeros_of(dS)
+
+
+@_jit()
+def _store(x, out, b, h, t0, m):
+    """``out[b, h, t0 + i] = x[i]`` for ``i < m``; returns ``sum(x * 0)`` of what it wrote."""
+    D = x.shape[1]
+    acc = 0.0
+    for i in range(m):
+        row = x[i, :0].sum()
+        for d in range(D):
+            y = x[i, d]
+            out[b, h, t0 + i, d] = y
+            row += y * 0.0
+        acc += row
+    return acc
+
+
+@_jit()
+def _fused_local_backward(q, k, e, pre, suf, v, beta, s, L, S, dS, RO, Z, U, dY, dq, dk, dv, dg, dbeta):
+    """A chunk's local gradients in :func:`backward_heads` (``U = Tinv beta Z``, ``Z = v - kg S``).
+
+    Given ``RO = [dR; dO]`` (``dR = -beta dY``, ``dY = Tinv^T dU``) and the gradient ``dS`` of the
+    chunk's end state: ``[dkg; dqg] = RO S^T`` (one product), ``dA = dO U^T``, ``dkt = U dS^T``,
+    ``dM = -dY U^T`` (``M = I + diag(beta) L``), so ``dL = beta dM`` and ``dbeta = dY . Z + dM .
+    L`` by rows; the pairs' gradients (:func:`_pairs_backward`); then ``dq, dk, dg`` through the
+    decay factors as in :func:`_local_backward_core`.
+    """
+    Cp, K = q.shape
+    V = v.shape[1]
+    zero = np.zeros(1, q.dtype)[0]
+    dOc = RO[Cp:]
+    G = np.dot(RO, S.T)  # [dkg; dqg]: [2Cp, K]
+    dA = np.dot(dOc, U.T)  # [Cp, Cp], lower triangle read
+    dX = np.dot(dY, U.T)  # -dM
+    dkt = np.dot(U, dS.T)  # [Cp, K]
+    dtotal = np.zeros(K, q.dtype)
+    for d in range(K):
+        acc = dtotal[d]
+        for c in range(V):
+            acc += S[d, c] * dS[d, c]
+        dtotal[d] = acc
+    # dX <- dL = beta dM (strictly lower); dbeta; dv = beta dY
+    for i in range(Cp):
+        acc = _sum_products(Z[i], dY[i])
+        if i > 0:
+            acc -= _sum_products(dX[i, :i], L[i, :i])
+        for j in range(i):
+            dX[i, j] = -beta[i] * dX[i, j]
+        for c in range(V):
+            dv[i, c] = beta[i] * dY[i, c]
+        dbeta[i] = acc
+    DQ, DK, COL = np.empty((Cp, K), q.dtype), np.empty((Cp, K), q.dtype), np.empty((Cp, K), q.dtype)
+    _pairs_backward(q, k, e, s, dA, dX, DQ, DK, COL)
+    rowP = np.empty((Cp, K), q.dtype)
+    colP = np.empty((Cp, K), q.dtype)
+    for j in range(Cp):
+        c0 = s * dA[j, j]  # the pair (j, j): no decay
+        for d in range(K):
+            dq[j, d] = c0 * k[j, d] + DQ[j, d]
+            dk[j, d] = c0 * q[j, d] + DK[j, d] + COL[j, d]
+            rowP[j, d] = q[j, d] * DQ[j, d] + k[j, d] * DK[j, d]
+            colP[j, d] = k[j, d] * COL[j, d]
+    for i in range(Cp):
+        for d in range(K):
+            dq[i, d] += s * pre[i, d] * G[Cp + i, d]
+            dk[i, d] += pre[i, d] * G[i, d] + suf[i, d] * dkt[i, d]
+    # dg as in _local_backward_core, with dkg = G[:Cp] for beta dkw
+    acc = np.zeros(K, q.dtype)
+    for i in range(Cp - 1, -1, -1):
+        for d in range(K):
+            x = acc[d] + (s * q[i, d] * G[Cp + i, d] + k[i, d] * G[i, d]) * pre[i, d]
+            x += rowP[i, d] - colP[i, d]
+            acc[d] = x
+            dg[i, d] = x
+    for d in range(K):
+        acc[d] = zero
+    for i in range(Cp):
+        for d in range(K):
+            dg[i, d] += acc[d] + pre[Cp - 1, d] * dtotal[d]
+            acc[d] += k[i, d] * suf[i, d] * dkt[i, d]
 
 
 # --------------------------------------------------------------------------------------------
