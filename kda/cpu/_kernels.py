@@ -18,6 +18,10 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+from numba.np.linalg import check_blas_return, ensure_blas, get_blas_kind
 
 __all__ = [
     "backward_heads",
@@ -57,6 +61,74 @@ def _jit(fastmath=_FASTMATH):
             return numba.njit(cache=False, **options)(fn)
 
     return decorate
+
+
+# --------------------------------------------------------------------------------------------
+# matrix products in 64 x 64 blocks of the result
+
+# Rows and columns of one BLAS call's result. OpenBLAS runs a [64, k] @ [k, 64] product through
+# its small-matrix kernels (no packing); a 128 x 128 x 128 product cut into four such calls took
+# 18-20 us against 24-25 us as one call, 128 x 64 x 128 ~9.5 against ~13.5 us (one core, float32;
+# docs/speed.md).
+GEMM_BLOCK = 64
+
+
+@intrinsic
+def _xxgemm(typingctx, ta, tb, m, n, k, a, ia, lda, b, ib, ldb, beta, c, ic, ldc):
+    """Column-major BLAS ``gemm`` (Numba's own ``numba_xxgemm``, as ``np.dot`` calls it) on the
+    buffers of arrays ``a, b, c`` from the flat element offsets ``ia, ib, ic``, ``alpha = 1``;
+    ``ta, tb`` are the characters' codes (``ord("n")``, ``ord("t")``)."""
+    ensure_blas()
+    sig = types.void(ta, tb, m, n, k, a, ia, lda, b, ib, ldb, beta, c, ic, ldc)
+
+    def codegen(context, builder, signature, args):
+        char, void_p = ir.IntType(8), ir.IntType(8).as_pointer()
+        intp = context.get_value_type(types.intp)
+        fnty = ir.FunctionType(
+            ir.IntType(32),
+            [char, char, char, intp, intp, intp, void_p, void_p, intp, void_p, intp, void_p, void_p, intp],
+        )
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "numba_xxgemm")
+        vta, vtb, vm, vn, vk, _, via, vlda, _, vib, vldb, vbeta, _, vic, vldc = args
+        tys = signature.args
+        dtype = tys[5].dtype
+
+        def at(i, offset):
+            data = context.make_array(tys[i])(context, builder, args[i]).data
+            return builder.bitcast(builder.gep(data, [offset]), void_p)
+
+        def slot(value, ty):
+            cell = cgutils.alloca_once_value(builder, context.cast(builder, value, ty, dtype))
+            return builder.bitcast(cell, void_p)
+
+        call = (
+            ir.Constant(char, ord(get_blas_kind(dtype))), builder.trunc(vta, char), builder.trunc(vtb, char),
+            vm, vn, vk, slot(ir.Constant(context.get_value_type(dtype), 1.0), dtype), at(5, via), vlda,
+            at(8, vib), vldb, slot(vbeta, tys[11]), at(12, vic), vldc,
+        )  # fmt: skip
+        check_blas_return(context, builder, builder.call(fn, call))
+
+    return sig, codegen
+
+
+@_jit()
+def _mm(A, ta, B, tb, C, beta):
+    """``C = op(A) @ op(B) + beta C`` (row-major; ``op(X) = X.T`` where ``tX``) in blocks of
+    :data:`GEMM_BLOCK` rows and columns of ``C``. Arrays are 2-D with unit inner stride (row
+    strides are passed to BLAS, so row-strided views work). A block's sums run over the whole
+    inner dimension in one call, so cutting ``C`` into blocks leaves every element's sum whole."""
+    m, n = C.shape
+    k = A.shape[0] if ta else A.shape[1]
+    lda, ldb, ldc = A.strides[0] // A.itemsize, B.strides[0] // B.itemsize, C.strides[0] // C.itemsize
+    # row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T
+    fa, fb = 116 if ta else 110, 116 if tb else 110  # ord("t"), ord("n")
+    for i0 in range(0, m, GEMM_BLOCK):
+        mi = min(GEMM_BLOCK, m - i0)
+        ia = i0 if ta else i0 * lda
+        for j0 in range(0, n, GEMM_BLOCK):
+            nj = min(GEMM_BLOCK, n - j0)
+            ib = j0 * ldb if tb else j0
+            _xxgemm(fb, fa, nj, mi, k, B, ib, ldb, A, ia, lda, beta, C, i0 * ldc + j0, ldc)
 
 
 # --------------------------------------------------------------------------------------------
@@ -719,7 +791,7 @@ def forward_heads(
             _local_pairs(qc, kc, gc, bc, s, qg, kg, kt, total, A, L, Tinv, pre, suf, kd, by_inverse)
             if with_bounds:
                 bounds[n, b, h] = S
-            np.dot(KQ, S, R)
+            _mm(KQ, False, S, False, R, 0.0)
             for i in range(Cp):
                 x = bc[i]
                 for c in range(V):
@@ -728,7 +800,7 @@ def forward_heads(
             if with_output:
                 np.dot(A, U, O)  # A is lower triangular with zeros above
                 seen_out += _store_sum(O, R[Cp:], out, b, h, t0, m)
-            np.dot(kt.T, U, X)
+            _mm(kt, True, U, False, X, 0.0)
             for d in range(K):
                 t = total[d]
                 for c in range(V):
@@ -813,7 +885,7 @@ def backward_heads(
             if with_screen:
                 seen_in += _zeros_of(S)
             dSend[:, :] = dS
-            np.dot(kg, S, Rk)
+            _mm(kg, False, S, False, Rk, 0.0)
             for i in range(Cp):
                 x = bc[i]
                 for c in range(V):
@@ -821,14 +893,14 @@ def backward_heads(
                     Z[i, c] = z
                     Y[i, c] = x * z
             _solve(L, bc, Tinv, Y, U, by_inverse)
-            np.dot(kt, dS, dU)
-            dU += np.dot(A.T, dOc)
+            _mm(kt, False, dS, False, dU, 0.0)
+            _mm(A, True, dOc, False, dU, 1.0)
             np.dot(Tinv.T, dU, dY)
             for i in range(Cp):
                 x = -bc[i]
                 for c in range(V):
                     dR[i, c] = x * dY[i, c]
-            np.dot(KQ.T, RO, X)
+            _mm(KQ, True, RO, False, X, 0.0)
             for d in range(K):
                 t = total[d]
                 for c in range(V):
@@ -876,10 +948,12 @@ def _fused_local_backward(q, k, e, pre, suf, v, beta, s, L, S, dS, RO, Z, U, dY,
     V = v.shape[1]
     zero = np.zeros(1, q.dtype)[0]
     dOc = RO[Cp:]
-    G = np.dot(RO, S.T)  # [dkg; dqg]: [2Cp, K]
+    G = np.empty((2 * Cp, K), q.dtype)  # [dkg; dqg]
+    _mm(RO, False, S, True, G, 0.0)
     dA = np.dot(dOc, U.T)  # [Cp, Cp], lower triangle read
     dX = np.dot(dY, U.T)  # -dM
-    dkt = np.dot(U, dS.T)  # [Cp, K]
+    dkt = np.empty((Cp, K), q.dtype)
+    _mm(U, False, dS, True, dkt, 0.0)
     dtotal = np.zeros(K, q.dtype)
     for d in range(K):
         acc = dtotal[d]
