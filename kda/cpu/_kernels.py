@@ -46,6 +46,8 @@ SUBSTITUTE_BELOW = 16
 # Steps of a sub-block of a chunk: pairs inside one by running products, across them by matrix
 # products (see _pairs; measured in docs/speed.md)
 SUB_BLOCK = 16
+# Rows of a block of the forward's solve for U (see _solve_blocks)
+SOLVE_BLOCK = 16
 
 
 def _jit(fastmath=_FASTMATH):
@@ -311,11 +313,8 @@ def _pairs(q, k, e, s, A, L, kd):
             for j in range(b0, b0 + c):
                 for d in range(K):
                     right[j, d] = k[j, d] * Q[j, d] * M[d]
-        res = np.dot(left, right[:a0].T)
-        for r in range(c):
-            for j in range(a0):
-                A[a0 + r, j] = res[r, j]
-                L[a0 + r, j] = res[c + r, j]
+        _mm(left[:c], False, right[:a0], True, A[a0 : a0 + c, :a0], 0.0)
+        _mm(left[c:], False, right[:a0], True, L[a0 : a0 + c, :a0], 0.0)
 
 
 @_jit()
@@ -375,6 +374,64 @@ def _solve(L, beta, Tinv, Y, U, by_inverse):
             x = beta[i] * L[i, m]
             for c in range(V):
                 U[i, c] -= x * U[m, c]
+
+
+@_jit()
+def _solve_blocks(L, beta, Y, U, Td, W):
+    """``U = (I + diag(beta) L)^-1 Y`` by blocks of :data:`SOLVE_BLOCK` rows: ``U_I = T_II (Y_I -
+    diag(beta_I) L[I, :I] U[:I])``, ``T_II`` the inverse of the diagonal block (by rows, kept in
+    ``Td[I]`` for :func:`_solve_blocks_t`), so neither ``Tinv``'s off-diagonal blocks nor a product
+    with them are formed (and, as in forward substitution, no growth of ``Tinv`` enters ``U``).
+    ``Td: [Cp, c]``, ``W: [c, V]`` scratch (``c = min(SOLVE_BLOCK, Cp)``)."""
+    Cp, V = Y.shape
+    c = min(SOLVE_BLOCK, Cp)
+    W = W[:c]
+    for a0 in range(0, Cp, c):
+        T = Td[a0 : a0 + c, :c]
+        for i in range(c):
+            for j in range(c):
+                T[i, j] = 0.0
+        for i in range(c):
+            for m in range(i):
+                x = L[a0 + i, a0 + m]
+                for j in range(c):
+                    T[i, j] += x * T[m, j]
+            for j in range(i):
+                T[i, j] = -beta[a0 + i] * T[i, j]
+            for j in range(i, c):
+                T[i, j] = 0.0
+            T[i, i] = 1.0
+        if a0 == 0:
+            _mm(T, False, Y[:c], False, U[:c], 0.0)
+            continue
+        _mm(L[a0 : a0 + c, :a0], False, U[:a0], False, W, 0.0)
+        for i in range(c):
+            x = beta[a0 + i]
+            for d in range(V):
+                W[i, d] = Y[a0 + i, d] - x * W[i, d]
+        _mm(T, False, W, False, U[a0 : a0 + c], 0.0)
+
+
+@_jit()
+def _solve_blocks_t(L, beta, Td, dU, dY, dR, W):
+    """The transposed solve, ``dY = (I + diag(beta) L)^-T dU``, last block first, with the diagonal
+    inverses ``Td`` of :func:`_solve_blocks`: ``dY_I = T_II^T (dU_I + L[J, I]^T dR_J)`` over the
+    later rows ``J``, ``dR = -beta dY`` (both written)."""
+    Cp, V = dU.shape
+    c = min(SOLVE_BLOCK, Cp)
+    W = W[:c]
+    for a0 in range(Cp - c, -1, -c):
+        a1 = a0 + c
+        for i in range(c):
+            for d in range(V):
+                W[i, d] = dU[a0 + i, d]
+        if a1 < Cp:
+            _mm(L[a1:, a0:a1], True, dR[a1:], False, W, 1.0)
+        _mm(Td[a0:a1, :c], True, W, False, dY[a0:a1], 0.0)
+        for i in range(a0, a1):
+            x = -beta[i]
+            for d in range(V):
+                dR[i, d] = x * dY[i, d]
 
 
 @_jit()
@@ -775,6 +832,7 @@ def forward_heads(
     R = np.empty((2 * Cp, V), dt)
     Y, U, O = np.empty((Cp, V), dt), np.empty((Cp, V), dt), np.empty((Cp, V), dt)
     X = np.empty((K, V), dt)
+    Td, Wb = np.empty((Cp, SOLVE_BLOCK), dt), np.empty((SOLVE_BLOCK, V), dt)
     S = np.empty((K, V), dt)
     with_screen = screen.shape[0] > 0
     for bh in range(lo, hi):
@@ -788,7 +846,7 @@ def forward_heads(
             seen_in += _load(q, b, h, t0, m, qc) + _load(k, b, h, t0, m, kc) + _load(v, b, h, t0, m, vc)
             _load(g, b, h, t0, m, gc)
             _load_beta(beta, b, h, t0, m, bc)
-            _local_pairs(qc, kc, gc, bc, s, qg, kg, kt, total, A, L, Tinv, pre, suf, kd, by_inverse)
+            _local_pairs(qc, kc, gc, bc, s, qg, kg, kt, total, A, L, Tinv, pre, suf, kd, False)
             if with_bounds:
                 bounds[n, b, h] = S
             _mm(KQ, False, S, False, R, 0.0)
@@ -796,7 +854,10 @@ def forward_heads(
                 x = bc[i]
                 for c in range(V):
                     Y[i, c] = x * (vc[i, c] - R[i, c])
-            _solve(L, bc, Tinv, Y, U, by_inverse)
+            if by_inverse:
+                _solve_blocks(L, bc, Y, U, Td, Wb)
+            else:
+                _solve(L, bc, Tinv, Y, U, False)
             if with_output:
                 np.dot(A, U, O)  # A is lower triangular with zeros above
                 seen_out += _store_sum(O, R[Cp:], out, b, h, t0, m)
@@ -864,6 +925,7 @@ def backward_heads(
     Rk, Z, Y = np.empty((Cp, V), dt), np.empty((Cp, V), dt), np.empty((Cp, V), dt)
     U, dU, dY = np.empty((Cp, V), dt), np.empty((Cp, V), dt), np.empty((Cp, V), dt)
     X = np.empty((K, V), dt)
+    Td, Wb = np.empty((Cp, SOLVE_BLOCK), dt), np.empty((SOLVE_BLOCK, V), dt)
     S, dS, dSend = np.empty((K, V), dt), np.empty((K, V), dt), np.empty((K, V), dt)
     gq, gk, gg = np.empty((Cp, K), dt), np.empty((Cp, K), dt), np.empty((Cp, K), dt)
     gv, gb = np.empty((Cp, V), dt), np.empty(Cp, dt)
@@ -880,7 +942,7 @@ def backward_heads(
             seen_in += _load(dO, b, h, t0, m, dOc)
             _load(g, b, h, t0, m, gc)
             _load_beta(beta, b, h, t0, m, bc)
-            e = _local_pairs(qc, kc, gc, bc, s, qg, kg, kt, total, A, L, Tinv, pre, suf, kd, True)
+            e = _local_pairs(qc, kc, gc, bc, s, qg, kg, kt, total, A, L, Tinv, pre, suf, kd, not by_inverse)
             S[:, :] = bounds[n, b, h]
             if with_screen:
                 seen_in += _zeros_of(S)
@@ -892,14 +954,20 @@ def backward_heads(
                     z = vc[i, c] - Rk[i, c]
                     Z[i, c] = z
                     Y[i, c] = x * z
-            _solve(L, bc, Tinv, Y, U, by_inverse)
+            if by_inverse:
+                _solve_blocks(L, bc, Y, U, Td, Wb)
+            else:
+                _solve(L, bc, Tinv, Y, U, False)
             _mm(kt, False, dS, False, dU, 0.0)
             _mm(A, True, dOc, False, dU, 1.0)
-            np.dot(Tinv.T, dU, dY)
-            for i in range(Cp):
-                x = -bc[i]
-                for c in range(V):
-                    dR[i, c] = x * dY[i, c]
+            if by_inverse:
+                _solve_blocks_t(L, bc, Td, dU, dY, dR, Wb)
+            else:
+                np.dot(Tinv.T, dU, dY)
+                for i in range(Cp):
+                    x = -bc[i]
+                    for c in range(V):
+                        dR[i, c] = x * dY[i, c]
             _mm(KQ, True, RO, False, X, 0.0)
             for d in range(K):
                 t = total[d]

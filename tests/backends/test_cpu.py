@@ -194,6 +194,51 @@ def test_exp_of_decays_is_exact_at_the_ends_and_within_an_ulp(dtype):
     assert np.all(e[~normal] <= np.finfo(dtype).tiny)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("Cp", [1, 4, 16, 32, 64, 128])
+def test_block_solves_and_blocked_products_match_numpy(Cp, dtype):
+    """The fused passes' building blocks against NumPy in float64: ``U = M^-1 Y`` and ``dY = M^-T
+    dU`` by blocks (``M = I + diag(beta) L``), with a zero and a large beta among the rows, and
+    ``_mm`` in every transpose case on row-strided views, with and without accumulation."""
+    from kda.cpu import _k
+
+    _k("state_pass")  # loads the kernels
+    from kda.cpu._kernels import SOLVE_BLOCK, _mm, _solve_blocks, _solve_blocks_t
+
+    rng = np.random.default_rng(Cp)
+    V = 40
+    L = np.tril(rng.standard_normal((Cp, Cp)), -1) / np.sqrt(Cp)
+    beta = rng.uniform(0.0, 1.0, Cp)
+    beta[:: max(Cp // 3, 1)] = 0.0
+    beta[Cp // 2] = 2.0
+    Y, dU = rng.standard_normal((Cp, V)), rng.standard_normal((Cp, V))
+    M = np.eye(Cp) + beta[:, None] * L
+    args = [x.astype(dtype) for x in (L, beta, Y)]
+    U = np.empty((Cp, V), dtype)
+    Td, W = np.empty((Cp, SOLVE_BLOCK), dtype), np.empty((SOLVE_BLOCK, V), dtype)
+    _solve_blocks(*args, U, Td, W)
+    tol = 1e-12 if dtype == np.float64 else 1e-5
+    assert_close(U, np.linalg.solve(M, Y), tol=tol, dtype=dtype, name="U")
+    dY, dR = np.empty((Cp, V), dtype), np.empty((Cp, V), dtype)
+    _solve_blocks_t(args[0], args[1], Td, dU.astype(dtype), dY, dR, W)
+    want = np.linalg.solve(M.T, dU)
+    assert_close(dY, want, tol=tol, dtype=dtype, name="dY")
+    assert_close(dR, -beta[:, None] * want, tol=tol, dtype=dtype, name="dR")
+    for ta, tb in [(False, False), (True, False), (False, True), (True, True)]:
+        m, n, kk = Cp + 3, 70, 33
+        A = rng.standard_normal((kk, m) if ta else (m, kk))
+        B = rng.standard_normal((n, kk) if tb else (kk, n))
+        big = rng.standard_normal((m, n + 9)).astype(dtype)
+        keep = big.copy()
+        C = big[:, 4 : 4 + n]
+        product = (A.T if ta else A) @ (B.T if tb else B)
+        for beta_c in (0.0, 1.0):
+            before = C.astype(np.float64)
+            _mm(A.astype(dtype), ta, B.astype(dtype), tb, C, beta_c)
+            assert_close(C, product + beta_c * before, tol=tol, dtype=dtype, name=f"_mm {ta} {tb} {beta_c}")
+        assert np.array_equal(big[:, :4], keep[:, :4]) and np.array_equal(big[:, 4 + n :], keep[:, 4 + n :])
+
+
 def test_decode_plan_and_transition_on_cpu():
     """decode_kda, prepared plans and transition maps run on the cpu backend and agree."""
     p = make_problem(3, 2, 3, 40, 8, 5, "mild")
