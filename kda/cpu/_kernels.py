@@ -359,14 +359,10 @@ def _inverse(L, beta, Tinv):
 
 
 @_jit()
-def _solve(L, beta, Tinv, Y, U, by_inverse):
-    """``U = (I + diag(beta) L)^-1 Y``: ``by_inverse``, by BLAS with ``Tinv`` (:func:`_inverse`);
-    else by forward substitution (``U[i] = Y[i] - beta[i] sum_m L[i, m] U[m]``, which does not
-    form ``Tinv``'s growth: more accurate for few key channels)."""
+def _substitute(L, beta, Y, U):
+    """``U = (I + diag(beta) L)^-1 Y`` by forward substitution (``U[i] = Y[i] - beta[i] sum_m
+    L[i, m] U[m]``, which does not form the inverse's growth: for few key channels)."""
     Cp, V = Y.shape
-    if by_inverse:
-        np.dot(Tinv, Y, U)
-        return
     for i in range(Cp):
         for c in range(V):
             U[i, c] = Y[i, c]
@@ -379,7 +375,7 @@ def _solve(L, beta, Tinv, Y, U, by_inverse):
 @_jit()
 def _solve_blocks(L, beta, Y, U, Td, W):
     """``U = (I + diag(beta) L)^-1 Y`` by blocks of :data:`SOLVE_BLOCK` rows: ``U_I = T_II (Y_I -
-    diag(beta_I) L[I, :I] U[:I])``, ``T_II`` the inverse of the diagonal block (by rows, kept in
+    diag(beta_I) L[I, :I] U[:I])``, ``T_II`` the diagonal block's inverse (:func:`_inverse`, kept in
     ``Td[I]`` for :func:`_solve_blocks_t`), so neither ``Tinv``'s off-diagonal blocks nor a product
     with them are formed (and, as in forward substitution, no growth of ``Tinv`` enters ``U``).
     ``Td: [Cp, c]``, ``W: [c, V]`` scratch (``c = min(SOLVE_BLOCK, Cp)``)."""
@@ -388,19 +384,7 @@ def _solve_blocks(L, beta, Y, U, Td, W):
     W = W[:c]
     for a0 in range(0, Cp, c):
         T = Td[a0 : a0 + c, :c]
-        for i in range(c):
-            for j in range(c):
-                T[i, j] = 0.0
-        for i in range(c):
-            for m in range(i):
-                x = L[a0 + i, a0 + m]
-                for j in range(c):
-                    T[i, j] += x * T[m, j]
-            for j in range(i):
-                T[i, j] = -beta[a0 + i] * T[i, j]
-            for j in range(i, c):
-                T[i, j] = 0.0
-            T[i, i] = 1.0
+        _inverse(L[a0 : a0 + c, a0 : a0 + c], beta[a0 : a0 + c], T)
         if a0 == 0:
             _mm(T, False, Y[:c], False, U[:c], 0.0)
             continue
@@ -658,17 +642,10 @@ def _local_backward_core(
     """Gradients of one chunk's state-free work given its factors ``e = exp(g)``, ``pre``, ``suf``."""
     Cp, K = q.shape
     V = v.shape[1]
-    zero = np.zeros(1, q.dtype)[0]
     # O = qg S + A U and S' = total S + kt^T U
     dqg = np.dot(dO, S.T)  # [Cp, K]
     dA = np.dot(dO, U.T)  # [Cp, Cp], lower triangle read
     dkt = np.dot(U, dS.T)  # [Cp, K]
-    dtotal = np.zeros(K, q.dtype)
-    for d in range(K):
-        acc = dtotal[d]
-        for c in range(V):
-            acc += S[d, c] * dS[d, c]
-        dtotal[d] = acc
     # U = U0 - W S, [W, U0] = T beta [kg, v]
     TT = Tinv.T
     dkw = np.dot(TT, np.dot(dU, S.T))
@@ -686,9 +663,30 @@ def _local_backward_core(
         for c in range(V):
             dv[i, c] = beta[i] * dku[i, c]
         dbeta[i] = acc
+    for i in range(Cp):
+        for d in range(K):
+            dkw[i, d] *= beta[i]  # now the gradient of kg
+    _factor_grads(q, k, e, pre, suf, s, S, dS, dA, dX, dqg, dkw, dkt, dq, dk, dg)
+
+
+@_jit()
+def _factor_grads(q, k, e, pre, suf, s, S, dS, dA, dL, dqg, dkg, dkt, dq, dk, dg):
+    """``dq, dk, dg`` of a chunk from the gradients of its pairs (``dA``: of ``A / scale``'s pairs;
+    ``dL``: of ``L``, strictly lower), of ``qg, kg, kt`` and of ``total`` (from the chunk-start
+    state ``S`` and the end state's gradient ``dS``), through the decay factors ``e = exp(g)``,
+    ``pre``, ``suf``."""
+    Cp, K = q.shape
+    V = S.shape[1]
+    zero = np.zeros(1, q.dtype)[0]
+    dtotal = np.zeros(K, q.dtype)
+    for d in range(K):
+        acc = dtotal[d]
+        for c in range(V):
+            acc += S[d, c] * dS[d, c]
+        dtotal[d] = acc
     # pairs: gradients of A (scale q_i . k_j D) and L (k_i . k_j D), D = prod exp(g) over (j, i]
     DQ, DK, COL = np.empty((Cp, K), q.dtype), np.empty((Cp, K), q.dtype), np.empty((Cp, K), q.dtype)
-    _pairs_backward(q, k, e, s, dA, dX, DQ, DK, COL)
+    _pairs_backward(q, k, e, s, dA, dL, DQ, DK, COL)
     rowP = np.empty((Cp, K), q.dtype)
     colP = np.empty((Cp, K), q.dtype)
     for j in range(Cp):
@@ -702,16 +700,14 @@ def _local_backward_core(
     for i in range(Cp):
         for d in range(K):
             dq[i, d] += s * pre[i, d] * dqg[i, d]
-            dkg = beta[i] * dkw[i, d]
-            dk[i, d] += pre[i, d] * dkg + suf[i, d] * dkt[i, d]
+            dk[i, d] += pre[i, d] * dkg[i, d] + suf[i, d] * dkt[i, d]
     # dg[l] = sum_{i >= l} (prefix terms + pair rows - pair cols)[i] + sum_{j < l} suffix terms[j]
     #         + total * dtotal
     #         (running sums over rows, a row of channels at a time: the loops vectorise)
     acc = np.zeros(K, q.dtype)
     for i in range(Cp - 1, -1, -1):
-        b = beta[i]
         for d in range(K):
-            x = acc[d] + (s * q[i, d] * dqg[i, d] + k[i, d] * b * dkw[i, d]) * pre[i, d]
+            x = acc[d] + (s * q[i, d] * dqg[i, d] + k[i, d] * dkg[i, d]) * pre[i, d]
             x += rowP[i, d] - colP[i, d]
             acc[d] = x
             dg[i, d] = x
@@ -829,8 +825,9 @@ def forward_heads(
     total = np.empty(K, dt)
     A, L, Tinv = np.empty((Cp, Cp), dt), np.empty((Cp, Cp), dt), np.empty((Cp, Cp), dt)
     pre, suf, kd = np.empty((Cp, K), dt), np.empty((Cp, K), dt), np.empty(K, dt)
-    R = np.empty((2 * Cp, V), dt)
-    Y, U, O = np.empty((Cp, V), dt), np.empty((Cp, V), dt), np.empty((Cp, V), dt)
+    R = np.empty((2 * Cp, V), dt)  # [kg S; qg S]
+    QS = R[Cp:]
+    Y, U = np.empty((Cp, V), dt), np.empty((Cp, V), dt)
     X = np.empty((K, V), dt)
     Td, Wb = np.empty((Cp, SOLVE_BLOCK), dt), np.empty((SOLVE_BLOCK, V), dt)
     S = np.empty((K, V), dt)
@@ -857,10 +854,10 @@ def forward_heads(
             if by_inverse:
                 _solve_blocks(L, bc, Y, U, Td, Wb)
             else:
-                _solve(L, bc, Tinv, Y, U, False)
+                _substitute(L, bc, Y, U)
             if with_output:
-                np.dot(A, U, O)  # A is lower triangular with zeros above
-                seen_out += _store_sum(O, R[Cp:], out, b, h, t0, m)
+                _mm(A, False, U, False, QS, 1.0)  # O = qg S + A U (A: zeros above the diagonal)
+                seen_out += _store(QS, out, b, h, t0, m)
             _mm(kt, True, U, False, X, 0.0)
             for d in range(K):
                 t = total[d]
@@ -870,22 +867,6 @@ def forward_heads(
         if with_screen:
             screen[bh, 0] = seen_in
             screen[bh, 1] = seen_out + _zeros_of(S)
-
-
-@_jit()
-def _store_sum(O, R, out, b, h, t0, m):
-    """``out[b, h, t0 + i] = O[i] + R[i]`` for ``i < m``; returns ``sum(x * 0)`` of what it wrote
-    (float64: 0 where finite, NaN where not, whatever the order of the terms)."""
-    V = O.shape[1]
-    acc = 0.0
-    for i in range(m):
-        row = O[i, :0].sum()
-        for c in range(V):
-            x = O[i, c] + R[i, c]
-            out[b, h, t0 + i, c] = x
-            row += x * 0.0
-        acc += row
-    return acc
 
 
 @_jit()
@@ -957,7 +938,7 @@ def backward_heads(
             if by_inverse:
                 _solve_blocks(L, bc, Y, U, Td, Wb)
             else:
-                _solve(L, bc, Tinv, Y, U, False)
+                _substitute(L, bc, Y, U)
             _mm(kt, False, dS, False, dU, 0.0)
             _mm(A, True, dOc, False, dU, 1.0)
             if by_inverse:
@@ -1009,12 +990,11 @@ def _fused_local_backward(q, k, e, pre, suf, v, beta, s, L, S, dS, RO, Z, U, dY,
     Given ``RO = [dR; dO]`` (``dR = -beta dY``, ``dY = Tinv^T dU``) and the gradient ``dS`` of the
     chunk's end state: ``[dkg; dqg] = RO S^T`` (one product), ``dA = dO U^T``, ``dkt = U dS^T``,
     ``dM = -dY U^T`` (``M = I + diag(beta) L``), so ``dL = beta dM`` and ``dbeta = dY . Z + dM .
-    L`` by rows; the pairs' gradients (:func:`_pairs_backward`); then ``dq, dk, dg`` through the
-    decay factors as in :func:`_local_backward_core`.
+    L`` by rows; then ``dq, dk, dg`` through the decay factors (:func:`_factor_grads`, shared with
+    :func:`_local_backward_core`).
     """
     Cp, K = q.shape
     V = v.shape[1]
-    zero = np.zeros(1, q.dtype)[0]
     dOc = RO[Cp:]
     G = np.empty((2 * Cp, K), q.dtype)  # [dkg; dqg]
     _mm(RO, False, S, True, G, 0.0)
@@ -1022,12 +1002,6 @@ def _fused_local_backward(q, k, e, pre, suf, v, beta, s, L, S, dS, RO, Z, U, dY,
     dX = np.dot(dY, U.T)  # -dM
     dkt = np.empty((Cp, K), q.dtype)
     _mm(U, False, dS, True, dkt, 0.0)
-    dtotal = np.zeros(K, q.dtype)
-    for d in range(K):
-        acc = dtotal[d]
-        for c in range(V):
-            acc += S[d, c] * dS[d, c]
-        dtotal[d] = acc
     # dX <- dL = beta dM (strictly lower); dbeta; dv = beta dY
     for i in range(Cp):
         acc = _sum_products(Z[i], dY[i])
@@ -1038,35 +1012,7 @@ def _fused_local_backward(q, k, e, pre, suf, v, beta, s, L, S, dS, RO, Z, U, dY,
         for c in range(V):
             dv[i, c] = beta[i] * dY[i, c]
         dbeta[i] = acc
-    DQ, DK, COL = np.empty((Cp, K), q.dtype), np.empty((Cp, K), q.dtype), np.empty((Cp, K), q.dtype)
-    _pairs_backward(q, k, e, s, dA, dX, DQ, DK, COL)
-    rowP = np.empty((Cp, K), q.dtype)
-    colP = np.empty((Cp, K), q.dtype)
-    for j in range(Cp):
-        c0 = s * dA[j, j]  # the pair (j, j): no decay
-        for d in range(K):
-            dq[j, d] = c0 * k[j, d] + DQ[j, d]
-            dk[j, d] = c0 * q[j, d] + DK[j, d] + COL[j, d]
-            rowP[j, d] = q[j, d] * DQ[j, d] + k[j, d] * DK[j, d]
-            colP[j, d] = k[j, d] * COL[j, d]
-    for i in range(Cp):
-        for d in range(K):
-            dq[i, d] += s * pre[i, d] * G[Cp + i, d]
-            dk[i, d] += pre[i, d] * G[i, d] + suf[i, d] * dkt[i, d]
-    # dg as in _local_backward_core, with dkg = G[:Cp] for beta dkw
-    acc = np.zeros(K, q.dtype)
-    for i in range(Cp - 1, -1, -1):
-        for d in range(K):
-            x = acc[d] + (s * q[i, d] * G[Cp + i, d] + k[i, d] * G[i, d]) * pre[i, d]
-            x += rowP[i, d] - colP[i, d]
-            acc[d] = x
-            dg[i, d] = x
-    for d in range(K):
-        acc[d] = zero
-    for i in range(Cp):
-        for d in range(K):
-            dg[i, d] += acc[d] + pre[Cp - 1, d] * dtotal[d]
-            acc[d] += k[i, d] * suf[i, d] * dkt[i, d]
+    _factor_grads(q, k, e, pre, suf, s, S, dS, dA, dX, G[Cp:], G[:Cp], dkt, dq, dk, dg)
 
 
 # --------------------------------------------------------------------------------------------
