@@ -783,6 +783,16 @@ def _zeros_of(x):
 
 
 @_jit()
+def _is_zero(x):
+    """Whether every element of a 2-D array is 0 (stops at the first that is not)."""
+    for i in range(x.shape[0]):
+        for d in range(x.shape[1]):
+            if x[i, d] != 0.0:
+                return False
+    return True
+
+
+@_jit()
 def _load_beta(beta, b, h, t0, m, buf):
     for i in range(m):
         buf[i] = beta[b, h, t0 + i]
@@ -846,7 +856,10 @@ def forward_heads(
             _local_pairs(qc, kc, gc, bc, s, qg, kg, kt, total, A, L, Tinv, pre, suf, kd, False)
             if with_bounds:
                 bounds[n, b, h] = S
-            _mm(KQ, False, S, False, R, 0.0)
+            if n == 0 and _is_zero(S):
+                R[:, :] = 0.0  # no initial state: [kg; qg] S is zero, skip the product
+            else:
+                _mm(KQ, False, S, False, R, 0.0)
             for i in range(Cp):
                 x = bc[i]
                 for c in range(V):
@@ -928,7 +941,12 @@ def backward_heads(
             if with_screen:
                 seen_in += _zeros_of(S)
             dSend[:, :] = dS
-            _mm(kg, False, S, False, Rk, 0.0)
+            zero_s = n == 0 and _is_zero(S)  # no initial state: kg S and dR S^T are zero
+            zero_ds = n == NT - 1 and _is_zero(dS)  # no final state gradient: kt dS, U dS^T are zero
+            if zero_s:
+                Rk[:, :] = 0.0
+            else:
+                _mm(kg, False, S, False, Rk, 0.0)
             for i in range(Cp):
                 x = bc[i]
                 for c in range(V):
@@ -939,8 +957,9 @@ def backward_heads(
                 _solve_blocks(L, bc, Y, U, Td, Wb)
             else:
                 _substitute(L, bc, Y, U)
-            _mm(kt, False, dS, False, dU, 0.0)
-            _mm(A, True, dOc, False, dU, 1.0)
+            _mm(A, True, dOc, False, dU, 0.0)
+            if not zero_ds:
+                _mm(kt, False, dS, False, dU, 1.0)
             if by_inverse:
                 _solve_blocks_t(L, bc, Td, dU, dY, dR, Wb)
             else:
@@ -955,7 +974,8 @@ def backward_heads(
                 for c in range(V):
                     dS[d, c] = t * dS[d, c] + X[d, c]
             _fused_local_backward(
-                qc, kc, e, pre, suf, vc, bc, s, L, S, dSend, RO, Z, U, dY, gq, gk, gv, gg, gb
+                qc, kc, e, pre, suf, vc, bc, s, L, S, dSend, RO, Z, U, dY, gq, gk, gv, gg, gb,
+                zero_s, zero_ds,
             )  # fmt: skip
             seen_out += _store(gq, dq, b, h, t0, m) + _store(gk, dk, b, h, t0, m)
             seen_out += _store(gg, dg, b, h, t0, m) + _store(gv, dv, b, h, t0, m)
@@ -984,24 +1004,33 @@ def _store(x, out, b, h, t0, m):
 
 
 @_jit()
-def _fused_local_backward(q, k, e, pre, suf, v, beta, s, L, S, dS, RO, Z, U, dY, dq, dk, dv, dg, dbeta):
+def _fused_local_backward(
+    q, k, e, pre, suf, v, beta, s, L, S, dS, RO, Z, U, dY, dq, dk, dv, dg, dbeta, zero_s, zero_ds
+):  # fmt: skip
     """A chunk's local gradients in :func:`backward_heads` (``U = Tinv beta Z``, ``Z = v - kg S``).
 
     Given ``RO = [dR; dO]`` (``dR = -beta dY``, ``dY = Tinv^T dU``) and the gradient ``dS`` of the
     chunk's end state: ``[dkg; dqg] = RO S^T`` (one product), ``dA = dO U^T``, ``dkt = U dS^T``,
     ``dM = -dY U^T`` (``M = I + diag(beta) L``), so ``dL = beta dM`` and ``dbeta = dY . Z + dM .
     L`` by rows; then ``dq, dk, dg`` through the decay factors (:func:`_factor_grads`, shared with
-    :func:`_local_backward_core`).
+    :func:`_local_backward_core`). ``zero_s`` / ``zero_ds``: ``S`` / ``dS`` is all zeros (the
+    products with it are zeros and are not formed).
     """
     Cp, K = q.shape
     V = v.shape[1]
     dOc = RO[Cp:]
     G = np.empty((2 * Cp, K), q.dtype)  # [dkg; dqg]
-    _mm(RO, False, S, True, G, 0.0)
+    if zero_s:
+        G[:, :] = 0.0
+    else:
+        _mm(RO, False, S, True, G, 0.0)
     dA = np.dot(dOc, U.T)  # [Cp, Cp], lower triangle read
     dX = np.dot(dY, U.T)  # -dM
     dkt = np.empty((Cp, K), q.dtype)
-    _mm(U, False, dS, True, dkt, 0.0)
+    if zero_ds:
+        dkt[:, :] = 0.0
+    else:
+        _mm(U, False, dS, True, dkt, 0.0)
     # dX <- dL = beta dM (strictly lower); dbeta; dv = beta dY
     for i in range(Cp):
         acc = _sum_products(Z[i], dY[i])
