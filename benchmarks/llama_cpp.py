@@ -12,10 +12,11 @@ channel; ``ggml/src/ggml-cpu/ops.cpp``: a step recurrence in C, forward only). T
 4. on the same inputs, checks that ggml and ``kda.chunk_kda`` compute the same function (the
    maximal difference of the outputs and final states is printed and must stay below 1e-5), and
 5. prints, per shape, ggml's forward, ``kda.chunk_kda``'s forward and forward+backward,
-   ``kda.recurrent_kda``, the float64 forward, the same-run GEMM rate, the forward and
-   forward+backward as a percentage of it (the FLOP count of :mod:`benchmarks.chunk`), the
-   ratio to ggml, the peak traced memory (tracemalloc, as :mod:`benchmarks.chunk`) of the chunked
-   forward+backward, and ``os.getloadavg()``.
+   ``kda.recurrent_kda``, the float64 forward over the float32 one (the two timed in alternating
+   rounds), the same-run GEMM rate, the forward and forward+backward as a percentage of it (the
+   FLOP count of :mod:`benchmarks.chunk`), the ratio to ggml, the peak traced memory
+   (tracemalloc, as :mod:`benchmarks.chunk`) of the chunked forward+backward, and
+   ``os.getloadavg()``.
 
 ``--one-core`` runs everything (ggml on one thread, kda, the GEMM) pinned to one core. Where no
 compiler or cmake is found, or the download or build fails, the ggml columns are skipped with the
@@ -244,7 +245,10 @@ def crossover(H: int, D: int, lengths: tuple[int, ...], repeats: int) -> None:
         )
 
 
-def _kda_times(x: dict[str, np.ndarray], repeats: int, C: int) -> dict[str, float]:
+def _kda_times(x: dict[str, np.ndarray], repeats: int, rounds: int, C: int) -> dict[str, float]:
+    """kda's forward+backward, ``recurrent_kda``, and the float64 forward over the float32 one
+    (``f64_over_f32``: ``rounds`` rounds of float32 then float64 forwards, so that both see the
+    same drift of the machine's speed)."""
     import kda
 
     q, k, v, g, beta, do = (x[n] for n in ("q", "k", "v", "g", "beta", "do"))
@@ -254,9 +258,14 @@ def _kda_times(x: dict[str, np.ndarray], repeats: int, C: int) -> dict[str, floa
         kda.chunk_kda_backward(q, k, v, g, beta, out.boundaries, do, chunk_size=C)
 
     x64 = [a.astype(np.float64) for a in (q, k, v, g, beta)]
+    f32: list[float] = []
+    f64: list[float] = []
+    for _ in range(rounds):
+        f32 += _times(lambda: kda.chunk_kda(q, k, v, g, beta, chunk_size=C), repeats)
+        f64 += _times(lambda: kda.chunk_kda(*x64, chunk_size=C), repeats)
     return {
         "chunk_fwd_bwd": _median(fwd_bwd, repeats),
-        "chunk_fwd_f64": _median(lambda: kda.chunk_kda(*x64, chunk_size=C), repeats),
+        "f64_over_f32": statistics.median(f64) / statistics.median(f32),
         "recurrent_fwd": _median(lambda: kda.recurrent_kda(q, k, v, g, beta), max(1, repeats // 2)),
     }
 
@@ -390,14 +399,14 @@ def main(argv: list[str] | None = None) -> int:
             B, T = map(int, shape.split("x"))
             x = _inputs(B, H, T, D, D, np.float32, 0)
             ggml, fwd_time, note = _side_by_side(x, threads, args.repeats, args.rounds, C)
-            t = {"chunk_fwd": fwd_time, **_kda_times(x, args.repeats, C)}
+            t = {"chunk_fwd": fwd_time, **_kda_times(x, args.repeats, args.rounds, C)}
             fwd = 100 * pass_flops("fwd", B, H, T, D, C) / t["chunk_fwd"] / 1e9 / gemm
             both = 100 * pass_flops("fwd+bwd", B, H, T, D, C) / t["chunk_fwd_bwd"] / 1e9 / gemm
             ratio = "-" if ggml is None else f"{t['chunk_fwd'] / ggml:.3f}"
             cells = (
                 B, T, "-" if ggml is None else f"{ggml * 1e3:.1f}", f"{t['chunk_fwd'] * 1e3:.1f}", ratio,
                 f"{fwd:.1f}", f"{t['chunk_fwd_bwd'] * 1e3:.1f}", f"{both:.1f}",
-                f"{t['chunk_fwd_f64'] / t['chunk_fwd']:.2f}", f"{t['recurrent_fwd'] * 1e3:.1f}",
+                f"{t['f64_over_f32']:.2f}", f"{t['recurrent_fwd'] * 1e3:.1f}",
             )  # fmt: skip
             print(" ".join(f"{c:>10}" for c in cells) + f"  {note}", flush=True)
         if args.memory_shape != "none":
