@@ -418,6 +418,7 @@ def _solve_blocks_t(L, beta, Td, dU, dY, dR, W):
                 dR[i, d] = x * dY[i, d]
 
 
+
 @_jit()
 def _local_one(q, k, g, v, beta, s, qg, kg, kt, total, A, L, Tinv, w, u0, pre, suf, kd, bk, bv):
     Cp, K = q.shape
@@ -793,6 +794,15 @@ def _is_zero(x):
 
 
 @_jit()
+def _transpose(x, out):
+    """``out = x.T`` (2-D), written row by row of ``out``."""
+    n, m = x.shape
+    for j in range(m):
+        for i in range(n):
+            out[j, i] = x[i, j]
+
+
+@_jit()
 def _load_beta(beta, b, h, t0, m, buf):
     for i in range(m):
         buf[i] = beta[b, h, t0 + i]
@@ -891,8 +901,11 @@ def backward_heads(
     Per chunk, with its chunk-start state ``S`` (from ``bounds``) and the gradient ``dS`` of its
     end state: its state-free work again and ``U`` as in :func:`forward_heads`, ``dU = A^T dO +
     kt dS``, ``dY = Tinv^T dU`` and ``dR = -beta dY`` (the gradient of ``kg S``), the state step
-    ``dS <- total dS + [qg; kg]^T [dO; dR]`` (one product), then the chunk's local gradients
-    (:func:`_fused_local_backward`). Shapes as :func:`forward_heads`; ``dO`` and the gradients like
+    ``dS <- total dS + [kg; qg]^T [dR; dO]`` (one product), then the chunk's local gradients
+    (:func:`_fused_local_backward`). ``[dR; dO]`` and ``U`` are kept transposed (``ROT``, ``UT``):
+    OpenBLAS's small-matrix products of a row-major ``X @ Y.T`` are the slow ones here (128 x 128
+    x 128: 28 us against 18.5 for ``X.T @ Y.T``, one core; ``docs/speed.md``), and with these
+    layouts no product of the backward has that form. Shapes as :func:`forward_heads`; ``dO`` and the gradients like
     their inputs, ``bounds: [NT, B, H, K, V]``, ``dstate, dinit: [B, H, K, V]``. ``screen: [B * H,
     2]`` as in :func:`forward_heads`: ``sum(x * 0)`` over the head's ``q, k, v, dO`` and boundaries,
     and over its six gradients.
@@ -910,14 +923,15 @@ def backward_heads(
     vc, bc = np.empty((Cp, V), dt), np.empty(Cp, dt)
     KQ = np.empty((2 * Cp, K), dt)  # [kg; qg]
     kg, qg = KQ[:Cp], KQ[Cp:]
-    RO = np.empty((2 * Cp, V), dt)  # [dR; dO]: the gradients of [kg; qg] S
-    dR, dOc = RO[:Cp], RO[Cp:]
+    ROT = np.empty((V, 2 * Cp), dt)  # [dR; dO]^T: the gradients of [kg; qg] S, transposed
+    dRT, dOT = ROT[:, :Cp], ROT[:, Cp:]
     kt = np.empty((Cp, K), dt)
     total = np.empty(K, dt)
     A, L, Tinv = np.empty((Cp, Cp), dt), np.empty((Cp, Cp), dt), np.empty((Cp, Cp), dt)
     pre, suf, kd = np.empty((Cp, K), dt), np.empty((Cp, K), dt), np.empty(K, dt)
     Rk, Z, Y = np.empty((Cp, V), dt), np.empty((Cp, V), dt), np.empty((Cp, V), dt)
     U, dU, dY = np.empty((Cp, V), dt), np.empty((Cp, V), dt), np.empty((Cp, V), dt)
+    dR, dOc, UT = np.empty((Cp, V), dt), np.empty((Cp, V), dt), np.empty((V, Cp), dt)
     X = np.empty((K, V), dt)
     Td, Wb = np.empty((Cp, SOLVE_BLOCK), dt), np.empty((SOLVE_BLOCK, V), dt)
     S, dS, dSend = np.empty((K, V), dt), np.empty((K, V), dt), np.empty((K, V), dt)
@@ -934,6 +948,7 @@ def backward_heads(
             m = min(C, T - t0)
             seen_in += _load(q, b, h, t0, m, qc) + _load(k, b, h, t0, m, kc) + _load(v, b, h, t0, m, vc)
             seen_in += _load(dO, b, h, t0, m, dOc)
+            _transpose(dOc, dOT)
             _load(g, b, h, t0, m, gc)
             _load_beta(beta, b, h, t0, m, bc)
             e = _local_pairs(qc, kc, gc, bc, s, qg, kg, kt, total, A, L, Tinv, pre, suf, kd, not by_inverse)
@@ -957,7 +972,8 @@ def backward_heads(
                 _solve_blocks(L, bc, Y, U, Td, Wb)
             else:
                 _substitute(L, bc, Y, U)
-            _mm(A, True, dOc, False, dU, 0.0)
+            _transpose(U, UT)
+            _mm(A, True, dOT, True, dU, 0.0)
             if not zero_ds:
                 _mm(kt, False, dS, False, dU, 1.0)
             if by_inverse:
@@ -968,13 +984,14 @@ def backward_heads(
                     x = -bc[i]
                     for c in range(V):
                         dR[i, c] = x * dY[i, c]
-            _mm(KQ, True, RO, False, X, 0.0)
+            _transpose(dR, dRT)
+            _mm(KQ, True, ROT, True, X, 0.0)
             for d in range(K):
                 t = total[d]
                 for c in range(V):
                     dS[d, c] = t * dS[d, c] + X[d, c]
             _fused_local_backward(
-                qc, kc, e, pre, suf, vc, bc, s, L, S, dSend, RO, Z, U, dY, gq, gk, gv, gg, gb,
+                qc, kc, e, pre, suf, vc, bc, s, L, S, dSend, ROT, Z, UT, dY, gq, gk, gv, gg, gb,
                 zero_s, zero_ds,
             )  # fmt: skip
             seen_out += _store(gq, dq, b, h, t0, m) + _store(gk, dk, b, h, t0, m)
@@ -1005,12 +1022,13 @@ def _store(x, out, b, h, t0, m):
 
 @_jit()
 def _fused_local_backward(
-    q, k, e, pre, suf, v, beta, s, L, S, dS, RO, Z, U, dY, dq, dk, dv, dg, dbeta, zero_s, zero_ds
+    q, k, e, pre, suf, v, beta, s, L, S, dS, ROT, Z, UT, dY, dq, dk, dv, dg, dbeta, zero_s, zero_ds
 ):  # fmt: skip
-    """A chunk's local gradients in :func:`backward_heads` (``U = Tinv beta Z``, ``Z = v - kg S``).
+    """A chunk's local gradients in :func:`backward_heads` (``U = Tinv beta Z``, ``Z = v - kg S``;
+    ``UT = U^T``).
 
-    Given ``RO = [dR; dO]`` (``dR = -beta dY``, ``dY = Tinv^T dU``) and the gradient ``dS`` of the
-    chunk's end state: ``[dkg; dqg] = RO S^T`` (one product), ``dA = dO U^T``, ``dkt = U dS^T``,
+    Given ``ROT = [dR; dO]^T`` (``dR = -beta dY``, ``dY = Tinv^T dU``) and the gradient ``dS`` of
+    the chunk's end state: ``[dkg; dqg] = RO S^T`` (one product), ``dA = dO U^T``, ``dkt = U dS^T``,
     ``dM = -dY U^T`` (``M = I + diag(beta) L``), so ``dL = beta dM`` and ``dbeta = dY . Z + dM .
     L`` by rows; then ``dq, dk, dg`` through the decay factors (:func:`_factor_grads`, shared with
     :func:`_local_backward_core`). ``zero_s`` / ``zero_ds``: ``S`` / ``dS`` is all zeros (the
@@ -1018,19 +1036,19 @@ def _fused_local_backward(
     """
     Cp, K = q.shape
     V = v.shape[1]
-    dOc = RO[Cp:]
     G = np.empty((2 * Cp, K), q.dtype)  # [dkg; dqg]
     if zero_s:
         G[:, :] = 0.0
     else:
-        _mm(RO, False, S, True, G, 0.0)
-    dA = np.dot(dOc, U.T)  # [Cp, Cp], lower triangle read
-    dX = np.dot(dY, U.T)  # -dM
+        _mm(ROT, True, S, True, G, 0.0)
+    dA, dX = np.empty((Cp, Cp), q.dtype), np.empty((Cp, Cp), q.dtype)
+    _mm(ROT[:, Cp:], True, UT, False, dA, 0.0)  # dO U^T, lower triangle read
+    _mm(dY, False, UT, False, dX, 0.0)  # dY U^T = -dM
     dkt = np.empty((Cp, K), q.dtype)
     if zero_ds:
         dkt[:, :] = 0.0
     else:
-        _mm(U, False, dS, True, dkt, 0.0)
+        _mm(UT, True, dS, True, dkt, 0.0)
     # dX <- dL = beta dM (strictly lower); dbeta; dv = beta dY
     for i in range(Cp):
         acc = _sum_products(Z[i], dY[i])
