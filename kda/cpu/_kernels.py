@@ -45,7 +45,7 @@ CACHING = True  # False when no cache directory is writable (a read-only install
 SUBSTITUTE_BELOW = 16
 # Steps of a sub-block of a chunk: pairs inside one by running products, across them by matrix
 # products (see _pairs; measured in docs/speed.md)
-SUB_BLOCK = 16
+SUB_BLOCK = 8
 # Rows of a block of the forward's solve for U (see _solve_blocks)
 SOLVE_BLOCK = 16
 
@@ -848,7 +848,6 @@ def forward_heads(
     R = np.empty((2 * Cp, V), dt)  # [kg S; qg S]
     QS = R[Cp:]
     Y, U = np.empty((Cp, V), dt), np.empty((Cp, V), dt)
-    X = np.empty((K, V), dt)
     Td, Wb = np.empty((Cp, SOLVE_BLOCK), dt), np.empty((SOLVE_BLOCK, V), dt)
     S = np.empty((K, V), dt)
     with_screen = screen.shape[0] > 0
@@ -881,11 +880,11 @@ def forward_heads(
             if with_output:
                 _mm(A, False, U, False, QS, 1.0)  # O = qg S + A U (A: zeros above the diagonal)
                 seen_out += _store(QS, out, b, h, t0, m)
-            _mm(kt, True, U, False, X, 0.0)
             for d in range(K):
                 t = total[d]
                 for c in range(V):
-                    S[d, c] = t * S[d, c] + X[d, c]
+                    S[d, c] *= t
+            _mm(kt, True, U, False, S, 1.0)  # S <- total S + kt^T U
         final[b, h] = S
         if with_screen:
             screen[bh, 0] = seen_in
@@ -932,7 +931,6 @@ def backward_heads(
     Rk, Z, Y = np.empty((Cp, V), dt), np.empty((Cp, V), dt), np.empty((Cp, V), dt)
     U, dU, dY = np.empty((Cp, V), dt), np.empty((Cp, V), dt), np.empty((Cp, V), dt)
     dR, dOc, UT = np.empty((Cp, V), dt), np.empty((Cp, V), dt), np.empty((V, Cp), dt)
-    X = np.empty((K, V), dt)
     Td, Wb = np.empty((Cp, SOLVE_BLOCK), dt), np.empty((SOLVE_BLOCK, V), dt)
     S, dS, dSend = np.empty((K, V), dt), np.empty((K, V), dt), np.empty((K, V), dt)
     gq, gk, gg = np.empty((Cp, K), dt), np.empty((Cp, K), dt), np.empty((Cp, K), dt)
@@ -985,11 +983,11 @@ def backward_heads(
                     for c in range(V):
                         dR[i, c] = x * dY[i, c]
             _transpose(dR, dRT)
-            _mm(KQ, True, ROT, True, X, 0.0)
             for d in range(K):
                 t = total[d]
                 for c in range(V):
-                    dS[d, c] = t * dS[d, c] + X[d, c]
+                    dS[d, c] *= t
+            _mm(KQ, True, ROT, True, dS, 1.0)  # dS <- total dS + [kg; qg]^T [dR; dO]
             _fused_local_backward(
                 qc, kc, e, pre, suf, vc, bc, s, L, S, dSend, ROT, Z, UT, dY, gq, gk, gv, gg, gb,
                 zero_s, zero_ds,

@@ -127,7 +127,7 @@ def test_whole_calls_against_the_recurrence(regime, dtype, T, K, V, chunk_size):
 def test_fused_passes_read_strided_inputs_in_place_and_match_the_reference(regime, dtype):
     """The cpu backend's fused passes on time-major views (strided, read in place) give bitwise the
     results of contiguous copies, and match the reference's slab-by-slab composition (chunk 48:
-    padded chunks of Cp=64 in four sub-blocks, and a short last chunk)."""
+    padded chunks of Cp=64 in eight sub-blocks, and a short last chunk)."""
     from kda._engine.chunked import chunk_backward, chunk_forward
 
     cpu, ref = _ops("cpu"), _ops("reference")
