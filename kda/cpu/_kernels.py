@@ -297,6 +297,7 @@ def _pairs(q, k, e, s, A, L, kd):
     _block_factors(e, c, P, Q)
     left = np.empty((2 * c, K), dt)
     right = np.empty((Cp - c, K), dt)
+    AL = np.empty((2 * c, Cp - c), dt)  # [A; L] rows of a sub-block: one product for both
     M = np.empty(K, dt)
     for a0 in range(c, Cp, c):
         for r in range(c):
@@ -313,8 +314,11 @@ def _pairs(q, k, e, s, A, L, kd):
             for j in range(b0, b0 + c):
                 for d in range(K):
                     right[j, d] = k[j, d] * Q[j, d] * M[d]
-        _mm(left[:c], False, right[:a0], True, A[a0 : a0 + c, :a0], 0.0)
-        _mm(left[c:], False, right[:a0], True, L[a0 : a0 + c, :a0], 0.0)
+        _mm(left, False, right[:a0], True, AL[:, :a0], 0.0)
+        for r in range(c):
+            for j in range(a0):
+                A[a0 + r, j] = AL[r, j]
+                L[a0 + r, j] = AL[c + r, j]
 
 
 @_jit()
