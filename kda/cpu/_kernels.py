@@ -591,6 +591,7 @@ def _pairs_backward(q, k, e, s, dA, dX, DQ, DK, COL):
     _block_factors(e, c, P, Q)
     left = np.empty((2 * c, K), dt)
     right, qm = np.empty((Cp - c, K), dt), np.empty((Cp - c, K), dt)
+    G, rows, cols = np.empty((2 * c, Cp - c), dt), np.empty((2 * c, K), dt), np.empty((Cp - c, K), dt)
     M = np.empty(K, dt)
     for a0 in range(c, Cp, c):
         for r in range(c):
@@ -609,13 +610,12 @@ def _pairs_backward(q, k, e, s, dA, dX, DQ, DK, COL):
                     x = Q[j, d] * M[d]
                     qm[j, d] = x
                     right[j, d] = k[j, d] * x
-        G = np.empty((2 * c, a0), dt)
         for r in range(c):
             for j in range(a0):
                 G[r, j] = s * dA[a0 + r, j]
                 G[c + r, j] = dX[a0 + r, j]
-        rows = np.dot(G, right[:a0])  # [2c, K]
-        cols = np.dot(G.T, left)  # [a0, K]
+        _mm(G[:, :a0], False, right[:a0], False, rows, 0.0)  # [2c, K]
+        _mm(G[:, :a0], True, left, False, cols[:a0], 0.0)  # [a0, K]
         for r in range(c):
             for d in range(K):
                 x = P[a0 + r, d]
