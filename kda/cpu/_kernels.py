@@ -47,7 +47,7 @@ SUBSTITUTE_BELOW = 16
 # products (see _pairs; measured in docs/speed.md)
 SUB_BLOCK = 8
 # Rows of a block of the forward's solve for U (see _solve_blocks)
-SOLVE_BLOCK = 16
+SOLVE_BLOCK = 8
 
 
 def _jit(fastmath=_FASTMATH):
