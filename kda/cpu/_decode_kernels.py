@@ -13,6 +13,17 @@ products and once more for the update::
 so a step moves ``3 K V`` elements of state (two reads, one write) and nothing else of that size.
 The inner loops run over the ``V`` contiguous columns and vectorise. ``g = -inf`` gives
 ``e = 0`` exactly. No sum crosses items, so results do not depend on how items are split.
+
+LLVM vectorises those loops behind run-time checks that the array a loop stores to does not sit
+just past one it loads from, and falls back to scalar code, whose fused multiply-adds round
+differently, where the check fails. The kernel's own vectors and scratch state therefore live in
+one private buffer, at fixed offsets with a guard of :data:`GUARD` elements around each, and no
+loop stores to one caller's array while loading another's (but a pool row from a pool row: the
+same pool on every thread): a check's answer then cannot depend on where the heap of the thread
+that runs an item put its allocations. (Before, with the vectors allocated on their own and the
+output loop storing ``pred`` and ``o`` at once, a step's output was seen to depend on where its
+vectors sat, by an ulp (float64, ``K=8, V=24``); the likely cause of a call split over two
+threads that once differed from the one-thread call.)
 """
 
 from __future__ import annotations
@@ -33,14 +44,19 @@ except (RuntimeError, OSError):  # pragma: no cover - numba: no cache locator (r
     _jit = numba.njit(cache=False, **_OPTIONS)
     CACHING = False
 
+# elements around each of the kernel's private vectors: at least a vectorised loop's reach
+# (4 x 16 float32 or 4 x 8 float64 lanes, 256 bytes), twice that for float32
+GUARD = 128
+
 
 @_jit
 def _step(S, D, write, q, k, v, g, b, scale, o, e, pred, qs, zero):
     """One step from ``S: [K, V]`` into ``D`` (``write``; ``D`` may be ``S``); ``o: [V]`` output."""
     K, V = S.shape
-    qk = zero
     for d in range(K):
         e[d] = np.exp(g[d])
+    qk = zero
+    for d in range(K):  # a sum in a loop that stores nothing: one compiled order
         qk += q[d] * k[d]
     for c in range(V):
         pred[c] = 0
@@ -62,9 +78,9 @@ def _step(S, D, write, q, k, v, g, b, scale, o, e, pred, qs, zero):
             pred[c] += kd * s
             qs[c] += qd * s
     for c in range(V):
-        u = b * (v[c] - pred[c])
-        pred[c] = u
-        o[c] = scale * (qs[c] + qk * u)
+        pred[c] = b * (v[c] - pred[c])  # u
+    for c in range(V):
+        o[c] = scale * (qs[c] + qk * pred[c])
     if write and D.ctypes.data == S.ctypes.data:
         # in place, written as such: LLVM's overlap check would send the general loop to scalar code
         for d in range(K):
@@ -95,9 +111,10 @@ def decode(q, k, v, g, beta, scale, src, dst, start, dest, offsets, out, lo, hi)
     V = v.shape[3]
     W = dest.shape[1]
     packed = offsets.shape[0] > 0
-    e = np.empty(K, q.dtype)
-    pred = np.empty(V, q.dtype)
-    qs = np.empty(V, q.dtype)
+    work = np.empty(4 * GUARD + K + 2 * V, q.dtype)  # e, pred, qs at fixed offsets (see above)
+    e = work[GUARD : GUARD + K]
+    pred = work[2 * GUARD + K : 2 * GUARD + K + V]
+    qs = work[3 * GUARD + K + V : 3 * GUARD + K + 2 * V]
     zero = np.zeros(1, q.dtype)[0]
     none = np.empty((0, 0), q.dtype)  # stands for "no state" (typed as the writable states)
     scratch = none  # a private state, made the first time a step has no slot but is not the last
@@ -126,7 +143,8 @@ def decode(q, k, v, g, beta, scale, src, dst, start, dest, offsets, out, lo, hi)
                 write = False  # the last state is not kept: outputs only
             else:
                 if scratch.shape[0] != K:
-                    scratch = np.empty((K, V), q.dtype)
+                    guarded = np.empty(2 * GUARD + K * V, q.dtype)
+                    scratch = guarded[GUARD : GUARD + K * V].reshape(K, V)
                 D = scratch
             i = t0 + t
             if t == 0:
