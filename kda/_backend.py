@@ -150,7 +150,8 @@ class Backend(Protocol):
         [B, H, T, V]`` and ``boundaries [NT, B, H, K, V]`` where they are not None and returns the
         final state. ``screen``, when given (float64 ``[B * H, 2]``), receives per head
         ``sum(x * 0)`` over ``q, k, v`` and over the output and final state: NaN where one holds a
-        non-finite value (the call's finiteness checks, read off the chunks as they pass). A
+        non-finite value (the call's finiteness checks, read off the chunks as they pass); the
+        first is NaN too where an element of ``g`` is not ``<= 0`` (the gate check, likewise). A
         backend may set it to None: the engine then runs the chunk primitives slab by slab
         (``kda/_engine/chunked.py``)."""  # fmt: skip
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NamedTuple
 
 from .._backend import get_backend
@@ -31,6 +32,7 @@ from .._options.table import Choices
 from .._options.validation import (
     STATE_DTYPE_RULE,
     Problem,
+    ScreenedGate,
     check_array,
     check_chunk_size,
     check_options_call,
@@ -90,10 +92,14 @@ def open_call(
 
     ``chunk_size=None`` binds the step recurrence. ``defer_gate``: let a GPU backend check
     ``g <= 0`` on the device, read after the call's work is queued (:meth:`Call.forward` and
-    :meth:`Call.backward` read it).
+    :meth:`Call.backward` read it), and a backend with fused passes screen ``g`` as they load it
+    (checked on the host first where the call runs none).
     """
-    ops = get_backend(namespace_of(["q", "k", "v", "g", "beta"], [q, k, v, g, beta]), backend)
+    xp = namespace_of(["q", "k", "v", "g", "beta"], [q, k, v, g, beta])
+    ops = get_backend(xp, backend)
     gate_check = ops.launch_gate_check if defer_gate else None
+    if defer_gate and getattr(ops, "chunk_forward_heads", None) is not None:
+        gate_check = partial(ScreenedGate, xp)  # the fused passes screen g (Call._gate_before)
     p, o = check_options_call(q, k, v, g, beta, scale, opts, gate_check)
     if chunk_size is None:
         core: Core = RecurrentCore(ops, p.scale)
@@ -137,12 +143,28 @@ class Call:
             unscreened = {n: x for n, x in arrays.items() if screen is None or n not in SCREENED}
             self.check_inputs_finite(**unscreened)
 
-    def _results_finite(self, arrays: dict | None, screen: Any) -> bool:
-        """Read a fused pass's ``screen``: raise for a non-finite screened input (the message
-        from the array itself); return whether the results were finite (False: not screened)."""
+    def _gate_before(self, screen: Any) -> None:
+        """Check ``g <= 0`` on the host now where validation left it to a fused pass that this
+        call will not run with a screen (:class:`~kda._options.validation.ScreenedGate`)."""
+        if screen is None and isinstance(self.p.gate_flags, ScreenedGate):
+            self.p.gate_flags.raise_if_bad()
+
+    def _screen_sums(self, screen: Any) -> tuple[float, float] | None:
+        """A fused pass's ``screen`` summed over heads (None: not screened); a clean input column
+        settles a gate check left to the pass (:meth:`_gate_before`)."""
         if screen is None:
-            return False
+            return None
         seen_in, seen_out = (float(x) for x in self.p.xp.sum(screen, axis=0))
+        if math.isfinite(seen_in) and isinstance(self.p.gate_flags, ScreenedGate):
+            self.p.gate_flags.settle()
+        return seen_in, seen_out
+
+    def _results_finite(self, arrays: dict | None, sums: tuple[float, float] | None) -> bool:
+        """Read a fused pass's screen sums: raise for a non-finite screened input (the message
+        from the array itself); return whether the results were finite (False: not screened)."""
+        if sums is None:
+            return False
+        seen_in, seen_out = sums
         if not math.isfinite(seen_in):
             self.check_finite(**{n: arrays[n] for n in SCREENED if n in arrays})  # raises, naming it
         return math.isfinite(seen_out)
@@ -211,6 +233,7 @@ class Call:
         c = self.core_inputs(*inputs)
         screen = self._screen(c.q) if check_inputs is not None and out is None else None
         self._check_before(check_inputs, screen)
+        self._gate_before(screen)
         direct = out is not None and p.dtype == p.compute_dtype
         bufs = (head_first(xp, out.output, p.layout), out.final_state, out.boundaries) if direct else None
         with floating_point_quiet(xp):
@@ -219,8 +242,9 @@ class Call:
                 o, final, boundaries = self.core.forward(*args)
             else:
                 o, final, boundaries = run_packed_forward(self.core, xp, c, state, p.offsets, keep, bufs)
-        raise_for_gates(p)  # a deferred device check, read once the work is queued
-        if self.check and not self._results_finite(check_inputs, screen):
+        sums = self._screen_sums(screen)
+        raise_for_gates(p)  # a deferred check, read once the work is queued
+        if self.check and not self._results_finite(check_inputs, sums):
             warn_if_diverged(xp, o, final, stacklevel=5)
         result = KdaOutput(xp.astype(head_first(xp, o, p.layout), p.dtype, copy=False), final, boundaries)
         if out is None:
@@ -245,6 +269,7 @@ class Call:
         c = self.core_inputs(*inputs[:5])
         screen = self._screen(c.q) if check_inputs is not None and out is None else None
         self._check_before(check_inputs, screen)
+        self._gate_before(screen)
         direct = out is not None and p.dtype == p.compute_dtype and o.is_identity and p.H == p.HV
         bufs = None
         if direct:
@@ -260,8 +285,9 @@ class Call:
             dg, dA_log, ddt_bias = gate_backward(xp, dlog, c, o)
             dq, dk = qk_backward(xp, dq, dk, c, o, p.H)
             dbeta = beta_backward(xp, dbeta, c, o)
+        sums = self._screen_sums(screen)
         raise_for_gates(p)
-        finite = self._results_finite(check_inputs, screen)  # of the core's gradients
+        finite = self._results_finite(check_inputs, sums)  # of the core's gradients
         if self.check and not (o.is_identity and finite):
             warn_if_diverged(xp, dq, dk, dv, dg, dbeta, dinitial, stacklevel=5)
         grads = [xp.astype(head_first(xp, x, p.layout), p.dtype, copy=False) for x in (dq, dk, dv, dg, dbeta)]

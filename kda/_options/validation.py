@@ -213,6 +213,27 @@ def validate_problem(
     return replace(p, compute_dtype=compute_dtype, scale=check_scale(scale, K), gate_flags=flags)
 
 
+class ScreenedGate:
+    """The check of ``g <= 0`` left to a backend's fused passes, which screen ``g`` as they load
+    its chunks (a head with an element that is not ``<= 0`` turns the screen's input column NaN).
+
+    The call settles it (:meth:`settle`) when a fused pass ran with a screen that came back clean;
+    otherwise (no fused pass ran, or the screen saw a bad input) :meth:`raise_if_bad` checks ``g``
+    on the host (:func:`check_log_decay`, which words the error), once.
+    """
+
+    def __init__(self, xp: Any, g: Any) -> None:
+        self.xp, self.g, self.done = xp, g, False
+
+    def settle(self) -> None:
+        self.done = True
+
+    def raise_if_bad(self) -> None:
+        if not self.done:
+            check_log_decay(self.xp, self.g)
+            self.done = True
+
+
 def raise_for_gates(p: Problem) -> None:
     """Read a deferred device gate check (one host synchronisation) and raise if it failed."""
     if p.gate_flags is not None:

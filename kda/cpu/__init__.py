@@ -363,7 +363,8 @@ def chunk_forward_heads(
     strides), ``state: [B, H, K, V]``. Writes ``output [B, H, T, V]`` and ``boundaries
     [NT, B, H, K, V]`` (the chunk-start states) where they are not None; returns the final state.
     ``screen``: a float64 ``[B * H, 2]`` array, or None; receives per head ``sum(x * 0)`` over
-    ``q, k, v`` and over the output and final state (0 when finite, NaN when not).
+    ``q, k, v`` and over the output and final state (0 when finite, NaN when not); the first is
+    also NaN where an element of ``g`` is not ``<= 0``.
     """
     dt = _dtype(q)
     B, H, T, K = q.shape
@@ -394,7 +395,7 @@ def chunk_backward_heads(
     ``grad_output [B, H, T, V]``, ``grad_state [B, H, K, V]``. Writes the six gradients into
     ``grads`` (``dq, dk, dv, dg, dbeta, dstate``: writable arrays of the inputs' shapes).
     ``screen``: as for :func:`chunk_forward_heads`, over ``q, k, v, grad_output`` and the
-    boundaries, and over the six gradients.
+    boundaries (and ``g <= 0``), and over the six gradients.
     """
     dt = _dtype(q)
     B, H, T, K = q.shape

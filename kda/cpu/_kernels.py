@@ -422,7 +422,6 @@ def _solve_blocks_t(L, beta, Td, dU, dY, dR, W):
                 dR[i, d] = x * dY[i, d]
 
 
-
 @_jit()
 def _local_one(q, k, g, v, beta, s, qg, kg, kt, total, A, L, Tinv, w, u0, pre, suf, kd, bk, bv):
     Cp, K = q.shape
@@ -775,6 +774,25 @@ def _load(x, b, h, t0, m, buf):
 
 
 @_jit()
+def _load_gate(x, b, h, t0, m, buf):
+    """:func:`_load` for the log decays ``g``: returns 0 where every element copied is ``<= 0``
+    (``-inf`` included), NaN where one is not (positive or NaN), so the fused passes screen ``g``
+    for the call's gate check as they load it. The count of such elements is an integer: the
+    order of its terms cannot change it."""
+    D = buf.shape[1]
+    bad = 0
+    for i in range(m):
+        for d in range(D):
+            y = x[b, h, t0 + i, d]
+            buf[i, d] = y
+            bad += not y <= 0.0
+    for i in range(m, buf.shape[0]):
+        for d in range(D):
+            buf[i, d] = 0.0
+    return 0.0 if bad == 0 else np.nan
+
+
+@_jit()
 def _zeros_of(x):
     """``sum(x * 0)`` of a 2-D array as float64: 0 where every element is finite, NaN where one
     is not (``inf * 0`` is NaN); the order of the terms cannot change that."""
@@ -830,7 +848,8 @@ def forward_heads(
     with ``with_bounds``); ``out`` is written with ``with_output``. ``screen: [B * H, 2]`` (float64;
     ``[0, 2]`` for none) receives, per head, ``sum(x * 0)`` over its ``q, k, v`` and over its
     output and final state: 0 where they are finite, NaN where not (taken while the chunks are
-    copied in and out, instead of in passes over the whole arrays).
+    copied in and out, instead of in passes over the whole arrays); the first is NaN too where an
+    element of the head's ``g`` is not ``<= 0`` (:func:`_load_gate`).
     """
     _B, H, T, K = q.shape
     V = v.shape[3]
@@ -864,7 +883,7 @@ def forward_heads(
             t0 = n * C
             m = min(C, T - t0)
             seen_in += _load(q, b, h, t0, m, qc) + _load(k, b, h, t0, m, kc) + _load(v, b, h, t0, m, vc)
-            _load(g, b, h, t0, m, gc)
+            seen_in += _load_gate(g, b, h, t0, m, gc)
             _load_beta(beta, b, h, t0, m, bc)
             _local_pairs(qc, kc, gc, bc, s, qg, kg, kt, total, A, L, Tinv, pre, suf, kd, False)
             if with_bounds:
@@ -908,10 +927,11 @@ def backward_heads(
     (:func:`_fused_local_backward`). ``[dR; dO]`` and ``U`` are kept transposed (``ROT``, ``UT``):
     OpenBLAS's small-matrix products of a row-major ``X @ Y.T`` are the slow ones here (128 x 128
     x 128: 28 us against 18.5 for ``X.T @ Y.T``, one core; ``docs/speed.md``), and with these
-    layouts no product of the backward has that form. Shapes as :func:`forward_heads`; ``dO`` and the gradients like
-    their inputs, ``bounds: [NT, B, H, K, V]``, ``dstate, dinit: [B, H, K, V]``. ``screen: [B * H,
-    2]`` as in :func:`forward_heads`: ``sum(x * 0)`` over the head's ``q, k, v, dO`` and boundaries,
-    and over its six gradients.
+    layouts no product of the backward has that form. Shapes as :func:`forward_heads`; ``dO``
+    and the gradients like their inputs, ``bounds: [NT, B, H, K, V]``, ``dstate, dinit: [B, H,
+    K, V]``. ``screen: [B * H, 2]`` as in :func:`forward_heads`: ``sum(x * 0)`` over the head's
+    ``q, k, v, dO`` and boundaries (NaN too for a ``g`` not ``<= 0``), and over its six
+    gradients.
     """
     _B, H, T, K = q.shape
     V = v.shape[3]
@@ -951,7 +971,7 @@ def backward_heads(
             seen_in += _load(q, b, h, t0, m, qc) + _load(k, b, h, t0, m, kc) + _load(v, b, h, t0, m, vc)
             seen_in += _load(dO, b, h, t0, m, dOc)
             _transpose(dOc, dOT)
-            _load(g, b, h, t0, m, gc)
+            seen_in += _load_gate(g, b, h, t0, m, gc)
             _load_beta(beta, b, h, t0, m, bc)
             e = _local_pairs(qc, kc, gc, bc, s, qg, kg, kt, total, A, L, Tinv, pre, suf, kd, not by_inverse)
             S[:, :] = bounds[n, b, h]
