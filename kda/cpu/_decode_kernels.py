@@ -44,8 +44,8 @@ except (RuntimeError, OSError):  # pragma: no cover - numba: no cache locator (r
     _jit = numba.njit(cache=False, **_OPTIONS)
     CACHING = False
 
-# elements around each of the kernel's private vectors: at least a vectorised loop's reach
-# (4 x 16 float32 or 4 x 8 float64 lanes, 256 bytes), twice that for float32
+# elements around each of the kernel's private vectors (512 bytes of float32, 1 KiB of float64):
+# more than a vectorised loop's reach (4 x 16 float32 or 4 x 8 float64 lanes, 256 bytes)
 GUARD = 128
 
 

@@ -774,21 +774,14 @@ def _load(x, b, h, t0, m, buf):
 
 
 @_jit()
-def _load_gate(x, b, h, t0, m, buf):
-    """:func:`_load` for the log decays ``g``: returns 0 where every element copied is ``<= 0``
-    (``-inf`` included), NaN where one is not (positive or NaN), so the fused passes screen ``g``
-    for the call's gate check as they load it. The count of such elements is an integer: the
-    order of its terms cannot change it."""
-    D = buf.shape[1]
+def _decays_screen(x):
+    """0 where every element of a 2-D array is ``<= 0`` (``-inf`` included), NaN where one is not
+    (positive or NaN): the fused passes screen each chunk's ``g`` for the call's gate check (a
+    count of such elements: the order of its terms cannot change it)."""
     bad = 0
-    for i in range(m):
-        for d in range(D):
-            y = x[b, h, t0 + i, d]
-            buf[i, d] = y
-            bad += not y <= 0.0
-    for i in range(m, buf.shape[0]):
-        for d in range(D):
-            buf[i, d] = 0.0
+    for i in range(x.shape[0]):
+        for d in range(x.shape[1]):
+            bad += not x[i, d] <= 0.0
     return 0.0 if bad == 0 else np.nan
 
 
@@ -849,7 +842,7 @@ def forward_heads(
     ``[0, 2]`` for none) receives, per head, ``sum(x * 0)`` over its ``q, k, v`` and over its
     output and final state: 0 where they are finite, NaN where not (taken while the chunks are
     copied in and out, instead of in passes over the whole arrays); the first is NaN too where an
-    element of the head's ``g`` is not ``<= 0`` (:func:`_load_gate`).
+    element of the head's ``g`` is not ``<= 0`` (:func:`_decays_screen`).
     """
     _B, H, T, K = q.shape
     V = v.shape[3]
@@ -883,7 +876,8 @@ def forward_heads(
             t0 = n * C
             m = min(C, T - t0)
             seen_in += _load(q, b, h, t0, m, qc) + _load(k, b, h, t0, m, kc) + _load(v, b, h, t0, m, vc)
-            seen_in += _load_gate(g, b, h, t0, m, gc)
+            _load(g, b, h, t0, m, gc)
+            seen_in += _decays_screen(gc)  # its padding rows are zeros
             _load_beta(beta, b, h, t0, m, bc)
             _local_pairs(qc, kc, gc, bc, s, qg, kg, kt, total, A, L, Tinv, pre, suf, kd, False)
             if with_bounds:
@@ -971,7 +965,8 @@ def backward_heads(
             seen_in += _load(q, b, h, t0, m, qc) + _load(k, b, h, t0, m, kc) + _load(v, b, h, t0, m, vc)
             seen_in += _load(dO, b, h, t0, m, dOc)
             _transpose(dOc, dOT)
-            seen_in += _load_gate(g, b, h, t0, m, gc)
+            _load(g, b, h, t0, m, gc)
+            seen_in += _decays_screen(gc)  # its padding rows are zeros
             _load_beta(beta, b, h, t0, m, bc)
             e = _local_pairs(qc, kc, gc, bc, s, qg, kg, kt, total, A, L, Tinv, pre, suf, kd, not by_inverse)
             S[:, :] = bounds[n, b, h]

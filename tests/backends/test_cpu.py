@@ -268,9 +268,9 @@ def test_decode_plan_and_transition_on_cpu():
 
 def test_the_fused_passes_screen_the_gate_check(monkeypatch):
     """On the fused passes ``g <= 0`` is read off the chunks as they are loaded, with no host pass
-    over ``g``; a bad ``g`` still gets validation's error, in the forward and the backward; a call
-    that runs no fused pass (a short ``T`` on the step recurrence, ``check_finite=False``) checks
-    on the host before computing."""
+    over ``g`` (``-inf`` included); a bad ``g`` still gets validation's error, in the forward and
+    the backward; a call that runs no fused pass (a short ``T`` on the step recurrence,
+    ``check_finite=False``) checks on the host before computing."""
     import kda._options.validation as validation
 
     calls = []
@@ -278,6 +278,8 @@ def test_the_fused_passes_screen_the_gate_check(monkeypatch):
     monkeypatch.setattr(validation, "check_log_decay", lambda xp, g: (calls.append(g.shape), check(xp, g))[1])
     p = make_problem(3, 1, 2, 200, 16, 8, "mild").astype(np.float32)
     q, k, v, g, beta = p.inputs
+    g = g.copy()
+    g[0, 1, 100, :5] = -np.inf  # a hard reset is a valid log decay: no alarm, no host pass
     out = kda.chunk_kda(q, k, v, g, beta, chunk_size=64, save_boundaries=True)
     kda.chunk_kda_backward(q, k, v, g, beta, out.boundaries, p.grad_output, chunk_size=64)
     assert calls == [], "a host check of g ran beside the fused passes"
@@ -290,12 +292,14 @@ def test_the_fused_passes_screen_the_gate_check(monkeypatch):
     with pytest.raises(kda.InvalidInputError, match=message):
         kda.chunk_kda_backward(q, k, v, bad, beta, out.boundaries, p.grad_output, chunk_size=64)
     assert len(calls) == 2  # the message's counts, once a screen saw the bad element
-    for call in (lambda x: kda.chunk_kda(q[:, :, :40], k[:, :, :40], v[:, :, :40], x[:, :, :40],
-                                         beta[:, :, :40], chunk_size=64),  # the step recurrence
-                 lambda x: kda.chunk_kda(q, k, v, x, beta, chunk_size=64, check_finite=False)):  # fmt: skip
+    short = (q[:, :, :40], k[:, :, :40], v[:, :, :40])
+    for call, shape in (
+        (lambda x: kda.chunk_kda(*short, x[:, :, :40], beta[:, :, :40], chunk_size=64), g[:, :, :40].shape),
+        (lambda x: kda.chunk_kda(q, k, v, x, beta, chunk_size=64, check_finite=False), g.shape),
+    ):  # the step recurrence (T <= 64); no screen
         calls.clear()
         call(g)
-        assert calls == [g.shape] or calls == [g[:, :, :40].shape]
+        assert calls == [shape]
         with pytest.raises(kda.InvalidInputError, match=message):
             call(bad)
 
