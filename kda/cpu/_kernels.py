@@ -43,11 +43,36 @@ CACHING = True  # False when no cache directory is writable (a read-only install
 
 # Key sizes below this form [W, U0] by forward substitution (more accurate there), above by BLAS
 SUBSTITUTE_BELOW = 16
-# Steps of a sub-block of a chunk: pairs inside one by running products, across them by matrix
-# products (see _pairs; measured in docs/speed.md)
-SUB_BLOCK = 8
-# Rows of a block of the forward's solve for U (see _solve_blocks)
-SOLVE_BLOCK = 8
+
+
+def _avx512() -> bool:
+    """Whether the kernels are compiled for AVX-512: Numba's target features (the host's unless
+    ``NUMBA_CPU_FEATURES`` says otherwise). Numba's cache keys on them, so a cached kernel always
+    carries the block sizes chosen here for its target."""
+    features = numba.config.CPU_FEATURES
+    if features is None:
+        from llvmlite import binding
+
+        features = binding.get_host_cpu_features().flatten()
+    return "+avx512f" in features.split(",")
+
+
+# The block sizes are measured per kind of core (docs/speed.md, "Block sizes by kind of core").
+# With AVX-512, OpenBLAS takes products up to [64, k] @ [k, 64] through its small-matrix kernels
+# (no packing) and the hand loops run 16 float32 lanes: small products are cheap, so sub-blocks
+# and solve blocks of 8 steps, and larger products cut into 64 x 64 blocks. With AVX2 (Zen 3
+# here), every BLAS call packs its operands (an 8 x 128 x 64 product costs ~8 us, a 128 x 128 x
+# 128 one 68 us as one call, 84 as four): fewer and larger calls, blocks of 16, products whole.
+def block_sizes(wide: bool) -> tuple[int, int, int]:
+    """``(GEMM_BLOCK, SUB_BLOCK, SOLVE_BLOCK)`` for AVX-512 (``wide``) or narrower vectors:
+    the rows and columns of one BLAS call's result (a larger product is cut into such blocks), the
+    steps of a sub-block of a chunk (pairs inside one by running products, across them by matrix
+    products: :func:`_pairs`) and the rows of a block of the solve for ``U`` (:func:`_solve_blocks`)."""
+    return (64, 8, 8) if wide else (1 << 20, 16, 16)
+
+
+WIDE = _avx512()
+GEMM_BLOCK, SUB_BLOCK, SOLVE_BLOCK = block_sizes(WIDE)
 
 
 def _jit(fastmath=_FASTMATH):
@@ -66,13 +91,7 @@ def _jit(fastmath=_FASTMATH):
 
 
 # --------------------------------------------------------------------------------------------
-# matrix products in 64 x 64 blocks of the result
-
-# Rows and columns of one BLAS call's result. OpenBLAS runs a [64, k] @ [k, 64] product through
-# its small-matrix kernels (no packing); a 128 x 128 x 128 product cut into four such calls took
-# 18-20 us against 24-25 us as one call, 128 x 64 x 128 ~9.5 against ~13.5 us (one core, float32;
-# docs/speed.md).
-GEMM_BLOCK = 64
+# matrix products, in blocks of GEMM_BLOCK rows and columns of the result
 
 
 @intrinsic

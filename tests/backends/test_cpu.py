@@ -396,3 +396,41 @@ print("ok")
 """
     r = _python(code)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+@pytest.mark.slow
+def test_the_other_kind_of_cores_block_sizes_compute_the_same_function(tmp_path):
+    """The block sizes chosen for the other kind of core (``block_sizes(not WIDE)``: AVX-512 or
+    not, ``kda/cpu/_kernels.py``), compiled in a fresh process into a fresh cache: forward and
+    backward against the float64 reference in every gate regime, with chunks that hold several
+    sub-blocks and solve blocks and products wider than a GEMM block (``K = 80``, chunk 128)."""
+    script = f"""
+import sys
+import numpy as np
+sys.path.insert(0, {str(ROOT / "tests")!r})
+from helpers import REGIMES, TOLERANCE, assert_close, make_problem
+from kda.cpu import _kernels
+other = _kernels.block_sizes(not _kernels.WIDE)
+_kernels.GEMM_BLOCK, _kernels.SUB_BLOCK, _kernels.SOLVE_BLOCK = other
+import kda
+for regime in REGIMES:
+    for C in (48, 128):
+        p = make_problem(5, 1, 2, 300, 80, 72, regime)
+        ref = kda.chunk_kda(*p.inputs, initial_state=p.initial_state, chunk_size=C, save_boundaries=True, backend="reference")
+        ref_g = kda.chunk_kda_backward(*p.inputs, ref.boundaries, p.grad_output, p.grad_final_state,
+                                       initial_state=p.initial_state, chunk_size=C, backend="reference")
+        p32 = p.astype(np.float32)
+        out = kda.chunk_kda(*p32.inputs, initial_state=p32.initial_state, chunk_size=C, save_boundaries=True, backend="cpu")
+        grads = kda.chunk_kda_backward(*p32.inputs, out.boundaries, p32.grad_output, p32.grad_final_state,
+                                       initial_state=p32.initial_state, chunk_size=C, backend="cpu")
+        tol = TOLERANCE[np.dtype(np.float32)] * (10 if regime in ("strong", "hard") else 1)
+        assert_close(out.output, ref.output, tol=tol, dtype="any", name=f"output {{regime}} {{C}}")
+        assert_close(out.final_state, ref.final_state, tol=tol, dtype="any", name=f"final {{regime}} {{C}}")
+        for name, a, b in zip(("q", "k", "v", "g", "beta", "state"), grads[:6], ref_g[:6], strict=True):
+            assert_close(a, b, tol=tol, dtype="any", name=f"d{{name}} {{regime}} {{C}}")
+print("block sizes", other)
+"""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "block sizes" in r.stdout
