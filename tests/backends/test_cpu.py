@@ -416,11 +416,13 @@ import kda
 for regime in REGIMES:
     for C in (48, 128):
         p = make_problem(5, 1, 2, 300, 80, 72, regime)
-        ref = kda.chunk_kda(*p.inputs, initial_state=p.initial_state, chunk_size=C, save_boundaries=True, backend="reference")
+        ref = kda.chunk_kda(*p.inputs, initial_state=p.initial_state, chunk_size=C, save_boundaries=True,
+                            backend="reference")
         ref_g = kda.chunk_kda_backward(*p.inputs, ref.boundaries, p.grad_output, p.grad_final_state,
                                        initial_state=p.initial_state, chunk_size=C, backend="reference")
         p32 = p.astype(np.float32)
-        out = kda.chunk_kda(*p32.inputs, initial_state=p32.initial_state, chunk_size=C, save_boundaries=True, backend="cpu")
+        out = kda.chunk_kda(*p32.inputs, initial_state=p32.initial_state, chunk_size=C, save_boundaries=True,
+                            backend="cpu")
         grads = kda.chunk_kda_backward(*p32.inputs, out.boundaries, p32.grad_output, p32.grad_final_state,
                                        initial_state=p32.initial_state, chunk_size=C, backend="cpu")
         tol = TOLERANCE[np.dtype(np.float32)] * (10 if regime in ("strong", "hard") else 1)
