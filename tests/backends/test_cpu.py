@@ -432,7 +432,6 @@ for regime in REGIMES:
             assert_close(a, b, tol=tol, dtype="any", name=f"d{{name}} {{regime}} {{C}}")
 print("block sizes", other)
 """
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=1200)
+    r = _python(script, NUMBA_CACHE_DIR=str(tmp_path))
     assert r.returncode == 0, r.stderr[-4000:]
     assert "block sizes" in r.stdout
