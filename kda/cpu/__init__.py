@@ -43,6 +43,7 @@ import numpy as np
 
 from .._backend import ChunkLocal, from_chunks
 from .._threads import PIN
+from . import _fpenv
 from ._decode import decode_forward, decode_screen
 
 NAME = "cpu"
@@ -137,7 +138,8 @@ def _run(name: str, items: int, *args: Any, blas: bool = True) -> None:
 
     There are :data:`SPLIT` ranges per thread, taken in turn by whichever thread is free, so a
     core that other processes keep busy does not hold up the call. BLAS is pinned to one thread
-    while the kernels run (``blas``): they call it from every thread.
+    while the kernels run (``blas``): they call it from every thread. Every range runs with
+    subnormals flushed to zero (:mod:`._fpenv`), on the pool's threads and the calling one alike.
     """
     kernel = _k(name)
     workers = min(items, threads())
@@ -145,12 +147,12 @@ def _run(name: str, items: int, *args: Any, blas: bool = True) -> None:
         workers = 1
     with PIN.hold() if blas else contextlib.nullcontext():
         if workers <= 1:
-            kernel(*args, 0, items)
+            _fpenv.run(kernel, *args, 0, items)
             return
         parts = min(items, workers * SPLIT)
         bounds = [items * i // parts for i in range(parts + 1)]
         pool = _pool(workers)
-        futures = [pool.submit(kernel, *args, a, b) for a, b in itertools.pairwise(bounds)]
+        futures = [pool.submit(_fpenv.run, kernel, *args, a, b) for a, b in itertools.pairwise(bounds)]
         for f in futures:
             f.result()
 

@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from . import _fpenv
+
 __all__ = ["decode_forward", "decode_screen"]
 
 _LOCK = threading.Lock()
@@ -101,7 +103,7 @@ def decode_forward(
     if pool.flags.c_contiguous and dst.flags.c_contiguous:
         work = out.size * q.shape[3]
         if work < SPLIT_WORK:  # the common decode step: on this thread, no more checks
-            kernel(*args, dt.type(scale), pool, dst, start, dest, offs, out, 0, N * HV)
+            _fpenv.run(kernel, *args, dt.type(scale), pool, dst, start, dest, offs, out, 0, N * HV)
         else:
             _run(kernel, (*args, dt.type(scale), pool, dst, start, dest, offs, out), N * HV, work)
         return out
@@ -114,12 +116,12 @@ def _run(kernel: Any, args: tuple, items: int, work: int) -> None:
     calling thread and one helper) where ``work`` (state elements stepped) passes :data:`SPLIT_WORK`
     and a second core is usable. Items are independent, so the results do not depend on the split."""
     if work < SPLIT_WORK or items < 2 or _cores() < 2:
-        kernel(*args, 0, items)
+        _fpenv.run(kernel, *args, 0, items)
         return
     mid = items // 2
-    future = _helper().submit(kernel, *args, mid, items)
+    future = _helper().submit(_fpenv.run, kernel, *args, mid, items)
     try:
-        kernel(*args, 0, mid)
+        _fpenv.run(kernel, *args, 0, mid)
     finally:
         future.result()
 
@@ -157,8 +159,8 @@ def _through_copies(kernel, args, scale, pool, dst, start, dest, offs, out, item
     else:
         src_rows, dst_rows = read, written
         src_work, dst_work = np.ascontiguousarray(pool[read]), np.ascontiguousarray(dst[written])
-    kernel(*args, scale, src_work, dst_work, _renumber(start, src_rows), _renumber(dest, dst_rows), offs, out,
-           0, items)  # fmt: skip
+    _fpenv.run(kernel, *args, scale, src_work, dst_work, _renumber(start, src_rows), _renumber(dest, dst_rows),
+               offs, out, 0, items)  # fmt: skip
     dst[written] = dst_work[np.searchsorted(dst_rows, written)]
 
 
