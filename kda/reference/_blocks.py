@@ -19,9 +19,12 @@ from typing import Any
 import array_api_compat
 
 __all__ = [
+    "FLUSH_BELOW",
     "add_halves",
     "assemble_lower",
+    "decay",
     "exclusive_cumsum",
+    "flush",
     "half_sizes",
     "join_blocks",
     "join_halves",
@@ -31,9 +34,34 @@ __all__ = [
     "split_lower",
 ]
 
+# Decay factors below these are set to an exact 0 (docs/options.md, "Subnormal floats"). A
+# subnormal float costs x86 cores ~100x in every instruction that reads or writes it (NumPy's
+# loops and BLAS alike), and strong gates put many decay products inside a chunk there. Each
+# threshold's square times ``2**-42`` (float32) or ``2**-342`` (float64) is still a normal float,
+# so a product of two kept factors with inputs or states down to that size stays normal; a
+# dropped factor scales its term by less than ``2**-42`` (``2**-340``), far below rounding.
+FLUSH_BELOW = {32: 2.0**-42, 64: 2.0**-340}
+
 
 def _is_numpy(xp: Any) -> bool:
     return array_api_compat.is_numpy_namespace(xp)
+
+
+def flush(xp: Any, x: Any) -> Any:
+    """``x`` (decay factors in ``[0, 1]``) with entries below :data:`FLUSH_BELOW` set to 0
+    (NaN stays NaN); NumPy arrays are changed in place and returned."""
+    tiny = FLUSH_BELOW[xp.finfo(x.dtype).bits]
+    if _is_numpy(xp):
+        import numpy as np
+
+        np.copyto(x, 0, where=x < tiny)
+        return x
+    return xp.where(x < tiny, xp.zeros_like(x), x)
+
+
+def decay(xp: Any, g: Any) -> Any:
+    """``exp(g)``, flushed (:func:`flush`)."""
+    return flush(xp, xp.exp(g))
 
 
 def half_sizes(Cp: int) -> list[int]:

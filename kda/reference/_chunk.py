@@ -7,7 +7,8 @@ add nothing and decay nothing. ``...`` stands for the leading ``[B, H, NT]``.
 
 Decay factors follow the numerical contract of ``docs/design.md``: each is a product of
 ``exp(g)`` over exactly the steps it spans, so every factor lies in ``[0, 1]`` when
-``g <= 0``, and ``-inf`` (a hard reset) gives an exact 0 and never a NaN.
+``g <= 0``, and ``-inf`` (a hard reset) gives an exact 0 and never a NaN. Factors below
+``FLUSH_BELOW`` (``2**-42`` in float32) are exact zeros, so none is subnormal.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from .._backend import ChunkLocal
 from ._blocks import (
     add_halves,
     assemble_lower,
+    decay,
     exclusive_cumsum,
+    flush,
     half_sizes,
     join_blocks,
     join_halves,
@@ -80,7 +83,8 @@ def _decay_tree(xp: Any, e: Any) -> tuple[Any, Any, list[Any], list[Any]]:
     With ``I_h[i]`` the product over the steps of ``i``'s aligned block of ``h`` steps up to and
     including ``i`` and ``E_h[j]`` the product over the steps after ``j`` in its block:
     ``I_2h = [I_h, I_h * (whole first half)]`` and ``E_2h = [E_h * (whole second half), E_h]``,
-    so each factor is a product over exactly the steps it spans. Returns
+    so each factor is a product over exactly the steps it spans; each product is flushed
+    (:func:`~._blocks.flush`), so no factor is subnormal. Returns
     ``prefix = I_Cp``, ``suffix = E_Cp`` and, per level, ``rows`` (``I_h`` on second halves) and
     ``cols`` (``E_h`` on first halves).
     """
@@ -94,21 +98,23 @@ def _decay_tree(xp: Any, e: Any) -> tuple[Any, Any, list[Any], list[Any]]:
             cols.append(E5[..., 0, :, :].copy())
             E5[..., 0, :, :] *= I5[..., 1, -1:, :]
             I5[..., 1, :, :] *= I5[..., 0, -1:, :]
+            flush(xp, E5[..., 0, :, :])
+            flush(xp, I5[..., 1, :, :])
         return I, E, rows, cols
     for h in half_sizes(e.shape[-2]):
         I_first, I_second = split_halves(xp, I, h)
         E_first, E_second = split_halves(xp, E, h)
         rows.append(I_second)
         cols.append(E_first)
-        I = join_halves(xp, I_first, I_second * I_first[..., -1:, :])
-        E = join_halves(xp, E_first * I_second[..., -1:, :], E_second)
+        I = join_halves(xp, I_first, flush(xp, I_second * I_first[..., -1:, :]))
+        E = join_halves(xp, flush(xp, E_first * I_second[..., -1:, :]), E_second)
     return I, E, rows, cols
 
 
 def chunk_factors(q: Any, k: Any, g: Any, scale: float) -> ChunkFactors:
     """Decay factors and gated queries and keys of every chunk (``q, k, g: [..., Cp, K]``)."""
     xp = array_namespace(q, k, g)
-    prefix, suffix, rows, cols = _decay_tree(xp, xp.exp(g))
+    prefix, suffix, rows, cols = _decay_tree(xp, decay(xp, g))
     return ChunkFactors(
         prefix=prefix,
         suffix=suffix,

@@ -22,6 +22,8 @@ from typing import Any
 
 from array_api_compat import array_namespace
 
+from ._blocks import decay
+
 __all__ = ["BLOCK_ELEMENTS", "decode_forward"]
 
 # elements of the states of one block of heads (2**17 float32 = 512 KiB, half of a 1 MiB L2)
@@ -33,7 +35,7 @@ def _step(xp: Any, S: Any, q: Any, k: Any, v: Any, g: Any, beta: Any, scale: flo
 
     Returns the new state and the output ``[h, V]``.
     """
-    e = xp.exp(g)
+    e = decay(xp, g)
     P = xp.matmul(xp.stack([k * e, q * e], axis=1), S)  # [h, 2, V]
     u = beta[:, None] * (v - P[:, 0, :])
     o = scale * (P[:, 1, :] + xp.sum(q * k, axis=-1)[:, None] * u)

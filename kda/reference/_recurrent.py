@@ -17,6 +17,8 @@ from typing import Any
 
 from array_api_compat import array_namespace
 
+from ._blocks import decay
+
 __all__ = ["recurrent_backward", "recurrent_forward"]
 
 
@@ -36,7 +38,7 @@ def _at(t: int, *arrays: Any) -> list[Any]:
 
 
 def _decay(xp: Any, g_t: Any, S: Any) -> Any:
-    return xp.exp(g_t)[..., :, None] * S
+    return decay(xp, g_t)[..., :, None] * S
 
 
 def _step(xp: Any, S: Any, q_t: Any, k_t: Any, v_t: Any, g_t: Any, b_t: Any, scale: float):
@@ -124,7 +126,7 @@ def recurrent_backward(
             dSd = dS - k_t[..., :, None] * dr[..., None, :]
             # S' = diag(exp(g)) S_{t-1}
             dg_t = xp.sum(dSd * Sd, axis=-1)
-            dS = xp.exp(g_t)[..., :, None] * dSd
+            dS = decay(xp, g_t)[..., :, None] * dSd
             for acc, x in zip(grads, (dq_t, dk_t, dr, dg_t, db_t)):
                 acc.append(x)
     if T == 0:
