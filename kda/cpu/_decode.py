@@ -159,8 +159,8 @@ def _through_copies(kernel, args, scale, pool, dst, start, dest, offs, out, item
     else:
         src_rows, dst_rows = read, written
         src_work, dst_work = np.ascontiguousarray(pool[read]), np.ascontiguousarray(dst[written])
-    _fpenv.run(kernel, *args, scale, src_work, dst_work, _renumber(start, src_rows), _renumber(dest, dst_rows),
-               offs, out, 0, items)  # fmt: skip
+    starts, dests = _renumber(start, src_rows), _renumber(dest, dst_rows)
+    _fpenv.run(kernel, *args, scale, src_work, dst_work, starts, dests, offs, out, 0, items)
     dst[written] = dst_work[np.searchsorted(dst_rows, written)]
 
 
