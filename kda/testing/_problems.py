@@ -31,9 +31,12 @@ __all__ = [
 ]
 
 DTYPES = ("float64", "float32", "float16", "bfloat16")
-# Log-gate regimes (kda's own tests use these six): zero: no decay; weak: g ~ -U(0, 0.02), couplings
-# reach hundreds of steps; mild: -U(0, 1); strong: -1e-3 .. -1e3; hard: some -1e4; reset: some -inf.
-LOG_REGIMES = ("zero", "weak", "mild", "strong", "hard", "reset")
+# Log-gate regimes (kda's own tests use these eight): zero: no decay; weak: g ~ -U(0, 0.02),
+# couplings reach hundreds of steps; mild: -U(0, 1); steep: -U(0, 10) (median -5: decay products
+# inside a chunk fall through the subnormal floats); kimi: Kimi Linear's gate formula
+# -exp(A_log) softplus(a) with A_log = log U(1, 16) per head, a ~ N(0, 1) (median about -4.5);
+# strong: -1e-3 .. -1e3; hard: some -1e4; reset: some -inf.
+LOG_REGIMES = ("zero", "weak", "mild", "steep", "kimi", "strong", "hard", "reset")
 # ... and for every gate: raw: magnitudes as real models' raw gates, up to about 1e3; mixed: each
 # element from a different regime.
 REGIMES = (*LOG_REGIMES, "raw", "mixed")
@@ -50,6 +53,10 @@ def _log_gates(rng: np.random.Generator, shape: tuple[int, ...], regime: str) ->
     mild = -rng.uniform(0.0, 1.0, shape)
     if regime == "mild":
         return mild
+    if regime == "steep":
+        return -rng.uniform(0.0, 10.0, shape)
+    if regime == "kimi":
+        return -_kimi_decay(rng, shape)
     if regime == "strong":  # spans -1e-3 .. -1e3
         return -(10.0 ** rng.uniform(-3.0, 3.0, shape))
     if regime == "hard":  # some channels decay by exp(-1e4) at some steps
@@ -64,6 +71,18 @@ def _log_gates(rng: np.random.Generator, shape: tuple[int, ...], regime: str) ->
     raise InvalidInputError(f"regime must be one of {REGIMES}; got {regime!r}")
 
 
+def _kimi_decay(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """``exp(A_log) softplus(a)``: ``A_log = log U(1, 16)`` per head (per index of all but the last
+    two axes, ``[T, K]``), ``a ~ N(0, 1)`` per element, as Kimi Linear's gate."""
+    A = rng.uniform(1.0, 16.0, (*shape[:-2], 1, 1)) if len(shape) >= 2 else rng.uniform(1.0, 16.0, shape)
+    return A * np.logaddexp(0.0, rng.standard_normal(shape))
+
+
+def _softplus_inverse(y: np.ndarray) -> np.ndarray:
+    """The raw gate whose softplus is ``y > 0``."""
+    return y + np.log(-np.expm1(-y))
+
+
 def _raw_gates(rng: np.random.Generator, shape: tuple[int, ...], regime: str) -> np.ndarray:
     """Pre-activation gates for ``gate="softplus"`` / ``"lower_bound"`` (any finite value)."""
     if regime == "zero":
@@ -72,6 +91,10 @@ def _raw_gates(rng: np.random.Generator, shape: tuple[int, ...], regime: str) ->
         return -rng.uniform(5.0, 10.0, shape)
     if regime == "mild":
         return 3.0 * rng.standard_normal(shape)
+    if regime == "steep":  # softplus of U(1e-3, 10)
+        return _softplus_inverse(rng.uniform(1e-3, 10.0, shape))
+    if regime == "kimi":  # Kimi's decay magnitude (times exp(A_log) where the problem has one)
+        return _softplus_inverse(_kimi_decay(rng, shape))
     if regime == "strong":
         return rng.uniform(2.0, 30.0, shape)
     if regime == "hard":  # some +1e4: decays of about exp(-1e4 exp(A_log))
