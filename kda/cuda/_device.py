@@ -6,7 +6,8 @@ floating dtype (:func:`constants`: so float32 work stays float32, no Python floa
 promotes it to float64) and the offset functions of one index type (:func:`offset_functions`),
 and declares their argument kinds; a :class:`Family` compiles each kernel lazily, once per
 (dtype, index type), with an explicit signature. :data:`FAMILIES` lists them all: the PTX test
-compiles every kernel for both dtypes, and the 64-bit offsets in float32.
+compiles every kernel for every dtype its family accepts (``Family.dtypes``: float32 and float64,
+and float16 for the gate check), and the 64-bit offsets in float32.
 
 Layouts: every array is C-contiguous and passed flattened; a kernel indexes it by offsets
 (``at2``, ``at3``, ``at4``: unsigned, 32-bit where the launch's sizes allow) from the dimensions
@@ -83,10 +84,17 @@ class Family:
     :meth:`compiled` compiles a kernel once per (dtype, index type) and caches it.
     """
 
-    def __init__(self, name: str, build: Callable[[str, str], dict], signatures: dict[str, str]) -> None:
+    def __init__(
+        self,
+        name: str,
+        build: Callable[[str, str], dict],
+        signatures: dict[str, str],
+        dtypes: tuple[str, ...] = DTYPES,
+    ) -> None:
         self.name = name
         self.build = build
         self.signatures = signatures
+        self.dtypes = dtypes  # the floating dtypes its kernels are compiled for (DTYPES, or more)
         self._functions: dict[tuple[str, str], dict] = {}
         self._compiled: dict[tuple[str, str, str], Any] = {}
         FAMILIES.append(self)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numba
 from array_api_compat import array_namespace, device
 from numba import cuda
 
@@ -16,7 +17,11 @@ __all__ = ["gate_flags", "raise_for_gates"]
 
 def build(dtype: str, index: str = "uint32") -> dict:
     """The Python function of the gate check, specialised to ``dtype`` and ``index``."""
-    _, _, zero, _ = constants(dtype)
+    # float16 decays are compared in float32 (exact): NVVM rejects a float16 comparison against
+    # a closure constant (ERROR_INVALID_IR, numba-cuda 0.30 with NVVM of CUDA 12.9 and 13)
+    wide = "float32" if dtype == "float16" else dtype
+    widen = getattr(numba, wide)
+    _, _, zero, _ = constants(wide)
     at2, _, _ = offset_functions(index)
 
     @inline
@@ -36,7 +41,7 @@ def build(dtype: str, index: str = "uint32") -> dict:
         pos = 0
         nan = 0
         for idx in range(start, dims[0], step):
-            x = g[at1(idx)]
+            x = widen(g[at1(idx)])
             if x != x:
                 nan += 1
             elif x > zero:
@@ -51,19 +56,20 @@ def build(dtype: str, index: str = "uint32") -> dict:
     }
 
 
+# g's dtypes the check takes (float16 compared in float32)
+GATE_DTYPES = ("float16", "float32", "float64")
+
 KERNELS = Family(
     "gate",
     build,
     {
         "gate_flags": "af:1",
     },
+    dtypes=GATE_DTYPES,
 )
 
 
 _launch = launcher(KERNELS)
-
-
-GATE_DTYPES = ("float16", "float32", "float64")
 
 
 def gate_flags(g: Any) -> Any:

@@ -19,11 +19,25 @@ from ._launch import _check_ndim, _check_shape, _dtype_name, _empty, launcher
 
 __all__ = ["MAX_CHUNK", "chunk_local", "chunk_local_backward"]
 
-# channels per tile of chunk_local's pairwise products (shared memory: 2 Cp of them)
+# channels per tile of chunk_local's pairwise products (shared memory: 2 Cp rows of them, each
+# padded to LOCAL_TILE_K + 1 elements so that lanes reading consecutive rows hit distinct banks)
 LOCAL_TILE_K = 16
+LOCAL_TILE_ROW = LOCAL_TILE_K + 1
 # threads of chunk_local's block and of chunk_local_backward's (one block per chunk)
 LOCAL_THREADS = 128
 LOCAL_BACKWARD_THREADS = 64
+# chunk_local_backward's products over V and K (phases 1 and 3) run by output tiles of
+# BACKWARD_TILE_ROWS rows x BACKWARD_TILE_COLS columns (a warp's lanes across the columns, each
+# thread BACKWARD_TILE_ROWS / 2 rows), the operands staged in shared memory BACKWARD_TILE_DEPTH
+# terms at a time by coalesced loads, at row stride BACKWARD_TILE_DEPTH + 1 (conflict-free)
+BACKWARD_TILE_ROWS = 16
+BACKWARD_TILE_COLS = 32
+BACKWARD_TILE_DEPTH = 16
+# lanes per row of phase 4's per-row sums (dbeta)
+BACKWARD_ROW_LANES = 16
+_GROUPS = LOCAL_BACKWARD_THREADS // BACKWARD_TILE_COLS
+if LOCAL_BACKWARD_THREADS % BACKWARD_TILE_COLS or BACKWARD_TILE_ROWS % _GROUPS:
+    raise AssertionError("chunk_local_backward's tiles must divide its block")
 # the longest padded chunk whose work fits chunk_local's and chunk_local_backward's blocks in
 # SHARED_LIMIT, in float32 and float64 (float32 at 128 steps needs 49 KiB in chunk_local);
 # longer chunks run on the array-API reference backend (kda._backend.resolve)
@@ -34,6 +48,11 @@ def build(dtype: str, index: str = "uint32") -> dict:
     """The Python functions of the per-chunk kernels, specialised to ``dtype`` and ``index``."""
     _, nbtype, zero, one = constants(dtype)
     at2, at3, at4 = offset_functions(index)
+    TI, TJ, TX = BACKWARD_TILE_ROWS, BACKWARD_TILE_COLS, BACKWARD_TILE_DEPTH
+    TR = TX + 1  # a staged row's stride
+    RS = LOCAL_BACKWARD_THREADS // TJ  # row groups of a tile (the warps of the block)
+    RI = TI // RS  # rows of a tile per thread
+    RL = BACKWARD_ROW_LANES
 
     def chunk_local(q, k, g, v, beta, scale, qg, kg, kt, total, A, L, Tinv, w, u0, dims):
         """One block per chunk ``n``: all of its state-free work, without any factor array.
@@ -49,21 +68,23 @@ def build(dtype: str, index: str = "uint32") -> dict:
            ``T21 = -T22 (beta L21) T11`` level by level;
         4. ``T`` (written out for the backward), ``W = T diag(beta) kg`` and ``U0 = T diag(beta) v``.
 
-        Dynamic shared memory: ``Cp + Cp (Cp + 1) / 2 + max(2 Cp LOCAL_TILE_K, Cp^2 / 4)``
-        elements.
+        Dynamic shared memory: ``Cp + Cp (Cp + 1) / 2 + max(2 Cp (LOCAL_TILE_K + 1), Cp^2 / 4)``
+        elements (the tiles' rows padded against bank conflicts).
         """
         n = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         nth = cuda.blockDim.x
         Cp, K, V = dims
         TK = LOCAL_TILE_K
+        TR = LOCAL_TILE_ROW  # a tile row's stride in shared memory: lanes on consecutive rows
+        # (the pair loop's j) then read distinct banks, not two (a 16-way conflict at stride 16)
         shared = cuda.shared.array(0, nbtype)
         bsh = shared[:Cp]
         tri = Cp * (Cp + 1) // 2
         T = shared[Cp : Cp + tri]  # T[i, j] at i (i + 1) / 2 + j
         work = shared[Cp + tri :]
-        P = work[: Cp * TK]  # column sides (first halves) and q rows (second halves)
-        Q = work[Cp * TK : 2 * Cp * TK]  # k rows (second halves)
+        P = work[: Cp * TR]  # column sides (first halves) and q rows (second halves)
+        Q = work[Cp * TR : 2 * Cp * TR]  # k rows (second halves)
         # 1. factors
         for d in range(tid, K, nth):
             p = one
@@ -104,15 +125,15 @@ def build(dtype: str, index: str = "uint32") -> dict:
                         j = mid - 1 - m
                         i = mid + m
                         if d < K:
-                            P[j * TK + dd] = k[at3(n, j, d, Cp, K)] * c
+                            P[j * TR + dd] = k[at3(n, j, d, Cp, K)] * c
                             c *= math.exp(g[at3(n, j, d, Cp, K)])
                             r *= math.exp(g[at3(n, i, d, Cp, K)])
-                            P[i * TK + dd] = q[at3(n, i, d, Cp, K)] * r
-                            Q[i * TK + dd] = k[at3(n, i, d, Cp, K)] * r
+                            P[i * TR + dd] = q[at3(n, i, d, Cp, K)] * r
+                            Q[i * TR + dd] = k[at3(n, i, d, Cp, K)] * r
                         else:
-                            P[j * TK + dd] = zero
-                            P[i * TK + dd] = zero
-                            Q[i * TK + dd] = zero
+                            P[j * TR + dd] = zero
+                            P[i * TR + dd] = zero
+                            Q[i * TR + dd] = zero
                 cuda.syncthreads()
                 for pair in range(tid, nb * h * h, nth):
                     start = (pair // (h * h)) * 2 * h
@@ -121,9 +142,9 @@ def build(dtype: str, index: str = "uint32") -> dict:
                     sa = zero
                     sl = zero
                     for dd in range(TK):
-                        c = P[j * TK + dd]
-                        sa += P[i * TK + dd] * c
-                        sl += Q[i * TK + dd] * c
+                        c = P[j * TR + dd]
+                        sa += P[i * TR + dd] * c
+                        sl += Q[i * TR + dd] * c
                     if d0 == 0:
                         A[at3(n, i, j, Cp, Cp)] = scale * sa
                         L[at3(n, i, j, Cp, Cp)] = sl
@@ -249,38 +270,112 @@ def build(dtype: str, index: str = "uint32") -> dict:
         bh = n // NT
         c = n % NT
         F = cuda.shared.array(0, nbtype)
-        # 1.
-        for idx in range(tid, Cp * K, nth):
-            i = idx // K
-            d = idx % K
-            a = zero
-            b = zero
-            e = zero
-            for x in range(V):
-                dx = at4(c, bh, d, x, BH, K, V)
-                ix = at3(n, i, x, Cp, V)
-                s = S[dx]
-                a += do[ix] * s
-                e += dU[ix] * s
-                b += U[ix] * dS[dx]
-            o = at3(n, i, d, Cp, K)
-            dqg[o] = a
-            dkt[o] = b
-            dg[o] = -e
-        for d in range(tid, K, nth):
-            a = zero
-            for x in range(V):
-                dx = at4(c, bh, d, x, BH, K, V)
-                a += S[dx] * dS[dx]
-            dtot[at2(n, d, K)] = a
+        # the tiles of phases 1 and 3 (at the front of F; phase 5 reuses it): rows of TX
+        # elements padded to TR, so that lanes on consecutive rows read distinct banks
+        lane = tid % TJ  # a row of the output tile's right side (channel d, or column j)
+        grp = tid // TJ  # rows i0 + grp + RS m of the tile's left side, m < RI
+        sa = F[: TI * TR]
+        sb = F[TI * TR : 2 * TI * TR]
+        sc = F[2 * TI * TR : 3 * TI * TR]
+        sd = F[3 * TI * TR : 3 * TI * TR + TJ * TR]
+        se = F[3 * TI * TR + TJ * TR : 3 * TI * TR + 2 * TJ * TR]
+        acc_a = cuda.local.array(RI, nbtype)
+        acc_b = cuda.local.array(RI, nbtype)
+        acc_e = cuda.local.array(RI, nbtype)
+        # 1. dqg = dO S^T, dkt = U dS^T, dW = -dU S^T (into dg) and dtotal, by output tiles of
+        # TI rows x TJ channels: dO, U, dU [TI, TX] and S, dS [TJ, TX] staged by coalesced loads
+        for i0 in range(0, Cp, TI):
+            for d0 in range(0, K, TJ):
+                for m in range(RI):
+                    acc_a[m] = zero
+                    acc_b[m] = zero
+                    acc_e[m] = zero
+                tacc = zero
+                for x0 in range(0, V, TX):
+                    cuda.syncthreads()  # the previous tiles are read
+                    for e in range(tid, TI * TX, nth):
+                        r = e // TX
+                        cc = e % TX
+                        i = i0 + r
+                        x = x0 + cc
+                        o = r * TR + cc
+                        if i < Cp and x < V:
+                            ix = at3(n, i, x, Cp, V)
+                            sa[o] = do[ix]
+                            sb[o] = U[ix]
+                            sc[o] = dU[ix]
+                        else:
+                            sa[o] = zero
+                            sb[o] = zero
+                            sc[o] = zero
+                    for e in range(tid, TJ * TX, nth):
+                        r = e // TX
+                        cc = e % TX
+                        d = d0 + r
+                        x = x0 + cc
+                        o = r * TR + cc
+                        if d < K and x < V:
+                            dx = at4(c, bh, d, x, BH, K, V)
+                            sd[o] = S[dx]
+                            se[o] = dS[dx]
+                        else:
+                            sd[o] = zero
+                            se[o] = zero
+                    cuda.syncthreads()
+                    for xx in range(TX):
+                        s = sd[lane * TR + xx]
+                        ds = se[lane * TR + xx]
+                        tacc += s * ds
+                        for m in range(RI):
+                            o = (grp + RS * m) * TR + xx
+                            acc_a[m] += sa[o] * s
+                            acc_b[m] += sb[o] * ds
+                            acc_e[m] += sc[o] * s
+                d = d0 + lane
+                if d < K:
+                    for m in range(RI):
+                        i = i0 + grp + RS * m
+                        if i < Cp:
+                            o = at3(n, i, d, Cp, K)
+                            dqg[o] = acc_a[m]
+                            dkt[o] = acc_b[m]
+                            dg[o] = -acc_e[m]
+                    if i0 == 0 and grp == 0:
+                        dtot[at2(n, d, K)] = tacc
+        # dA = tril(dO U^T): tiles of TI rows x TJ columns j <= i, dO [TI, TX] and U [TJ, TX] staged
         for idx in range(tid, Cp * Cp, nth):
             i = idx // Cp
             j = idx % Cp
-            a = zero
-            if j <= i:
-                for x in range(V):
-                    a += do[at3(n, i, x, Cp, V)] * U[at3(n, j, x, Cp, V)]
-            dA[at3(n, i, j, Cp, Cp)] = a
+            if j > i:
+                dA[at3(n, i, j, Cp, Cp)] = zero
+        for i0 in range(0, Cp, TI):
+            for j0 in range(0, min(i0 + TI, Cp), TJ):
+                for m in range(RI):
+                    acc_a[m] = zero
+                for x0 in range(0, V, TX):
+                    cuda.syncthreads()
+                    for e in range(tid, TI * TX, nth):
+                        r = e // TX
+                        cc = e % TX
+                        i = i0 + r
+                        x = x0 + cc
+                        sa[r * TR + cc] = do[at3(n, i, x, Cp, V)] if i < Cp and x < V else zero
+                    for e in range(tid, TJ * TX, nth):
+                        r = e // TX
+                        cc = e % TX
+                        j = j0 + r
+                        x = x0 + cc
+                        sd[r * TR + cc] = U[at3(n, j, x, Cp, V)] if j < Cp and x < V else zero
+                    cuda.syncthreads()
+                    for xx in range(TX):
+                        u = sd[lane * TR + xx]
+                        for m in range(RI):
+                            acc_a[m] += sa[(grp + RS * m) * TR + xx] * u
+                j = j0 + lane
+                for m in range(RI):
+                    i = i0 + grp + RS * m
+                    if i < Cp and j <= i:
+                        dA[at3(n, i, j, Cp, Cp)] = acc_a[m]
         cuda.syncthreads()
         # 2.
         for idx in range(tid, Cp * K, nth):
@@ -297,40 +392,81 @@ def build(dtype: str, index: str = "uint32") -> dict:
             for m in range(i, Cp):
                 a += Tinv[at3(n, m, i, Cp, Cp)] * dU[at3(n, m, x, Cp, V)]
             dku[at3(n, i, x, Cp, V)] = a
-        cuda.syncthreads()
-        # 3.
+        # 3. dX = tril(-(dkw W^T + dku U0^T), -1): tiles of TI rows x TJ columns j < i, over the
+        # channels (dkw [TI, TX] and W [TJ, TX] staged) and then the value columns (dku, U0)
         for idx in range(tid, Cp * Cp, nth):
             i = idx // Cp
             j = idx % Cp
-            a = zero
-            if j < i:
-                for d in range(K):
-                    a += dkw[at3(n, i, d, Cp, K)] * w[at3(n, j, d, Cp, K)]
-                for x in range(V):
-                    a += dku[at3(n, i, x, Cp, V)] * u0[at3(n, j, x, Cp, V)]
-            dX[at3(n, i, j, Cp, Cp)] = -a
+            if j >= i:
+                dX[at3(n, i, j, Cp, Cp)] = zero
+        for i0 in range(0, Cp, TI):
+            for j0 in range(0, min(i0 + TI, Cp), TJ):
+                for m in range(RI):
+                    acc_a[m] = zero
+                for part in range(2):
+                    D = K if part == 0 else V
+                    for x0 in range(0, D, TX):
+                        cuda.syncthreads()  # the previous tiles are read (phase 2 is written)
+                        for e in range(tid, TI * TX, nth):
+                            r = e // TX
+                            cc = e % TX
+                            i = i0 + r
+                            x = x0 + cc
+                            a = zero
+                            if i < Cp and x < D:
+                                a = dkw[at3(n, i, x, Cp, K)] if part == 0 else dku[at3(n, i, x, Cp, V)]
+                            sa[r * TR + cc] = a
+                        for e in range(tid, TJ * TX, nth):
+                            r = e // TX
+                            cc = e % TX
+                            j = j0 + r
+                            x = x0 + cc
+                            a = zero
+                            if j < Cp and x < D:
+                                a = w[at3(n, j, x, Cp, K)] if part == 0 else u0[at3(n, j, x, Cp, V)]
+                            sd[r * TR + cc] = a
+                        cuda.syncthreads()
+                        for xx in range(TX):
+                            u = sd[lane * TR + xx]
+                            for m in range(RI):
+                                acc_a[m] += sa[(grp + RS * m) * TR + xx] * u
+                j = j0 + lane
+                for m in range(RI):
+                    i = i0 + grp + RS * m
+                    if i < Cp and j < i:
+                        dX[at3(n, i, j, Cp, Cp)] = -acc_a[m]
         cuda.syncthreads()
-        # 4.
-        for i in range(tid, Cp, nth):
+        # 4. per row: dbeta (RL lanes of a row's group over j, d and x, partial sums in shared
+        # memory at row stride RL + 1), then dL = beta dX in place; dv = beta dku
+        red = F[: Cp * (RL + 1)]
+        rl = tid % RL
+        for i in range(tid // RL, Cp, nth // RL):
             bi = beta[at2(n, i, Cp)]
             a = zero
-            for j in range(i):
+            for j in range(rl, i, RL):
                 ij = at3(n, i, j, Cp, Cp)
-                a += dX[ij] * L[ij]
-                dX[ij] = bi * dX[ij]
-            for d in range(K):
+                x = dX[ij]
+                a += x * L[ij]
+                dX[ij] = bi * x
+            for d in range(rl, K, RL):
                 o = at3(n, i, d, Cp, K)
                 a += kg[o] * dkw[o]
-            for x in range(V):
+            for x in range(rl, V, RL):
                 ix = at3(n, i, x, Cp, V)
                 a += v[ix] * dku[ix]
-            dbeta[at2(n, i, Cp)] = a
+            red[i * (RL + 1) + rl] = a
         for idx in range(tid, Cp * V, nth):
             i = idx // V
             x = idx % V
             ix = at3(n, i, x, Cp, V)
             dv[ix] = beta[at2(n, i, Cp)] * dku[ix]
         cuda.syncthreads()
+        for i in range(tid, Cp, nth):
+            a = zero
+            for p in range(RL):
+                a += red[i * (RL + 1) + p]
+            dbeta[at2(n, i, Cp)] = a
+        cuda.syncthreads()  # red is read: phase 5 reuses F
         # 5. dL is in dX now
         for d in range(tid, K, nth):
             for i in range(Cp):
@@ -420,7 +556,15 @@ _launch = launcher(KERNELS)
 
 def _local_shared(Cp: int, itemsize: int) -> int:
     """Bytes of dynamic shared memory of :func:`chunk_local`'s block."""
-    return (Cp + Cp * (Cp + 1) // 2 + max(2 * Cp * LOCAL_TILE_K, Cp * Cp // 4)) * itemsize
+    return (Cp + Cp * (Cp + 1) // 2 + max(2 * Cp * LOCAL_TILE_ROW, Cp * Cp // 4)) * itemsize
+
+
+def _local_backward_shared(Cp: int, itemsize: int) -> int:
+    """Bytes of dynamic shared memory of :func:`chunk_local_backward`'s block: the largest of
+    phase 5's factor columns, phases 1 and 3's staged tiles and phase 4's partial row sums."""
+    rows = BACKWARD_TILE_DEPTH + 1
+    tiles = (3 * BACKWARD_TILE_ROWS + 2 * BACKWARD_TILE_COLS) * rows
+    return max(Cp * LOCAL_BACKWARD_THREADS, tiles, Cp * (BACKWARD_ROW_LANES + 1)) * itemsize
 
 
 def chunk_local(q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float) -> ChunkLocal:
@@ -489,7 +633,7 @@ def chunk_local_backward(
         _check_shape(name, arg, x, shape)
     fields = (loc.qg, loc.kg, loc.kt, loc.total, loc.L, loc.Tinv, loc.w, loc.u0)
     dtype = _dtype_name(name, q, k, g, v, beta, boundaries, dends, u, du, grad_output, *fields)
-    shared = Cp * LOCAL_BACKWARD_THREADS * q.dtype.itemsize
+    shared = _local_backward_shared(Cp, q.dtype.itemsize)
     if Cp > MAX_CHUNK:
         msg = f"{name}: padded chunks of at most {MAX_CHUNK} steps fit a block; got {Cp}"
         raise ValueError(msg)
