@@ -177,7 +177,7 @@ class Backend(Protocol):
 
     def decode_forward(
         self, q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, pool: Any, start: Any, dest: Any,
-        offsets: Any = None, final_pool: Any = None, out: Any = None,
+        offsets: Any = None, final_pool: Any = None, out: Any = None, v_first: bool = False,
     ) -> Any:  # fmt: skip
         """Steps of ``N`` requests from rows of ``pool [P, H, K, V]``; returns ``output [B, H, T, V]``.
 
@@ -189,7 +189,12 @@ class Backend(Protocol):
         state's row; ``-1`` writes nothing. ``start`` and ``dest`` are int64 NumPy arrays whose
         non-negative rows are in range and distinct across requests (the caller checks). Rows not
         named are neither read nor written. ``out``: a C-contiguous ``[B, H, T, V]`` buffer of
-        the compute dtype that receives the output (and is returned), or None.
+        the compute dtype that receives the output (and is returned), or None. ``v_first``: the
+        pools are V-major, ``[P, H, V, K]``, read and written in that layout in place. The pools
+        hold the compute dtype, or float16 / bfloat16 with float32 compute: a row is read as it
+        is, the steps run in the compute dtype and each stored state is rounded to the pool's
+        dtype (to nearest even); ``final_pool`` has ``pool``'s dtype and layout. A request may
+        name one row at several steps (written in step order).
         """
 
     # --- hooks

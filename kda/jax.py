@@ -163,11 +163,11 @@ def _apply(q, k, v, g, beta, s0, A_log, dt_bias, cu, call: FlaCall):
     return o, final, (jnp.swapaxes(h, -1, -2) if call.state_v_first else h).astype(k_dtype)
 
 
-def _host_decode(static: tuple[Any, ...], *arrays):
+def _host_decode(static: tuple[Any, ...], v_first: bool, pad: int, *arrays):
     q, k, v, g, beta, pool, indices, accepted, A_log, dt_bias, cu = _host_arrays(arrays)
     pool = np.array(pool)  # JAX arrays are immutable: the updated pool is a new array
     o = _host.decode(static, (q, k, v, g, beta, None, A_log, dt_bias), pool, indices, accepted,
-                     _host_offsets(cu))  # fmt: skip
+                     _host_offsets(cu), v_first, pad)  # fmt: skip
     return np.asarray(o), pool
 
 
@@ -193,12 +193,15 @@ def _apply_pool(q, k, v, g, beta, pool, A_log, dt_bias, cu, call: FlaCall, kw: d
     A_log = None if A_log is None else A_log.reshape(HV).astype(cd)
     dt_bias = None if dt_bias is None else dt_bias.reshape(HV, K).astype(cd)
     q, k, v_, g, beta = (x.astype(cd) if x.dtype != cd else x for x in (q, k, v, g, beta))
-    rows = jnp.swapaxes(pool, -1, -2) if call.state_v_first else pool
-    structs = (_struct(v.shape, cd), _struct(rows.shape, cd))
-    host = functools.partial(_host_decode, call.static)
-    args = (q, k, v_, g, beta, rows, indices, accepted, A_log, dt_bias, cu)
+    pad = kw.get("pad_slot_id", -1)
+    if isinstance(pad, bool) or not isinstance(pad, int):
+        msg = f"pad_slot_id must be an int (-1, or a pool row reserved for padding); got {type(pad).__name__}"
+        raise InvalidTypeError(msg)
+    structs = (_struct(v.shape, cd), _struct(pool.shape, cd))
+    host = functools.partial(_host_decode, call.static, call.state_v_first, pad)  # the pool's own layout
+    args = (q, k, v_, g, beta, pool, indices, accepted, A_log, dt_bias, cu)
     o, new = jax.pure_callback(host, structs, *args, vmap_method="sequential")
-    return o.astype(v.dtype), (jnp.swapaxes(new, -1, -2) if call.state_v_first else new)
+    return o.astype(v.dtype), new
 
 
 def _call(name: str, q, k, v, g, beta, kw: dict[str, Any]):

@@ -119,6 +119,31 @@ def _array(t: torch.Tensor | None) -> Any:
     raise InvalidTypeError(msg)
 
 
+def _pool_array(t: torch.Tensor) -> Any:
+    """A view of the state pool ``t`` (updated in place: never a copy), float16 and bfloat16 as
+    they are (``ml_dtypes.bfloat16`` on the host)."""
+    if t.is_cpu and t.dtype != torch.bfloat16:
+        return t.numpy()
+    if t.is_cpu:
+        try:
+            import ml_dtypes
+        except ImportError as err:
+            msg = (
+                "a bfloat16 state pool on the CPU needs ml_dtypes (pip install ml_dtypes): it is read as such"
+            )
+            raise InvalidTypeError(msg) from err
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if t.device.type == "cuda":
+        if t.dtype == torch.bfloat16:
+            msg = "a bfloat16 state pool on CUDA is not supported (CuPy has no bfloat16); use float16"
+            raise InvalidTypeError(msg)
+        import cupy
+
+        return cupy.from_dlpack(t)
+    msg = f"kda.torch runs on CPU and CUDA tensors; got a tensor on {t.device}"
+    raise InvalidTypeError(msg)
+
+
 def _tensor(a: Any, dtype: torch.dtype, inputs: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
     """``a`` as a contiguous tensor of ``dtype`` that shares no memory with ``inputs``."""
     if isinstance(a, np.ndarray):  # NumPy's copy: torch's parallel one costs ms on small arrays
@@ -167,7 +192,8 @@ _LIB = torch.library.Library("kda", "FRAGMENT")
 _STEPS = "Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta"
 _LIB.define(
     f"decode({_STEPS}, Tensor(a!) state_pool, Tensor state_indices, Tensor? num_accepted_tokens, "
-    f"Tensor? A_log, Tensor? dt_bias, Tensor? cu_seqlens, {_OPTION_ARGS}) -> Tensor"
+    f"Tensor? A_log, Tensor? dt_bias, Tensor? cu_seqlens, bool state_v_first, int pad_slot_id, "
+    f"{_OPTION_ARGS}) -> Tensor"
 )
 _LIB.define(
     f"decode_states({_STEPS}, Tensor? initial_state, Tensor? A_log, Tensor? dt_bias, Tensor? cu_seqlens, "
@@ -176,13 +202,14 @@ _LIB.define(
 
 
 def _decode_impl(q, k, v, g, beta, state_pool, state_indices, num_accepted_tokens, A_log, dt_bias, cu_seqlens,
-                 *options):  # fmt: skip
+                 state_v_first, pad_slot_id, *options):  # fmt: skip
     """``o [B, T, HV, V]``; the rows of ``state_pool`` the slots name are written in place
     (:func:`kda._entry.host.decode`)."""
     with _on_stream(q):
         x = tuple(_array(t) for t in (q, k, v, g, beta, None, A_log, dt_bias))
         slots = _array(state_indices), _array(num_accepted_tokens)
-        o = _host.decode(options, x, _array(state_pool), *slots, _offsets(cu_seqlens))
+        o = _host.decode(options, x, _pool_array(state_pool), *slots, _offsets(cu_seqlens), state_v_first,
+                         pad_slot_id)  # fmt: skip
         return _fresh(o, v.dtype)
 
 
@@ -338,8 +365,13 @@ def _apply_pool(q, k, v, g, beta, pool, A_log, dt_bias, cu_seqlens, call: FlaCal
         )
         raise InvalidInputError(msg)
     cd = _compute_dtype(q.dtype)
-    if pool.dtype != cd:
-        msg = f"initial_state (the state pool, updated in place) must have dtype {cd}; got {pool.dtype}"
+    if pool.dtype != cd and not (cd == torch.float32 and pool.dtype in _HALF):
+        want = cd if cd == torch.float64 else "torch.float32, torch.float16 or torch.bfloat16"
+        msg = f"initial_state (the state pool, updated in place) must have dtype {want}; got {pool.dtype}"
+        raise InvalidTypeError(msg)
+    pad = kw.get("pad_slot_id", -1)
+    if isinstance(pad, torch.Tensor) or isinstance(pad, bool) or not isinstance(pad, int):
+        msg = f"pad_slot_id must be an int (-1, or a pool row reserved for padding); got {type(pad).__name__}"
         raise InvalidTypeError(msg)
     if cu_seqlens is not None:
         cu_seqlens = torch.as_tensor(cu_seqlens, dtype=torch.int64)
@@ -347,10 +379,10 @@ def _apply_pool(q, k, v, g, beta, pool, A_log, dt_bias, cu_seqlens, call: FlaCal
         N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
         indices = torch.arange(N, dtype=torch.int64)
     A_log, dt_bias = _gate_params(call, A_log, dt_bias, cd)
-    rows = pool.transpose(-1, -2) if call.state_v_first else pool
     o = torch.ops.kda.decode(
-        q, k, v, g, beta, rows, indices, accepted, A_log, dt_bias, cu_seqlens, *call.static
-    )
+        q, k, v, g, beta, pool, indices, accepted, A_log, dt_bias, cu_seqlens, call.state_v_first, pad,
+        *call.static,
+    )  # fmt: skip
     return o, pool
 
 

@@ -39,7 +39,7 @@ from .._errors import InvalidInputError, InvalidTypeError, KdaError
 from .._options.checks import warn_if_diverged
 from .._options.maps import head_first
 from .._options.table import Array, Choices, takes_options
-from .._options.validation import STATE_DTYPE_RULE, Problem, _host_integers, check_array, check_state
+from .._options.validation import Problem, _host_integers, check_array, check_state
 from .call import Call, KdaOutput, open_call
 
 __all__ = ["DecodePlan", "Slots", "decode_kda", "decode_states", "prepare_decode_kda"]
@@ -53,18 +53,54 @@ SMALL = 64
 # the pool and the slots
 
 
-def check_pool(state_pool: Any, p: Problem) -> int:
-    """Validate the pool ``[P, HV, K, V]`` (compute dtype, writable in place); return ``P``."""
+POOL_DTYPE_RULE = (
+    "a pool holds float32, float16 or bfloat16 states for float32 (and 16-bit) inputs, float64 for "
+    "float64 inputs"
+)
+HALF_POOLS = ("float16", "bfloat16")  # 16-bit pool dtypes: read into float32, rounded on store
+
+
+def _dtype_name(dtype: Any) -> str:
+    """``float16`` for NumPy's and torch's float16, ``bfloat16`` for ``ml_dtypes.bfloat16`` and torch's."""
+    name = getattr(dtype, "name", None)
+    if not isinstance(name, str):
+        name = getattr(dtype, "__name__", None)
+    return name if isinstance(name, str) else str(dtype).rpartition(".")[2]
+
+
+def pool_dtype_ok(dtype: Any, compute_dtype: Any) -> bool:
+    """Whether a pool of ``dtype`` serves a call computing in ``compute_dtype`` (:data:`POOL_DTYPE_RULE`)."""
+    if dtype == compute_dtype:
+        return True
+    return _dtype_name(dtype) in HALF_POOLS and _dtype_name(compute_dtype) == "float32"
+
+
+def check_pool(state_pool: Any, p: Problem, v_first: bool = False) -> int:
+    """Validate the pool ``[P, HV, K, V]`` (``[P, HV, V, K]`` with ``v_first``; float32,
+    float16 or bfloat16 for float32 compute, float64 for float64; writable in place); return ``P``."""
     if not array_api_compat.is_array_api_obj(state_pool) or state_pool.ndim != 4:
         shape = getattr(state_pool, "shape", None)
-        msg = (
-            f"state_pool must be a 4-D array [P, HV, K, V]; got {type(state_pool).__name__} of shape {shape}"
-        )
+        letters = "P, HV, V, K" if v_first else "P, HV, K, V"
+        msg = f"state_pool must be a 4-D array [{letters}]; got {type(state_pool).__name__} of shape {shape}"
         raise InvalidInputError(msg) if shape is not None else InvalidTypeError(msg)
     P = int(state_pool.shape[0])
-    check_array(
-        "state_pool", state_pool, p, (P, p.HV, p.K, p.V), "P, HV, K, V", p.compute_dtype, STATE_DTYPE_RULE
-    )
+    shape = (P, p.HV, p.V, p.K) if v_first else (P, p.HV, p.K, p.V)
+    got = tuple(int(n) for n in state_pool.shape)
+    check_array("state_pool", state_pool, p, got, "", state_pool.dtype, "")  # the array library
+    if got != shape:
+        other = (P, p.HV, p.K, p.V) if v_first else (P, p.HV, p.V, p.K)
+        letters = "P, HV, V, K" if v_first else "P, HV, K, V"
+        msg = f"state_pool must have shape [{letters}] = {shape} (state_v_first={bool(v_first)}); got {got}"
+        if got == other:
+            msg += f" (the other layout: pass state_v_first={not v_first} for a pool of that layout)"
+        raise InvalidInputError(msg)
+    if not pool_dtype_ok(state_pool.dtype, p.compute_dtype):
+        want = "float64" if _dtype_name(p.compute_dtype) == "float64" else "float32, float16 or bfloat16"
+        msg = (
+            f"state_pool must have dtype {want} ({POOL_DTYPE_RULE}); got {_dtype_name(state_pool.dtype)} "
+            f"with {_dtype_name(p.dtype)} inputs"
+        )
+        raise InvalidTypeError(msg)
     if not array_api_compat.is_writeable_array(state_pool):
         msg = (
             "state_pool must be writable in place (it is updated in place); got a read-only or "
@@ -72,6 +108,31 @@ def check_pool(state_pool: Any, p: Problem) -> int:
         )
         raise InvalidInputError(msg)
     return P
+
+
+def check_pad_slot_id(pad_slot_id: Any, P: int) -> int:
+    """``pad_slot_id``: ``-1`` (the default) or a row of ``[0, P)`` that marks padding (vLLM's KDA
+    layers pass 0); returned as an int."""
+    if isinstance(pad_slot_id, bool) or not isinstance(pad_slot_id, numbers.Integral):
+        msg = (
+            f"pad_slot_id must be an int (-1, or a pool row in [0, {P}) reserved for padding); got "
+            f"{pad_slot_id!r} of type {type(pad_slot_id).__name__}"
+        )
+        raise InvalidTypeError(msg)
+    if not PADDING <= int(pad_slot_id) < P:
+        msg = f"pad_slot_id must be -1 or a pool row in [0, {P}) reserved for padding; got {int(pad_slot_id)}"
+        raise InvalidInputError(msg)
+    return int(pad_slot_id)
+
+
+def check_state_v_first(state_v_first: Any) -> bool:
+    if not isinstance(state_v_first, bool):
+        msg = (
+            "state_v_first must be a bool (True: states [.., V, K], V-major; False: [.., K, V]); got "
+            f"{state_v_first!r} of type {type(state_v_first).__name__}"
+        )
+        raise InvalidTypeError(msg)
+    return state_v_first
 
 
 @dataclass(frozen=True)
@@ -123,21 +184,31 @@ def _host_slots(state_indices: Any) -> Any:
     return np.ascontiguousarray(host, np.int64)
 
 
-def _repeated(values: list[int]) -> list[int]:
-    seen: set[int] = set()
-    return sorted({r for r in values if r in seen or seen.add(r)})
-
-
-def _check_rows(name: str, rows: list[int], P: int, what: str) -> None:
-    """Every entry ``-1`` or a row of ``[0, P)``; non-negative ones distinct."""
+def _check_range(name: str, rows: list[int], P: int) -> None:
+    """Every entry ``-1`` or a row of ``[0, P)``."""
     if rows and (min(rows) < PADDING or max(rows) >= P):
         bad = [r for r in rows if not PADDING <= r < P]
         msg = f"{name} must be -1 (padding) or a row in [0, {P}) of state_pool; got {bad[:5]}"
         raise InvalidInputError(msg)
+
+
+def _shared(row: int, first: int, second: int, why: str) -> InvalidInputError:
+    msg = (
+        f"state_indices must name each pool row at most once across requests ({why}); got [{row}] "
+        f"named by requests {first} and {second}"
+    )
+    return InvalidInputError(msg)
+
+
+def _check_rows(name: str, rows: list[int], P: int, what: str) -> None:
+    """Every entry ``-1`` or a row of ``[0, P)``; non-negative ones distinct (entry ``n``: request ``n``)."""
+    _check_range(name, rows, P)
     named = [r for r in rows if r >= 0]
     if len(set(named)) != len(named):
-        msg = f"{name} must name each pool row at most once ({what}); got {_repeated(named)} more than once"
-        raise InvalidInputError(msg)
+        owner: dict[int, int] = {}
+        for n, r in enumerate(rows):
+            if r >= 0 and owner.setdefault(r, n) != n:
+                raise _shared(r, owner[r], n, what)
 
 
 def _check_rows_numpy(name: str, rows: Any, P: int, what: str) -> None:
@@ -145,10 +216,10 @@ def _check_rows_numpy(name: str, rows: Any, P: int, what: str) -> None:
     import numpy as np
 
     if rows.size and (int(rows.min()) < PADDING or int(rows.max()) >= P):
-        _check_rows(name, rows.tolist(), P, what)  # words the error
+        _check_range(name, rows.tolist(), P)  # words the error
     named = np.sort(rows[rows >= 0])
     if named.size > 1 and bool(np.any(named[1:] == named[:-1])):
-        _check_rows(name, named.tolist(), P, what)
+        _check_rows(name, rows.tolist(), P, what)
 
 
 def _lengths(N: int, T: int, offsets: tuple[int, ...] | None) -> list[int]:
@@ -158,14 +229,21 @@ def _lengths(N: int, T: int, offsets: tuple[int, ...] | None) -> list[int]:
 
 
 def check_slots(
-    state_indices: Any, num_accepted_tokens: Any, N: int, T: int, offsets: tuple[int, ...] | None, P: int
-) -> Slots:
+    state_indices: Any, num_accepted_tokens: Any, N: int, T: int, offsets: tuple[int, ...] | None, P: int,
+    pad_slot_id: int = PADDING,
+) -> Slots:  # fmt: skip
     """Validate the slots of ``N`` requests of ``T`` steps (per request with ``offsets``).
 
-    Raises :class:`~kda.InvalidInputError` / :class:`~kda.InvalidTypeError` naming
-    ``state_indices`` or ``num_accepted_tokens``; nothing is written before these checks pass.
+    Entries equal to ``pad_slot_id`` (checked by the caller: :func:`check_pad_slot_id`) or
+    ``-1`` are padding: the backends receive them as ``-1``. Raises
+    :class:`~kda.InvalidInputError` / :class:`~kda.InvalidTypeError` naming ``state_indices``
+    or ``num_accepted_tokens``; nothing is written before these checks pass.
     """
     host = _host_slots(state_indices)
+    if pad_slot_id != PADDING:
+        import numpy as np
+
+        host = np.where(host == pad_slot_id, PADDING, host)  # a new array: the input is not modified
     if host.ndim == 1:
         return _one_slot_each(host, num_accepted_tokens, N, P)
     return _slot_per_step(host, num_accepted_tokens, N, T, offsets, P)
@@ -230,8 +308,12 @@ def _slot_per_step(
     table = host.tolist()
     used = [row[:t] for row, t in zip(table, lengths)]
     start = [row[a - 1] if row else PADDING for row, a in zip(used, accepted)]
-    flat = [r for row in used for r in row]
-    _check_rows("state_indices", flat, P, "two steps or requests cannot share a slot")
+    _check_range("state_indices", [r for row in used for r in row], P)
+    owner: dict[int, int] = {}  # row -> the request that names it (its own slot at any of its steps)
+    for n, row in enumerate(used):
+        for r in row:
+            if r >= 0 and owner.setdefault(r, n) != n:
+                raise _shared(r, owner[r], n, "a request may name its own slot at several steps")
     idle = [n for n, (s, row) in enumerate(zip(start, used)) if s < 0 and any(r >= 0 for r in row)]
     if idle:
         n = idle[0]
@@ -247,12 +329,20 @@ def _slot_per_step(
 # the call
 
 
-def _run(call: Call, inputs: tuple, pool: Any, slots: Slots, out: Any = None, final_pool: Any = None) -> Any:
+def _run(
+    call: Call, inputs: tuple, pool: Any, slots: Slots, out: Any = None, final_pool: Any = None,
+    v_first: bool = False,
+) -> Any:  # fmt: skip
     """The general route: options mapped, the backend's kernel, the output in the caller's layout."""
     p, xp = call.p, call.p.xp
     c = call.core_inputs(*inputs)
-    o = call.core.ops.decode_forward(c.q, c.k, c.v, c.g, c.beta, p.scale, pool, slots.start, slots.dest,
-                                     p.offsets, final_pool)  # fmt: skip
+    ops = call.core.ops
+    if v_first:
+        o = ops.decode_forward(c.q, c.k, c.v, c.g, c.beta, p.scale, pool, slots.start, slots.dest, p.offsets,
+                               final_pool, v_first=True)  # fmt: skip
+    else:
+        o = ops.decode_forward(c.q, c.k, c.v, c.g, c.beta, p.scale, pool, slots.start, slots.dest, p.offsets,
+                               final_pool)  # fmt: skip
     o = head_first(xp, xp.astype(o, p.dtype, copy=False), p.layout)
     if call.check:
         warn_if_diverged(xp, o, stacklevel=4)
@@ -265,8 +355,8 @@ def _run(call: Call, inputs: tuple, pool: Any, slots: Slots, out: Any = None, fi
 @takes_options()
 def decode_kda(
     q: Array, k: Array, v: Array, g: Array, beta: Array, state_pool: Array, state_indices: Array, *,
-    num_accepted_tokens: Array | None = None, scale: float | None = None, backend: str | None = None,
-    opts: Choices,
+    num_accepted_tokens: Array | None = None, state_v_first: bool = False, pad_slot_id: int = PADDING,
+    scale: float | None = None, backend: str | None = None, opts: Choices,
 ) -> Any:  # fmt: skip
     """A few KDA steps of a batch of requests, each continuing a state held in a pool row.
 
@@ -288,19 +378,30 @@ def decode_kda(
         Gates: log decays ``<= 0`` with ``gate="log"``, raw gates otherwise.
     beta : array, shape ``[N, HV, T]``
         Delta-rule step sizes (raw, with ``beta_activation``).
-    state_pool : array, shape ``[P, HV, K, V]``
-        The pool of states, float32 (float64 for float64 inputs), writable; updated in place.
-        Rows that no request names are neither read nor written (bitwise unchanged).
+    state_pool : array, shape ``[P, HV, K, V]`` (``[P, HV, V, K]`` with ``state_v_first``)
+        The pool of states, writable; updated in place. float32, float16 or bfloat16
+        (``ml_dtypes.bfloat16`` for NumPy) for float32 and 16-bit inputs, float64 for float64
+        inputs: a row is read as it is, the steps compute in float32 (float64) and every state
+        stored is rounded to the pool's dtype (to nearest even). Rows that no request names
+        are neither read nor written (bitwise unchanged).
     state_indices : integer array or list, shape ``[N]`` or ``[N, T]``
-        ``[N]``: the row of each request (``-1``: a padding request, whose output is zeros and
-        which reads and writes no state). ``[N, T]``: a row per step (``-1``: that step's state
-        is not kept; a request whose start slot is ``-1`` is padding and must be ``-1``
-        throughout); columns past a request's length are ignored. Non-negative rows are
-        distinct within a call.
+        ``[N]``: the row of each request (``-1`` or ``pad_slot_id``: a padding request, whose
+        output is zeros and which reads and writes no state). ``[N, T]``: a row per step
+        (``-1`` / ``pad_slot_id``: that step's state is not kept; a request whose start slot is
+        padding is a padding request and must be padding throughout); columns past a request's
+        length are ignored. A request may name its own row at several steps (they are written
+        in step order: the row ends with the state after the last of them); no row is named by
+        two requests.
     num_accepted_tokens : integer array or list, shape ``[N]``, optional
         With 2-D ``state_indices`` only: request ``n`` starts from slot
         ``[n, num_accepted_tokens[n] - 1]``, each in ``1..T`` (``T``: the request's steps).
         Default: all 1 (start from slot ``[n, 0]``).
+    state_v_first : bool
+        The pool is V-major, ``[P, HV, V, K]`` (vLLM's Kimi Linear layers): read and written in
+        that layout in place, as fast as a K-major pool.
+    pad_slot_id : int
+        The index that marks padding besides ``-1``: ``-1`` (default) or a pool row reserved
+        for padding (vLLM's KDA layers pass 0); that row is neither read nor written.
     scale : float, optional
         Query scale; default ``K ** -0.5``.
     backend : {None, "reference", "cpu", "cuda"}
@@ -321,17 +422,20 @@ def decode_kda(
     InvalidTypeError
         Wrong dtypes (the pool must be the compute dtype) or array types.
     """
-    if opts.cu_seqlens is None:
+    if opts.cu_seqlens is None and (state_v_first is False or state_v_first is True):
         out = _numpy_route(q, k, v, g, beta, state_pool, state_indices, scale, backend, opts,
-                           num_accepted_tokens=num_accepted_tokens)  # fmt: skip
+                           num_accepted_tokens=num_accepted_tokens, v_first=state_v_first,
+                           pad=pad_slot_id)  # fmt: skip
         if out is not None:
             return out
     call = open_call(q, k, v, g, beta, scale, opts, backend=backend)
     p = call.p
-    P = check_pool(state_pool, p)
-    slots = check_slots(state_indices, num_accepted_tokens, p.N, p.T, p.offsets, P)
+    v_first = check_state_v_first(state_v_first)
+    P = check_pool(state_pool, p, v_first)
+    pad = check_pad_slot_id(pad_slot_id, P)
+    slots = check_slots(state_indices, num_accepted_tokens, p.N, p.T, p.offsets, P, pad)
     call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta)
-    return _run(call, (q, k, v, g, beta), state_pool, slots)
+    return _run(call, (q, k, v, g, beta), state_pool, slots, v_first=v_first)
 
 
 _ROWS: dict[int, Slots] = {}  # N -> request n on row n (arange(N), int64, read-only): decode_states
@@ -401,7 +505,7 @@ _CPU: list[Any] = []  # the cpu backend module, once looked up
 
 
 def _numpy_route(q, k, v, g, beta, pool, state_indices, scale, backend, opts, final_pool=None,
-                 num_accepted_tokens=None, slots=None) -> Any:  # fmt: skip
+                 num_accepted_tokens=None, slots=None, v_first=False, pad=PADDING) -> Any:  # fmt: skip
     """The output of a plain NumPy call on the cpu backend, or None to take the general route.
 
     Every check of the general route that can fail for such a call is made here too (types,
@@ -410,7 +514,8 @@ def _numpy_route(q, k, v, g, beta, pool, state_indices, scale, backend, opts, fi
     before anything is written, and the general route raises its own error. ``final_pool``: the
     pool that receives the states (checked by the caller), or None (``pool``, in place);
     ``slots``: the :class:`Slots` of ``state_indices`` where the caller knows them valid (each
-    request its own row: :func:`decode_states`), or None to check them here.
+    request its own row: :func:`decode_states`), or None to check them here; ``v_first``: the
+    pools' layout (a bool); ``pad``: ``pad_slot_id``.
     """
     import numpy as np
 
@@ -421,16 +526,19 @@ def _numpy_route(q, k, v, g, beta, pool, state_indices, scale, backend, opts, fi
     if backend not in (None, "cpu") or not _plain(opts) or not cpu_available():
         return None
     dt, shape, head_major = q.dtype, q.shape, opts.layout == "head_first"
-    if not (pool.dtype is dt and k.shape == shape and g.shape == shape and len(shape) == 4 and v.ndim == 4
+    pool_dt = pool.dtype is dt or (dt.type is np.float32 and pool.dtype.name in HALF_POOLS)
+    if not (pool_dt and k.shape == shape and g.shape == shape and len(shape) == 4 and v.ndim == 4
             and v.shape[:3] == shape[:3] and beta.shape == shape[:3] and pool.ndim == 4):  # fmt: skip
         return None
     N, K, V = shape[0], shape[3], v.shape[3]
     H, T = (shape[1], shape[2]) if head_major else (shape[2], shape[1])
     writable = final_pool is not None or pool.flags.writeable  # a separate final_pool: pool is only read
-    if pool.shape[1:] != (H, K, V) or not writable or not _plain_scale(scale):
+    if pool.shape[1:] != ((H, V, K) if v_first else (H, K, V)) or not writable or not _plain_scale(scale):
+        return None
+    if type(pad) is not int or not PADDING <= pad < pool.shape[0]:
         return None
     if slots is None:
-        slots = _direct_slots(state_indices, num_accepted_tokens, N, T, pool.shape[0])
+        slots = _direct_slots(state_indices, num_accepted_tokens, N, T, pool.shape[0], pad)
     if slots is None:
         return None
     if not _CPU:
@@ -442,24 +550,28 @@ def _numpy_route(q, k, v, g, beta, pool, state_indices, scale, backend, opts, fi
     s = K**-0.5 if scale is None else float(scale)
     start, dest = slots.start, slots.dest
     if head_major:
-        out = ops.decode_forward(q, k, v, g, beta, s, pool, start, dest, None, final_pool)
+        out = ops.decode_forward(q, k, v, g, beta, s, pool, start, dest, None, final_pool, None, v_first)
     else:
         qh, kh, vh = q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2)
         gh, bh = g.swapaxes(1, 2), beta.swapaxes(1, 2)
-        out = ops.decode_forward(qh, kh, vh, gh, bh, s, pool, start, dest, None, final_pool).swapaxes(1, 2)
+        out = ops.decode_forward(qh, kh, vh, gh, bh, s, pool, start, dest, None, final_pool, None, v_first)
+        out = out.swapaxes(1, 2)
     if check and not np.isfinite(out).all():  # no warning from a sum of large finite values
         warn_if_diverged(np, out, stacklevel=3)
     return out
 
 
-def _direct_slots(state_indices: Any, num_accepted_tokens: Any, N: int, T: int, P: int) -> Slots | None:
+def _direct_slots(
+    state_indices: Any, num_accepted_tokens: Any, N: int, T: int, P: int, pad: int = PADDING
+) -> Slots | None:
     """:func:`check_slots`' result, or None where it would raise. The common decode call (int64
-    NumPy ``[N]``, a few requests) is checked inline, the same checks."""
+    NumPy ``[N]``, a few requests, ``pad_slot_id=-1``) is checked inline, the same checks."""
     import numpy as np
 
     if (
-        num_accepted_tokens is None and type(state_indices) is np.ndarray and state_indices.dtype == np.int64
-        and state_indices.shape == (N,) and state_indices.flags.c_contiguous and 0 < N <= SMALL
+        pad == PADDING and num_accepted_tokens is None and type(state_indices) is np.ndarray
+        and state_indices.dtype == np.int64 and state_indices.shape == (N,)
+        and state_indices.flags.c_contiguous and 0 < N <= SMALL
     ):  # fmt: skip
         rows = state_indices.tolist()
         named = [r for r in rows if r >= 0]
@@ -467,7 +579,7 @@ def _direct_slots(state_indices: Any, num_accepted_tokens: Any, N: int, T: int, 
             return None
         return Slots(state_indices, state_indices.reshape(N, 1))
     try:
-        return check_slots(state_indices, num_accepted_tokens, N, T, None, P)
+        return check_slots(state_indices, num_accepted_tokens, N, T, None, P, pad)
     except KdaError:
         return None
 
@@ -499,6 +611,8 @@ class DecodePlan:
     out: Any
     P: int
     direct: bool  # the kernel reads the bound arrays as they are (no option maps, no casts)
+    v_first: bool = False  # the pool is [P, HV, V, K]
+    pad: int = PADDING  # pad_slot_id
 
     def __post_init__(self) -> None:
         p, xp = self.call.p, self.call.p.xp
@@ -506,7 +620,10 @@ class DecodePlan:
         self._views = tuple(head_first(xp, x, p.layout) for x in self.inputs)
         self._buffer = head_first(xp, self.out, p.layout)
         idx = self.state_indices
-        one_d = _is_int64_vector(idx, p.N) and self.num_accepted_tokens is None and p.offsets is None
+        one_d = (
+            _is_int64_vector(idx, p.N) and self.num_accepted_tokens is None and p.offsets is None
+            and self.pad == PADDING
+        )  # fmt: skip
         self._rows = Slots(idx, idx.reshape(p.N, 1)) if one_d else None
 
     def run(self) -> Any:
@@ -523,15 +640,21 @@ class DecodePlan:
             )
             slots = self._rows
         else:
-            slots = check_slots(self.state_indices, self.num_accepted_tokens, p.N, p.T, p.offsets, self.P)
+            slots = check_slots(
+                self.state_indices, self.num_accepted_tokens, p.N, p.T, p.offsets, self.P, self.pad
+            )
         self._recheck_gate()
         if not self.direct:
-            return _run(self.call, self.inputs, self.pool, slots, self.out)
+            return _run(self.call, self.inputs, self.pool, slots, self.out, v_first=self.v_first)
         buffer = self._buffer
         ops = self.call.core.ops
-        o = ops.decode_forward(
-            *self._views, p.scale, self.pool, slots.start, slots.dest, p.offsets, out=buffer
-        )
+        if self.v_first:
+            o = ops.decode_forward(*self._views, p.scale, self.pool, slots.start, slots.dest, p.offsets,
+                                   out=buffer, v_first=True)  # fmt: skip
+        else:
+            o = ops.decode_forward(
+                *self._views, p.scale, self.pool, slots.start, slots.dest, p.offsets, out=buffer
+            )
         if o is not buffer:
             buffer[...] = o
         return self.out
@@ -559,8 +682,8 @@ def _c_contiguous(x: Any) -> bool:
 @takes_options()
 def prepare_decode_kda(
     q: Array, k: Array, v: Array, g: Array, beta: Array, state_pool: Array, state_indices: Array, *,
-    num_accepted_tokens: Array | None = None, out: Array | None = None, scale: float | None = None,
-    backend: str | None = None, opts: Choices,
+    num_accepted_tokens: Array | None = None, state_v_first: bool = False, pad_slot_id: int = PADDING,
+    out: Array | None = None, scale: float | None = None, backend: str | None = None, opts: Choices,
 ) -> DecodePlan:  # fmt: skip
     """Validate a :func:`decode_kda` call once and bind its arrays: ``plan.run()`` runs it again.
 
@@ -574,8 +697,8 @@ def prepare_decode_kda(
 
     Parameters
     ----------
-    q, k, v, g, beta, state_pool, state_indices, num_accepted_tokens, scale, backend
-        As for :func:`decode_kda`; the inputs must be C-contiguous.
+    q, k, v, g, beta, state_pool, state_indices, num_accepted_tokens, state_v_first, pad_slot_id, scale
+        As for :func:`decode_kda` (and ``backend``); the inputs must be C-contiguous.
     out : array, optional
         The output buffer.
     {options}
@@ -586,8 +709,10 @@ def prepare_decode_kda(
     """
     call = open_call(q, k, v, g, beta, scale, opts, backend=backend)
     p = call.p
-    P = check_pool(state_pool, p)
-    check_slots(state_indices, num_accepted_tokens, p.N, p.T, p.offsets, P)
+    v_first = check_state_v_first(state_v_first)
+    P = check_pool(state_pool, p, v_first)
+    pad = check_pad_slot_id(pad_slot_id, P)
+    check_slots(state_indices, num_accepted_tokens, p.N, p.T, p.offsets, P, pad)
     call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta)
     for name, x in zip(("q", "k", "v", "g", "beta"), (q, k, v, g, beta)):
         if not _c_contiguous(x):
@@ -603,4 +728,6 @@ def prepare_decode_kda(
             raise InvalidInputError(msg)
     direct = call.o.is_identity and p.H == p.HV and p.dtype == p.compute_dtype
     inputs = (q, k, v, g, beta)
-    return DecodePlan(call, inputs, state_pool, state_indices, num_accepted_tokens, out, P, direct)
+    return DecodePlan(
+        call, inputs, state_pool, state_indices, num_accepted_tokens, out, P, direct, v_first, pad
+    )

@@ -99,11 +99,18 @@ KEYWORD_TABLE: dict[str, tuple[str, str]] = {
     "inplace_final_state": (
         "honoured (fused_recurrent_kda)",
         "write the final states into initial_state (rows ssm_state_indices, or row n for request n); "
-        "the final state returned is initial_state itself; inference only",
+        "the final state returned is initial_state itself; inference only. The pool may be float32, "
+        "float16 or bfloat16 (float64 for float64 inputs; computed in float32, rounded on store), "
+        "and V-major [P, HV, V, K] with state_v_first (read and written in place)",
+    ),
+    "pad_slot_id": (
+        "honoured (fused_recurrent_kda)",
+        "with ssm_state_indices: the index marking padding besides -1 (default -1; vLLM's KDA layers "
+        "pass 0): zero output, that row neither read nor written (kda.decode_kda)",
     ),
 }
 # fused_recurrent_kda's pool keywords (vLLM's): refused by chunk_kda
-DECODE_KEYWORDS = ("ssm_state_indices", "num_accepted_tokens", "inplace_final_state")
+DECODE_KEYWORDS = ("ssm_state_indices", "num_accepted_tokens", "inplace_final_state", "pad_slot_id")
 
 # fla 0.6's named parameters after ``q, k, v, g, beta``, in its order, with their defaults; the
 # adapters' signatures are generated from these (:func:`fla_function`). Keywords fla reads from

@@ -100,15 +100,17 @@ def _plain_choices(static: tuple[Any, ...]) -> Any:
 
 def decode(
     static: tuple[Any, ...], x: Arrays, pool: Any, state_indices: Any, num_accepted_tokens: Any,
-    offsets: tuple[int, ...] | None,
+    offsets: tuple[int, ...] | None, v_first: bool = False, pad_slot_id: int = -1,
 ) -> Any:  # fmt: skip
     """``fused_recurrent_kda`` from a state pool (vLLM's call): :func:`kda.decode_kda` on ``pool``
-    (``[P, HV, K, V]``, updated in place) with ``state_indices`` (``[N]`` or ``[N, T]``) and
-    ``num_accepted_tokens``; returns the output ``[B, T, HV, V]``. ``x[5]`` (the initial state)
-    is unused: the pool is the state."""
+    (``[P, HV, K, V]``, ``[P, HV, V, K]`` with ``v_first``; updated in place) with
+    ``state_indices`` (``[N]`` or ``[N, T]``), ``num_accepted_tokens`` and ``pad_slot_id``;
+    returns the output ``[B, T, HV, V]``. ``x[5]`` (the initial state) is unused: the pool is
+    the state."""
     opts = _call_options(static, x, offsets)
-    return _DECODE(*x[:5], pool, state_indices, num_accepted_tokens=num_accepted_tokens, scale=static[1],
-                   backend=None, opts=opts)  # fmt: skip
+    return _DECODE(*x[:5], pool, state_indices, num_accepted_tokens=num_accepted_tokens,
+                   state_v_first=v_first, pad_slot_id=pad_slot_id, scale=static[1], backend=None,
+                   opts=opts)  # fmt: skip
 
 
 def check_pool_call(kw: dict[str, Any], pool: Any, indices: Any, accepted: Any) -> None:

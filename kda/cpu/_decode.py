@@ -64,30 +64,45 @@ def decode_screen(q: Any, k: Any, v: Any, g: Any, beta: Any, finite: bool) -> bo
 _F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
 
 
-def _float_dtype(pool: Any) -> np.dtype:
-    dtype = pool.dtype
-    if dtype != np.float32 and dtype != np.float64:
+# 16-bit pools as the kernel reads them: their bits (kda.cpu._decode_kernels.load)
+_BITS = {"float16": np.uint16, "bfloat16": np.int16}
+
+
+def pool_bits(pool: np.ndarray) -> np.ndarray:
+    """``pool`` as the kernel reads it: a float32 / float64 pool itself, a float16 pool as a
+    uint16 view and a bfloat16 one (``ml_dtypes.bfloat16``) as an int16 view, no copy."""
+    dt = pool.dtype
+    if dt is _F32 or dt is _F64:
+        return pool
+    bits = _BITS.get(dt.name) if dt.itemsize == 2 and dt.kind in "fV" else None
+    if bits is None:
         from .._errors import InvalidInputError
 
-        msg = f"the cpu backend computes float32 or float64 states; got a pool of {dtype}"
+        msg = f"the cpu backend keeps float32, float64, float16 or bfloat16 states; got a pool of {dt}"
         raise InvalidInputError(msg)
-    return dtype
+    return pool.view(bits)
 
 
 def decode_forward(
     q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, pool: Any, start: Any, dest: Any,
-    offsets: Any = None, final_pool: Any = None, out: Any = None,
+    offsets: Any = None, final_pool: Any = None, out: Any = None, v_first: bool = False,
 ) -> np.ndarray:  # fmt: skip
     """``T`` steps of ``N`` requests from ``pool [P, HV, K, V]`` (see :class:`kda._backend.Backend`).
 
     ``q, k, g: [B, HV, T, K]``, ``v: [B, HV, T, V]``, ``beta: [B, HV, T]``; ``start [N]`` and
     ``dest [N, W]`` int64 host arrays; ``offsets [N + 1]`` or None; ``final_pool`` receives the
-    written states (None: ``pool``, in place); ``out``: a C-contiguous output buffer, or None.
-    Returns the output ``[B, HV, T, V]``.
+    written states (None: ``pool``, in place; the same dtype and layout as ``pool``); ``out``: a
+    C-contiguous output buffer, or None. ``v_first``: the pools are ``[P, HV, V, K]``. A
+    float32 / float64 pool computes in its dtype; a float16 or bfloat16 pool in float32 (each
+    row read as it is, every stored state rounded to nearest even). Returns the output
+    ``[B, HV, T, V]``.
     """
     dt = pool.dtype
     if dt is not _F32 and dt is not _F64:
-        dt = _float_dtype(pool)
+        pool = pool_bits(pool)
+        if final_pool is not None:
+            final_pool = pool_bits(final_pool)
+        dt = pool.dtype if pool.dtype.kind == "f" else _F32
     args = [
         x if x.dtype is dt and x.flags.c_contiguous else np.ascontiguousarray(x, dt)
         for x in (q, k, v, g, beta)
@@ -100,14 +115,15 @@ def decode_forward(
     kernel = _KERNELS[0].decode if _KERNELS else _kernel()
     offs = _NO_OFFSETS if offsets is None else np.asarray(offsets, np.int64)
     N, HV = start.shape[0], q.shape[1]
+    v_first = bool(v_first)
     if pool.flags.c_contiguous and dst.flags.c_contiguous:
         work = out.size * q.shape[3]
         if work < SPLIT_WORK:  # the common decode step: on this thread, no more checks
-            _fpenv.run(kernel, *args, dt.type(scale), pool, dst, start, dest, offs, out, 0, N * HV)
+            _fpenv.run(kernel, *args, dt.type(scale), pool, dst, start, dest, offs, out, v_first, 0, N * HV)
         else:
-            _run(kernel, (*args, dt.type(scale), pool, dst, start, dest, offs, out), N * HV, work)
+            _run(kernel, (*args, dt.type(scale), pool, dst, start, dest, offs, out, v_first), N * HV, work)
         return out
-    _through_copies(kernel, args, dt.type(scale), pool, dst, start, dest, offs, out, N * HV)
+    _through_copies(kernel, args, dt.type(scale), pool, dst, start, dest, offs, out, N * HV, v_first)
     return out
 
 
@@ -150,7 +166,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_helper)
 
 
-def _through_copies(kernel, args, scale, pool, dst, start, dest, offs, out, items) -> None:
+def _through_copies(kernel, args, scale, pool, dst, start, dest, offs, out, items, v_first) -> None:
     """Run on contiguous copies of the named rows of strided pools; write the written rows back."""
     read, written = np.unique(start[start >= 0]), np.unique(dest[dest >= 0])
     if dst is pool:
@@ -160,7 +176,7 @@ def _through_copies(kernel, args, scale, pool, dst, start, dest, offs, out, item
         src_rows, dst_rows = read, written
         src_work, dst_work = np.ascontiguousarray(pool[read]), np.ascontiguousarray(dst[written])
     starts, dests = _renumber(start, src_rows), _renumber(dest, dst_rows)
-    _fpenv.run(kernel, *args, scale, src_work, dst_work, starts, dests, offs, out, 0, items)
+    _fpenv.run(kernel, *args, scale, src_work, dst_work, starts, dests, offs, out, v_first, 0, items)
     dst[written] = dst_work[np.searchsorted(dst_rows, written)]
 
 

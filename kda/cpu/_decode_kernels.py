@@ -30,8 +30,11 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic, overload
 
-__all__ = ["decode"]
+__all__ = ["decode", "load", "screen", "store"]
 
 # No nnan/ninf: -inf gates must stay exact. Reassociation lets the column loops vectorise; the
 # compiled order is fixed, so results are deterministic.
@@ -49,9 +52,102 @@ except (RuntimeError, OSError):  # pragma: no cover - numba: no cache locator (r
 GUARD = 128
 
 
+# ----------------------------------------------------------------------------------------------
+# pool elements: float32 / float64 as they are; float16 pools reach the kernel as their uint16
+# bits, bfloat16 pools as their int16 bits (Numba has no 16-bit float type on the CPU)
+
+
+@intrinsic
+def _half_to_float(typingctx, bits):
+    """float16 bits (uint16) -> float32, exactly (F16C ``vcvtph2ps`` on x86)."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def _float_to_half(typingctx, x):
+    """float32 -> float16 bits (uint16), rounded to nearest even (``vcvtps2ph``); overflow gives inf."""
+    sig = types.uint16(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return sig, codegen
+
+
+@intrinsic
+def _bfloat_to_float(typingctx, bits):
+    """bfloat16 bits (int16) -> float32, exactly: the bits are float32's upper half."""
+    sig = types.float32(types.int16)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        wide = builder.shl(builder.zext(args[0], i32), ir.Constant(i32, 16))
+        return builder.bitcast(wide, ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def _float_to_bfloat(typingctx, x):
+    """float32 -> bfloat16 bits (int16), rounded to nearest even (as ml_dtypes and torch); a NaN
+    stays a (quiet) NaN. Branch-free, so the store loops vectorise."""
+    sig = types.int16(types.float32)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        bits = builder.bitcast(args[0], i32)
+        high = builder.lshr(bits, ir.Constant(i32, 16))
+        odd = builder.and_(high, ir.Constant(i32, 1))
+        rounded = builder.lshr(
+            builder.add(builder.add(bits, ir.Constant(i32, 0x7FFF)), odd), ir.Constant(i32, 16)
+        )
+        quiet = builder.or_(high, ir.Constant(i32, 0x40))
+        nan = builder.fcmp_unordered("uno", args[0], args[0])
+        return builder.trunc(builder.select(nan, quiet, rounded), ir.IntType(16))
+
+    return sig, codegen
+
+
+def load(a, x):  # pragma: no cover - replaced by its overload in compiled code
+    """The compute value of ``x``, an element of the pool array ``a``."""
+
+
+def store(a, x):  # pragma: no cover
+    """What the pool array ``a`` holds for the compute value ``x`` (rounded to nearest even)."""
+
+
+@overload(load)
+def _load(a, x):
+    if a.dtype == types.uint16:
+        return lambda a, x: _half_to_float(x)
+    if a.dtype == types.int16:
+        return lambda a, x: _bfloat_to_float(x)
+    return lambda a, x: x
+
+
+@overload(store)
+def _store(a, x):
+    if a.dtype == types.uint16:
+        return lambda a, x: _float_to_half(np.float32(x))
+    if a.dtype == types.int16:
+        return lambda a, x: _float_to_bfloat(np.float32(x))
+    return lambda a, x: x
+
+
+# ----------------------------------------------------------------------------------------------
+# one step, K-major states [K, V] and V-major states [V, K]
+
+
 @_jit
-def _step(S, D, write, q, k, v, g, b, scale, o, e, pred, qs, zero):
-    """One step from ``S: [K, V]`` into ``D`` (``write``; ``D`` may be ``S``); ``o: [V]`` output."""
+def _step(S, D, write, q, k, v, g, b, scale, o, w, zero):
+    """One step from ``S: [K, V]`` into ``D`` (``write``; ``D`` may be ``S``); ``o: [V]`` output.
+    ``w``: the private vectors ``(e, ke, qe, kk, pred, qs)``."""
+    e, _ke, _qe, _kk, pred, qs = w
     K, V = S.shape
     for d in range(K):
         e[d] = np.exp(g[d])
@@ -67,14 +163,15 @@ def _step(S, D, write, q, k, v, g, b, scale, o, e, pred, qs, zero):
         q0, q1, q2, q3 = q[d] * e[d], q[d + 1] * e[d + 1], q[d + 2] * e[d + 2], q[d + 3] * e[d + 3]
         S0, S1, S2, S3 = S[d], S[d + 1], S[d + 2], S[d + 3]
         for c in range(V):
-            a0, a1, a2, a3 = S0[c], S1[c], S2[c], S3[c]
+            a0, a1, a2, a3 = load(S, S0[c]), load(S, S1[c]), load(S, S2[c]), load(S, S3[c])
             pred[c] += (k0 * a0 + k1 * a1) + (k2 * a2 + k3 * a3)
             qs[c] += (q0 * a0 + q1 * a1) + (q2 * a2 + q3 * a3)
     for d in range(d4, K):
         kd = k[d] * e[d]
         qd = q[d] * e[d]
+        Sd = S[d]
         for c in range(V):
-            s = S[d, c]
+            s = load(S, Sd[c])
             pred[c] += kd * s
             qs[c] += qd * s
     for c in range(V):
@@ -86,38 +183,136 @@ def _step(S, D, write, q, k, v, g, b, scale, o, e, pred, qs, zero):
         for d in range(K):
             ed = e[d]
             kd = k[d]
+            Dd = D[d]
             for c in range(V):
-                D[d, c] = ed * D[d, c] + kd * pred[c]
+                Dd[c] = store(D, ed * load(D, Dd[c]) + kd * pred[c])
     elif write:
         for d in range(K):
             ed = e[d]
             kd = k[d]
+            Dd, Sd = D[d], S[d]
             for c in range(V):
-                D[d, c] = ed * S[d, c] + kd * pred[c]
+                Dd[c] = store(D, ed * load(S, Sd[c]) + kd * pred[c])
 
 
 @_jit
-def decode(q, k, v, g, beta, scale, src, dst, start, dest, offsets, out, lo, hi):
+def _step_v(S, D, write, q, k, v, g, b, scale, o, w, zero):
+    """:func:`_step` for V-major states ``S, D: [V, K]`` (row ``c`` holds column ``c`` of the
+    ``[K, V]`` state): the products are dot products along the contiguous rows, four rows a
+    sweep, and the update runs along them."""
+    e, ke, qe, kk, pred, qs = w
+    V, K = S.shape
+    for d in range(K):
+        ed = np.exp(g[d])
+        e[d] = ed
+        ke[d] = k[d] * ed
+        qe[d] = q[d] * ed
+        kk[d] = k[d]
+    qk = zero
+    for d in range(K):
+        qk += q[d] * k[d]
+    c4 = V - V % 4
+    for c in range(0, c4, 4):
+        S0, S1, S2, S3 = S[c], S[c + 1], S[c + 2], S[c + 3]
+        p0, p1, p2, p3 = zero, zero, zero, zero
+        s0, s1, s2, s3 = zero, zero, zero, zero
+        for d in range(K):
+            a0, a1, a2, a3 = load(S, S0[d]), load(S, S1[d]), load(S, S2[d]), load(S, S3[d])
+            kd, qd = ke[d], qe[d]
+            p0 += kd * a0
+            p1 += kd * a1
+            p2 += kd * a2
+            p3 += kd * a3
+            s0 += qd * a0
+            s1 += qd * a1
+            s2 += qd * a2
+            s3 += qd * a3
+        pred[c], pred[c + 1], pred[c + 2], pred[c + 3] = p0, p1, p2, p3
+        qs[c], qs[c + 1], qs[c + 2], qs[c + 3] = s0, s1, s2, s3
+    for c in range(c4, V):
+        Sc = S[c]
+        p, s = zero, zero
+        for d in range(K):
+            a = load(S, Sc[d])
+            p += ke[d] * a
+            s += qe[d] * a
+        pred[c] = p
+        qs[c] = s
+    for c in range(V):
+        pred[c] = b * (v[c] - pred[c])  # u
+    for c in range(V):
+        o[c] = scale * (qs[c] + qk * pred[c])
+    if write and D.ctypes.data == S.ctypes.data:
+        for c in range(V):
+            u = pred[c]
+            Dc = D[c]
+            for d in range(K):
+                Dc[d] = store(D, e[d] * load(D, Dc[d]) + kk[d] * u)
+    elif write:
+        for c in range(V):
+            u = pred[c]
+            Dc, Sc = D[c], S[c]
+            for d in range(K):
+                Dc[d] = store(D, e[d] * load(S, Sc[d]) + kk[d] * u)
+
+
+@_jit
+def _advance(v_first, S, D, write, q, k, v, g, b, scale, o, w, zero):
+    if v_first:
+        _step_v(S, D, write, q, k, v, g, b, scale, o, w, zero)
+    else:
+        _step(S, D, write, q, k, v, g, b, scale, o, w, zero)
+
+
+@_jit
+def _keep(D, S):
+    """``D = S`` rounded to ``D``'s pool dtype (the state after a step that a later step follows)."""
+    R, C = S.shape
+    for a in range(R):
+        Da, Sa = D[a], S[a]
+        for c in range(C):
+            Da[c] = store(D, Sa[c])
+
+
+@_jit
+def decode(q, k, v, g, beta, scale, src, dst, start, dest, offsets, out, v_first, lo, hi):
     """Items ``[lo, hi)`` of ``N * HV`` (request ``n``, head ``h``) pairs.
 
-    ``q, k, g: [B, HV, T, K]``, ``v, out: [B, HV, T, V]``, ``beta: [B, HV, T]``; ``src, dst:
-    [P, HV, K, V]`` (may be one array); ``start: [N]``, ``dest: [N, W]`` int64 rows (``W == 1``:
-    every step writes row ``dest[n, 0]``, so the last one leaves the final state there; else step
-    ``t`` writes ``dest[n, t]``; ``< 0``: not written); ``offsets``: ``[N + 1]`` (request ``n`` is
-    steps ``offsets[n]:offsets[n + 1]`` of batch row 0) or empty (request ``n`` is batch row ``n``).
-    A request with ``start[n] < 0`` is padding: zero outputs, no state read or written.
+    ``q, k, g: [B, HV, T, K]``, ``v, out: [B, HV, T, V]``, ``beta: [B, HV, T]`` in the compute
+    dtype; ``src, dst: [P, HV, K, V]`` (``[P, HV, V, K]`` with ``v_first``; may be one array) of
+    one pool dtype (the compute dtype, or float16 / bfloat16 bits with float32: see
+    :func:`load`); ``start: [N]``, ``dest: [N, W]`` int64 rows (``W == 1``: the last step writes
+    row ``dest[n, 0]``; else step ``t`` writes ``dest[n, t]``; ``< 0``: not written);
+    ``offsets``: ``[N + 1]`` (request ``n`` is steps ``offsets[n]:offsets[n + 1]`` of batch row
+    0) or empty (request ``n`` is batch row ``n``). A request with ``start[n] < 0`` is padding:
+    zero outputs, no state read or written. A step that a later one follows runs into a private
+    state in the compute dtype (and its slot, if any, receives that state rounded): the state is
+    rounded only on its way into the pool.
     """
     _B, HV, T, K = q.shape
     V = v.shape[3]
     W = dest.shape[1]
     packed = offsets.shape[0] > 0
-    work = np.empty(4 * GUARD + K + 2 * V, q.dtype)  # e, pred, qs at fixed offsets (see above)
+    # e [K] (and ke, qe, kk [K] for V-major states) and pred, qs [V] at fixed offsets, GUARD
+    # elements apart (see above)
+    kvecs = 4 if v_first else 1
+    work = np.empty((kvecs + 3) * GUARD + kvecs * K + 2 * V, q.dtype)
     e = work[GUARD : GUARD + K]
-    pred = work[2 * GUARD + K : 2 * GUARD + K + V]
-    qs = work[3 * GUARD + K + V : 3 * GUARD + K + 2 * V]
+    at = GUARD + K + GUARD
+    ke, qe, kk = e, e, e  # only V-major steps read them
+    if v_first:
+        ke = work[at : at + K]
+        qe = work[at + K + GUARD : at + 2 * K + GUARD]
+        kk = work[at + 2 * (K + GUARD) : at + 3 * K + 2 * GUARD]
+        at += 3 * (K + GUARD)
+    pred = work[at : at + V]
+    at += V + GUARD
+    qs = work[at : at + V]
+    w = (e, ke, qe, kk, pred, qs)
     zero = np.zeros(1, q.dtype)[0]
-    none = np.empty((0, 0), q.dtype)  # stands for "no state" (typed as the writable states)
-    scratch = none  # a private state, made the first time a step has no slot but is not the last
+    rows, cols = (V, K) if v_first else (K, V)
+    none = np.empty((0, 0), dst.dtype)  # stands for "no state" (typed as the pool's rows)
+    scratch = work[0:0].reshape(0, 0)  # the private state, made the first time a step needs it
     for item in range(lo, hi):
         n = item // HV
         h = item - n * HV
@@ -132,28 +327,27 @@ def decode(q, k, v, g, beta, scale, src, dst, start, dest, offsets, out, lo, hi)
                     o[t, c] = 0
             continue
         first = src[row, h]  # read only: src may be a read-only array (a JAX buffer)
-        S = none  # the current state after the first step (writable)
         for t in range(steps):
             slot = dest[n, 0] if W == 1 else dest[n, t]
-            write = True
-            if slot >= 0:
-                D = dst[slot, h]
-            elif t == steps - 1:
-                D = none
-                write = False  # the last state is not kept: outputs only
-            else:
-                if scratch.shape[0] != K:
-                    guarded = np.empty(2 * GUARD + K * V, q.dtype)
-                    scratch = guarded[GUARD : GUARD + K * V].reshape(K, V)
-                D = scratch
             i = t0 + t
+            x = (q[b, h, i], k[b, h, i], v[b, h, i], g[b, h, i], beta[b, h, i])
+            if t == steps - 1:  # the last step: straight into its slot (rounded there), if any
+                write = slot >= 0
+                D = dst[slot, h] if write else none
+                if t == 0:
+                    _advance(v_first, first, D, write, x[0], x[1], x[2], x[3], x[4], scale, o[i], w, zero)
+                else:
+                    _advance(v_first, scratch, D, write, x[0], x[1], x[2], x[3], x[4], scale, o[i], w, zero)
+                continue
+            if scratch.shape[0] != rows:
+                guarded = np.empty(2 * GUARD + K * V, q.dtype)
+                scratch = guarded[GUARD : GUARD + K * V].reshape(rows, cols)
             if t == 0:
-                _step(first, D, write, q[b, h, i], k[b, h, i], v[b, h, i], g[b, h, i], beta[b, h, i], scale,
-                      o[i], e, pred, qs, zero)  # fmt: skip
+                _advance(v_first, first, scratch, True, x[0], x[1], x[2], x[3], x[4], scale, o[i], w, zero)
             else:
-                _step(S, D, write, q[b, h, i], k[b, h, i], v[b, h, i], g[b, h, i], beta[b, h, i], scale,
-                      o[i], e, pred, qs, zero)  # fmt: skip
-            S = D
+                _advance(v_first, scratch, scratch, True, x[0], x[1], x[2], x[3], x[4], scale, o[i], w, zero)
+            if W > 1 and slot >= 0:
+                _keep(dst[slot, h], scratch)
         if steps == 0 and W == 1 and dest[n, 0] >= 0:
             dst[dest[n, 0], h, :, :] = first  # no steps: the final state is the start state
 

@@ -42,6 +42,11 @@ def _step(xp: Any, S: Any, q: Any, k: Any, v: Any, g: Any, beta: Any, scale: flo
     return e[:, :, None] * S + k[:, :, None] * u[:, None, :], o
 
 
+def _stored(xp: Any, S: Any, dtype: Any, v_first: bool) -> Any:
+    """The state ``S [h, K, V]`` as a pool holds it: in its layout, rounded to its dtype."""
+    return xp.astype(xp.matrix_transpose(S) if v_first else S, dtype)
+
+
 def _spans(N: int, T: int, offsets: Any) -> list[tuple[int, int, int]]:
     """``(batch row, first step, steps)`` of each request."""
     if offsets is None:
@@ -52,7 +57,7 @@ def _spans(N: int, T: int, offsets: Any) -> list[tuple[int, int, int]]:
 
 def decode_forward(
     q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, pool: Any, start: Any, dest: Any,
-    offsets: Any = None, final_pool: Any = None, out: Any = None,
+    offsets: Any = None, final_pool: Any = None, out: Any = None, v_first: bool = False,
 ) -> Any:  # fmt: skip
     """Run every request's steps from its start row and write its states to its slots.
 
@@ -62,12 +67,16 @@ def decode_forward(
         dtype (q and k already expanded to the value heads). Request ``n`` is batch row ``n``, or
         with ``offsets`` (``[N + 1]`` host ints, ``B == 1``) steps ``offsets[n]:offsets[n + 1]``.
     scale : float
-    pool : ``[P, HV, K, V]``; rows ``start`` are read.
+    pool : ``[P, HV, K, V]`` (``[P, HV, V, K]`` with ``v_first``); rows ``start`` are read. Of
+        the inputs' dtype, or a 16-bit float dtype with float32 inputs: a row is read as it is,
+        computed in the inputs' dtype, and rounded to the pool's dtype where it is stored.
     start : ``[N]`` host ints (NumPy), ``-1`` for padding.
     dest : ``[N, W]`` host ints: ``W == 1`` the row of the final state, else the row of the state
         after each step (``-1``: not written). Distinct across the call (the caller checks).
-    final_pool : ``[P', HV, K, V]`` receiving the written rows; None: ``pool`` (in place).
+    final_pool : ``[P', HV, K, V]`` receiving the written rows (``pool``'s dtype and layout);
+        None: ``pool`` (in place).
     out : ``[B, HV, T, V]`` buffer receiving the output, or None.
+    v_first : whether the pools are V-major.
 
     Returns
     -------
@@ -90,13 +99,14 @@ def decode_forward(
         final_only = len(slots[n]) == 1
         for h0 in range(0, HV, per_block):
             hs = slice(h0, min(h0 + per_block, HV))
-            S = pool[starts[n], hs, ...]  # read before this block of heads writes
+            row = pool[starts[n], hs, ...]  # read before this block of heads writes
+            S = xp.astype(xp.matrix_transpose(row) if v_first else row, v.dtype)
             for t in range(steps):
                 step = (x[b, hs, t0 + t, ...] for x in (q, k, v, g, beta))
                 S, out[b, hs, t0 + t, :] = _step(xp, S, *step, scale)
                 slot = slots[n][0] if final_only else slots[n][t]
                 if slot >= 0 and (t == steps - 1 or not final_only):
-                    dst[slot, hs, ...] = S
+                    dst[slot, hs, ...] = _stored(xp, S, dst.dtype, v_first)
             if steps == 0 and final_only and slots[n][0] >= 0:
-                dst[slots[n][0], hs, ...] = S
+                dst[slots[n][0], hs, ...] = row
     return out

@@ -322,7 +322,7 @@ IIE, ITE = kda.InvalidInputError, kda.InvalidTypeError
     [
         ([[0, 6], [1, 2]], [1, 1], IIE, r"state_indices must be -1 \(padding\) or a row in \[0, 6\).*\[6\]"),
         ([[0, -2], [1, 2]], [1, 1], IIE, r"state_indices must be -1.*\[-2\]"),
-        ([[0, 0], [1, 2]], [1, 1], IIE, r"must name each pool row at most once.*\[0\]"),
+        ([[0, 1], [1, 2]], [1, 1], IIE, r"at most once across requests.*\[1\] named by requests 0 and 1"),
         ([[0, 3], [3, 2]], [1, 1], IIE, r"at most once.*\[3\]"),
         ([[0, 3], [1, 2]], [0, 1], IIE, r"num_accepted_tokens must be in 1..T.*got 0 for request 0"),
         ([[0, 3], [1, 2]], [1, 3], IIE, r"num_accepted_tokens must be in 1..T.*got 3 for request 1"),
