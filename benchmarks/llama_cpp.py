@@ -11,7 +11,8 @@ channel; ``ggml/src/ggml-cpu/ops.cpp``: a step recurrence in C, forward only). T
    graph of one ``ggml_gated_delta_net`` node) against it,
 4. on the same inputs, checks that ggml and ``kda.chunk_kda`` compute the same function (the
    maximal difference of the outputs and final states is printed and must stay below 1e-5), and
-5. prints, per shape, ggml's forward, ``kda.chunk_kda``'s forward and forward+backward,
+5. prints, per shape (and once more at Kimi Linear's gate formula, :mod:`benchmarks.gates`,
+   where decay products go subnormal), ggml's forward, ``kda.chunk_kda``'s forward and forward+backward,
    ``kda.recurrent_kda``, the float64 forward over the float32 one (the two timed in alternating
    rounds), the same-run GEMM rate, the forward and forward+backward as a percentage of it (the
    FLOP count of :mod:`benchmarks.chunk`), the ratio to ggml, the peak traced memory
@@ -292,6 +293,11 @@ def _parser() -> argparse.ArgumentParser:
         "--rounds", type=int, default=3, help="rounds of ggml then kda's forward, each --repeats runs"
     )
     p.add_argument("--chunk-size", type=int, default=64)
+    p.add_argument(
+        "--realistic-shape",
+        default=None,
+        help="BxT of the extra row at Kimi Linear's gate formula (default: the first of --shapes; 'none': skip)",
+    )
     p.add_argument("--memory-shape", default="1x4096", help="BxT of the peak-memory pass ('none': skip)")
     p.add_argument(
         "--sub-block",
@@ -398,10 +404,18 @@ def main(argv: list[str] | None = None) -> int:
             "f64/f32",
             "recur ms",
         )
-        print(" ".join(f"{h:>10}" for h in head) + "  agreement")
-        for shape in args.shapes:
+        print(" ".join(f"{h:>10}" for h in head) + "  gates, agreement")
+        realistic = args.shapes[0] if args.realistic_shape is None else args.realistic_shape
+        rows = [(shape, "mild") for shape in args.shapes]
+        if realistic != "none":
+            rows.append((realistic, "kimi"))
+        for shape, regime in rows:
             B, T = map(int, shape.split("x"))
             x = _inputs(B, H, T, D, D, np.float32, 0)
+            if regime == "kimi":  # -exp(A_log) softplus(a): benchmarks.gates
+                from .gates import gates
+
+                x["g"] = gates("kimi", x["g"].shape)
             ggml, fwd_time, note = _side_by_side(x, threads, args.repeats, args.rounds, C)
             t = {"chunk_fwd": fwd_time, **_kda_times(x, args.repeats, args.rounds, C)}
             fwd = 100 * pass_flops("fwd", B, H, T, D, C) / t["chunk_fwd"] / 1e9 / gemm
@@ -412,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{fwd:.1f}", f"{t['chunk_fwd_bwd'] * 1e3:.1f}", f"{both:.1f}",
                 f"{t['f64_over_f32']:.2f}", f"{t['recurrent_fwd'] * 1e3:.1f}",
             )  # fmt: skip
-            print(" ".join(f"{c:>10}" for c in cells) + f"  {note}", flush=True)
+            label = "-U(0.001, 0.201)" if regime == "mild" else "Kimi's formula"
+            print(" ".join(f"{c:>10}" for c in cells) + f"  {label}, {note}", flush=True)
         if args.memory_shape != "none":
             B, T = map(int, args.memory_shape.split("x"))
             m = _memory(B, H, T, D, D, np.float32, C, 0)

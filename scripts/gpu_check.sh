@@ -1,50 +1,179 @@
 #!/usr/bin/env bash
-# Real-GPU check of kda's CUDA backend on a lent GPU machine (one H200; CuPy, numba-cuda, torch,
-# triton and pytest preinstalled there; no network). Finishes within ~9 minutes.
+# The one-shot check of kda's CUDA backend on a lent GPU machine (one H200, driver 580 / CUDA 13;
+# python3 with CuPy, numba-cuda, torch, triton, pytest, pytest-xdist, pytest-timeout; no network),
+# and the same steps on a CPU machine under Numba's CUDA simulator (--simulate, run by CI).
 #
-# Prepare here (with network), once; the wheels land in the gitignored scripts/wheels/:
-#   pip download --no-deps fla-core array-api-compat threadpoolctl hypothesis sortedcontainers attrs einops -d scripts/wheels/
-#   for v in 3.10 3.12 3.13; do
-#     pip download --no-deps hypothesis --python-version $v --only-binary=:all: -d scripts/wheels/
-#   done
-# Run there from the repository root, carrying the wheels:
-#   run(command="bash scripts/gpu_check.sh", carry=["scripts/wheels"], timeout_s=590)
-# Writes under $OUT: nvidia-smi.txt, pip.txt, pytest.txt (tests/backends/test_cuda.py and tests/backends/test_ptx.py,
-# plus every other tests/test_*.py that uses CuPy: decode, plans, torch on CUDA, ...; each skips
-# what it cannot run), bench.json + bench.md (accuracy at B=2 H=16 T=4096 K=V=128 float32 vs the
-# float64 reference recurrence; timings of kda.cuda and of fla's Triton chunk_kda at B=1 H=16
-# T=4096 K=V=128; milliseconds per kda.cuda kernel), bench.txt, and summary.txt.
+#   bash scripts/gpu_check.sh              # on the GPU machine (docs/gpu.md has the run command)
+#   OUT=$(mktemp -d) bash scripts/gpu_check.sh --simulate
+#
+# Before going to the GPU machine, fetch the wheels it lacks (scripts/fetch_gpu_wheels.sh, into
+# the gitignored scripts/wheels/, carried there with the working tree).
+#
+# Steps, correctness before speed, each under its own cap (timeout -s INT: pytest still writes
+# its report) within an overall budget (KDA_CHECK_BUDGET seconds, 330 on a GPU); each step's
+# status and time are appended to $OUT/summary.txt as it finishes:
+#   env        nvidia-smi, python3, the relevant packages            -> env.txt
+#   wheels     offline installs of what does not import (scripts/wheels/) -> wheels.txt
+#   preflight  versions, the device, one tiny chunk_kda vs the recurrence -> preflight.txt;
+#              a failure stops the check here
+#   tests      every test marked `cuda` (tests/conftest.py: what runs kda.cuda's kernels), -n
+#              workers, a per-test timeout                       -> pytest.txt, pytest.xml
+#   bench      accuracy at scale in four gate regimes, then timings and per-kernel times with
+#              check_finite=False (scripts/gpu_bench.py)          -> bench.txt, bench.json, bench.md
+#   fla        fla's Triton chunk_kda, bfloat16 only             -> fla.txt, added to bench.*
+# Exit status: 0 when every step passed (a skipped fla counts as passed), else 1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+root=$PWD
+
+mode=gpu
+case "${1:-}" in
+    --simulate) mode=simulate ;;
+    "") ;;
+    *) echo "usage: $0 [--simulate]" >&2; exit 2 ;;
+esac
+
 OUT="${OUT:-/tmp/kda_gpu_check}"
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-unset NUMBA_ENABLE_CUDASIM
-export NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0  # small grids are expected in the tests
+summary="$OUT/summary.txt"
+: > "$summary"
+PY="${KDA_PYTHON:-python3}"
+export PYTHONUNBUFFERED=1
+export PYTHONDONTWRITEBYTECODE=1
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+export HYPOTHESIS_PROFILE=ci
+if [ "$mode" = simulate ]; then
+    export NUMBA_ENABLE_CUDASIM=1
+    budget="${KDA_CHECK_BUDGET:-540}"
+    workers="${KDA_CHECK_WORKERS:-2}"
+    per_test=240  # the simulator runs every thread in Python
+    simulate_flag=--simulate
+else
+    unset NUMBA_ENABLE_CUDASIM
+    budget="${KDA_CHECK_BUDGET:-330}"
+    workers="${KDA_CHECK_WORKERS:-4}"
+    per_test=90
+    simulate_flag=
+fi
 start=$(date +%s)
+deadline=$((start + budget))
+failures=0
 
-nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
-python --version >> "$OUT/nvidia-smi.txt" 2>&1
+note() { echo "$*" | tee -a "$summary"; }
 
-# offline installs of what the machine may lack; one wheel at a time so that a wheel for
-# another Python version fails alone
-for whl in scripts/wheels/*.whl; do
-    python -m pip install --no-index --no-deps --quiet "$whl" >> "$OUT/pip.txt" 2>&1 || echo "skipped $whl" >> "$OUT/pip.txt"
-done
-python -m pip list 2>/dev/null | grep -i -E "numba|cupy|torch|triton|fla|hypothesis|array.api|cuda" >> "$OUT/pip.txt"
+# run_step NAME CAP RESERVE CMD...: CMD (a program: shell functions go through bash -c, exported)
+# with its output in $OUT/NAME.txt, cut (SIGINT, then
+# SIGKILL 15 s later) after CAP seconds or when only RESERVE seconds of the budget are left for
+# the steps after it; appends "NAME: ok|FAILED|CUT ..." to the summary
+run_step() {
+    local name=$1 cap=$2 reserve=$3
+    shift 3
+    local now left t0 rc status
+    now=$(date +%s)
+    left=$((deadline - now - reserve))
+    [ "$left" -lt "$cap" ] && cap=$left
+    if [ "$cap" -lt 5 ]; then
+        note "$name: SKIPPED (no time left in the ${budget} s budget)"
+        failures=$((failures + 1))
+        return 1
+    fi
+    t0=$(date +%s)
+    timeout -s INT -k 15 "$cap" "$@" > "$OUT/$name.txt" 2>&1
+    rc=$?
+    case $rc in
+        0) status=ok ;;
+        124 | 130 | 137) status="CUT at the ${cap} s cap" ;;
+        *) status=FAILED ;;
+    esac
+    note "$name: $status (exit $rc) in $(($(date +%s) - t0)) s, $(($(date +%s) - start)) s since start"
+    [ "$rc" -eq 0 ] || failures=$((failures + 1))
+    return "$rc"
+}
 
-# 1. the cuda tests on CuPy arrays (the modules pick CuPy when /dev/nvidiactl exists), the PTX
-#    checks, and every other test module that uses CuPy
-# (tests/backends/test_primitives.py is left out: it hands NumPy arrays to the kernels, which only the
-# simulator takes without a copy warning; CI runs it there)
-gpu_tests=$(grep -l -i -E "cupy|cuda" tests/test_*.py | grep -v test_primitives.py | sort -u | tr '\n' ' ')
-echo "test modules: $gpu_tests" > "$OUT/pytest.txt"
-timeout 300 python -m pytest $gpu_tests -q -p no:cacheprovider -rs --durations=15 >> "$OUT/pytest.txt" 2>&1
-echo "pytest exit $? after $(( $(date +%s) - start )) s" | tee "$OUT/summary.txt"
+note "kda gpu_check ($mode) at $(date -u +%FT%TZ), budget ${budget} s, out $OUT"
 
-# 2. accuracy at scale and timings against fla
-timeout 220 python scripts/gpu_bench.py --out "$OUT" > "$OUT/bench.txt" 2>&1
-echo "bench exit $? after $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
-tail -n 3 "$OUT/pytest.txt" >> "$OUT/summary.txt"
-cat "$OUT/bench.md" >> "$OUT/summary.txt" 2>/dev/null
-cat "$OUT/summary.txt"
+# env: what the machine has (never fails the check)
+env_info() {
+    if [ "$mode" = gpu ]; then nvidia-smi || echo "nvidia-smi failed"; fi
+    command -v "$PY" && "$PY" --version
+    "$PY" -m pip list 2>/dev/null | grep -i -E "numba|cupy|torch|triton|fla|hypothesis|array.api|pytest|cuda|numpy|einops|threadpool"
+    git -C "$root" log -1 --format="commit %H %s" 2>/dev/null || true
+}
+export -f env_info
+export PY mode root
+run_step env 20 300 bash -c env_info
+
+# wheels: offline installs of what the machine lacks, by import name; nothing when all import.
+# Required: kda's own dependencies and the tests'; optional: fla's (its step reports a skip) and
+# pytest's plugins (the tests then run without them)
+REQUIRED="array_api_compat:array-api-compat threadpoolctl:threadpoolctl hypothesis:hypothesis"
+REQUIRED="$REQUIRED sortedcontainers:sortedcontainers"
+OPTIONAL="einops:einops fla:fla-core pytest_timeout:pytest-timeout xdist:pytest-xdist"
+install_wheels() {
+    local pair missing=() failed=0
+    if ! "$PY" -c "import sys; sys.exit(sys.version_info < (3, 11))"; then
+        REQUIRED="$REQUIRED exceptiongroup:exceptiongroup"  # hypothesis's, below Python 3.11
+    fi
+    for pair in $REQUIRED $OPTIONAL; do
+        "$PY" -c "import ${pair%%:*}" 2> /dev/null || missing+=("${pair#*:}")
+    done
+    if [ ${#missing[@]} -eq 0 ]; then
+        echo "every module imports: nothing to install"
+        return 0
+    fi
+    echo "missing: ${missing[*]}"
+    # one at a time, --no-deps, from the folder only (fla-core's torch and triton are the
+    # machine's own); --find-links picks the wheel that fits this Python
+    for dist in "${missing[@]}"; do
+        "$PY" -m pip install --no-index --no-deps --find-links scripts/wheels "$dist" 2>&1 | tail -n 2
+    done
+    for pair in $REQUIRED; do
+        "$PY" -c "import ${pair%%:*}" 2> /dev/null || { echo "still missing: ${pair#*:}"; failed=1; }
+    done
+    for pair in $OPTIONAL; do
+        "$PY" -c "import ${pair%%:*}" 2> /dev/null || echo "still missing (optional): ${pair#*:}"
+    done
+    [ -d scripts/wheels ] || echo "(no scripts/wheels/: run scripts/fetch_gpu_wheels.sh and carry it)"
+    return $failed
+}
+export -f install_wheels
+export REQUIRED OPTIONAL
+run_step wheels 90 240 bash -c install_wheels
+
+# preflight: stop here if the basics fail
+if ! run_step preflight 120 200 "$PY" -u scripts/gpu_preflight.py $simulate_flag --summary "$summary"; then
+    note "preflight failed: the check stops here (see $OUT/preflight.txt)"
+    cat "$summary"
+    exit 1
+fi
+
+# tests: everything marked cuda, wherever it lives
+timeout_args=()
+if "$PY" -c "import pytest_timeout" 2> /dev/null; then
+    timeout_args=(--timeout "$per_test" --timeout-method thread)
+else
+    note "  (pytest-timeout is not installed: no per-test timeout)"
+fi
+xdist_args=()
+if "$PY" -c "import xdist" 2> /dev/null && [ "$workers" -gt 1 ]; then
+    xdist_args=(-n "$workers")
+fi
+if [ "$mode" = gpu ]; then
+    tests_cap=200
+else
+    tests_cap=420
+fi
+run_step pytest "$tests_cap" 100 "$PY" -u -m pytest tests -m cuda "${xdist_args[@]}" "${timeout_args[@]}" \
+    -p no:cacheprovider -v -rfEs --durations=20 --junitxml="$OUT/pytest.xml"
+grep -E "^(=+ .*(passed|failed|error).* =+|FAILED|ERROR)" "$OUT/pytest.txt" | tail -n 15 | sed 's/^/  /' >> "$summary"
+
+# bench: accuracy at scale first, then speed
+run_step bench 120 60 "$PY" -u scripts/gpu_bench.py $simulate_flag --out "$OUT"
+# fla: its Triton compiles on a cold cache; bfloat16 only
+run_step fla 90 0 "$PY" -u scripts/gpu_bench.py $simulate_flag --fla --out "$OUT"
+if [ -f "$OUT/bench.md" ]; then
+    sed 's/^/  /' "$OUT/bench.md" >> "$summary"
+fi
+
+note "done in $(($(date +%s) - start)) s: $failures step(s) not ok"
+[ "$failures" -eq 0 ]

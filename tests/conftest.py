@@ -70,3 +70,23 @@ def pytest_sessionfinish(session):
     if path and not hasattr(session.config, "workerinput"):  # pytest-xdist: the controller writes
         with open(path, "w", encoding="utf-8") as fh:
             fh.writelines(f"{nodeid}\n" for nodeid in dict.fromkeys(_SKIPPED))
+
+
+# ------------------------------------------------------------------ the `cuda` marker
+# Every test that runs kda.cuda's kernels (on a GPU, or under Numba's simulator) is marked `cuda`,
+# so that scripts/gpu_check.sh selects them by what they test (`-m cuda`) wherever they live: tests
+# marked so explicitly (tests/backends/test_cuda.py, test_ptx.py), tests parametrised with the
+# cuda backend, and tests whose name says they use CUDA or CuPy.
+def _uses_cuda(item) -> bool:
+    if item.get_closest_marker("cuda") is not None:
+        return True
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if any(isinstance(value, str) and value == "cuda" for value in params.values()):
+        return True
+    return any(word in item.name.lower() for word in ("cuda", "cupy"))
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _uses_cuda(item):
+            item.add_marker(pytest.mark.cuda)

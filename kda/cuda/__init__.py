@@ -3,16 +3,16 @@
 The backend-neutral algorithm of :mod:`kda._engine.chunked` drives it unchanged. Arrays are CuPy
 arrays on a GPU (kernels run on CuPy's current stream), or NumPy arrays under Numba's CUDA
 simulator (``NUMBA_ENABLE_CUDASIM=1``). Kernels are compiled on first use, once per dtype
-(float32, float64) and offset width (32-bit wherever every array of a launch has fewer than
-2**32 elements, else 64-bit). Kernels are grouped by family, each beside its launch wrappers:
-``local.py`` (the per-chunk work and its gradient), ``state_pass.py`` (the state recurrence and
-its gradient), ``recurrent.py`` (the step recurrence), ``_decode.py`` (decoding from a pool) and
-``gate.py`` (the device-side gate check), on ``_device.py`` (offsets, signatures, compilation)
-and ``_launch.py`` (the launcher). One kernel per primitive, and launches per call do not depend on the
-sequence length (``kda.cuda._launch.LAUNCHES`` counts them): a forward is 2 kernels, a
-backward 3 (docs/gpu.md). Padded chunks longer than :data:`MAX_CHUNK` do not fit a block:
-:func:`kda._backend.resolve` runs those problems on the array-API reference backend (on CuPy).
-:func:`launch_gate_check` checks the log decays on the device.
+(float32, float64; float16 too for the gate check) and offset width (32-bit wherever every array
+of a launch has fewer than 2**32 elements, else 64-bit). Kernels are grouped by family, each
+beside its launch wrappers: ``local.py`` (the per-chunk work and its gradient), ``state_pass.py``
+(the state recurrence and its gradient), ``recurrent.py`` (the step recurrence), ``_decode.py``
+(decoding from a pool) and ``gate.py`` (the device-side gate check), on ``_device.py`` (offsets,
+signatures, compilation) and ``_launch.py`` (the launcher). One kernel per primitive, and launches
+per call do not depend on the sequence length (``kda.cuda._launch.LAUNCHES`` counts them): a
+forward is 2 kernels, a backward 3 (docs/gpu.md). Padded chunks longer than :data:`MAX_CHUNK` do
+not fit a block: :func:`kda._backend.resolve` runs those problems on the array-API reference
+backend (on CuPy). :func:`launch_gate_check` checks the log decays on the device.
 """
 
 import contextlib

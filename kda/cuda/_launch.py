@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import numba
 import numpy as np
 from array_api_compat import device, is_cupy_array
 from numba import cuda
@@ -118,9 +119,14 @@ def launch(
         # same stream as CuPy's work: no host synchronisation on the arrays' stream is needed
         args = tuple(cuda.as_cuda_array(a, sync=False) if is_cupy_array(a) else a for a in args)
         dims = tuple(getattr(np, _device.INDEX_TYPES[index])(d) for d in dims)
-    else:
-        stream = 0  # host arrays: the simulator, which takes the dimensions as Python ints
+    elif numba.config.ENABLE_CUDASIM:
+        stream = 0  # host arrays under the simulator, which takes the dimensions as Python ints
         dims = tuple(int(d) for d in dims)
+    else:
+        # host arrays on a real GPU: Numba copies them to the device and back (and warns); the
+        # dimensions in the signature's type, as for CuPy arrays
+        stream = 0
+        dims = tuple(getattr(np, _device.INDEX_TYPES[index])(d) for d in dims)
     kernel[grid, block, stream, shared](*args, dims)
     LAUNCHES[name] += 1
 

@@ -33,11 +33,14 @@ if HAS_GPU:
 else:
     xp_dev = np
 
-# on a real GPU, Numba warns about every grid under 128 blocks: the tests' grids are tiny
-pytestmark = pytest.mark.filterwarnings("ignore:Grid size .* will likely result in GPU under-utilization")
+pytestmark = [
+    pytest.mark.cuda,
+    # on a real GPU, Numba warns about every grid under 128 blocks: the tests' grids are tiny
+    pytest.mark.filterwarnings("ignore:Grid size .* will likely result in GPU under-utilization"),
+]
 
 TOL = {np.float32: 1e-5, np.float64: 1e-10}
-REGIMES = ("zero", "mild", "strong", "extreme", "reset")
+REGIMES = ("zero", "mild", "strong", "extreme", "reset", "decay5", "kimi")
 # worst relative error seen per (check, regime, dtype), printed at the end of the module
 WORST: dict = {}
 
@@ -83,9 +86,17 @@ def check(name, got, want, dtype, regime="-"):
 
 
 def gates(rng, shape, regime):
-    """Log decays: zero, mild (-1e-3..-1), strong (some -1e3), extreme (some -1e4), reset (some -inf)."""
+    """Log decays: zero, mild (-1e-3..-1), strong (some -1e3), extreme (some -1e4), reset (some -inf);
+    decay5: ``-U(0, 5)`` per step and channel; kimi: Kimi Linear's gate
+    ``-exp(A_log) softplus(a + dt_bias)``, ``A_log = log U(1, 16)`` per channel, ``a ~ N(0, 1)``."""
     if regime == "zero":
         return np.zeros(shape)
+    if regime == "decay5":
+        return -rng.uniform(0.0, 5.0, shape)
+    if regime == "kimi":
+        a_log = np.log(rng.uniform(1.0, 16.0, shape[-1]))
+        dt_bias = 0.1 * rng.standard_normal(shape[-1])
+        return -np.exp(a_log) * np.logaddexp(0.0, rng.standard_normal(shape) + dt_bias)
     g = -np.exp(rng.uniform(np.log(1e-3), 0.0, shape))
     hit = rng.uniform(size=shape) < 0.25
     if regime == "strong":
