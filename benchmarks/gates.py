@@ -114,8 +114,8 @@ def _measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     shape = x["q"].shape
     table = {r: _calls(x, gates(r, shape), args) for r in args.regimes}
     times: dict[str, dict[str, list[float]]] = {r: {c: [] for c in calls} for r, calls in table.items()}
-    for r, calls in table.items():  # warm-up: compiles, builds ggml, first-touch pages
-        for c, fn in calls.items():
+    for calls in table.values():  # warm-up: compiles, builds ggml, first-touch pages
+        for fn in calls.values():
             fn()
     for _ in range(args.rounds):
         for r, calls in table.items():

@@ -296,7 +296,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--realistic-shape",
         default=None,
-        help="BxT of the extra row at Kimi Linear's gate formula (default: the first of --shapes; 'none': skip)",
+        help="BxT of the row at Kimi Linear's gate formula (default: the first of --shapes; 'none': skip)",
     )
     p.add_argument("--memory-shape", default="1x4096", help="BxT of the peak-memory pass ('none': skip)")
     p.add_argument(
