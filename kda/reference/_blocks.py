@@ -20,6 +20,7 @@ import array_api_compat
 
 __all__ = [
     "FLUSH_BELOW",
+    "PAIR_FLUSH_BELOW",
     "add_halves",
     "assemble_lower",
     "decay",
@@ -36,21 +37,26 @@ __all__ = [
 
 # Decay factors below these are set to an exact 0 (docs/options.md, "Subnormal floats"). A
 # subnormal float costs x86 cores ~100x in every instruction that reads or writes it (NumPy's
-# loops and BLAS alike), and strong gates put many decay products inside a chunk there. Each
-# threshold's square times ``2**-42`` (float32) or ``2**-342`` (float64) is still a normal float,
-# so a product of two kept factors with inputs or states down to that size stays normal; a
-# dropped factor scales its term by less than ``2**-42`` (``2**-340``), far below rounding.
-FLUSH_BELOW = {32: 2.0**-42, 64: 2.0**-340}
+# loops and BLAS alike), and strong gates put many decay products inside a chunk there.
+# FLUSH_BELOW (the prefix, suffix and total decays, the recurrence's exp(g)) is the square root of
+# the smallest normal float: a product of two kept factors is normal, and so is a kept factor times
+# an input or a state entry of 2**-63 (2**-511) or more. PAIR_FLUSH_BELOW (the row and column
+# factors of the pair products A and L, multiplied together inside a matrix product with q_d k_d):
+# the square of a kept pair factor times 2**-42 (2**-342) is normal. A dropped factor scales its
+# term by less than these, far below rounding against the terms of factor 1 beside it.
+FLUSH_BELOW = {32: 2.0**-63, 64: 2.0**-511}
+PAIR_FLUSH_BELOW = {32: 2.0**-42, 64: 2.0**-340}
 
 
 def _is_numpy(xp: Any) -> bool:
     return array_api_compat.is_numpy_namespace(xp)
 
 
-def flush(xp: Any, x: Any) -> Any:
-    """``x`` (decay factors in ``[0, 1]``) with entries below :data:`FLUSH_BELOW` set to 0
-    (NaN stays NaN); NumPy arrays are changed in place and returned."""
-    tiny = FLUSH_BELOW[xp.finfo(x.dtype).bits]
+def flush(xp: Any, x: Any, below: dict[int, float] = FLUSH_BELOW) -> Any:
+    """``x`` (decay factors in ``[0, 1]``) with entries under ``below`` (:data:`FLUSH_BELOW` or
+    :data:`PAIR_FLUSH_BELOW`, by the dtype's bits) set to 0 (NaN stays NaN); NumPy arrays are
+    changed in place and returned."""
+    tiny = below[xp.finfo(x.dtype).bits]
     if _is_numpy(xp):
         import numpy as np
 

@@ -8,7 +8,8 @@ add nothing and decay nothing. ``...`` stands for the leading ``[B, H, NT]``.
 Decay factors follow the numerical contract of ``docs/design.md``: each is a product of
 ``exp(g)`` over exactly the steps it spans, so every factor lies in ``[0, 1]`` when
 ``g <= 0``, and ``-inf`` (a hard reset) gives an exact 0 and never a NaN. Factors below
-``FLUSH_BELOW`` (``2**-42`` in float32) are exact zeros, so none is subnormal.
+``FLUSH_BELOW`` (``2**-63`` in float32; the pair factors below ``2**-42``) are exact zeros, so
+none is subnormal.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from array_api_compat import array_namespace
 
 from .._backend import ChunkLocal
 from ._blocks import (
+    PAIR_FLUSH_BELOW,
     add_halves,
     assemble_lower,
     decay,
@@ -84,7 +86,8 @@ def _decay_tree(xp: Any, e: Any) -> tuple[Any, Any, list[Any], list[Any]]:
     including ``i`` and ``E_h[j]`` the product over the steps after ``j`` in its block:
     ``I_2h = [I_h, I_h * (whole first half)]`` and ``E_2h = [E_h * (whole second half), E_h]``,
     so each factor is a product over exactly the steps it spans; each product is flushed
-    (:func:`~._blocks.flush`), so no factor is subnormal. Returns
+    (:func:`~._blocks.flush`; the pair factors at :data:`~._blocks.PAIR_FLUSH_BELOW`), so no
+    factor, and no product of two factors and an input, is subnormal. Returns
     ``prefix = I_Cp``, ``suffix = E_Cp`` and, per level, ``rows`` (``I_h`` on second halves) and
     ``cols`` (``E_h`` on first halves).
     """
@@ -94,8 +97,8 @@ def _decay_tree(xp: Any, e: Any) -> tuple[Any, Any, list[Any], list[Any]]:
         for h in half_sizes(e.shape[-2]):
             I5 = I.reshape((*I.shape[:-2], -1, 2, h, I.shape[-1]))
             E5 = E.reshape(I5.shape)
-            rows.append(I5[..., 1, :, :].copy())
-            cols.append(E5[..., 0, :, :].copy())
+            rows.append(flush(xp, I5[..., 1, :, :].copy(), PAIR_FLUSH_BELOW))
+            cols.append(flush(xp, E5[..., 0, :, :].copy(), PAIR_FLUSH_BELOW))
             E5[..., 0, :, :] *= I5[..., 1, -1:, :]
             I5[..., 1, :, :] *= I5[..., 0, -1:, :]
             flush(xp, E5[..., 0, :, :])
@@ -104,8 +107,8 @@ def _decay_tree(xp: Any, e: Any) -> tuple[Any, Any, list[Any], list[Any]]:
     for h in half_sizes(e.shape[-2]):
         I_first, I_second = split_halves(xp, I, h)
         E_first, E_second = split_halves(xp, E, h)
-        rows.append(I_second)
-        cols.append(E_first)
+        rows.append(flush(xp, I_second, PAIR_FLUSH_BELOW))
+        cols.append(flush(xp, E_first, PAIR_FLUSH_BELOW))
         I = join_halves(xp, I_first, flush(xp, I_second * I_first[..., -1:, :]))
         E = join_halves(xp, flush(xp, E_first * I_second[..., -1:, :]), E_second)
     return I, E, rows, cols
