@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 from array_api_compat import array_namespace, device
-from numba import cuda
+from numba import cuda, float32
 
-from ._device import DTYPES, INDEX_TYPES, offset_functions
+from ._device import DTYPES, INDEX_TYPES, inline, offset_functions
 from ._launch import _c, launch
 
 __all__ = ["SIGNATURE", "build_decode_kernel", "compiled_decode", "decode_forward", "decode_signature"]
@@ -39,34 +39,121 @@ NAME = "decode_forward"
 # [N + 1] or empty: int64 1-D; scratch: flattened [N, HV, K, V] or 1 element; output: flattened;
 # dims = (N, HV, T, K, V, W) in the index type
 SIGNATURE = (
-    "void({a}, {a}, {a}, {a}, {a}, {s}, {a}, {a}, int64[::1], int64[::1], int64[::1], {a}, {a}, "
+    "void({a}, {a}, {a}, {a}, {a}, {s}, {p}, {p}, int64[::1], int64[::1], int64[::1], {a}, {a}, "
     "UniTuple({d}, 6))"
 )
 
 THREADS_PER_BLOCK = 128
+# pool dtypes besides the compute dtype (float32 compute): float16 as it is, bfloat16 as its
+# int16 bits (CuPy has no bfloat16 type)
+HALF_POOLS = {"float16": "float16", "bfloat16": "int16"}
 
-_COMPILED: dict[tuple[str, str], Any] = {}
+_COMPILED: dict[tuple[str, str, str, bool], Any] = {}
 
 
-def decode_signature(dtype: str, index: str = "uint32") -> str:
-    """The explicit Numba signature of the decode kernel for the floating ``dtype`` and ``index`` type.
+def decode_signature(dtype: str, index: str = "uint32", pool: str | None = None) -> str:
+    """The explicit Numba signature of the decode kernel for the floating ``dtype``, the ``index``
+    type and the pool's element type ``pool`` (default ``dtype``; ``float16``, or ``int16`` for
+    bfloat16 bits, with float32).
 
     Every array is passed flattened (C-contiguous, 1-D): the kernel computes its offsets in
     ``index`` arithmetic from the trailing dimensions ``(N, HV, T, K, V, W)``, as the kernels of
     :mod:`._device` do.
     """
-    return SIGNATURE.format(a=f"{dtype}[::1]", s=dtype, d=INDEX_TYPES[index])
+    pool = dtype if pool is None else pool
+    return SIGNATURE.format(a=f"{dtype}[::1]", s=dtype, p=f"{pool}[::1]", d=INDEX_TYPES[index])
 
 
-def build_decode_kernel(dtype: str, index: str = "uint32"):
-    """The kernel's Python function, closed over the constants of ``dtype`` (no float64 promotion)
-    and the offset functions of ``index``."""
+_INF, _NAN, _HALF, _SCALE = float32(math.inf), float32(math.nan), float32(0.5), float32(256.0)
+
+
+def _bfloat_to_float(bits):
+    """bfloat16 bits (an int16) -> their float32 value, exactly, in float32 arithmetic (no bit casts)."""
+    h = int(bits) & 0xFFFF
+    e = (h >> 7) & 0xFF
+    m = h & 0x7F
+    if e == 0xFF:
+        x = _INF if m == 0 else _NAN  # a NaN's payload is not kept
+    elif e == 0:
+        x = math.ldexp(float32(m), -133)
+    else:
+        x = math.ldexp(float32(m + 128), e - 134)
+    return -x if h >> 15 else x
+
+
+def _float_to_bfloat(x):
+    """float32 ``x`` -> bfloat16 bits (an int), rounded to nearest even (NaN: the quiet NaN)."""
+    if x != x:
+        return 0x7FC0
+    sign = 0x8000 if math.copysign(float32(1.0), x) < 0 else 0
+    a = abs(x)
+    if a == _INF or a == 0:
+        bits = sign | (0x7F80 if a == _INF else 0)
+        return bits - 0x10000 if bits >= 0x8000 else bits
+    f, ex = math.frexp(a)  # a = f 2^ex, f in [0.5, 1)
+    biased = ex + 126
+    y = f * _SCALE if biased >= 1 else math.ldexp(a, 133)  # the significand in units of its last bit
+    down = float32(math.floor(y))
+    rest = y - down
+    r = int(down)
+    if rest > _HALF or (rest == _HALF and r % 2 == 1):
+        r += 1
+    if biased < 1:
+        bits = r  # subnormal (r == 128: the smallest normal, whose bits these are too)
+    elif biased >= 255 or (biased == 254 and r == 256):
+        bits = 0x7F80
+    else:
+        bits = ((biased + 1) << 7) if r == 256 else (biased << 7) | (r - 128)
+    bits = sign | bits
+    return bits - 0x10000 if bits >= 0x8000 else bits  # as an int16
+
+
+def build_decode_kernel(dtype: str, index: str = "uint32", pool: str | None = None, v_first: bool = False):
+    """The kernel's Python function, closed over the constants of ``dtype`` (no float64 promotion),
+    the offset functions of ``index``, the pool's element type (``pool``: ``dtype``, ``float16``
+    or ``int16``, bfloat16 bits) and layout (``v_first``: ``[P, HV, V, K]``)."""
     zero = np.dtype(dtype).type(0)
     at2, at3, _ = offset_functions(index)
+    pool = dtype if pool is None else pool
+    same = pool == dtype  # the running state may live in the pool rows themselves
+
+    if v_first:
+
+        @inline
+        def at_state(state, d, c, K, V):
+            return at3(state, c, d, V, K)
+
+    else:
+
+        @inline
+        def at_state(state, d, c, K, V):
+            return at3(state, d, c, K, V)
+
+    if pool == "int16":
+        to_float, from_float = inline(_bfloat_to_float), inline(_float_to_bfloat)
+    else:
+
+        @inline
+        def to_float(x):
+            return float32(x) if pool == "float16" else x
+
+        @inline
+        def from_float(x):
+            return x
+
+    @inline
+    def read(where, src, dst, scratch, i):
+        """Element ``i`` of the current state: in ``src`` (0), ``dst`` (1) or ``scratch`` (2)."""
+        if where == 0:
+            return to_float(src[i])
+        if where == 1:
+            return to_float(dst[i])
+        return scratch[i]
 
     def decode_forward(q, k, g, v, beta, scale, src, dst, start, dest, offsets, scratch, o, dims):
         """``q, k, g``: ``[B, HV, T, K]``, ``v, o``: ``[B, HV, T, V]``, ``beta``: ``[B, HV, T]``,
-        ``src``, ``dst``: ``[P, HV, K, V]``, all flattened; ``dims = (N, HV, T, K, V, W)``."""
+        ``src``, ``dst``: ``[P, HV, K, V]`` (``[P, HV, V, K]`` V-major), all flattened;
+        ``dims = (N, HV, T, K, V, W)``."""
         idx = cuda.grid(1)
         N, HV, T, K, V, W = dims
         c = idx % V
@@ -83,8 +170,8 @@ def build_decode_kernel(dtype: str, index: str = "uint32"):
             for t in range(steps):
                 o[at3(head, t0 + t, c, T, V)] = zero
             return
-        cur = src
-        state = at2(row, h, HV)  # the [K, V] state of (row, h) in cur
+        where = 0  # the current state: 0 src, 1 dst, 2 scratch
+        state = at2(row, h, HV)  # the [K, V] state of (row, h) there
         for t in range(steps):
             slot = dest[at2(n, 0, W)] if W == 1 else dest[at2(n, t, W)]
             step = at2(head, t0 + t, T)
@@ -93,36 +180,45 @@ def build_decode_kernel(dtype: str, index: str = "uint32"):
             qk = zero
             for d in range(K):
                 td = at2(step, d, K)
-                s = math.exp(g[td]) * cur[at3(state, d, c, K, V)]
+                s = math.exp(g[td]) * read(where, src, dst, scratch, at_state(state, d, c, K, V))
                 pred += k[td] * s
                 qs += q[td] * s
                 qk += q[td] * k[td]
             u = beta[step] * (v[at2(step, c, V)] - pred)
             o[at2(step, c, V)] = scale * (qs + qk * u)
-            if slot >= 0:
-                nxt, into = dst, at2(slot, h, HV)
-            elif t + 1 < steps:
-                nxt, into = scratch, at2(n, h, HV)
-            else:
+            last = t + 1 == steps
+            if W == 1 and not last and not same:
+                slot = -1  # a 16-bit pool's final row: written by the last step only
+            if slot < 0 and last:
                 break  # the last state is not kept
+            into, mine = at2(slot if slot >= 0 else n - n, h, HV), at2(n, h, HV)
+            # same dtype: the next step reads the slot's row; 16-bit pool: the float32 scratch
+            keep = slot < 0 or (not same and not last)
             for d in range(K):
                 td = at2(step, d, K)
-                nxt[at3(into, d, c, K, V)] = math.exp(g[td]) * cur[at3(state, d, c, K, V)] + k[td] * u
-            cur, state = nxt, into
+                x = math.exp(g[td]) * read(where, src, dst, scratch, at_state(state, d, c, K, V)) + k[td] * u
+                if slot >= 0:
+                    dst[at_state(into, d, c, K, V)] = from_float(x)
+                if keep:
+                    scratch[at_state(mine, d, c, K, V)] = x
+            where, state = (2, mine) if keep else (1, into)
         if steps == 0 and W == 1 and dest[n] >= 0:
             into = at2(dest[n], h, HV)
             for d in range(K):
-                dst[at3(into, d, c, K, V)] = cur[at3(state, d, c, K, V)]
+                dst[at_state(into, d, c, K, V)] = src[at_state(state, d, c, K, V)]
 
     return decode_forward
 
 
-def compiled_decode(dtype: str, index: str = "uint32"):
-    """The decode kernel for ``dtype`` and ``index``, compiled on first use."""
-    key = (dtype, index)
+def compiled_decode(dtype: str, index: str = "uint32", pool: str | None = None, v_first: bool = False):
+    """The decode kernel for ``dtype``, ``index``, the pool's element type and layout, compiled on
+    first use."""
+    pool = dtype if pool is None else pool
+    key = (dtype, index, pool, v_first)
     kernel = _COMPILED.get(key)
     if kernel is None:
-        kernel = cuda.jit(decode_signature(dtype, index))(build_decode_kernel(dtype, index))
+        sig = decode_signature(dtype, index, pool)
+        kernel = cuda.jit(sig)(build_decode_kernel(dtype, index, pool, v_first))
         _COMPILED[key] = kernel
     return kernel
 
@@ -132,35 +228,51 @@ def _contiguous(x: Any) -> bool:
     return flags is None or bool(flags.c_contiguous)
 
 
-def _has_holes(start: Any, dest: Any, offsets: Any) -> bool:
-    """Whether a running request names no slot for a step that another step follows (host arrays)."""
-    if dest.shape[1] == 1:
+def _needs_scratch(start: Any, dest: Any, offsets: Any, T: int, same: bool) -> bool:
+    """Whether a running request keeps a state in the scratch: a step that another step follows
+    and that names no slot (``same``: the pool holds the compute dtype) or any such step (a
+    16-bit pool: the running state stays float32). Host arrays."""
+    if same and dest.shape[1] == 1:
         return False
-    T = dest.shape[1]
     lengths = np.diff(offsets) if offsets is not None else np.full(len(start), T)
-    used = np.arange(T)[None, :] < (lengths[:, None] - 1)
+    if not same:
+        return bool(np.any((lengths > 1) & (start >= 0)))
+    used = np.arange(dest.shape[1])[None, :] < (lengths[:, None] - 1)
     return bool(np.any((dest < 0) & used & (start[:, None] >= 0)))
 
 
 def decode_forward(
     q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, pool: Any, start: Any, dest: Any,
-    offsets: Any = None, final_pool: Any = None, out: Any = None,
+    offsets: Any = None, final_pool: Any = None, out: Any = None, v_first: bool = False,
 ) -> Any:  # fmt: skip
     """The CUDA backend of :func:`kda.reference.decode_forward`, in one kernel launch.
 
-    ``q, k, g: [B, HV, T, K]``, ``v: [B, HV, T, V]``, ``beta: [B, HV, T]`` and
-    ``pool: [P, HV, K, V]`` of one dtype (float32 or float64); ``start [N]``, ``dest [N, W]`` and
-    ``offsets [N + 1]`` (or None) int64 host arrays. Returns the output ``[B, HV, T, V]``; the
-    slots' rows of ``final_pool`` (default ``pool``) are written in place (through a
-    C-contiguous copy, written back, where the pool itself is not C-contiguous); ``out``: a
-    C-contiguous output buffer, or None.
+    ``q, k, g: [B, HV, T, K]``, ``v: [B, HV, T, V]``, ``beta: [B, HV, T]`` of one dtype (float32
+    or float64) and ``pool: [P, HV, K, V]`` (``[P, HV, V, K]`` with ``v_first``) of that dtype,
+    or float16 / bfloat16 (``ml_dtypes``, host arrays under the simulator) with float32 (read
+    as it is, rounded to nearest even on store); ``start [N]``, ``dest [N, W]`` and ``offsets
+    [N + 1]`` (or None) int64 host arrays. Returns the output ``[B, HV, T, V]``; the slots' rows
+    of ``final_pool`` (default ``pool``) are written in place (through a C-contiguous copy,
+    written back, where the pool itself is not C-contiguous); ``out``: a C-contiguous output
+    buffer, or None.
     """
     xp = array_namespace(q, k, v, g, beta, pool)
-    dtype = str(pool.dtype)
-    if dtype not in DTYPES or any(x.dtype != pool.dtype for x in (q, k, v, g, beta)):
+    dtype = str(q.dtype)
+    pool_kind = str(pool.dtype)
+    if pool_kind == dtype:
+        pool_type = dtype
+    elif dtype == "float32" and pool_kind in HALF_POOLS:
+        pool_type = HALF_POOLS[pool_kind]
+    else:
+        pool_type = None
+    if dtype not in DTYPES or pool_type is None or any(x.dtype != q.dtype for x in (k, v, g, beta)):
         got = [str(x.dtype) for x in (q, k, v, g, beta, pool)]
-        msg = f"decode_forward: all arrays must share one dtype in {DTYPES}; got {got}"
+        msg = (
+            f"decode_forward: the inputs must share one dtype in {DTYPES}, the pool that dtype (or "
+            f"float16 / bfloat16 with float32); got {got}"
+        )
         raise TypeError(msg)
+    same = pool_type == dtype
     B, HV, T, V = v.shape
     K = q.shape[-1]
     N, W = dest.shape
@@ -171,16 +283,23 @@ def decode_forward(
     dev = device(pool)
     ints = [xp.asarray(np.array(x, np.int64).reshape(-1), device=dev)  # copies: the simulator writes back
             for x in (start, dest, np.zeros(0, np.int64) if offsets is None else offsets)]  # fmt: skip
-    holes = _has_holes(start, dest, offsets)
-    scratch = xp.empty((N, HV, K, V) if holes else (1,), dtype=pool.dtype, device=dev)
+    holes = _needs_scratch(start, dest, offsets, T, same)
+    scratch = xp.empty((N, HV, K, V) if holes else (1,), dtype=q.dtype, device=dev)
     dst = pool if final_pool is None else final_pool
+    if pool_type == "int16":  # bfloat16 as its bits (views: the kernel writes the pool itself)
+        pool, dst = pool.view(np.int16), dst.view(np.int16)
     src_work = _c(NAME, pool)  # the kernel writes dst in place: copied back below if need be
     if isinstance(src_work, np.ndarray) and not src_work.flags.writeable:
         src_work = src_work.copy()  # the simulator copies every argument back to the host
     dst_work = src_work if dst is pool else _c(NAME, dst)
-    args = (q, k, g, v, beta, pool.dtype.type(scale), src_work, dst_work, *ints, scratch, out)
+    args = (q, k, g, v, beta, q.dtype.type(scale), src_work, dst_work, *ints, scratch, out)
     grid = -(-N * HV * V // THREADS_PER_BLOCK)
-    launch(NAME, partial(compiled_decode, dtype), grid, THREADS_PER_BLOCK, *args, dims=(N, HV, T, K, V, W))
+    kernel_for = partial(_kernel_for, dtype, pool_type, bool(v_first))
+    launch(NAME, kernel_for, grid, THREADS_PER_BLOCK, *args, dims=(N, HV, T, K, V, W))
     if dst_work is not dst:
         dst[...] = dst_work
     return out
+
+
+def _kernel_for(dtype: str, pool: str, v_first: bool, index: str) -> Any:
+    return compiled_decode(dtype, index, pool, v_first)

@@ -261,7 +261,7 @@ def test_cuda_kernel_compiled_once_per_dtype():
     for _ in range(2):
         kda.decode_kda(*(xp.asarray(x.astype(np.float32)) for x in inputs), dpool, [1, 0], backend="cuda")
         kernels.append(kd.compiled_decode("float32"))
-    assert kernels[0] is kernels[1] and kd._COMPILED["float32", "uint32"] is kernels[0]
+    assert kernels[0] is kernels[1] and kd._COMPILED["float32", "uint32", "float32", False] is kernels[0]
 
 
 PTX_SCRIPT = """
@@ -274,6 +274,11 @@ for dtype in ("float32", "float64"):
         kernel, sig = build_decode_kernel(dtype, index), decode_signature(dtype, index)
         ptx, _ = cuda.compile_ptx(kernel, sig, cc=(9, 0))
         report[f"{dtype}/{index}"] = {"entry": ".entry" in ptx, "f64": len(re.findall(r"\\.f64", ptx))}
+for pool in ("float32", "float16", "int16"):  # V-major pools, and 16-bit pools in both layouts
+    for v_first in (False, True):
+        kernel = build_decode_kernel("float32", "uint32", pool, v_first)
+        ptx, _ = cuda.compile_ptx(kernel, decode_signature("float32", "uint32", pool), cc=(9, 0))
+        report[f"{pool}/{v_first}"] = {"entry": ".entry" in ptx, "f64": len(re.findall(r"\\.f64", ptx))}
 print(json.dumps(report))
 """
 
@@ -296,3 +301,7 @@ def test_decode_kernel_compiles_to_ptx_cc90():
     for index in ("uint32", "uint64"):
         assert report[f"float32/{index}"]["entry"] and report[f"float64/{index}"]["entry"]
         assert report[f"float32/{index}"]["f64"] == 0, f"the float32 {index} decode kernel uses float64"
+    for pool in ("float32", "float16", "int16"):
+        for v_first in (False, True):
+            info = report[f"{pool}/{v_first}"]
+            assert info["entry"] and info["f64"] == 0, f"float32 kernel, {pool} pool ({v_first=}): {info}"
