@@ -67,7 +67,7 @@ _SPACE = (
     ("initial_state", str, "+", "true false"),
     ("gates", str, "+", "log softplus lower_bound"),
     ("lower_bound", _floats, None, "min,max (floats < 0)"),
-    ("regimes", str, "+", "zero weak mild strong hard reset raw mixed"),
+    ("regimes", str, "+", "zero weak mild steep kimi strong hard reset raw mixed"),
     ("qk_l2norm", str, "+", "true false"),
     ("beta_activations", str, "+", "none sigmoid sigmoid2"),
     ("scale", str, "+", "default drawn"),
