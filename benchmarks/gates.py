@@ -14,12 +14,15 @@ unit q and k, beta in (0, 1)):
 
 in rounds (every regime once per round, the median over rounds), and prints each time with its
 ratio to the mildest regime's, the CPU model and the load average before and after. ``--one-core``
-pins the process (and ggml) to one core.
+pins the process (and ggml) to one core. ``--unflushed`` adds each kda call once more with the
+flushing switched off (the cpu kernels without FTZ/DAZ, the reference's thresholds at 0), in the
+same rounds: what the flushing buys on this core.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import statistics
@@ -32,13 +35,13 @@ import numpy as np
 
 __all__ = ["REGIMES", "gates", "main"]
 
-# name -> what g is per step and channel
+# name -> what g is per step and channel ("U(0,x)": g = -U(0, x))
 REGIMES = {
-    "-U(0,0.05)": "mildest",
-    "-U(0,1)": "the regime kda's older figures were taken at",
-    "-U(0,5)": "median -2.5",
-    "-U(0,20)": "",
-    "-U(0,85)": "",
+    "U(0,0.05)": "mildest",
+    "U(0,1)": "the regime kda's older figures were taken at",
+    "U(0,5)": "median -2.5",
+    "U(0,20)": "",
+    "U(0,85)": "",
     "kimi": "-exp(A_log) softplus(a), A_log = log U(1, 16) per head, a ~ N(0, 1)",
     "reset/64": "-inf every 64th step, else -U(0, 0.05)",
 }
@@ -48,8 +51,8 @@ POOL, REQUESTS = 256, 64
 def gates(regime: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
     """float32 log decays ``[B, H, T, K]`` of one of :data:`REGIMES`."""
     rng = np.random.default_rng(seed)
-    if regime.startswith("-U(0,"):
-        return -rng.uniform(0.0, float(regime[5:-1]), shape).astype(np.float32)
+    if regime.startswith("U(0,"):
+        return -rng.uniform(0.0, float(regime[4:-1]), shape).astype(np.float32)
     if regime == "kimi":
         A = rng.uniform(1.0, 16.0, (*shape[:2], 1, 1))
         return (-A * np.logaddexp(0.0, rng.standard_normal(shape))).astype(np.float32)
@@ -94,9 +97,38 @@ def _calls(x: dict[str, np.ndarray], g: np.ndarray, args: argparse.Namespace) ->
     calls["decode"] = lambda: kda.decode_kda(
         dq, dk, dv, dg, db, pool, rows, backend="cpu", check_finite=False
     )
+    if args.unflushed:
+        calls.update({f"{c} unfl.": _without_flushing(fn) for c, fn in list(calls.items())})
     if args.ggml:
         calls["ggml"] = _ggml_call(q, k, v, g, beta, 1 if args.one_core else args.threads)
     return calls
+
+
+@contextlib.contextmanager
+def _unflushed():
+    """The cpu kernels without FTZ/DAZ and the reference without its thresholds, for the block."""
+    from kda.cpu import _fpenv
+    from kda.reference import _blocks
+
+    saved = _fpenv.X86, dict(_blocks.FLUSH_BELOW), dict(_blocks.PAIR_FLUSH_BELOW)
+    _fpenv.X86 = False
+    for table in (_blocks.FLUSH_BELOW, _blocks.PAIR_FLUSH_BELOW):
+        for bits in table:
+            table[bits] = 0.0
+    try:
+        yield
+    finally:
+        _fpenv.X86 = saved[0]
+        _blocks.FLUSH_BELOW.update(saved[1])
+        _blocks.PAIR_FLUSH_BELOW.update(saved[2])
+
+
+def _without_flushing(fn: Callable[[], Any]) -> Callable[[], Any]:
+    def call() -> Any:
+        with _unflushed():
+            return fn()
+
+    return call
 
 
 def _ggml_call(q, k, v, g, beta, threads: int) -> Callable[[], Any]:
@@ -113,6 +145,9 @@ def _measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     x = _inputs(args.B, args.H, args.T, args.D, args.D, np.float32, 0)
     shape = x["q"].shape
     table = {r: _calls(x, gates(r, shape), args) for r in args.regimes}
+    if args.calls:
+        table = {r: {c: fn for c, fn in calls.items() if c.removesuffix(" unfl.") in args.calls}
+                 for r, calls in table.items()}  # fmt: skip
     times: dict[str, dict[str, list[float]]] = {r: {c: [] for c in calls} for r, calls in table.items()}
     for calls in table.values():  # warm-up: compiles, builds ggml, first-touch pages
         for fn in calls.values():
@@ -141,12 +176,12 @@ def _print(result: dict[str, dict[str, float]]) -> None:
     for r, row in result.items():
         cells = []
         for c in cols:
-            unit, scale = ("us", 1e6) if c == "decode" else ("ms", 1e3)
+            unit, scale = ("us", 1e6) if c.startswith("decode") else ("ms", 1e3)
             cells.append(f"{row[c] * scale:8.1f}{unit} {row[c] / mild[c]:4.2f}x")
         print(f"{r:>12} " + " ".join(f"{s:>16}" for s in cells))
-    if "ggml" in mild:
+    fwd = next((c for c in ("cpu fwd", "reference fwd") if c in mild), None)
+    if "ggml" in mild and fwd is not None:
         for r, row in result.items():
-            fwd = "cpu fwd" if "cpu fwd" in row else next(c for c in row if c.endswith("fwd"))
             print(f"{r:>12}: {fwd} / ggml = {row[fwd] / row['ggml']:.3f}")
 
 
@@ -162,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="ggml's threads (default 2)")
     p.add_argument("--one-core", action="store_true", help="pin the process to one core, ggml on 1 thread")
     p.add_argument("--no-ggml", dest="ggml", action="store_false", help="leave llama.cpp out")
+    p.add_argument("--unflushed", action="store_true", help="also every kda call without the flushing")
+    p.add_argument("--calls", nargs="+", default=None, help="only these columns (e.g. 'cpu fwd' recurrent)")
     args = p.parse_args(argv)
     if args.one_core and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
