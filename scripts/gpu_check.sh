@@ -10,13 +10,13 @@
 # the gitignored scripts/wheels/, carried there with the working tree).
 #
 # Steps, correctness before speed, each under its own cap (timeout -s INT: pytest still writes
-# its report) within an overall budget (KDA_CHECK_BUDGET seconds, 330 on a GPU); each step's
-# status and time are appended to $OUT/summary.txt as it finishes:
+# its report) within an overall budget (KDA_CHECK_BUDGET seconds: 360 on a GPU, 540 under the
+# simulator); each step's status and time are appended to $OUT/summary.txt as it finishes:
 #   env        nvidia-smi, python3, the relevant packages            -> env.txt
 #   wheels     offline installs of what does not import (scripts/wheels/) -> wheels.txt
 #   preflight  versions, the device, one tiny chunk_kda vs the recurrence -> preflight.txt;
 #              a failure stops the check here
-#   tests      every test marked `cuda` (tests/conftest.py: what runs kda.cuda's kernels), -n
+#   pytest     every test marked `cuda` (tests/conftest.py: what runs kda.cuda's kernels), -n
 #              workers, a per-test timeout                       -> pytest.txt, pytest.xml
 #   bench      accuracy at scale in four gate regimes, then timings and per-kernel times with
 #              check_finite=False (scripts/gpu_bench.py)          -> bench.txt, bench.json, bench.md
@@ -40,17 +40,21 @@ summary="$OUT/summary.txt"
 PY="${KDA_PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 export PYTHONDONTWRITEBYTECODE=1
-export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+# what scripts/wheels/ provides is installed into $site (the wheels step), on the path
+site="$root/scripts/wheels/site"
+export PYTHONPATH="$root:$site${PYTHONPATH:+:$PYTHONPATH}"
 export HYPOTHESIS_PROFILE=ci
 if [ "$mode" = simulate ]; then
     export NUMBA_ENABLE_CUDASIM=1
     budget="${KDA_CHECK_BUDGET:-540}"
+    tests_cap=420
     workers="${KDA_CHECK_WORKERS:-2}"
     per_test=240  # the simulator runs every thread in Python
     simulate_flag=--simulate
 else
     unset NUMBA_ENABLE_CUDASIM
-    budget="${KDA_CHECK_BUDGET:-330}"
+    budget="${KDA_CHECK_BUDGET:-360}"
+    tests_cap=180
     workers="${KDA_CHECK_WORKERS:-4}"
     per_test=90
     simulate_flag=
@@ -110,6 +114,7 @@ REQUIRED="array_api_compat:array-api-compat threadpoolctl:threadpoolctl hypothes
 REQUIRED="$REQUIRED sortedcontainers:sortedcontainers"
 OPTIONAL="einops:einops fla:fla-core pytest_timeout:pytest-timeout xdist:pytest-xdist"
 install_wheels() {
+    set -o pipefail
     local pair missing=() failed=0
     if ! "$PY" -c "import sys; sys.exit(sys.version_info < (3, 11))"; then
         REQUIRED="$REQUIRED exceptiongroup:exceptiongroup"  # hypothesis's, below Python 3.11
@@ -123,9 +128,24 @@ install_wheels() {
     fi
     echo "missing: ${missing[*]}"
     # one at a time, --no-deps, from the folder only (fla-core's torch and triton are the
-    # machine's own); --find-links picks the wheel that fits this Python
+    # machine's own), into $site (on PYTHONPATH: no write to the machine's site-packages, which
+    # may be externally managed); --find-links picks the wheel that fits this Python. Where pip
+    # fails, the wheel is unpacked there (every one is pure Python but hypothesis, whose wheel is
+    # chosen by this Python's cpXY tag)
+    local dist name tag whl
+    tag=$("$PY" -c "import sys; print(f'cp{sys.version_info[0]}{sys.version_info[1]}')")
+    mkdir -p "$site"
     for dist in "${missing[@]}"; do
-        "$PY" -m pip install --no-index --no-deps --find-links scripts/wheels "$dist" 2>&1 | tail -n 2
+        if ! "$PY" -m pip install --no-index --no-deps --find-links scripts/wheels --target "$site" \
+            --upgrade "$dist" 2>&1 | tail -n 2; then
+            name=$(echo "$dist" | tr - _)
+            whl=$(ls scripts/wheels/"$name"-*-py3-none-any.whl scripts/wheels/"$name"-*-py2.py3-none-any.whl \
+                scripts/wheels/"$name"-*-"$tag"-*.whl 2> /dev/null | tail -n 1)
+            if [ -n "$whl" ]; then
+                echo "pip failed: unpacking $whl"
+                "$PY" -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" "$whl" "$site"
+            fi
+        fi
     done
     for pair in $REQUIRED; do
         "$PY" -c "import ${pair%%:*}" 2> /dev/null || { echo "still missing: ${pair#*:}"; failed=1; }
@@ -137,11 +157,11 @@ install_wheels() {
     return $failed
 }
 export -f install_wheels
-export REQUIRED OPTIONAL
-run_step wheels 90 240 bash -c install_wheels
+export REQUIRED OPTIONAL site
+run_step wheels 90 280 bash -c install_wheels
 
 # preflight: stop here if the basics fail
-if ! run_step preflight 120 200 "$PY" -u scripts/gpu_preflight.py $simulate_flag --summary "$summary"; then
+if ! run_step preflight 120 250 "$PY" -u scripts/gpu_preflight.py $simulate_flag --summary "$summary"; then
     note "preflight failed: the check stops here (see $OUT/preflight.txt)"
     cat "$summary"
     exit 1
@@ -158,17 +178,13 @@ xdist_args=()
 if "$PY" -c "import xdist" 2> /dev/null && [ "$workers" -gt 1 ]; then
     xdist_args=(-n "$workers")
 fi
-if [ "$mode" = gpu ]; then
-    tests_cap=200
-else
-    tests_cap=420
-fi
-run_step pytest "$tests_cap" 100 "$PY" -u -m pytest tests -m cuda "${xdist_args[@]}" "${timeout_args[@]}" \
+# the reserves: what the steps after each one need at least (bench 100 s, fla 50 s)
+run_step pytest "$tests_cap" 150 "$PY" -u -m pytest tests -m cuda "${xdist_args[@]}" "${timeout_args[@]}" \
     -p no:cacheprovider -v -rfEs --durations=20 --junitxml="$OUT/pytest.xml"
 grep -E "^(=+ .*(passed|failed|error).* =+|FAILED|ERROR)" "$OUT/pytest.txt" | tail -n 15 | sed 's/^/  /' >> "$summary"
 
 # bench: accuracy at scale first, then speed
-run_step bench 120 60 "$PY" -u scripts/gpu_bench.py $simulate_flag --out "$OUT"
+run_step bench 120 50 "$PY" -u scripts/gpu_bench.py $simulate_flag --out "$OUT"
 # fla: its Triton compiles on a cold cache; bfloat16 only
 run_step fla 90 0 "$PY" -u scripts/gpu_bench.py $simulate_flag --fla --out "$OUT"
 if [ -f "$OUT/bench.md" ]; then
