@@ -406,6 +406,29 @@ def test_chunk_local_with_64_bit_offsets(compiled_calls, monkeypatch):
     assert set(compiled_calls) == {(name, "uint64") for name in ("chunk_local", "chunk_local_backward")}
 
 
+@pytest.mark.parametrize(("Cp", "K", "V"), [(32, 40, 20), (4, 33, 17)])
+def test_chunk_local_backward_tiles(Cp, K, V):
+    """chunk_local_backward's staged tiles: several, and partial, tiles of rows (16), channels (32)
+    and terms (16) in its products over V and K, and rows of lanes over j, d and x for dbeta."""
+    rng = np.random.default_rng(K + V)
+    B, H, NT = 1, 1, 2
+    q = rng.standard_normal((B, H, NT, Cp, K))
+    k = rng.standard_normal((B, H, NT, Cp, K)) / np.sqrt(K)
+    g = gates(rng, (B, H, NT, Cp, K), "kimi")
+    v = rng.standard_normal((B, H, NT, Cp, V))
+    beta = rng.uniform(0, 1, (B, H, NT, Cp))
+    S, dS = (rng.standard_normal((NT, B, H, K, V)) for _ in range(2))
+    u, du, do = (rng.standard_normal((B, H, NT, Cp, V)) for _ in range(3))
+    scale = K**-0.5
+    want = ref.chunk_local(q, k, g, v, beta, scale)
+    want_grads = ref.chunk_local_backward(q, k, g, v, beta, scale, want, S, dS, u, du, do)
+    _, dev = both(np.float64, q, k, g, v, beta, S, dS, u, du, do)
+    got = kc.chunk_local(*dev[:5], scale)
+    got_grads = kc.chunk_local_backward(*dev[:5], scale, got, *dev[5:])
+    for name, a, w in zip(("dq", "dk", "dv", "dg", "dbeta"), got_grads, want_grads, strict=True):
+        check(f"cuda chunk_local_backward.{name} (tiles)", a, w, np.float64, "kimi")
+
+
 def test_chunks_longer_than_a_block_run_on_the_reference(monkeypatch):
     """Padded chunks over MAX_CHUNK steps: no cuda kernel runs, the reference backend does, and
     the results match the recurrence; the kernels refuse such chunks themselves."""
