@@ -21,7 +21,7 @@ Per ``H`` (default 4, 16, 32; ``B = 1``, ``K = V = 128``, float32) it prints, fr
 - ``64/256``: ``decode_kda`` and the plan with 64 requests from a pool of 256 rows (split over
   both cores: ``kda.cpu._decode.SPLIT_WORK``), and ``decode_kda`` held to one thread;
 - ``ggml 1 thread``: the same ggml step on one thread (less sensitive to other load);
-- the targets of issue 25 (``decode_kda <= 1.5 ggml + 25 us``, ``torch <= 1.5 ggml + 60 us``),
+- the targets (``decode_kda <= 1.5 ggml + 25 us``, ``torch <= 1.5 ggml + 60 us``),
   whether each is met, the agreement of kda's step with ggml's (max abs difference of outputs and
   states), the same-run GEMM rate and ``os.getloadavg()`` before and after.
 
@@ -32,6 +32,17 @@ machine, without the OpenBLAS settings of the test environment::
 
 Where ggml cannot be built here (no compiler, cmake or network) its columns say why and the kda
 columns are still printed.
+
+``--pools`` times instead one step (``K = V = 128``; one request of a pool of 8, and 64 requests
+of a pool of 256) from each pool layout and dtype serving engines keep: float32, float16 and
+bfloat16 (``ml_dtypes``), K-major ``[P, H, K, V]`` and V-major ``[P, H, V, K]``
+(``state_v_first=True``), through :func:`kda.decode_kda` and ``kda.torch``'s pool call (vLLM's),
+with the ratios the targets name (V-major within 1.2x of K-major, 16-bit within 1.2x of
+float32)::
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python -m benchmarks.decode --pools
+
+Both forms print ``uptime`` (the load average) and the CPU model with the figures.
 """
 
 from __future__ import annotations
@@ -221,12 +232,141 @@ def _gemm_rate(n: int = 1024) -> float:
     return 2 * n**3 / (time.perf_counter() - t0) / 1e9
 
 
+# ----------------------------------------------------------------------------------------------
+# --pools: the pool layouts and dtypes engines keep
+
+
+POOL_KINDS = (("float32", False), ("float32", True), ("float16", False), ("float16", True),
+              ("bfloat16", False), ("bfloat16", True))  # fmt: skip
+
+
+def _pool_dtype(name: str) -> Any:
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
+
+
+def _pool_of(a: np.ndarray, dtype: str, v_first: bool) -> np.ndarray:
+    """``a`` ([P, H, K, V] float32) as a pool of ``dtype`` in its layout, 64-byte aligned."""
+    a = np.ascontiguousarray(np.swapaxes(a, -1, -2)) if v_first else a
+    dt = np.dtype(_pool_dtype(dtype))
+    buf = np.empty(a.size * dt.itemsize + 64, np.uint8)
+    start = -buf.ctypes.data % 64
+    out = buf[start : start + a.size * dt.itemsize].view(dt).reshape(a.shape)
+    out[...] = a.astype(dt)
+    return out
+
+
+def _torch_pool(pool: np.ndarray) -> Any:
+    import torch
+
+    if pool.dtype.name == "bfloat16":
+        return torch.from_numpy(pool.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(pool)
+
+
+def _pools(H: int, N: int, P: int, repeats: int) -> dict[str, Any]:
+    """One step of ``N`` requests (distinct rows of a pool of ``P``) for every pool kind:
+    ``decode_kda`` and ``kda.torch.fused_recurrent_kda``'s pool call, (median, min) each."""
+    x = _inputs(N, H, seed=5)
+    q, k, v, g, beta = (x[n] for n in ("q", "k", "v", "g", "beta"))
+    rng = np.random.default_rng(6)
+    base = (0.1 * rng.standard_normal((P, H, K, V))).astype(np.float32)
+    rows = rng.choice(P, N, replace=False).astype(np.int64)
+    try:
+        import torch
+
+        from kda.torch import fused_recurrent_kda
+    except ImportError:
+        torch = None
+    if torch is not None:
+        tx = [torch.from_numpy(np.ascontiguousarray(np.swapaxes(x[n], 1, 2))) for n in "q k v g beta".split()]
+        trows = torch.from_numpy(rows.astype(np.int32))
+    out: dict[str, Any] = {}
+    for dtype, v_first in POOL_KINDS:
+        pool = _pool_of(base, dtype, v_first)
+        key = f"{dtype} {'V' if v_first else 'K'}"
+
+        def plain(pool=pool, v_first=v_first) -> Any:
+            return kda.decode_kda(q, k, v, g, beta, pool, rows, state_v_first=v_first)
+
+        out[key] = _times(plain, repeats)
+        if torch is not None:
+            tpool = _torch_pool(pool)
+
+            def pool_call(tpool=tpool, v_first=v_first) -> Any:
+                return fused_recurrent_kda(*tx, initial_state=tpool, ssm_state_indices=trows,
+                                           inplace_final_state=True, state_v_first=v_first)  # fmt: skip
+
+            with torch.inference_mode():
+                out["torch " + key] = _times(pool_call, repeats)
+    return out
+
+
+def _ratio(a: Any, b: Any) -> str:
+    if a is None or b is None:
+        return "-"
+    r = a[0] / b[0]
+    return f"{r:.2f}{'' if r <= 1.2 else ' (>1.2)'}"
+
+
+def _machine() -> str:
+    """``uptime``'s load average and the CPU model, printed with the figures."""
+    import platform
+    import subprocess
+
+    try:
+        up = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+    except OSError:
+        up = f"load average: {os.getloadavg()}"
+    model = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as fh:
+            model = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"uptime: {up}\ncpu: {model}, {os.cpu_count()} logical cores"
+
+
+def pools_main(args: Any) -> int:
+    """``--pools``: each pool layout and dtype against the float32 K-major pool, NumPy and torch."""
+    print(_machine())
+    print(f"one step, K=V={K}, float32 inputs; median (min) us of {args.repeats} calls (1 request) and "
+          f"{args.many_repeats} ({MANY} requests of a pool of {MANY_POOL}); targets: V-major <= 1.2 K-major, "
+          "16-bit <= 1.2 float32 (same layout)")  # fmt: skip
+    kinds = [f"{d} {'V' if f else 'K'}" for d, f in POOL_KINDS]
+    ratios = ("V/K f32", "V/K f16", "V/K bf16", "f16/f32 K", "bf16/f32 K", "f16/f32 V", "bf16/f32 V")
+    print(" | ".join(["H", "requests", "api", *kinds, *ratios]))
+    for H in args.heads:
+        for N, P, repeats in ((1, POOL, args.repeats), (MANY, MANY_POOL, args.many_repeats)):
+            r = _pools(H, N, P, repeats)
+            for api, pre in (("decode_kda", ""), ("torch", "torch ")):
+                if pre + kinds[0] not in r:
+                    continue
+                t = [r.get(pre + kind) for kind in kinds]
+                ratios = [_ratio(t[1], t[0]), _ratio(t[3], t[2]), _ratio(t[5], t[4]), _ratio(t[2], t[0]),
+                          _ratio(t[4], t[0]), _ratio(t[3], t[1]), _ratio(t[5], t[1])]  # fmt: skip
+                print(" | ".join([str(H), str(N), api, *map(_us, t), *ratios]), flush=True)
+    print(_machine().splitlines()[0])
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", type=int, nargs="+", default=[4, 16, 32])
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--many-repeats", type=int, default=20)
+    parser.add_argument(
+        "--pools", action="store_true",
+        help="time one step from float32 / float16 / bfloat16 pools, K-major and V-major (state_v_first), "
+        "through decode_kda and kda.torch's pool call, against the float32 K-major pool",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.pools:
+        return pools_main(args)
+    print(_machine())
     print(
         f"load average before: {os.getloadavg()}; same-run GEMM (1024^3 float32): {_gemm_rate():.1f} GFLOP/s"
     )
