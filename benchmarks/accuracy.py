@@ -6,7 +6,8 @@ For each regime and dtype, ``--examples`` random problems (B, H in 1..2, T in 1.
 2..40, chunk size in 1..80, beta in [0, 2], L2-normalised keys, random initial state and
 final-state gradient) plus the fixed problem B=1, H=4, T=256, K=V=64, chunk 64. The error of an
 array is max|chunked - recurrence| / max|recurrence|, the recurrence run in float64 on the same
-(rounded) inputs. The regimes are those of tests/helpers.py (zero, weak, mild, strong, hard, reset).
+(rounded) inputs. The regimes are those of tests/helpers.py (zero, weak, mild, steep, kimi, strong,
+hard, reset); ``--backend reference`` runs the chunked calls on the array-API reference.
 K = 1 is left out here: there the initial-state gradient is ill-conditioned in the chunked form (see
 tests/core/test_chunked.py, DEGENERATE_INITIAL_STATE_TOLERANCE). Small key sizes with large chunks are
 measured separately (kda/_engine/widening.py, FLOAT32_MAX_CHUNK; tests/core/test_accuracy.py holds that
@@ -31,14 +32,16 @@ import kda
 NAMES = ("output", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state")
 
 
-def errors(p, chunk_size: int, dtype) -> dict[str, float]:
+def errors(p, chunk_size: int, dtype, backend: str | None = None) -> dict[str, float]:
     p = p.astype(dtype)
     p64 = p.astype(np.float64)
     ref = kda.recurrent_kda(*p64.inputs, initial_state=p64.initial_state)
     ref_g = kda.recurrent_kda_backward(
         *p64.inputs, p64.grad_output, p64.grad_final_state, initial_state=p64.initial_state
     )
-    out = kda.chunk_kda(*p.inputs, initial_state=p.initial_state, chunk_size=chunk_size, save_boundaries=True)
+    out = kda.chunk_kda(
+        *p.inputs, initial_state=p.initial_state, chunk_size=chunk_size, save_boundaries=True, backend=backend
+    )
     got_g = kda.chunk_kda_backward(
         *p.inputs,
         out.boundaries,
@@ -46,6 +49,7 @@ def errors(p, chunk_size: int, dtype) -> dict[str, float]:
         p.grad_final_state,
         initial_state=p.initial_state,
         chunk_size=chunk_size,
+        backend=backend,
     )
     pairs = zip((ref.output, ref.final_state, *ref_g), (out.output, out.final_state, *got_g), strict=True)
     result = {}
@@ -59,6 +63,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=40)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/accuracy.json"))
+    parser.add_argument("--backend", default=None, help="the chunked calls' backend (default: NumPy's)")
     args = parser.parse_args()
     rng = np.random.default_rng(2026)
     table = {}
@@ -73,13 +78,14 @@ def main() -> int:
                     (make_problem(int(rng.integers(2**31)), *shape, regime), int(rng.integers(1, 81)))
                 )
             for p, chunk_size in cases:
-                for name, e in errors(p, chunk_size, dtype).items():
+                for name, e in errors(p, chunk_size, dtype, args.backend).items():
                     worst[name] = max(worst[name], e)
             key = f"{np.dtype(dtype).name} {regime}"
             table[key] = worst
             print(f"{key:<16} " + "  ".join(f"{n} {e:.1e}" for n, e in worst.items()), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"examples_per_cell": args.examples + 1, "worst": table}, indent=1))
+    result = {"examples_per_cell": args.examples + 1, "backend": args.backend, "worst": table}
+    args.out.write_text(json.dumps(result, indent=1))
     return 0
 
 
