@@ -66,9 +66,9 @@ failures=0
 note() { echo "$*" | tee -a "$summary"; }
 
 # run_step NAME CAP RESERVE CMD...: CMD (a program: shell functions go through bash -c, exported)
-# with its output in $OUT/NAME.txt, cut (SIGINT, then
-# SIGKILL 15 s later) after CAP seconds or when only RESERVE seconds of the budget are left for
-# the steps after it; appends "NAME: ok|FAILED|CUT ..." to the summary
+# with its output in $OUT/NAME.txt, cut (SIGINT, then SIGKILL 15 s later) after CAP seconds or
+# when only RESERVE seconds of the budget are left for the steps after it; appends
+# "NAME: ok|FAILED|CUT ... in N s" to the summary
 run_step() {
     local name=$1 cap=$2 reserve=$3
     shift 3
