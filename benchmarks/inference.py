@@ -40,7 +40,7 @@ DECODE_TARGET = 2.0
 
 @dataclass(frozen=True)
 class InferenceConfig:
-    """Shapes and timing settings of the inference parts (defaults: the issue's problems)."""
+    """Shapes and timing settings of the inference parts (defaults: the module docstring's problems)."""
 
     short_shape: tuple[int, int, int, int] = (8, 16, 128, 128)  # B, H, K, V
     short_T: tuple[int, ...] = SHORT_T

@@ -1,4 +1,4 @@
-"""How should ``kda.jax`` run on the CPU? Measure the two strategies of issue 8.
+"""How should ``kda.jax`` run on the CPU? Measure its two candidate strategies.
 
 1. ``callback``: ``jax.pure_callback`` to kda's NumPy path (forward, and the chunked backward
    through a ``jax.custom_vjp``): XLA sees one opaque call.

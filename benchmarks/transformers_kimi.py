@@ -1,7 +1,7 @@
 """A tiny Kimi Linear model in Hugging Face transformers: kda (kda.transformers) against
 transformers' own PyTorch fallback for the KDA layers, end to end.
 
-The model is the issue's: hidden 256, three layers (KDA, full attention, KDA), mixture of experts,
+The model: hidden 256, three layers (KDA, full attention, KDA), mixture of experts,
 4 KDA heads of 64, vocabulary 1000, float32, randomly initialised from a config (no download).
 For each ``T`` and each implementation, interleaved round by round so that load on a shared
 machine hits both alike:
