@@ -3,7 +3,7 @@
 Runs in a subprocess without Numba's CUDA simulator (which the rest of the suite switches on).
 Compiles every kernel of every family for each dtype the family accepts (``Family.dtypes``:
 float32 and float64, and float16 for the gate check) with 32-bit offsets and in float32 with
-64-bit offsets, and the decode kernel in its dtypes; checks that float32 and float16 kernels
+64-bit offsets, and the decode kernel in its dtypes and 16-bit pools; checks that float32 and float16 kernels
 contain no float64 instruction, and that no kernel flushes subnormals to zero (no ``.ftz``
 outside libdevice's ``expf``: docs/gpu.md, "Subnormal floats"). Where NVIDIA's ``ptxas`` is
 found (on the PATH, under ``CUDA_HOME`` or ``/usr/local/cuda``, or in an ``nvidia-cuda-nvcc``
@@ -53,6 +53,13 @@ else:
     for dtype, index in [(d, "uint32") for d in DECODE_DTYPES] + [("float32", "uint64")]:
         jobs.append(("decode_forward", dtype, index, build_decode_kernel(dtype, index),
                      decode_signature(dtype, index)))
+    # its 16-bit pools (float16, and bfloat16 as int16 bits) computed in float32, both layouts
+    from kda.cuda import _decode
+    for pool in getattr(_decode, "HALF_POOLS", {}).values():
+        for v_first in (False, True):
+            jobs.append((f"decode_forward[{pool} pool{', v_first' if v_first else ''}]", "float32",
+                         "uint32", build_decode_kernel("float32", "uint32", pool=pool, v_first=v_first),
+                         decode_signature("float32", "uint32", pool=pool)))
 with tempfile.TemporaryDirectory() as tmp:
     for name, dtype, index, func, sig in jobs:
         key = f"{name}/{dtype}/{index}"
@@ -135,7 +142,7 @@ def test_ptx_compiles_for_cc90():
     failed = {key: info["error"] for key, info in report.items() if "error" in info}
     assert not failed, f"kernels that do not compile to PTX: {failed}"
     expected = sum(len(f.signatures) * (len(f.dtypes) + 1) for f in FAMILIES)
-    assert len([k for k in report if not k.startswith("decode_forward/")]) == expected
+    assert len([k for k in report if not k.startswith("decode_forward")]) == expected
     gate_dtypes = {k.split("/")[1] for k in report if k.startswith("gate_flags/")}
     assert gate_dtypes == {"float16", "float32", "float64"}
     print(f"\nkernel/dtype/offsets: registers, spill and stack bytes (ptxas -arch=sm_90: {ptxas})" if ptxas
