@@ -105,7 +105,7 @@ env_info() {
 }
 export -f env_info
 export PY mode root
-run_step env 20 300 bash -c env_info
+run_step env 20 0 bash -c env_info
 
 # wheels: offline installs of what the machine lacks, by import name; nothing when all import.
 # Required: kda's own dependencies and the tests'; optional: fla's (its step reports a skip) and
@@ -158,10 +158,10 @@ install_wheels() {
 }
 export -f install_wheels
 export REQUIRED OPTIONAL site
-run_step wheels 90 280 bash -c install_wheels
+run_step wheels 90 0 bash -c install_wheels
 
 # preflight: stop here if the basics fail
-if ! run_step preflight 120 250 "$PY" -u scripts/gpu_preflight.py $simulate_flag --summary "$summary"; then
+if ! run_step preflight 120 210 "$PY" -u scripts/gpu_preflight.py $simulate_flag --summary "$summary"; then
     note "preflight failed: the check stops here (see $OUT/preflight.txt)"
     cat "$summary"
     exit 1
@@ -178,7 +178,7 @@ xdist_args=()
 if "$PY" -c "import xdist" 2> /dev/null && [ "$workers" -gt 1 ]; then
     xdist_args=(-n "$workers")
 fi
-# the reserves: what the steps after each one need at least (bench 100 s, fla 50 s)
+# the reserves: what the steps after each one need at least (pytest 60 s, bench 100 s, fla 50 s)
 run_step pytest "$tests_cap" 150 "$PY" -u -m pytest tests -m cuda "${xdist_args[@]}" "${timeout_args[@]}" \
     -p no:cacheprovider -v -rfEs --durations=20 --junitxml="$OUT/pytest.xml"
 grep -E "^(=+ .*(passed|failed|error).* =+|FAILED|ERROR)" "$OUT/pytest.txt" | tail -n 15 | sed 's/^/  /' >> "$summary"
