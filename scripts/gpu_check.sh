@@ -40,8 +40,9 @@ summary="$OUT/summary.txt"
 PY="${KDA_PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 export PYTHONDONTWRITEBYTECODE=1
-# what scripts/wheels/ provides is installed into $site (the wheels step), on the path
-site="$root/scripts/wheels/site"
+# what scripts/wheels/ provides is installed into $site (the wheels step), on the path; outside
+# the repository, so that no install made on one machine travels to another with the wheels
+site="${KDA_SITE:-${TMPDIR:-/tmp}/kda_gpu_site}"
 export PYTHONPATH="$root:$site${PYTHONPATH:+:$PYTHONPATH}"
 export HYPOTHESIS_PROFILE=ci
 if [ "$mode" = simulate ]; then
