@@ -107,7 +107,7 @@ def _decode_layers(H: int, K: int) -> dict[str, object]:
         "decode_kda": lambda: kda.decode_kda(*head_first, pool, rows),
         "decode_states": lambda: decode_states(*views, s0, layout="time_major"),
         "host.forward": lambda: host.forward(static, (*views, s0, None, None), None),
-        "op": lambda: torch.ops.kda.decode_states(q, k, v, g, beta, state, None, None, None, *static),
+        "op": lambda: torch.ops.kda.decode_states(q, k, v, g, beta, state, None, None, None, False, *static),
         "fused_recurrent_kda": lambda: kt.fused_recurrent_kda(
             q, k, v, g, beta, initial_state=state, output_final_state=True
         ),

@@ -197,7 +197,7 @@ _LIB.define(
 )
 _LIB.define(
     f"decode_states({_STEPS}, Tensor? initial_state, Tensor? A_log, Tensor? dt_bias, Tensor? cu_seqlens, "
-    f"{_OPTION_ARGS}) -> (Tensor, Tensor)"
+    f"bool state_v_first, {_OPTION_ARGS}) -> (Tensor, Tensor)"
 )
 
 
@@ -213,12 +213,13 @@ def _decode_impl(q, k, v, g, beta, state_pool, state_indices, num_accepted_token
         return _fresh(o, v.dtype)
 
 
-def _decode_states_impl(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, *options):
-    """``(o [B, T, HV, V], final_state [N, HV, K, V])`` of the recurrence without autograd
-    (:func:`kda._entry.host.forward`'s recurrent branch: the decode kernel)."""
+def _decode_states_impl(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, state_v_first, *options):
+    """``(o [B, T, HV, V], final_state [N, HV, K, V])`` (``[N, HV, V, K]`` with ``state_v_first``)
+    of the recurrence without autograd (:func:`kda._entry.host.forward`'s recurrent branch: the
+    decode kernel)."""
     with _on_stream(q):
         x = tuple(_array(t) for t in (q, k, v, g, beta, initial_state, A_log, dt_bias))
-        o, final, _ = _host.forward(options, x, _offsets(cu_seqlens))
+        o, final, _ = _host.forward(options, x, _offsets(cu_seqlens), state_v_first)
         return _fresh(o, v.dtype), _fresh(final, _compute_dtype(q.dtype))
 
 
@@ -233,9 +234,11 @@ def _decode_fake(q, k, v, g, beta, state_pool, *rest):
 
 
 @torch.library.register_fake("kda::decode_states", lib=_LIB)
-def _decode_states_fake(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, *options):
+def _decode_states_fake(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, state_v_first, *options):
     num_seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
     o, final, _ = _host.shapes(options, tuple(q.shape), tuple(v.shape), num_seqs)
+    if state_v_first:
+        final = (*final[:2], final[3], final[2])
     return q.new_empty(o, dtype=v.dtype), q.new_empty(final, dtype=_compute_dtype(q.dtype))
 
 
@@ -328,18 +331,19 @@ def _needs_grad(tensors: tuple[Any, ...]) -> bool:
 def _apply(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, call: FlaCall):
     cd = _compute_dtype(q.dtype)
     A_log, dt_bias = _gate_params(call, A_log, dt_bias, cd)
-    if initial_state is not None:
-        if call.state_v_first:
-            initial_state = initial_state.transpose(-1, -2)
-        if initial_state.dtype != cd:
-            initial_state = initial_state.to(cd)
+    if initial_state is not None and initial_state.dtype != cd:
+        initial_state = initial_state.to(cd)
     if cu_seqlens is not None:
         cu_seqlens = torch.as_tensor(cu_seqlens, dtype=torch.int64)
+    inputs = (q, k, v, g, beta, initial_state, A_log, dt_bias)
+    if call.static[0] != "chunk" and not _needs_grad(inputs):
+        # inference: the decode kernel, no autograd node; a V-major state read and written as such
+        o, final = torch.ops.kda.decode_states(*inputs, cu_seqlens, call.state_v_first, *call.static)
+        return o, (final if call.output_final_state else None)
+    if initial_state is not None and call.state_v_first:
+        initial_state = initial_state.transpose(-1, -2)
     args = (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, *call.static)
-    if call.static[0] != "chunk" and not _needs_grad(args[:8]):
-        o, final = torch.ops.kda.decode_states(*args)  # inference: the decode kernel, no autograd node
-    else:
-        o, final, boundaries = _forward_op(*args)
+    o, final, boundaries = _forward_op(*args)
     final = (
         None if not call.output_final_state else (final.transpose(-1, -2) if call.state_v_first else final)
     )

@@ -456,36 +456,48 @@ def _rows(N: int) -> Slots:
 @takes_options()
 def decode_states(
     q: Array, k: Array, v: Array, g: Array, beta: Array, initial_state: Array | None = None, *,
-    scale: float | None = None, backend: str | None = None, opts: Choices,
+    state_v_first: bool = False, scale: float | None = None, backend: str | None = None, opts: Choices,
 ) -> KdaOutput:  # fmt: skip
     """:func:`kda.recurrent_kda`'s forward through the decode kernel: ``(output, final_state, None)``.
 
     Request ``n`` (batch row, or packed sequence with ``cu_seqlens``) starts from
     ``initial_state[n]`` (zeros when None) and its final state is written into a new
-    ``final_state [N, HV, K, V]``; ``initial_state`` is only read. As for :func:`decode_kda`,
+    ``final_state [N, HV, K, V]`` (``[N, HV, V, K]``, read and written V-major, with
+    ``state_v_first``); ``initial_state`` is only read. As for :func:`decode_kda`,
     ``check_finite`` scans the step inputs, not the states. The adapters' recurrent forward
     (``fused_recurrent_kda``) runs here.
     """
+    v_first = state_v_first is True
     if initial_state is not None and opts.cu_seqlens is None:
         import numpy as np
 
-        plain = type(initial_state) is np.ndarray and initial_state.ndim == 4
+        plain = (
+            type(initial_state) is np.ndarray and initial_state.ndim == 4 and initial_state.dtype == q.dtype
+        )
         if plain and getattr(q, "ndim", 0) == 4 and initial_state.shape[0] == q.shape[0]:
             final = np.empty(initial_state.shape, initial_state.dtype)
             rows = _rows(initial_state.shape[0])
             out = _numpy_route(q, k, v, g, beta, initial_state, rows.start, scale, backend, opts, final,
-                               slots=rows)  # fmt: skip
+                               slots=rows, v_first=v_first)  # fmt: skip
             if out is not None:
                 return KdaOutput(out, final, None)
     call = open_call(q, k, v, g, beta, scale, opts, backend=backend)
     p, xp = call.p, call.p.xp
+    v_first = check_state_v_first(state_v_first)
     call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta)
-    final = xp.zeros((p.N, p.HV, p.K, p.V), dtype=p.compute_dtype, device=array_api_compat.device(q))
+    shape = (p.N, p.HV, p.V, p.K) if v_first else (p.N, p.HV, p.K, p.V)
+    final = xp.zeros(shape, dtype=p.compute_dtype, device=array_api_compat.device(q))
     slots = _rows(p.N)
     if initial_state is None:
-        return KdaOutput(_run(call, (q, k, v, g, beta), final, slots), final, None)
-    check_state("initial_state", initial_state, p)
-    return KdaOutput(_run(call, (q, k, v, g, beta), initial_state, slots, final_pool=final), final, None)
+        return KdaOutput(_run(call, (q, k, v, g, beta), final, slots, v_first=v_first), final, None)
+    if v_first:
+        rows = "B" if p.offsets is None else "N"
+        check_array("initial_state", initial_state, p, shape, f"{rows}, HV, V, K", p.compute_dtype,
+                    "states are float64 for float64 inputs, float32 otherwise")  # fmt: skip
+    else:
+        check_state("initial_state", initial_state, p)
+    o = _run(call, (q, k, v, g, beta), initial_state, slots, final_pool=final, v_first=v_first)
+    return KdaOutput(o, final, None)
 
 
 # ----------------------------------------------------------------------------------------------

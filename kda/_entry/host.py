@@ -64,18 +64,21 @@ def shapes(
     return (B, T, HV, V), (N, HV, K, V), (NT, B, HV, K, V)
 
 
-def forward(static: tuple[Any, ...], x: Arrays, offsets: tuple[int, ...] | None) -> tuple[Any, Any, Any]:
+def forward(
+    static: tuple[Any, ...], x: Arrays, offsets: tuple[int, ...] | None, v_first: bool = False
+) -> tuple[Any, Any, Any]:
     """``(output [B, T, HV, V], final_state [N, HV, K, V], boundaries)`` of one fla-style call.
 
     The body of :func:`kda.chunk_kda` (or :func:`kda.recurrent_kda`) with the options as the
     table's :class:`~kda._options.table.Choices`: the inputs and options are validated here,
     once. ``boundaries``: ``[NT, B, HV, K, V]`` (:func:`shapes`; rows past the packed chunks
     are zeros) for ``chunk_kda``, an empty ``[0]`` array for the recurrence. Arrays in the
-    inputs' namespace.
+    inputs' namespace. ``v_first`` (the recurrence only): the initial and final states are
+    V-major, ``[N, HV, V, K]``, read and written so by the decode kernel.
     """
     opts = _call_options(static, x, offsets)
     if static[0] != "chunk":  # the recurrence's forward is the decode kernel's (no states kept)
-        out = _DECODE_STATES(*x[:5], x[5], scale=static[1], backend=None, opts=opts)
+        out = _DECODE_STATES(*x[:5], x[5], state_v_first=v_first, scale=static[1], backend=None, opts=opts)
         return out.output, out.final_state, out.final_state.reshape(-1)[:0]  # no boundaries: [0]
     out = _CHUNK(
         *x[:5], scale=static[1], initial_state=x[5], chunk_size=static[2], save_boundaries=True,

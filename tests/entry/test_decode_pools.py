@@ -388,3 +388,36 @@ def test_cuda_bfloat16_conversions_match_ml_dtypes():
     nan = np.isnan(xs)
     assert np.array_equal(got[~nan], want[~nan].view(np.int16))
     assert np.isnan(got[nan].view(ml_dtypes.bfloat16).astype(np.float32)).all()
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_torch_fla_form_with_v_major_states(grad, monkeypatch):
+    """``fused_recurrent_kda(..., initial_state=s0, output_final_state=True, state_v_first=True)``:
+    in inference the decode kernel reads and writes V-major states as they are; the result equals
+    the K-major call's transposed (and the differentiable path's)."""
+    from kda.torch import fused_recurrent_kda
+
+    rng = np.random.default_rng(14)
+    x = _inputs(rng, 2, 2, 1, 8, 12)
+    tx = [torch.from_numpy(np.ascontiguousarray(np.swapaxes(a, 1, 2))) for a in x]
+    s0 = torch.from_numpy((0.5 * rng.standard_normal((2, 2, 8, 12))).astype(np.float32))
+    s0_v = s0.transpose(-1, -2).contiguous()
+    if grad:
+        tx[0].requires_grad_(True)
+    elif "cpu" in BACKENDS:  # inference: the kernel reads the V-major state itself, no row copies
+        import kda.cpu._decode as cpu_decode
+
+        def no_copies(*args):
+            raise AssertionError("a V-major state was served through row copies")
+
+        monkeypatch.setattr(cpu_decode, "_through_copies", no_copies)
+    with torch.inference_mode(not grad):
+        o_k, f_k = fused_recurrent_kda(*tx, initial_state=s0, output_final_state=True)
+        o_v, f_v = fused_recurrent_kda(*tx, initial_state=s0_v, output_final_state=True, state_v_first=True)
+    assert f_v.shape == (2, 2, 12, 8)
+    assert torch.allclose(o_v, o_k, atol=1e-6) and torch.allclose(f_v, f_k.transpose(-1, -2), atol=1e-6)
+    _, written = oracle(*x, s0.double().numpy(), np.arange(2), None)
+    assert (
+        np.abs(f_v.detach().transpose(-1, -2).double().numpy() - np.stack([written[0], written[1]])).max()
+        < 1e-5
+    )
