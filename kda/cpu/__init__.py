@@ -44,7 +44,7 @@ import numpy as np
 from .._backend import ChunkLocal, from_chunks
 from .._threads import PIN
 from . import _fpenv
-from ._decode import decode_forward, decode_screen
+from ._decode import decode_finite, decode_forward, decode_screen
 
 NAME = "cpu"
 MAX_CHUNK = None  # any chunk length
@@ -72,6 +72,7 @@ __all__ = [
     "chunk_local_backward",
     "chunk_state_grad_pass",
     "chunk_state_pass",
+    "decode_finite",
     "decode_forward",
     "decode_screen",
     "from_chunks",

@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _fpenv
 
-__all__ = ["decode_forward", "decode_screen"]
+__all__ = ["decode_finite", "decode_forward", "decode_screen"]
 
 _LOCK = threading.Lock()
 _KERNELS: list[Any] = []  # the kernel module, once imported
@@ -59,6 +59,15 @@ def decode_screen(q: Any, k: Any, v: Any, g: Any, beta: Any, finite: bool) -> bo
         return False
     screen = _KERNELS[0].screen if _KERNELS else _kernels().screen
     return screen(q.reshape(-1), k.reshape(-1), v.reshape(-1), g.reshape(-1), beta.reshape(-1), finite)
+
+
+def decode_finite(out: Any) -> bool:
+    """Whether every element of the C-contiguous float32 / float64 ``out`` is finite: one compiled,
+    branch-free pass (the decode output's divergence check)."""
+    if not out.flags.c_contiguous or (out.dtype is not _F32 and out.dtype is not _F64):
+        return bool(np.isfinite(out).all())
+    finite = _KERNELS[0]._finite if _KERNELS else _kernels()._finite
+    return bool(finite(out.reshape(-1)))
 
 
 _F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)

@@ -421,3 +421,28 @@ def test_torch_fla_form_with_v_major_states(grad, monkeypatch):
         np.abs(f_v.detach().transpose(-1, -2).double().numpy() - np.stack([written[0], written[1]])).max()
         < 1e-5
     )
+
+
+def test_torch_eager_calls_are_the_ops():
+    """In eager inference ``kda.torch`` runs the inference ops' implementations directly (their
+    dispatch costs more than a small step): bitwise what the ops give (``no_grad``: the pool op;
+    ``torch.ops.kda.decode_states`` called as such), and both forms write the same pool rows."""
+    from kda.torch import fused_recurrent_kda
+
+    rng = np.random.default_rng(15)
+    x = _inputs(rng, 2, 2, 1, 8, 8)
+    tx = [torch.from_numpy(np.ascontiguousarray(np.swapaxes(a, 1, 2))) for a in x]
+    s0 = torch.from_numpy((0.5 * rng.standard_normal((2, 2, 8, 8))).astype(np.float32))
+    pools = [torch.from_numpy(_pool(rng, 5, 2, 8, 8, "float32", True, poison=False)) for _ in range(2)]
+    pools[1].copy_(pools[0])
+    kw = {"ssm_state_indices": torch.tensor([3, 1], dtype=torch.int32), "inplace_final_state": True,
+          "state_v_first": True}  # fmt: skip
+    with torch.inference_mode():
+        o1, f1 = fused_recurrent_kda(*tx, initial_state=s0, output_final_state=True)
+        p1, _ = fused_recurrent_kda(*tx, initial_state=pools[0], **kw)
+    static = (*tx, s0, None, None, None, False, "recurrent", 8**-0.5, 64, False, "log", None, "")
+    o2, f2 = torch.ops.kda.decode_states(*static)
+    with torch.no_grad():
+        p2, _ = fused_recurrent_kda(*tx, initial_state=pools[1], **kw)
+    assert torch.equal(o1, o2) and torch.equal(f1, f2)
+    assert torch.equal(p1, p2) and torch.equal(pools[0], pools[1])
