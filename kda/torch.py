@@ -402,9 +402,10 @@ def _apply_pool(q, k, v, g, beta, pool, A_log, dt_bias, cu_seqlens, call: FlaCal
     A_log, dt_bias = _gate_params(call, A_log, dt_bias, cd)
     args = (q, k, v, g, beta, pool, indices, accepted, A_log, dt_bias, cu_seqlens, call.state_v_first, pad,
             *call.static)  # fmt: skip
-    # in inference mode (no version counters) the implementation directly: the op's dispatch
-    # costs more than a small step; elsewhere the mutating op, which torch sees
-    direct = torch.is_inference_mode_enabled() and _eager((q, k, v, g, beta, pool, indices, accepted))
+    # in eager inference mode (no version counters) the implementation directly: the op's
+    # dispatch costs more than a small step; elsewhere the mutating op, which torch sees (the
+    # compile check first: dynamo does not trace is_inference_mode_enabled)
+    direct = _eager((q, k, v, g, beta, pool, indices, accepted)) and torch.is_inference_mode_enabled()
     o = _decode_impl(*args) if direct else torch.ops.kda.decode(*args)
     return o, pool
 
