@@ -12,6 +12,7 @@ so that its engine processes end with it.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import subprocess
@@ -119,11 +120,14 @@ def _greedy(model: Any, ids: list[int], tokens: int) -> tuple[list[int], Any, fl
     import torch
 
     cache, seen = _linear_only_cache(model)
+    # the cache's keyword: `cache` from transformers 5.24 (`past_key_values` deprecated), before it
+    # `past_key_values`
+    name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
     x, seq, first, times = torch.tensor([ids]), [], None, []
     for _ in range(tokens):
         t0 = time.perf_counter()
         pos = torch.arange(seen[0], seen[0] + x.shape[1])[None]
-        logits = model(x, past_key_values=cache, use_cache=True, position_ids=pos).logits[:, -1]
+        logits = model(x, use_cache=True, position_ids=pos, **{name: cache}).logits[:, -1]
         times.append(time.perf_counter() - t0)
         seen[0] += x.shape[1]
         first = logits[0] if first is None else first

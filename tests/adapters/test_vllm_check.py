@@ -1,0 +1,60 @@
+"""``python -m kda.vllm check``'s parts that need no vLLM: the pass rule, the table, and the model it
+writes (the checkpoint format vLLM reads; transformers' model on kda generating through the cache
+that is told the sequence length, equal to generating without a cache)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+check = pytest.importorskip("kda.vllm.check")
+
+
+def _row(dtype, equal, dlogprob):
+    run = check.Run([5] * 32, -0.1, 1.0, 2.0)
+    return check.Row(dtype, equal, 32, dlogprob, run, run)
+
+
+def test_pass_rule_and_table():
+    assert _row("float32", 32, 0.0).ok
+    assert not _row("float32", 31, 0.0).ok
+    assert _row("bfloat16", 28, 0.05).ok
+    assert not _row("bfloat16", 27, 0.0).ok
+    assert not _row("bfloat16", 32, 0.051).ok
+    text = check.table([_row("float32", 32, 1e-7), _row("bfloat16", 27, 1e-3)])
+    lines = text.splitlines()
+    assert len(lines) == 4 and lines[2].startswith("| float32 | 32/32 |") and lines[3].endswith("| NO |")
+
+
+def test_model_and_transformers_run(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    from safetensors import safe_open
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    model = check.build_model(str(tmp_path), seed=0)
+    with open(tmp_path / "config.json") as f:
+        config = json.load(f)
+    lac = config["linear_attn_config"]
+    assert lac["kda_layers"] == [1, 2] and lac["full_attn_layers"] == [] and lac["num_heads"] == check.HEADS
+    assert config["first_k_dense_replace"] == 2 and config["kv_lora_rank"] is None
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert not [n for n in names if "block_sparse_moe" in n]
+    assert "model.layers.0.mlp.down_proj.weight" in names and "model.layers.1.self_attn.A_log" in names
+
+    ids = check.prompt(0)
+    run = check.transformers_run(model, ids, "float32", tokens=6)
+    x, expect = torch.tensor([ids]), []  # greedy without a cache: the whole sequence every token
+    from kda.transformers import kda_in_kimi_linear
+
+    with torch.inference_mode(), kda_in_kimi_linear():
+        for _ in range(6):
+            nxt = model(x, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            expect.append(int(nxt))
+            x = torch.cat([x, nxt], 1)
+    assert run.tokens == expect
+    assert -20.0 < run.first_logprob <= 0.0
