@@ -272,7 +272,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--dtypes: float32 and bfloat16 only; got {d!r}")
     if args.keep:
         os.makedirs(args.keep, exist_ok=True)
-    ok, rows = check(dtypes, args.tokens, args.seed, args.keep)
+    from . import VllmVersionError
+
+    try:
+        ok, rows = check(dtypes, args.tokens, args.seed, args.keep)
+    except VllmVersionError as err:
+        print(f"python -m kda.vllm check: {err}", file=sys.stderr)
+        return 2
     print(table(rows))
     n = args.tokens
     need = f"float32 {n}/{n}, bfloat16 >= {min(BF16_MIN_EQUAL, n)}/{n}"

