@@ -68,3 +68,15 @@ def test_model_and_transformers_run(tmp_path):
             x = torch.cat([x, nxt], 1)
     assert run.tokens == expect
     assert -20.0 < run.first_logprob <= 0.0
+
+
+def test_benchmark_ops_part_runs(capsys):
+    """``python -m benchmarks.vllm_kda --part ops`` on a tiny problem: it runs and prints its table."""
+    from benchmarks import vllm_kda
+
+    args = ["--part", "ops", "--heads", "2", "--head-dim", "8", "--repeats", "2", "--rounds", "1",
+            "--prefill", "16", "--pool", "8", "--no-save"]  # fmt: skip
+    assert vllm_kda.main(args) == 0
+    out = capsys.readouterr().out
+    rows = [ln for ln in out.splitlines() if ln.startswith(("| decode", "| verify", "| prefill"))]
+    assert len(rows) == 3, out
