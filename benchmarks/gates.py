@@ -8,7 +8,8 @@ unit q and k, beta in (0, 1)):
 
 - ``kda.chunk_kda`` forward and forward+backward on the ``cpu`` and ``reference`` backends,
 - ``kda.recurrent_kda`` (cpu),
-- one ``kda.decode_kda`` step of 64 requests from a pool of 256 rows (cpu),
+- one ``kda.decode_kda`` step of 64 requests from a pool of 256 rows (cpu; the mean of
+  :data:`DECODE_STEPS` steps per sample),
 - llama.cpp's ``ggml_gated_delta_net`` forward (:mod:`benchmarks.llama_cpp`; skipped with the
   reason where it cannot be built),
 
@@ -46,6 +47,7 @@ REGIMES = {
     "reset/64": "-inf every 64th step, else -U(0, 0.05)",
 }
 POOL, REQUESTS = 256, 64
+DECODE_STEPS = 8  # decode steps per sample (one step is a few ms, memory-bound: one sample is noisy)
 
 
 def gates(regime: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
@@ -155,7 +157,8 @@ def _measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     for _ in range(args.rounds):
         for r, calls in table.items():
             for c, fn in calls.items():
-                times[r][c].append(fn() if c == "ggml" else _once(fn))
+                per = DECODE_STEPS if c.startswith("decode") else 1
+                times[r][c].append(fn() if c == "ggml" else _once(fn) / per)
     return {r: {c: statistics.median(ts) for c, ts in cs.items()} for r, cs in times.items()}
 
 
