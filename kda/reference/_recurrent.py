@@ -109,7 +109,8 @@ def recurrent_backward(
             previous.append(S)
         for t in reversed(range(start, stop)):
             q_t, k_t, v_t, g_t, b_t, do_t = _at(t, q, k, v, g, beta, grad_output)
-            Sd = _decay(xp, g_t, previous[t - start])  # S'
+            e = decay(xp, g_t)[..., :, None]
+            Sd = e * previous[t - start]  # S'
             r = v_t - _vecmat(xp, k_t, Sd)  # residual
             u = b_t[..., None] * r
             S_t = Sd + k_t[..., :, None] * u[..., None, :]
@@ -126,7 +127,7 @@ def recurrent_backward(
             dSd = dS - k_t[..., :, None] * dr[..., None, :]
             # S' = diag(exp(g)) S_{t-1}
             dg_t = xp.sum(dSd * Sd, axis=-1)
-            dS = decay(xp, g_t)[..., :, None] * dSd
+            dS = e * dSd
             for acc, x in zip(grads, (dq_t, dk_t, dr, dg_t, db_t)):
                 acc.append(x)
     if T == 0:
