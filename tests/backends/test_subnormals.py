@@ -34,9 +34,9 @@ def _control() -> int:
     return fpenv.read() & ~fpenv.STATUS
 
 
-def _problem(T: int, dtype=np.float32, H: int = 2, K: int = 16):
-    p = make_problem(T, 1, H, T, K, K, "steep").astype(dtype)
-    return p
+def _problem(T: int):
+    """A steep-gate float32 problem, ``H=2, K=V=16``: inline at small ``T``, pooled at large."""
+    return make_problem(T, 1, 2, T, 16, 16, "steep").astype(np.float32)
 
 
 def _calls(p):
@@ -167,10 +167,9 @@ def test_strong_gates_at_a_realistic_size_against_the_recurrence(backend, regime
         assert_close(getattr(grads, name), getattr(dwant, name), tol=tol, dtype="any", name=f"d{name}")
 
 
+@x86
 def test_calls_from_two_threads_each_leave_their_own_thread_as_found():
     """Two threads calling at once, one with FTZ/DAZ set by itself: each ends as it began."""
-    if not fpenv.X86:
-        pytest.skip("FTZ/DAZ are x86 bits")
     p = _problem(700)
     calls = _calls(p)
     seen: dict[str, tuple[bool, bool]] = {}
