@@ -4,9 +4,14 @@ vLLM's Kimi Linear layer (``vllm/model_executor/layers/mamba/gdn/kimi_gdn_linear
 three Triton kernels of ``vllm.models.kimi_k3.nvidia.ops.third_party.kda`` (``chunk_kda_with_fused_gate``
 for prefill, ``fused_recurrent_kda_packed_decode`` for decode, ``fused_recurrent_kda`` for
 speculative verify) and ``gather_initial_states`` (``vllm.model_executor.layers.mamba.ops``), which
-asserts a CUDA tensor. :func:`register`, installed as the ``vllm.general_plugins`` entry point
-``kda`` (``pyproject.toml``), replaces the four in those modules with :mod:`kda.vllm.ops`: the same
-signatures, on :mod:`kda.torch`, reading and writing vLLM's state pools in place.
+asserts a CUDA tensor. GLM-5.3-Flash's KDA layer (``vllm/models/glm5next/common/kda.py``) calls two
+of its own, with other signatures (``chunk_kda_with_fused_gate`` and ``fused_recurrent_kda`` of
+``vllm.models.glm5next.nvidia.ops.third_party.kda``), ``gather_initial_states`` and
+``scatter_states`` (CUDA only too). :func:`register`, installed as the ``vllm.general_plugins``
+entry point ``kda`` (``pyproject.toml``), replaces them with :mod:`kda.vllm.ops` and
+:mod:`kda.vllm.glm`: the same signatures, on :mod:`kda.torch`, reading and writing vLLM's state
+pools in place. GLM's ops package imports GLM's whole model, so its ops are installed as it is
+imported (:func:`when_imported`), not before.
 
 - Active on vLLM's CPU platform only; a no-op elsewhere (CUDA, ROCm, XPU, TPU keep their kernels),
   and with ``KDA_VLLM=0`` in the environment.
@@ -33,7 +38,9 @@ from typing import Any
 
 from .._errors import KdaError
 
-__all__ = ["SUPPORTED_VLLM", "VllmVersionError", "check_vllm_version", "is_registered", "register"]
+__all__ = [
+    "SUPPORTED_VLLM", "VllmVersionError", "check_vllm_version", "is_registered", "register", "when_imported",
+]  # fmt: skip
 
 #: vLLM versions this plugin was written and tested against: ``(first, end)``, first included, end
 #: excluded. The four functions' signatures and the Kimi Linear layer's calls are those of 0.32.
@@ -43,11 +50,18 @@ SUPPORTED_VLLM: tuple[str, str] = ("0.32.0", "0.33")
 _KDA_OPS = "vllm.models.kimi_k3.nvidia.ops.third_party.kda"
 _KDA_NAMES = ("chunk_kda_with_fused_gate", "fused_recurrent_kda", "fused_recurrent_kda_packed_decode")
 _GATHER = "vllm.model_executor.layers.mamba.ops.gather_initial_states"
-# modules that bind gather_initial_states at import: rebound when already imported
+# GLM-5.3-Flash's KDA ops (kda.vllm.glm): its package imports its model (and torchvision through
+# the multimodal parts), so they are installed when it is imported, not before
+_GLM_OPS = "vllm.models.glm5next.nvidia.ops.third_party.kda"
+_GLM_NAMES = ("chunk_kda_with_fused_gate", "fused_recurrent_kda")
+_GLM_LAYER = "vllm.models.glm5next.common.kda"  # binds the ops, gather and scatter at import
+_SCATTER = "vllm.model_executor.layers.mamba.ops.scatter_states"
+# modules that bind gather_initial_states (scatter_states) at import: rebound when already imported
 _GATHER_USERS = (
     "vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn",
     "vllm.model_executor.models.bailing_moe_v3",
     "vllm.models.kimi_k3.nvidia.kda",
+    _GLM_LAYER,
 )
 _DISPATCHER = "vllm.triton_utils.dispatcher"
 _registered = False
@@ -108,17 +122,99 @@ def register() -> None:
 def _install_ops() -> None:
     import importlib
 
-    from . import ops
+    from . import glm, ops
 
     kda_ops = importlib.import_module(_KDA_OPS)
     for name in _KDA_NAMES:
         setattr(kda_ops, name, getattr(ops, name))
     gather = importlib.import_module(_GATHER)
     gather.gather_initial_states = ops.gather_initial_states
+    scatter = importlib.import_module(_SCATTER)
+    scatter.scatter_states = glm.scatter_states
     for name in _GATHER_USERS:
         module = sys.modules.get(name)
-        if module is not None and hasattr(module, "gather_initial_states"):
-            module.gather_initial_states = ops.gather_initial_states
+        for attr, new in (
+            ("gather_initial_states", ops.gather_initial_states),
+            ("scatter_states", glm.scatter_states),
+        ):
+            if module is not None and hasattr(module, attr):
+                setattr(module, attr, new)
+    when_imported(_GLM_OPS, _install_glm)
+
+
+def _install_glm(module: Any) -> None:
+    """GLM-5.3-Flash's ops in ``module`` (its ops package) and in its layer's module if that one
+    has already bound them."""
+    from . import glm
+
+    for target in (module, sys.modules.get(_GLM_LAYER)):
+        if target is None:
+            continue
+        for name in _GLM_NAMES:
+            if target is module or hasattr(target, name):
+                setattr(target, name, getattr(glm, name))
+
+
+def when_imported(name: str, hook: Any) -> None:
+    """Call ``hook(module)`` once module ``name`` is imported: now if it is, else right after its
+    code has run (before any importer sees its names), through a finder at the head of
+    ``sys.meta_path`` that wraps the module's loader; nothing else's import changes."""
+    module = sys.modules.get(name)
+    if module is not None:
+        hook(module)
+        return
+    finder = next((f for f in sys.meta_path if isinstance(f, _ImportHooks)), None)
+    if finder is None:
+        finder = _ImportHooks()
+        sys.meta_path.insert(0, finder)
+    finder.hooks[name] = hook
+
+
+class _ImportHooks:
+    """A meta-path finder that finds nothing itself: for a hooked name it asks the other finders
+    and wraps the loader of the spec they return (:func:`when_imported`)."""
+
+    def __init__(self) -> None:
+        self.hooks: dict[str, Any] = {}
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        hook = self.hooks.get(name)
+        if hook is None:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(
+            spec.loader, "exec_module"
+        ):  # kept: a failed import may be retried
+            spec.loader = _HookedLoader(spec.loader, hook)
+        return spec
+
+    def invalidate_caches(self) -> None:
+        """Nothing cached."""
+
+
+class _HookedLoader:
+    """``loader``, with ``hook(module)`` called after the module's code has run."""
+
+    def __init__(self, loader: Any, hook: Any) -> None:
+        self._loader, self._hook = loader, hook
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._loader.exec_module(module)
+        self._hook(module)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
 
 
 def _patch_override_scan() -> None:

