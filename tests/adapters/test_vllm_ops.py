@@ -334,3 +334,51 @@ def test_import_kda_imports_neither_torch_nor_vllm():
     code = "import sys, kda; bad = [m for m in ('torch', 'vllm') if m in sys.modules]; print(bad)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ----------------------------------------------------------------------------------------------
+# the pool is passed through, not copied
+
+
+def test_adapters_pass_the_pool_view_through(monkeypatch):
+    """Each pool adapter (Kimi's packed decode and verify, GLM-5.3-Flash's recurrent op) hands
+    kda.torch vLLM's pool view itself: the same tensor (no ``.contiguous()``, no gathered rows),
+    with its padded slot stride; the rows are written through the view into vLLM's page store,
+    whose padding between slots stays bitwise as it was."""
+    glm = pytest.importorskip("kda.vllm.glm")
+    H, K, P, B, pad = 2, 8, 6, 2, 5
+    real, seen = ops._kt.fused_recurrent_kda, []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["initial_state"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops._kt, "fused_recurrent_kda", spy)  # kda.vllm.glm calls the same module's
+    gen = torch.Generator().manual_seed(9)
+    A_log, dt_bias = _gates(H, K)
+    idx = torch.tensor([4, 2], dtype=torch.int32)
+    mixed = torch.randn(B, 3 * H * K, generator=gen)
+    q, k, v = (x.view(1, B, H, K) for x in mixed.split(H * K, dim=-1))
+    raw_g, raw_beta = torch.randn(1, B, H, K, generator=gen), torch.randn(1, B, H, generator=gen)
+    cu = torch.arange(B + 1, dtype=torch.int32)
+    glm_kw = {"cu_seqlens": cu, "ssm_state_indices": idx, "sigmoid_beta": True, "a_log": A_log,
+              "g_bias": dt_bias, "compute_gate": True}  # fmt: skip
+    calls = {
+        "packed decode": lambda p: ops.fused_recurrent_kda_packed_decode(
+            mixed, raw_g, raw_beta, A_log, dt_bias, None, p, idx
+        ),
+        "verify": lambda p: ops.fused_recurrent_kda(
+            q, k, v, raw_g, raw_beta, A_log, dt_bias, None, p, cu, idx[:, None]
+        ),
+        "glm": lambda p: glm.fused_recurrent_kda(q, k, v, raw_g, raw_beta, initial_state=p, **glm_kw),
+    }
+    for name, call in calls.items():
+        store = torch.randn(P, H * K * K + pad, generator=gen)
+        pool = store[:, : H * K * K].view(P, H, K, K)
+        before = store.clone()
+        seen.clear()
+        call(pool)
+        assert len(seen) == 1 and seen[0] is pool, f"{name}: kda.torch must get vLLM's pool view itself"
+        assert torch.equal(store[:, H * K * K :], before[:, H * K * K :]), f"{name}: slot padding touched"
+        assert not torch.equal(store[[4, 2]], before[[4, 2]]), f"{name}: rows written through the view"
+        assert torch.equal(store[[0, 1, 3, 5]], before[[0, 1, 3, 5]]), f"{name}: other rows untouched"
