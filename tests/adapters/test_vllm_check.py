@@ -71,12 +71,14 @@ def test_model_and_transformers_run(tmp_path):
 
 
 def test_benchmark_ops_part_runs(capsys):
-    """``python -m benchmarks.vllm_kda --part ops`` on a tiny problem: it runs and prints its table."""
+    """``python -m benchmarks.vllm_kda --part ops`` on a tiny problem: it runs and prints its table,
+    a row per op of each model (Kimi Linear's, GLM-5.3-Flash's), each with its verdict."""
     from benchmarks import vllm_kda
 
     args = ["--part", "ops", "--heads", "2", "--head-dim", "8", "--repeats", "2", "--rounds", "1",
             "--prefill", "16", "--pool", "8", "--no-save"]  # fmt: skip
     assert vllm_kda.main(args) == 0
     out = capsys.readouterr().out
-    rows = [ln for ln in out.splitlines() if ln.startswith(("| decode", "| verify", "| prefill"))]
-    assert len(rows) == 3, out
+    ops = [f"| {model} {op} " for model in ("Kimi", "GLM") for op in ("decode", "verify", "prefill")]
+    rows = [ln for ln in out.splitlines() if ln.startswith(tuple(ops))]
+    assert len(rows) == 6 and all(ln.endswith("met |") for ln in rows), out
