@@ -369,9 +369,9 @@ def _set_sub_block(size: int) -> None:
     if "numba" in sys.modules:
         raise SystemExit("--sub-block must be set before Numba is imported")
     os.environ["NUMBA_CACHE_DIR"] = tempfile.mkdtemp(prefix="kda-sub-block-")
-    from kda.cpu import _kernels
+    from kda.cpu import _compile
 
-    _kernels.SUB_BLOCK = size
+    _compile.SUB_BLOCK = size
     print(f"SUB_BLOCK = {size} (kernels compiled into {os.environ['NUMBA_CACHE_DIR']})")
 
 

@@ -179,7 +179,7 @@ def test_exp_of_decays_is_exact_at_the_ends_and_within_an_ulp(dtype):
     from kda.cpu import _k
 
     _k("state_pass")  # loads the kernels
-    from kda.cpu._kernels import _exp
+    from kda.cpu._pairs import _exp
 
     rng = np.random.default_rng(0)
     special = [0.0, -0.0, -np.inf, -1e4, -800.0, -708.0, -1e-30]
@@ -203,7 +203,9 @@ def test_block_solves_and_blocked_products_match_numpy(Cp, dtype):
     from kda.cpu import _k
 
     _k("state_pass")  # loads the kernels
-    from kda.cpu._kernels import SOLVE_BLOCK, _mm, _solve_blocks, _solve_blocks_t
+    from kda.cpu._compile import SOLVE_BLOCK
+    from kda.cpu._products import _mm
+    from kda.cpu._solve import _solve_blocks, _solve_blocks_t
 
     rng = np.random.default_rng(Cp)
     V = 40
@@ -384,13 +386,13 @@ def refuse(self):
     raise RuntimeError("cannot cache function: no locator available")
 d.Dispatcher.enable_caching = refuse
 import numpy as np, kda
-from kda.cpu import _kernels
+from kda.cpu import _compile
 rng = np.random.default_rng(0)
 q, k, v = (rng.standard_normal((1, 3, 1, 2)) for _ in range(3))
 g = -rng.uniform(0, 1, (1, 3, 1, 2)); beta = rng.uniform(0, 1, (1, 3, 1))
 a = kda.recurrent_kda(q, k, v, g, beta, backend="cpu").output
 b = kda.recurrent_kda(q, k, v, g, beta, backend="reference").output
-assert not _kernels.CACHING
+assert not _compile.CACHING
 assert np.allclose(a, b, rtol=1e-12, atol=1e-12)
 print("ok")
 """
@@ -401,7 +403,7 @@ print("ok")
 @pytest.mark.slow
 def test_the_other_kind_of_cores_block_sizes_compute_the_same_function(tmp_path):
     """The block sizes chosen for the other kind of core (``block_sizes(not WIDE)``: AVX-512 or
-    not, ``kda/cpu/_kernels.py``), compiled in a fresh process into a fresh cache: forward and
+    not, ``kda/cpu/_compile.py``), compiled in a fresh process into a fresh cache: forward and
     backward against the float64 reference in every gate regime, with chunks that hold several
     sub-blocks and solve blocks and products wider than a GEMM block (``K = 80``, chunk 128)."""
     script = f"""
@@ -409,9 +411,9 @@ import sys
 import numpy as np
 sys.path.insert(0, {str(ROOT / "tests")!r})
 from helpers import REGIMES, TOLERANCE, assert_close, make_problem
-from kda.cpu import _kernels
-other = _kernels.block_sizes(not _kernels.WIDE)
-_kernels.GEMM_BLOCK, _kernels.SUB_BLOCK, _kernels.SOLVE_BLOCK = other
+from kda.cpu import _compile
+other = _compile.block_sizes(not _compile.WIDE)
+_compile.GEMM_BLOCK, _compile.SUB_BLOCK, _compile.SOLVE_BLOCK = other
 import kda
 for regime in REGIMES:
     for C in (48, 128):

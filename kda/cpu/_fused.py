@@ -1,0 +1,345 @@
+"""The fused passes of the CPU backend: one head per worker, chunk after chunk.
+
+Each chunk's inputs are copied into zero-padded ``[Cp, *]`` scratch arrays, its state-free work
+and its state step follow at once, so the chunk's data and the ``[K, V]`` state stay in the cache
+and nothing of size ``T`` is written but the results. Inputs are read in place with whatever
+strides they have (time-major views included).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _compile as cfg
+from ._compile import jit
+from ._pairs import _factor_grads, _local_pairs, _sum_products
+from ._products import _mm
+from ._solve import _solve_blocks, _solve_blocks_t, _substitute
+
+
+@jit()
+def _load(x, b, h, t0, m, buf):
+    """Rows ``t0 .. t0 + m`` of ``x[b, h]`` into ``buf[:m]``; rows ``m ..`` of ``buf`` zeroed.
+
+    Returns ``sum(x * 0)`` over the rows copied (float64): 0 where they are finite, NaN where not;
+    the order of the terms cannot change that, so a loop that stores and sums is safe here.
+    """
+    D = buf.shape[1]
+    acc = 0.0
+    for i in range(m):
+        row = buf[i, :0].sum()
+        for d in range(D):
+            y = x[b, h, t0 + i, d]
+            buf[i, d] = y
+            row += y * 0.0
+        acc += row
+    for i in range(m, buf.shape[0]):
+        for d in range(D):
+            buf[i, d] = 0.0
+    return acc
+
+
+@jit()
+def _decays_screen(x):
+    """0 where every element of a 2-D array is ``<= 0`` (``-inf`` included), NaN where one is not
+    (positive or NaN): the fused passes screen each chunk's ``g`` for the call's gate check (a
+    count of such elements: the order of its terms cannot change it)."""
+    bad = 0
+    for i in range(x.shape[0]):
+        for d in range(x.shape[1]):
+            bad += not x[i, d] <= 0.0
+    return 0.0 if bad == 0 else np.nan
+
+
+@jit()
+def _zeros_of(x):
+    """``sum(x * 0)`` of a 2-D array as float64: 0 where every element is finite, NaN where one
+    is not (``inf * 0`` is NaN); the order of the terms cannot change that."""
+    acc = 0.0
+    for i in range(x.shape[0]):
+        row = x[i, :0].sum()
+        for d in range(x.shape[1]):
+            row += x[i, d] * 0.0
+        acc += row
+    return acc
+
+
+@jit()
+def _is_zero(x):
+    """Whether every element of a 2-D array is 0 (stops at the first that is not)."""
+    for i in range(x.shape[0]):
+        for d in range(x.shape[1]):
+            if x[i, d] != 0.0:
+                return False
+    return True
+
+
+@jit()
+def _transpose(x, out):
+    """``out = x.T`` (2-D), written row by row of ``out``."""
+    n, m = x.shape
+    for j in range(m):
+        for i in range(n):
+            out[j, i] = x[i, j]
+
+
+@jit()
+def _load_beta(beta, b, h, t0, m, buf):
+    for i in range(m):
+        buf[i] = beta[b, h, t0 + i]
+    for i in range(m, buf.shape[0]):
+        buf[i] = 0.0
+
+
+@jit()
+def forward_heads(
+    q, k, v, g, beta, scale, state, C, with_output, with_bounds, out, bounds, final, screen, lo, hi
+):  # fmt: skip
+    """Heads ``[lo, hi)`` of ``B * H``: the chunked forward.
+
+    Per chunk: its decay factors and pairs (:func:`_local_pairs`), then with the chunk-start
+    state ``S``: ``[kg; qg] @ S`` as one product, ``U = (I + diag(beta) L)^-1 (beta (v - kg S))``
+    (the same as ``u0 - w S``, one product with ``Tinv`` fewer), ``O = qg S + A U``,
+    ``S <- total S + kt^T U``.
+
+    ``q, k, g: [B, H, T, K]``, ``v, out: [B, H, T, V]``, ``beta: [B, H, T]`` (any strides),
+    ``state, final: [B, H, K, V]``, ``bounds: [NT, B, H, K, V]`` (the chunk-start states, written
+    with ``with_bounds``); ``out`` is written with ``with_output``. ``screen: [B * H, 2]`` (float64;
+    ``[0, 2]`` for none) receives, per head, ``sum(x * 0)`` over its ``q, k, v`` and over its
+    output and final state: 0 where they are finite, NaN where not (taken while the chunks are
+    copied in and out, instead of in passes over the whole arrays); the first is NaN too where an
+    element of the head's ``g`` is not ``<= 0`` (:func:`_decays_screen`).
+    """
+    _B, H, T, K = q.shape
+    V = v.shape[3]
+    Cp = 1
+    while Cp < C:
+        Cp *= 2
+    NT = (T + C - 1) // C
+    s = scale[0]
+    dt = q.dtype
+    by_inverse = K >= cfg.SUBSTITUTE_BELOW
+    qc, kc, gc = np.empty((Cp, K), dt), np.empty((Cp, K), dt), np.empty((Cp, K), dt)
+    vc, bc = np.empty((Cp, V), dt), np.empty(Cp, dt)
+    KQ = np.empty((2 * Cp, K), dt)  # [kg; qg]: one product with the state
+    kg, qg = KQ[:Cp], KQ[Cp:]
+    kt = np.empty((Cp, K), dt)
+    total = np.empty(K, dt)
+    A, L, Tinv = np.empty((Cp, Cp), dt), np.empty((Cp, Cp), dt), np.empty((Cp, Cp), dt)
+    pre, suf, kd = np.empty((Cp, K), dt), np.empty((Cp, K), dt), np.empty(K, dt)
+    R = np.empty((2 * Cp, V), dt)  # [kg S; qg S]
+    QS = R[Cp:]
+    Y, U = np.empty((Cp, V), dt), np.empty((Cp, V), dt)
+    Td, Wb = np.empty((Cp, cfg.SOLVE_BLOCK), dt), np.empty((cfg.SOLVE_BLOCK, V), dt)
+    S = np.empty((K, V), dt)
+    with_screen = screen.shape[0] > 0
+    for bh in range(lo, hi):
+        b = bh // H
+        h = bh - b * H
+        S[:, :] = state[b, h]
+        seen_in = seen_out = 0.0
+        for n in range(NT):
+            t0 = n * C
+            m = min(C, T - t0)
+            seen_in += _load(q, b, h, t0, m, qc) + _load(k, b, h, t0, m, kc) + _load(v, b, h, t0, m, vc)
+            _load(g, b, h, t0, m, gc)
+            seen_in += _decays_screen(gc)  # its padding rows are zeros
+            _load_beta(beta, b, h, t0, m, bc)
+            _local_pairs(qc, kc, gc, bc, s, qg, kg, kt, total, A, L, Tinv, pre, suf, kd, False)
+            if with_bounds:
+                bounds[n, b, h] = S
+            if n == 0 and _is_zero(S):
+                R[:, :] = 0.0  # no initial state: [kg; qg] S is zero, skip the product
+            else:
+                _mm(KQ, False, S, False, R, 0.0)
+            for i in range(Cp):
+                x = bc[i]
+                for c in range(V):
+                    Y[i, c] = x * (vc[i, c] - R[i, c])
+            if by_inverse:
+                _solve_blocks(L, bc, Y, U, Td, Wb)
+            else:
+                _substitute(L, bc, Y, U)
+            if with_output:
+                _mm(A, False, U, False, QS, 1.0)  # O = qg S + A U (A: zeros above the diagonal)
+                seen_out += _store(QS, out, b, h, t0, m)
+            for d in range(K):
+                t = total[d]
+                for c in range(V):
+                    S[d, c] *= t
+            _mm(kt, True, U, False, S, 1.0)  # S <- total S + kt^T U
+        final[b, h] = S
+        if with_screen:
+            screen[bh, 0] = seen_in
+            screen[bh, 1] = seen_out + _zeros_of(S)
+
+
+@jit()
+def backward_heads(
+    q, k, v, g, beta, scale, bounds, dO, dstate, C, dq, dk, dv, dg, dbeta, dinit, screen, lo, hi
+):  # fmt: skip
+    """Heads ``[lo, hi)`` of ``B * H``: the chunked backward, last chunk first.
+
+    Per chunk, with its chunk-start state ``S`` (from ``bounds``) and the gradient ``dS`` of its
+    end state: its state-free work again and ``U`` as in :func:`forward_heads`, ``dU = A^T dO +
+    kt dS``, ``dY = Tinv^T dU`` and ``dR = -beta dY`` (the gradient of ``kg S``), the state step
+    ``dS <- total dS + [kg; qg]^T [dR; dO]`` (one product), then the chunk's local gradients
+    (:func:`_fused_local_backward`). ``[dR; dO]`` and ``U`` are kept transposed (``ROT``, ``UT``):
+    OpenBLAS's small-matrix products of a row-major ``X @ Y.T`` are the slow ones here (128 x 128
+    x 128: 28 us against 18.5 for ``X.T @ Y.T``, one core; ``docs/speed.md``), and with these
+    layouts no product of the backward has that form. Shapes as :func:`forward_heads`; ``dO``
+    and the gradients like their inputs, ``bounds: [NT, B, H, K, V]``, ``dstate, dinit: [B, H,
+    K, V]``. ``screen: [B * H, 2]`` as in :func:`forward_heads`: ``sum(x * 0)`` over the head's
+    ``q, k, v, dO`` and boundaries (NaN too for a ``g`` not ``<= 0``), and over its six
+    gradients.
+    """
+    _B, H, T, K = q.shape
+    V = v.shape[3]
+    Cp = 1
+    while Cp < C:
+        Cp *= 2
+    NT = (T + C - 1) // C
+    s = scale[0]
+    dt = q.dtype
+    by_inverse = K >= cfg.SUBSTITUTE_BELOW
+    qc, kc, gc = np.empty((Cp, K), dt), np.empty((Cp, K), dt), np.empty((Cp, K), dt)
+    vc, bc = np.empty((Cp, V), dt), np.empty(Cp, dt)
+    KQ = np.empty((2 * Cp, K), dt)  # [kg; qg]
+    kg, qg = KQ[:Cp], KQ[Cp:]
+    ROT = np.empty((V, 2 * Cp), dt)  # [dR; dO]^T: the gradients of [kg; qg] S, transposed
+    dRT, dOT = ROT[:, :Cp], ROT[:, Cp:]
+    kt = np.empty((Cp, K), dt)
+    total = np.empty(K, dt)
+    A, L, Tinv = np.empty((Cp, Cp), dt), np.empty((Cp, Cp), dt), np.empty((Cp, Cp), dt)
+    pre, suf, kd = np.empty((Cp, K), dt), np.empty((Cp, K), dt), np.empty(K, dt)
+    Rk, Z, Y = np.empty((Cp, V), dt), np.empty((Cp, V), dt), np.empty((Cp, V), dt)
+    U, dU, dY = np.empty((Cp, V), dt), np.empty((Cp, V), dt), np.empty((Cp, V), dt)
+    dR, dOc, UT = np.empty((Cp, V), dt), np.empty((Cp, V), dt), np.empty((V, Cp), dt)
+    Td, Wb = np.empty((Cp, cfg.SOLVE_BLOCK), dt), np.empty((cfg.SOLVE_BLOCK, V), dt)
+    S, dS, dSend = np.empty((K, V), dt), np.empty((K, V), dt), np.empty((K, V), dt)
+    gq, gk, gg = np.empty((Cp, K), dt), np.empty((Cp, K), dt), np.empty((Cp, K), dt)
+    gv, gb = np.empty((Cp, V), dt), np.empty(Cp, dt)
+    with_screen = screen.shape[0] > 0
+    for bh in range(lo, hi):
+        b = bh // H
+        h = bh - b * H
+        dS[:, :] = dstate[b, h]
+        seen_in = seen_out = 0.0
+        for n in range(NT - 1, -1, -1):
+            t0 = n * C
+            m = min(C, T - t0)
+            seen_in += _load(q, b, h, t0, m, qc) + _load(k, b, h, t0, m, kc) + _load(v, b, h, t0, m, vc)
+            seen_in += _load(dO, b, h, t0, m, dOc)
+            _transpose(dOc, dOT)
+            _load(g, b, h, t0, m, gc)
+            seen_in += _decays_screen(gc)  # its padding rows are zeros
+            _load_beta(beta, b, h, t0, m, bc)
+            e = _local_pairs(qc, kc, gc, bc, s, qg, kg, kt, total, A, L, Tinv, pre, suf, kd, not by_inverse)
+            S[:, :] = bounds[n, b, h]
+            if with_screen:
+                seen_in += _zeros_of(S)
+            dSend[:, :] = dS
+            zero_s = n == 0 and _is_zero(S)  # no initial state: kg S and dR S^T are zero
+            zero_ds = n == NT - 1 and _is_zero(dS)  # no final state gradient: kt dS, U dS^T are zero
+            if zero_s:
+                Rk[:, :] = 0.0
+            else:
+                _mm(kg, False, S, False, Rk, 0.0)
+            for i in range(Cp):
+                x = bc[i]
+                for c in range(V):
+                    z = vc[i, c] - Rk[i, c]
+                    Z[i, c] = z
+                    Y[i, c] = x * z
+            if by_inverse:
+                _solve_blocks(L, bc, Y, U, Td, Wb)
+            else:
+                _substitute(L, bc, Y, U)
+            _transpose(U, UT)
+            _mm(A, True, dOT, True, dU, 0.0)
+            if not zero_ds:
+                _mm(kt, False, dS, False, dU, 1.0)
+            if by_inverse:
+                _solve_blocks_t(L, bc, Td, dU, dY, dR, Wb)
+            else:
+                np.dot(Tinv.T, dU, dY)
+                for i in range(Cp):
+                    x = -bc[i]
+                    for c in range(V):
+                        dR[i, c] = x * dY[i, c]
+            _transpose(dR, dRT)
+            for d in range(K):
+                t = total[d]
+                for c in range(V):
+                    dS[d, c] *= t
+            _mm(KQ, True, ROT, True, dS, 1.0)  # dS <- total dS + [kg; qg]^T [dR; dO]
+            _fused_local_backward(
+                qc, kc, e, pre, suf, vc, bc, s, L, S, dSend, ROT, Z, UT, dY, gq, gk, gv, gg, gb,
+                zero_s, zero_ds,
+            )  # fmt: skip
+            seen_out += _store(gq, dq, b, h, t0, m) + _store(gk, dk, b, h, t0, m)
+            seen_out += _store(gg, dg, b, h, t0, m) + _store(gv, dv, b, h, t0, m)
+            for i in range(m):
+                dbeta[b, h, t0 + i] = gb[i]
+                seen_out += gb[i] * 0.0
+        dinit[b, h] = dS
+        if with_screen:
+            screen[bh, 0] = seen_in
+            screen[bh, 1] = seen_out + _zeros_of(dS)
+
+
+@jit()
+def _store(x, out, b, h, t0, m):
+    """``out[b, h, t0 + i] = x[i]`` for ``i < m``; returns ``sum(x * 0)`` of what it wrote."""
+    D = x.shape[1]
+    acc = 0.0
+    for i in range(m):
+        row = x[i, :0].sum()
+        for d in range(D):
+            y = x[i, d]
+            out[b, h, t0 + i, d] = y
+            row += y * 0.0
+        acc += row
+    return acc
+
+
+@jit()
+def _fused_local_backward(
+    q, k, e, pre, suf, v, beta, s, L, S, dS, ROT, Z, UT, dY, dq, dk, dv, dg, dbeta, zero_s, zero_ds
+):  # fmt: skip
+    """A chunk's local gradients in :func:`backward_heads` (``U = Tinv beta Z``, ``Z = v - kg S``;
+    ``UT = U^T``).
+
+    Given ``ROT = [dR; dO]^T`` (``dR = -beta dY``, ``dY = Tinv^T dU``) and the gradient ``dS`` of
+    the chunk's end state: ``[dkg; dqg] = RO S^T`` (one product), ``dA = dO U^T``, ``dkt = U dS^T``,
+    ``dM = -dY U^T`` (``M = I + diag(beta) L``), so ``dL = beta dM`` and ``dbeta = dY . Z + dM .
+    L`` by rows; then ``dq, dk, dg`` through the decay factors (:func:`_factor_grads`, shared with
+    :func:`_local_backward_core`). ``zero_s`` / ``zero_ds``: ``S`` / ``dS`` is all zeros (the
+    products with it are zeros and are not formed).
+    """
+    Cp, K = q.shape
+    V = v.shape[1]
+    G = np.empty((2 * Cp, K), q.dtype)  # [dkg; dqg]
+    if zero_s:
+        G[:, :] = 0.0
+    else:
+        _mm(ROT, True, S, True, G, 0.0)
+    dA, dX = np.empty((Cp, Cp), q.dtype), np.empty((Cp, Cp), q.dtype)
+    _mm(ROT[:, Cp:], True, UT, False, dA, 0.0)  # dO U^T, lower triangle read
+    _mm(dY, False, UT, False, dX, 0.0)  # dY U^T = -dM
+    dkt = np.empty((Cp, K), q.dtype)
+    if zero_ds:
+        dkt[:, :] = 0.0
+    else:
+        _mm(UT, True, dS, True, dkt, 0.0)
+    # dX <- dL = beta dM (strictly lower); dbeta; dv = beta dY
+    for i in range(Cp):
+        acc = _sum_products(Z[i], dY[i])
+        if i > 0:
+            acc -= _sum_products(dX[i, :i], L[i, :i])
+        for j in range(i):
+            dX[i, j] = -beta[i] * dX[i, j]
+        for c in range(V):
+            dv[i, c] = beta[i] * dY[i, c]
+        dbeta[i] = acc
+    _factor_grads(q, k, e, pre, suf, s, S, dS, dA, dX, G[Cp:], G[:Cp], dkt, dq, dk, dg)
