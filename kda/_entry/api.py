@@ -7,6 +7,8 @@ The chunked functions run the core's chunked algorithm; the recurrent ones the s
 
 from __future__ import annotations
 
+from typing import Any
+
 from .._options.table import Array, Choices, takes_options
 from .call import KdaGradients, KdaOutput, open_call
 
@@ -38,7 +40,7 @@ INPUTS_DOC = """
 def chunk_kda(
     q: Array, k: Array, v: Array, g: Array, beta: Array, *, scale: float | None = None,
     initial_state: Array | None = None, chunk_size: int = 64, save_boundaries: bool = False,
-    backend: str | None = None, opts: Choices,
+    state_v_first: bool = False, backend: str | None = None, opts: Choices,
 ) -> KdaOutput:  # fmt: skip
     """Kimi Delta Attention, chunked forward.
 
@@ -62,6 +64,10 @@ def chunk_kda(
     save_boundaries : bool, default False
         Also return the chunk-start states, ``[NT, B, HV, K, V]`` with ``NT = ceil(T / C)``,
         for :func:`chunk_kda_backward`.
+    state_v_first : bool, default False
+        The states are V-major: ``initial_state`` ``[B, HV, V, K]``, and so are the returned
+        final state and boundaries (``[NT, B, HV, V, K]``); bitwise the K-major call's states,
+        transposed (the entry layer transposes them around the K-major chunk kernels).
     backend : {None, "reference", "cuda"}
         ``None`` picks from the arrays' namespace.
     {options}
@@ -73,16 +79,29 @@ def chunk_kda(
         float32 and return their own dtype.
     """
     c = open_call(q, k, v, g, beta, scale, opts, backend=backend, chunk_size=chunk_size, defer_gate=True)
+    v_first = _v_first(state_v_first)
+    if v_first:
+        from .states import k_major_state, v_major_output  # (states imports this module)
+
+        initial_state = k_major_state("initial_state", initial_state, c.p)
     state = c.state_or_zeros("initial_state", initial_state)
     finite = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
-    return c.forward((q, k, v, g, beta), state, save_boundaries, check_inputs=finite)
+    out = c.forward((q, k, v, g, beta), state, save_boundaries, check_inputs=finite)
+    return v_major_output(c.p.xp, out) if v_first else out
+
+
+def _v_first(state_v_first: Any) -> bool:
+    from .decode import check_state_v_first
+
+    return check_state_v_first(state_v_first)
 
 
 @takes_options()
 def chunk_kda_backward(
     q: Array, k: Array, v: Array, g: Array, beta: Array, boundaries: Array, grad_output: Array,
     grad_final_state: Array | None = None, *, scale: float | None = None,
-    initial_state: Array | None = None, chunk_size: int = 64, backend: str | None = None, opts: Choices,
+    initial_state: Array | None = None, chunk_size: int = 64, state_v_first: bool = False,
+    backend: str | None = None, opts: Choices,
 ) -> KdaGradients:  # fmt: skip
     """Kimi Delta Attention, chunked backward.
 
@@ -97,6 +116,10 @@ def chunk_kda_backward(
         Gradient of ``final_state``; zeros when None.
     scale, initial_state, chunk_size, backend
         As for :func:`chunk_kda`.
+    state_v_first : bool, default False
+        ``initial_state``, ``boundaries``, ``grad_final_state`` and the returned
+        ``initial_state`` gradient are V-major (``[.., HV, V, K]``), as :func:`chunk_kda` with
+        ``state_v_first=True`` returns them.
     {options}
 
     Returns
@@ -105,6 +128,13 @@ def chunk_kda_backward(
         ``(q, k, v, g, beta, initial_state, A_log, dt_bias)``, each shaped like its input.
     """
     c = open_call(q, k, v, g, beta, scale, opts, backend=backend, chunk_size=chunk_size, defer_gate=True)
+    v_first = _v_first(state_v_first)
+    if v_first:
+        from .states import k_major_state, v_major_output
+
+        initial_state = k_major_state("initial_state", initial_state, c.p)
+        boundaries = k_major_state("boundaries", boundaries, c.p, c.boundaries_shape())
+        grad_final_state = k_major_state("grad_final_state", grad_final_state, c.p)
     state = c.state_or_zeros("initial_state", initial_state)
     c.check_boundaries(boundaries)
     do = c.grad_output(grad_output)
@@ -114,7 +144,8 @@ def chunk_kda_backward(
         grad_output=grad_output, grad_final_state=grad_final_state,
     )  # fmt: skip
     inputs = (q, k, v, g, beta, opts.A_log, opts.dt_bias)
-    return c.backward(inputs, state, boundaries, do, dfinal, check_inputs=finite)
+    grads = c.backward(inputs, state, boundaries, do, dfinal, check_inputs=finite)
+    return v_major_output(c.p.xp, grads) if v_first else grads
 
 
 @takes_options()
