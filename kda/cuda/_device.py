@@ -1,10 +1,11 @@
 """What every kernel family shares: dtypes, offset types, offsets, signatures, compilation.
 
-A family (``local.py``, ``state_pass.py``, ``recurrent.py``, ``gate.py``) writes its kernels once
-as plain Python functions in a ``build(dtype, index)`` factory, closed over the constants of one
-floating dtype (:func:`constants`: so float32 work stays float32, no Python float literal ever
-promotes it to float64) and the offset functions of one index type (:func:`offset_functions`),
-and declares their argument kinds; a :class:`Family` compiles each kernel lazily, once per
+A family (``local.py``, ``state_pass.py``, ``recurrent.py``, ``gate.py``) writes each kernel once
+as a plain Python function in its own ``builder(dtype, index)`` factory, closed over the constants
+of one floating dtype (:func:`constants`: so float32 work stays float32, no Python float literal
+ever promotes it to float64) and the offset functions of one index type (:func:`offset_functions`);
+the device functions its kernels share come from cached factories of the same two keys. A
+:class:`Family` declares each kernel's builder and argument kinds and compiles it lazily, once per
 (dtype, index type), with an explicit signature. :data:`FAMILIES` lists them all: the PTX test
 compiles every kernel for every dtype its family accepts (``Family.dtypes``: float32 and float64,
 and float16 for the gate check), and the 64-bit offsets in float32.
@@ -23,6 +24,7 @@ exact 0 and no difference of cumulative sums is ever formed.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -79,37 +81,50 @@ def constants(dtype: str) -> tuple:
 
 
 class Family:
-    """One kernel family: its ``build(dtype, index)`` factory and each kernel's argument kinds.
+    """One kernel family: each kernel's own builder and argument kinds.
 
-    :meth:`compiled` compiles a kernel once per (dtype, index type) and caches it.
+    ``kernels`` maps a kernel's name to ``(builder, spec)``: ``builder(dtype, index)`` returns the
+    kernel's Python function closed over the constants of ``dtype`` and the offsets of ``index``
+    (builders share device functions through cached factories of their own), ``spec`` its argument
+    kinds (:func:`signature`). :meth:`compiled` compiles a kernel once per (dtype, index type) and
+    caches it.
     """
 
     def __init__(
         self,
         name: str,
-        build: Callable[[str, str], dict],
-        signatures: dict[str, str],
+        kernels: dict[str, tuple[Callable[[str, str], Callable], str]],
         dtypes: tuple[str, ...] = DTYPES,
     ) -> None:
         self.name = name
-        self.build = build
-        self.signatures = signatures
+        self.builders = {kernel: builder for kernel, (builder, _) in kernels.items()}
+        self.signatures = {kernel: spec for kernel, (_, spec) in kernels.items()}
         self.dtypes = dtypes  # the floating dtypes its kernels are compiled for (DTYPES, or more)
-        self._functions: dict[tuple[str, str], dict] = {}
+        self._functions: dict[tuple[str, str, str], Callable] = {}
         self._compiled: dict[tuple[str, str, str], Any] = {}
         FAMILIES.append(self)
 
     def signature(self, kernel: str, dtype: str, index: str = "uint32") -> str:
         return signature(self.signatures[kernel], dtype, index)
 
+    def function(self, kernel: str, dtype: str, index: str = "uint32") -> Callable:
+        """The Python function of ``kernel`` for ``dtype`` and ``index``, built once."""
+        key = (kernel, dtype, index)
+        found = self._functions.get(key)
+        if found is None:
+            found = self._functions[key] = self.builders[kernel](dtype, index)
+        return found
+
+    def build(self, dtype: str, index: str = "uint32") -> dict[str, Callable]:
+        """Every kernel's Python function for ``dtype`` and ``index``, by name."""
+        return {kernel: self.function(kernel, dtype, index) for kernel in self.builders}
+
     def compiled(self, kernel: str, dtype: str, index: str = "uint32") -> Any:
         """Kernel ``kernel`` for ``dtype`` and ``index``, compiled on first use."""
         key = (kernel, dtype, index)
         found = self._compiled.get(key)
         if found is None:
-            if (dtype, index) not in self._functions:
-                self._functions[dtype, index] = self.build(dtype, index)
-            found = cuda.jit(self.signature(kernel, dtype, index))(self._functions[dtype, index][kernel])
+            found = cuda.jit(self.signature(kernel, dtype, index))(self.function(kernel, dtype, index))
             self._compiled[key] = found
         return found
 
@@ -151,13 +166,14 @@ def inline(func):
     return cuda.jit(device=True, inline="always")(func)
 
 
+@functools.cache
 def offset_functions(index: str) -> tuple:
     """``(at2, at3, at4)``: the offsets of elements of C-contiguous arrays in the ``index`` type.
 
     ``at2(i, j, J)`` is element ``[i, j]`` of a ``[., J]`` array, ``at3(i, j, m, J, M)`` element
     ``[i, j, m]`` of a ``[., J, M]`` one and ``at4(i, j, m, r, J, M, R)`` element ``[i, j, m, r]``
     of a ``[., J, M, R]`` one: inline device functions on a GPU, plain functions under the
-    simulator (:func:`_offset_function`).
+    simulator (:func:`_offset_function`); built once per index type.
     """
     at2 = _offset_function(getattr(numba, index))
 

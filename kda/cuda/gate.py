@@ -15,7 +15,7 @@ from ._launch import THREADS_PER_BLOCK, _grid, launcher
 __all__ = ["gate_flags", "raise_for_gates"]
 
 
-def build(dtype: str, index: str = "uint32") -> dict:
+def _gate_flags_kernel(dtype: str, index: str) -> Any:
     """The Python function of the gate check, specialised to ``dtype`` and ``index``."""
     # float16 decays are compared in float32 (exact): NVVM rejects a float16 comparison against
     # a closure constant (ERROR_INVALID_IR, numba-cuda 0.30 with NVVM of CUDA 12.9 and 13)
@@ -51,22 +51,13 @@ def build(dtype: str, index: str = "uint32") -> dict:
         if nan:
             cuda.atomic.add(flags, 1, nan)
 
-    return {
-        "gate_flags": gate_flags,
-    }
+    return gate_flags
 
 
 # g's dtypes the check takes (float16 compared in float32)
 GATE_DTYPES = ("float16", "float32", "float64")
 
-KERNELS = Family(
-    "gate",
-    build,
-    {
-        "gate_flags": "af:1",
-    },
-    dtypes=GATE_DTYPES,
-)
+KERNELS = Family("gate", {"gate_flags": (_gate_flags_kernel, "af:1")}, dtypes=GATE_DTYPES)
 
 
 _launch = launcher(KERNELS)

@@ -1,20 +1,23 @@
 """The per-chunk kernels: the state-free work of every chunk and its gradient, one block per chunk.
 
-Kernels (:func:`build`) and their launchers (:func:`chunk_local`, :func:`chunk_local_backward`).
+Kernels (one builder each, on shared device functions) and their launchers (:func:`chunk_local`,
+:func:`chunk_local_backward`).
 Padded chunks longer than :data:`MAX_CHUNK` do not fit a block; the dispatch runs them on the
 reference backend (:func:`kda._backend.resolve`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 from array_api_compat import array_namespace
 from numba import cuda
 
 from .._backend import ChunkLocal
-from ._device import Family, constants, offset_functions
+from ._device import Family, constants, inline, offset_functions
 from ._launch import _check_ndim, _check_shape, _dtype_name, _empty, launcher
 
 __all__ = ["MAX_CHUNK", "chunk_local", "chunk_local_backward"]
@@ -44,49 +47,24 @@ if LOCAL_BACKWARD_THREADS % BACKWARD_TILE_COLS or BACKWARD_TILE_ROWS % _GROUPS:
 MAX_CHUNK = 64
 
 
-def build(dtype: str, index: str = "uint32") -> dict:
-    """The Python functions of the per-chunk kernels, specialised to ``dtype`` and ``index``."""
-    _, nbtype, zero, one = constants(dtype)
-    at2, at3, at4 = offset_functions(index)
-    TI, TJ, TX = BACKWARD_TILE_ROWS, BACKWARD_TILE_COLS, BACKWARD_TILE_DEPTH
-    TR = TX + 1  # a staged row's stride
-    RS = LOCAL_BACKWARD_THREADS // TJ  # row groups of a tile (the warps of the block)
-    RI = TI // RS  # rows of a tile per thread
-    RL = BACKWARD_ROW_LANES
+# the constants of chunk_local_backward's tiles
+TI, TJ, TX = BACKWARD_TILE_ROWS, BACKWARD_TILE_COLS, BACKWARD_TILE_DEPTH
+TR = TX + 1  # a staged row's stride
+RS = LOCAL_BACKWARD_THREADS // TJ  # row groups of a tile (the warps of the block)
+RI = TI // RS  # rows of a tile per thread
+RL = BACKWARD_ROW_LANES
 
-    def chunk_local(q, k, g, v, beta, scale, qg, kg, kt, total, A, L, Tinv, w, u0, dims):
-        """One block per chunk ``n``: all of its state-free work, without any factor array.
 
-        1. decay factors as running products of ``exp(g)`` (one thread per channel): ``qg``,
-           ``kg``, ``kt`` and ``total``;
-        2. ``A`` and ``L`` level by level of the halving, by tiles of ``LOCAL_TILE_K`` channels:
-           the tile's row factors (products over each block's second half up to the row) and
-           column factors (over its first half after the column) are built in shared memory,
-           then every pair of the level is a dot product over the tile, accumulated in ``A``
-           and ``L`` (each pair belongs to one thread across the tiles);
-        3. ``T = (I + diag(beta) L)^-1`` in shared memory (packed lower triangle) by blocks:
-           ``T21 = -T22 (beta L21) T11`` level by level;
-        4. ``T`` (written out for the backward), ``W = T diag(beta) kg`` and ``U0 = T diag(beta) v``.
+@functools.cache
+def _forward_factors(dtype: str, index: str) -> tuple:
+    """``(factors, pairs)``: phases 1 and 2 of ``chunk_local``, as device functions."""
+    _, _, zero, one = constants(dtype)
+    at2, at3, _ = offset_functions(index)
 
-        Dynamic shared memory: ``Cp + Cp (Cp + 1) / 2 + max(2 Cp (LOCAL_TILE_K + 1), Cp^2 / 4)``
-        elements (the tiles' rows padded against bank conflicts).
-        """
-        n = cuda.blockIdx.x
-        tid = cuda.threadIdx.x
-        nth = cuda.blockDim.x
-        Cp, K, V = dims
-        TK = LOCAL_TILE_K
-        TR = LOCAL_TILE_ROW  # a tile row's stride in shared memory: lanes on consecutive rows
-        # (the pair loop's j) then read distinct banks, not two (a 16-way conflict at stride 16)
-        shared = cuda.shared.array(0, nbtype)
-        bsh = shared[:Cp]
-        tri = Cp * (Cp + 1) // 2
-        T = shared[Cp : Cp + tri]  # T[i, j] at i (i + 1) / 2 + j
-        work = shared[Cp + tri :]
-        P = work[: Cp * TR]  # column sides (first halves) and q rows (second halves)
-        Q = work[Cp * TR : 2 * Cp * TR]  # k rows (second halves)
-        # 1. factors
-        for d in range(tid, K, nth):
+    @inline
+    def factors(q, k, g, scale, qg, kg, kt, total, n, Cp, K):
+        """Decay factors as running products of ``exp(g)``, one thread per channel."""
+        for d in range(cuda.threadIdx.x, K, cuda.blockDim.x):
             p = one
             for i in range(Cp):
                 o = at3(n, i, d, Cp, K)
@@ -99,7 +77,15 @@ def build(dtype: str, index: str = "uint32") -> dict:
                 o = at3(n, i, d, Cp, K)
                 kt[o] = k[o] * s
                 s *= math.exp(g[o])
-        # 2. pairs: the diagonal and the upper triangle, then each level
+
+    @inline
+    def pairs(q, k, g, scale, A, L, P, Q, n, Cp, K):
+        """``A`` and ``L``: the diagonal and the upper triangle, then level by level of the halving,
+        by tiles of ``LOCAL_TILE_K`` channels staged in ``P`` and ``Q`` (rows ``LOCAL_TILE_ROW`` apart)."""
+        tid = cuda.threadIdx.x
+        nth = cuda.blockDim.x
+        TK = LOCAL_TILE_K
+        TR = LOCAL_TILE_ROW  # lanes on consecutive rows (the pair loop's j) read distinct banks
         for idx in range(tid, Cp * Cp, nth):
             i = idx // Cp
             j = idx % Cp
@@ -153,7 +139,23 @@ def build(dtype: str, index: str = "uint32") -> dict:
                         L[at3(n, i, j, Cp, Cp)] += sl
                 cuda.syncthreads()
             h *= 2
-        # 3. the inverse, by blocks
+
+    return factors, pairs
+
+
+@functools.cache
+def _forward_solve(dtype: str, index: str) -> tuple:
+    """``(inverse, outputs)``: phases 3 and 4 of ``chunk_local``, as device functions."""
+    _, _, zero, one = constants(dtype)
+    at2, at3, _ = offset_functions(index)
+
+    @inline
+    def inverse(L, beta, bsh, T, tmp, n, Cp):
+        """``T = (I + diag(beta) L)^-1`` into ``T`` (packed lower triangle, ``T[i, j]`` at
+        ``i (i + 1) / 2 + j``) by blocks, ``T21 = -T22 (beta L21) T11`` level by level; ``beta``
+        in ``bsh``."""
+        tid = cuda.threadIdx.x
+        nth = cuda.blockDim.x
         for i in range(tid, Cp, nth):
             bsh[i] = beta[at2(n, i, Cp)]
         for idx in range(tid, Cp * Cp, nth):
@@ -162,7 +164,6 @@ def build(dtype: str, index: str = "uint32") -> dict:
             if j <= i:
                 T[i * (i + 1) // 2 + j] = one if j == i else zero
         cuda.syncthreads()
-        tmp = work
         h = 1
         while h < Cp:
             nb = Cp // (2 * h)
@@ -190,7 +191,12 @@ def build(dtype: str, index: str = "uint32") -> dict:
                 T[row + start + jj] = -acc
             cuda.syncthreads()
             h *= 2
-        # 4. T itself (for the backward), W = T diag(beta) kg and U0 = T diag(beta) v
+
+    @inline
+    def outputs(T, bsh, kg, v, Tinv, w, u0, n, Cp, K, V):
+        """``T`` itself (for the backward), ``W = T diag(beta) kg`` and ``U0 = T diag(beta) v``."""
+        tid = cuda.threadIdx.x
+        nth = cuda.blockDim.x
         for idx in range(tid, Cp * Cp, nth):
             i = idx // Cp
             j = idx % Cp
@@ -212,67 +218,129 @@ def build(dtype: str, index: str = "uint32") -> dict:
                 acc += T[row + m] * (bsh[m] * v[at3(n, m, c, Cp, V)])
             u0[at3(n, i, c, Cp, V)] = acc
 
-    def chunk_local_backward(
-        q,
-        k,
-        g,
-        v,
-        beta,
-        scale,
-        qg,
-        kg,
-        kt,
-        total,
-        L,
-        Tinv,
-        w,
-        u0,
-        S,
-        dS,
-        U,
-        dU,
-        do,
-        dqg,
-        dkt,
-        dkw,
-        dku,
-        dA,
-        dX,
-        dtot,
-        dq,
-        dk,
-        dv,
-        dg,
-        dbeta,
-        dims,
-    ):
-        """One block per chunk: every gradient of its state-free work (see ``chunk_local``).
+    return inverse, outputs
 
-        Block ``n`` is chunk ``n % NT`` of head ``n // NT``; ``S`` and ``dS`` are the states at
-        its start and the gradients at its end, ``[NT, BH, K, V]``. Phases, with a barrier
-        between them (the intermediates ``dqg, dkt, dkw, dku, dA, dX, dtot`` go to the
-        caller's scratch arrays, which stay in L2):
 
-        1. ``dqg = dO S^T``, ``dkt = U dS^T``, ``dW = -dU S^T`` (in ``dg``), ``dtotal``,
-           ``dA = tril(dO U^T)``;
-        2. ``dkw = T^T dW``, ``dku = T^T dU``;
-        3. ``dX = tril(-(dkw W^T + dku U0^T), -1)``;
-        4. per row: ``dbeta``, then ``dL = beta dX`` in place; ``dv = beta dku``;
-        5. per channel (one thread): the pairwise gradients level by level, the level's decay
-           factors built as running products in this thread's column of shared memory
-           (``Cp * blockDim.x`` elements); then the factor gradients, as in
-           ``chunk_gate_gradient``, in two sweeps (suffix sums down, prefix sums up).
+def _chunk_local_kernel(dtype: str, index: str) -> Callable:
+    """The Python function of ``chunk_local`` for ``dtype`` and ``index``."""
+    _, nbtype, _, _ = constants(dtype)
+    factors, pairs = _forward_factors(dtype, index)
+    inverse, outputs = _forward_solve(dtype, index)
+
+    def chunk_local(q, k, g, v, beta, scale, qg, kg, kt, total, A, L, Tinv, w, u0, dims):
+        """One block per chunk ``n``: all of its state-free work, without any factor array.
+
+        1. decay factors as running products of ``exp(g)`` (one thread per channel): ``qg``,
+           ``kg``, ``kt`` and ``total``;
+        2. ``A`` and ``L`` level by level of the halving, by tiles of ``LOCAL_TILE_K`` channels:
+           the tile's row factors (products over each block's second half up to the row) and
+           column factors (over its first half after the column) are built in shared memory,
+           then every pair of the level is a dot product over the tile, accumulated in ``A``
+           and ``L`` (each pair belongs to one thread across the tiles);
+        3. ``T = (I + diag(beta) L)^-1`` in shared memory (packed lower triangle) by blocks:
+           ``T21 = -T22 (beta L21) T11`` level by level;
+        4. ``T`` (written out for the backward), ``W = T diag(beta) kg`` and ``U0 = T diag(beta) v``.
+
+        Dynamic shared memory: ``Cp + Cp (Cp + 1) / 2 + max(2 Cp (LOCAL_TILE_K + 1), Cp^2 / 4)``
+        elements (the tiles' rows padded against bank conflicts).
         """
         n = cuda.blockIdx.x
+        Cp, K, V = dims
+        shared = cuda.shared.array(0, nbtype)
+        bsh = shared[:Cp]
+        tri = Cp * (Cp + 1) // 2
+        T = shared[Cp : Cp + tri]
+        work = shared[Cp + tri :]
+        P = work[: Cp * LOCAL_TILE_ROW]  # column sides (first halves) and q rows (second halves)
+        Q = work[Cp * LOCAL_TILE_ROW : 2 * Cp * LOCAL_TILE_ROW]  # k rows (second halves)
+        factors(q, k, g, scale, qg, kg, kt, total, n, Cp, K)
+        pairs(q, k, g, scale, A, L, P, Q, n, Cp, K)
+        inverse(L, beta, bsh, T, work, n, Cp)
+        outputs(T, bsh, kg, v, Tinv, w, u0, n, Cp, K, V)
+
+    return chunk_local
+
+
+@functools.cache
+def _backward_tiles(dtype: str, index: str) -> tuple:
+    """``(stage, tril_product)``: the staged tiles of ``chunk_local_backward``'s products."""
+    _, nbtype, zero, _ = constants(dtype)
+    _, at3, _ = offset_functions(index)
+
+    @inline
+    def stage(dst, src, base, r0, x0, tile_rows, rows, D):
+        """Stage rows ``r0 ..`` (``tile_rows`` of them) and terms ``x0 .. x0 + TX`` of ``src[base]``,
+        a ``[., rows, D]`` array, into ``dst`` at row stride ``TR`` (zero outside ``rows`` and ``D``)."""
+        for e in range(cuda.threadIdx.x, tile_rows * TX, cuda.blockDim.x):
+            r = e // TX
+            cc = e % TX
+            i = r0 + r
+            x = x0 + cc
+            dst[r * TR + cc] = src[at3(base, i, x, rows, D)] if i < rows and x < D else zero
+
+    @inline
+    def accumulate(acc, sa, sd, left, right, n, i0, j0, Cp, D):
+        """``acc[m] += left[i] . right[j]`` over ``D`` terms for the thread's rows ``i`` and column
+        ``j`` of the tile at ``(i0, j0)``; ``left, right: [., Cp, D]``, staged through ``sa, sd``."""
+        lane = cuda.threadIdx.x % TJ
+        grp = cuda.threadIdx.x // TJ
+        for x0 in range(0, D, TX):
+            cuda.syncthreads()  # the previous tiles are read
+            stage(sa, left, n, i0, x0, TI, Cp, D)
+            stage(sd, right, n, j0, x0, TJ, Cp, D)
+            cuda.syncthreads()
+            for xx in range(TX):
+                u = sd[lane * TR + xx]
+                for m in range(RI):
+                    acc[m] += sa[(grp + RS * m) * TR + xx] * u
+
+    @inline
+    def tril_product(dst, l1, r1, D1, l2, r2, D2, strict, n, Cp, F):
+        """``dst = tril(l1 r1^T + l2 r2^T)`` by tiles of ``TI`` rows x ``TJ`` columns; with
+        ``strict``, ``-tril(..., -1)``; ``F``: the block's shared memory (the staged tiles)."""
         tid = cuda.threadIdx.x
-        nth = cuda.blockDim.x
-        BH, NT, Cp, K, V = dims
-        bh = n // NT
-        c = n % NT
-        F = cuda.shared.array(0, nbtype)
-        # the tiles of phases 1 and 3 (at the front of F; phase 5 reuses it): rows of TX
-        # elements padded to TR, so that lanes on consecutive rows read distinct banks
-        lane = tid % TJ  # a row of the output tile's right side (channel d, or column j)
+        lane = tid % TJ
+        grp = tid // TJ
+        sa = F[: TI * TR]
+        sd = F[3 * TI * TR : 3 * TI * TR + TJ * TR]
+        acc = cuda.local.array(RI, nbtype)
+        for idx in range(tid, Cp * Cp, cuda.blockDim.x):
+            i = idx // Cp
+            j = idx % Cp
+            if j > i or (strict and j == i):
+                dst[at3(n, i, j, Cp, Cp)] = zero
+        for i0 in range(0, Cp, TI):
+            for j0 in range(0, min(i0 + TI, Cp), TJ):
+                for m in range(RI):
+                    acc[m] = zero
+                accumulate(acc, sa, sd, l1, r1, n, i0, j0, Cp, D1)
+                accumulate(acc, sa, sd, l2, r2, n, i0, j0, Cp, D2)
+                j = j0 + lane
+                for m in range(RI):
+                    i = i0 + grp + RS * m
+                    if i < Cp and j < i:
+                        dst[at3(n, i, j, Cp, Cp)] = -acc[m] if strict else acc[m]
+                    elif i < Cp and j == i and not strict:
+                        dst[at3(n, i, j, Cp, Cp)] = acc[m]
+        cuda.syncthreads()
+
+    return stage, tril_product
+
+
+@functools.cache
+def _backward_state_products(dtype: str, index: str) -> Callable:
+    """Phase 1 of ``chunk_local_backward`` (the products with the states), a device function."""
+    _, nbtype, zero, _ = constants(dtype)
+    at2, at3, _ = offset_functions(index)
+    stage, _ = _backward_tiles(dtype, index)
+
+    @inline
+    def state_products(do, U, dU, S, dS, dqg, dkt, dg, dtot, n, sn, Cp, K, V, F):
+        """``dqg = dO S^T``, ``dkt = U dS^T``, ``dW = -dU S^T`` (into ``dg``) and ``dtotal``, by
+        output tiles of ``TI`` rows x ``TJ`` channels: ``dO, U, dU [TI, TX]`` and ``S, dS [TJ, TX]``
+        (``S[sn], dS[sn]``: ``[K, V]``) staged by coalesced loads at row stride ``TR``."""
+        tid = cuda.threadIdx.x
+        lane = tid % TJ  # a row of the output tile's right side (channel d)
         grp = tid // TJ  # rows i0 + grp + RS m of the tile's left side, m < RI
         sa = F[: TI * TR]
         sb = F[TI * TR : 2 * TI * TR]
@@ -282,8 +350,6 @@ def build(dtype: str, index: str = "uint32") -> dict:
         acc_a = cuda.local.array(RI, nbtype)
         acc_b = cuda.local.array(RI, nbtype)
         acc_e = cuda.local.array(RI, nbtype)
-        # 1. dqg = dO S^T, dkt = U dS^T, dW = -dU S^T (into dg) and dtotal, by output tiles of
-        # TI rows x TJ channels: dO, U, dU [TI, TX] and S, dS [TJ, TX] staged by coalesced loads
         for i0 in range(0, Cp, TI):
             for d0 in range(0, K, TJ):
                 for m in range(RI):
@@ -293,34 +359,11 @@ def build(dtype: str, index: str = "uint32") -> dict:
                 tacc = zero
                 for x0 in range(0, V, TX):
                     cuda.syncthreads()  # the previous tiles are read
-                    for e in range(tid, TI * TX, nth):
-                        r = e // TX
-                        cc = e % TX
-                        i = i0 + r
-                        x = x0 + cc
-                        o = r * TR + cc
-                        if i < Cp and x < V:
-                            ix = at3(n, i, x, Cp, V)
-                            sa[o] = do[ix]
-                            sb[o] = U[ix]
-                            sc[o] = dU[ix]
-                        else:
-                            sa[o] = zero
-                            sb[o] = zero
-                            sc[o] = zero
-                    for e in range(tid, TJ * TX, nth):
-                        r = e // TX
-                        cc = e % TX
-                        d = d0 + r
-                        x = x0 + cc
-                        o = r * TR + cc
-                        if d < K and x < V:
-                            dx = at4(c, bh, d, x, BH, K, V)
-                            sd[o] = S[dx]
-                            se[o] = dS[dx]
-                        else:
-                            sd[o] = zero
-                            se[o] = zero
+                    stage(sa, do, n, i0, x0, TI, Cp, V)
+                    stage(sb, U, n, i0, x0, TI, Cp, V)
+                    stage(sc, dU, n, i0, x0, TI, Cp, V)
+                    stage(sd, S, sn, d0, x0, TJ, K, V)
+                    stage(se, dS, sn, d0, x0, TJ, K, V)
                     cuda.syncthreads()
                     for xx in range(TX):
                         s = sd[lane * TR + xx]
@@ -342,48 +385,27 @@ def build(dtype: str, index: str = "uint32") -> dict:
                             dg[o] = -acc_e[m]
                     if i0 == 0 and grp == 0:
                         dtot[at2(n, d, K)] = tacc
-        # dA = tril(dO U^T): tiles of TI rows x TJ columns j <= i, dO [TI, TX] and U [TJ, TX] staged
-        for idx in range(tid, Cp * Cp, nth):
-            i = idx // Cp
-            j = idx % Cp
-            if j > i:
-                dA[at3(n, i, j, Cp, Cp)] = zero
-        for i0 in range(0, Cp, TI):
-            for j0 in range(0, min(i0 + TI, Cp), TJ):
-                for m in range(RI):
-                    acc_a[m] = zero
-                for x0 in range(0, V, TX):
-                    cuda.syncthreads()
-                    for e in range(tid, TI * TX, nth):
-                        r = e // TX
-                        cc = e % TX
-                        i = i0 + r
-                        x = x0 + cc
-                        sa[r * TR + cc] = do[at3(n, i, x, Cp, V)] if i < Cp and x < V else zero
-                    for e in range(tid, TJ * TX, nth):
-                        r = e // TX
-                        cc = e % TX
-                        j = j0 + r
-                        x = x0 + cc
-                        sd[r * TR + cc] = U[at3(n, j, x, Cp, V)] if j < Cp and x < V else zero
-                    cuda.syncthreads()
-                    for xx in range(TX):
-                        u = sd[lane * TR + xx]
-                        for m in range(RI):
-                            acc_a[m] += sa[(grp + RS * m) * TR + xx] * u
-                j = j0 + lane
-                for m in range(RI):
-                    i = i0 + grp + RS * m
-                    if i < Cp and j <= i:
-                        dA[at3(n, i, j, Cp, Cp)] = acc_a[m]
-        cuda.syncthreads()
-        # 2.
+
+    return state_products
+
+
+@functools.cache
+def _backward_rows(dtype: str, index: str) -> tuple:
+    """``(transposed, row_sums)``: phases 2 and 4 of ``chunk_local_backward``, device functions."""
+    _, _, zero, _ = constants(dtype)
+    at2, at3, _ = offset_functions(index)
+
+    @inline
+    def transposed(Tinv, dW, dU, dkw, dku, n, Cp, K, V):
+        """``dkw = T^T dW``, ``dku = T^T dU``."""
+        tid = cuda.threadIdx.x
+        nth = cuda.blockDim.x
         for idx in range(tid, Cp * K, nth):
             i = idx // K
             d = idx % K
             a = zero
             for m in range(i, Cp):
-                a += Tinv[at3(n, m, i, Cp, Cp)] * dg[at3(n, m, d, Cp, K)]
+                a += Tinv[at3(n, m, i, Cp, Cp)] * dW[at3(n, m, d, Cp, K)]
             dkw[at3(n, i, d, Cp, K)] = a
         for idx in range(tid, Cp * V, nth):
             i = idx // V
@@ -392,52 +414,13 @@ def build(dtype: str, index: str = "uint32") -> dict:
             for m in range(i, Cp):
                 a += Tinv[at3(n, m, i, Cp, Cp)] * dU[at3(n, m, x, Cp, V)]
             dku[at3(n, i, x, Cp, V)] = a
-        # 3. dX = tril(-(dkw W^T + dku U0^T), -1): tiles of TI rows x TJ columns j < i, over the
-        # channels (dkw [TI, TX] and W [TJ, TX] staged) and then the value columns (dku, U0)
-        for idx in range(tid, Cp * Cp, nth):
-            i = idx // Cp
-            j = idx % Cp
-            if j >= i:
-                dX[at3(n, i, j, Cp, Cp)] = zero
-        for i0 in range(0, Cp, TI):
-            for j0 in range(0, min(i0 + TI, Cp), TJ):
-                for m in range(RI):
-                    acc_a[m] = zero
-                for part in range(2):
-                    D = K if part == 0 else V
-                    for x0 in range(0, D, TX):
-                        cuda.syncthreads()  # the previous tiles are read (phase 2 is written)
-                        for e in range(tid, TI * TX, nth):
-                            r = e // TX
-                            cc = e % TX
-                            i = i0 + r
-                            x = x0 + cc
-                            a = zero
-                            if i < Cp and x < D:
-                                a = dkw[at3(n, i, x, Cp, K)] if part == 0 else dku[at3(n, i, x, Cp, V)]
-                            sa[r * TR + cc] = a
-                        for e in range(tid, TJ * TX, nth):
-                            r = e // TX
-                            cc = e % TX
-                            j = j0 + r
-                            x = x0 + cc
-                            a = zero
-                            if j < Cp and x < D:
-                                a = w[at3(n, j, x, Cp, K)] if part == 0 else u0[at3(n, j, x, Cp, V)]
-                            sd[r * TR + cc] = a
-                        cuda.syncthreads()
-                        for xx in range(TX):
-                            u = sd[lane * TR + xx]
-                            for m in range(RI):
-                                acc_a[m] += sa[(grp + RS * m) * TR + xx] * u
-                j = j0 + lane
-                for m in range(RI):
-                    i = i0 + grp + RS * m
-                    if i < Cp and j < i:
-                        dX[at3(n, i, j, Cp, Cp)] = -acc_a[m]
-        cuda.syncthreads()
-        # 4. per row: dbeta (RL lanes of a row's group over j, d and x, partial sums in shared
-        # memory at row stride RL + 1), then dL = beta dX in place; dv = beta dku
+
+    @inline
+    def row_sums(beta, L, kg, v, dX, dkw, dku, dv, dbeta, n, Cp, K, V, F):
+        """Per row: ``dbeta`` (``RL`` lanes of a row's group over ``j``, ``d`` and ``x``, partial
+        sums in ``F`` at row stride ``RL + 1``), then ``dL = beta dX`` in place; ``dv = beta dku``."""
+        tid = cuda.threadIdx.x
+        nth = cuda.blockDim.x
         red = F[: Cp * (RL + 1)]
         rl = tid % RL
         for i in range(tid // RL, Cp, nth // RL):
@@ -467,86 +450,149 @@ def build(dtype: str, index: str = "uint32") -> dict:
                 a += red[i * (RL + 1) + p]
             dbeta[at2(n, i, Cp)] = a
         cuda.syncthreads()  # red is read: phase 5 reuses F
-        # 5. dL is in dX now
-        for d in range(tid, K, nth):
+
+    return transposed, row_sums
+
+
+@functools.cache
+def _backward_channels(dtype: str, index: str) -> tuple:
+    """``(pair_gradients, factor_gradients)``: phase 5 of ``chunk_local_backward`` for one channel."""
+    _, _, zero, one = constants(dtype)
+    at2, at3, _ = offset_functions(index)
+
+    @inline
+    def pair_gradients(q, k, g, scale, dA, dL, dq, dk, dg, d, n, Cp, K, F):
+        """The pairwise gradients of channel ``d`` level by level, the level's decay factors built
+        as running products in this thread's column of ``F`` (``Cp * blockDim.x`` elements)."""
+        tid = cuda.threadIdx.x
+        nth = cuda.blockDim.x
+        h = 1
+        while h < Cp:
+            for start in range(0, Cp, 2 * h):
+                mid = start + h
+                f = one
+                r = one
+                for m in range(h):
+                    F[(mid - 1 - m) * nth + tid] = f
+                    f *= math.exp(g[at3(n, mid - 1 - m, d, Cp, K)])
+                    r *= math.exp(g[at3(n, mid + m, d, Cp, K)])
+                    F[(mid + m) * nth + tid] = r
+                run = zero
+                for i in range(start + 2 * h - 1, mid - 1, -1):
+                    fi = F[i * nth + tid]
+                    acc_q = zero
+                    acc_k = zero
+                    for j in range(start, mid):
+                        cj = k[at3(n, j, d, Cp, K)] * F[j * nth + tid] * fi
+                        ij = at3(n, i, j, Cp, Cp)
+                        acc_q += scale * dA[ij] * cj
+                        acc_k += dL[ij] * cj
+                    o = at3(n, i, d, Cp, K)
+                    run += q[o] * acc_q + k[o] * acc_k
+                    dg[o] += run
+                    dq[o] += acc_q
+                    dk[o] += acc_k
+                run = zero
+                for j in range(start, mid):
+                    acc = zero
+                    for i in range(mid, start + 2 * h):
+                        ij = at3(n, i, j, Cp, Cp)
+                        o = at3(n, i, d, Cp, K)
+                        acc += (scale * dA[ij] * q[o] + dL[ij] * k[o]) * F[i * nth + tid]
+                    fj = F[j * nth + tid]
+                    o = at3(n, j, d, Cp, K)
+                    dg[o] += run
+                    run += k[o] * fj * acc
+                    dk[o] += acc * fj
+            h *= 2
+
+    @inline
+    def factor_gradients(g, beta, scale, qg, kg, kt, total, dqg, dkt, dkw, dtot, dq, dk, dg, d, n, Cp, K):
+        """The factor gradients of channel ``d`` (as ``chunk_gate_gradient``): suffix sums down,
+        prefix sums up, and the total's term."""
+        tterm = total[at2(n, d, K)] * dtot[at2(n, d, K)]
+        run = zero
+        s = one
+        for i in range(Cp - 1, -1, -1):
+            o = at3(n, i, d, Cp, K)
+            dkg = beta[at2(n, i, Cp)] * dkw[o]
+            run += qg[o] * dqg[o] + kg[o] * dkg
+            dg[o] += run + tterm
+            dk[o] += s * dkt[o]
+            s *= math.exp(g[o])
+        run = zero
+        p = one
+        for i in range(Cp):
+            o = at3(n, i, d, Cp, K)
+            p *= math.exp(g[o])
+            dg[o] += run
+            run += kt[o] * dkt[o]
+            dq[o] += scale * p * dqg[o]
+            dk[o] += p * beta[at2(n, i, Cp)] * dkw[o]
+
+    return pair_gradients, factor_gradients
+
+
+def _chunk_local_backward_kernel(dtype: str, index: str) -> Callable:
+    """The Python function of ``chunk_local_backward`` for ``dtype`` and ``index``."""
+    _, nbtype, zero, _ = constants(dtype)
+    at2, at3, _ = offset_functions(index)
+    _, tril_product = _backward_tiles(dtype, index)
+    state_products = _backward_state_products(dtype, index)
+    transposed, row_sums = _backward_rows(dtype, index)
+    pair_gradients, factor_gradients = _backward_channels(dtype, index)
+
+    def chunk_local_backward(
+        q, k, g, v, beta, scale, qg, kg, kt, total, L, Tinv, w, u0, S, dS, U, dU, do,
+        dqg, dkt, dkw, dku, dA, dX, dtot, dq, dk, dv, dg, dbeta, dims,
+    ):  # fmt: skip
+        """One block per chunk: every gradient of its state-free work (see ``chunk_local``).
+
+        Block ``n`` is chunk ``n % NT`` of head ``n // NT``; ``S`` and ``dS`` are the states at
+        its start and the gradients at its end, ``[NT, BH, K, V]``. Phases, with a barrier
+        between them (the intermediates ``dqg, dkt, dkw, dku, dA, dX, dtot`` go to the
+        caller's scratch arrays, which stay in L2):
+
+        1. ``dqg = dO S^T``, ``dkt = U dS^T``, ``dW = -dU S^T`` (in ``dg``), ``dtotal``,
+           ``dA = tril(dO U^T)``;
+        2. ``dkw = T^T dW``, ``dku = T^T dU``;
+        3. ``dX = tril(-(dkw W^T + dku U0^T), -1)``;
+        4. per row: ``dbeta``, then ``dL = beta dX`` in place; ``dv = beta dku``;
+        5. per channel (one thread): the pairwise gradients level by level, the level's decay
+           factors built as running products in this thread's column of shared memory
+           (``Cp * blockDim.x`` elements); then the factor gradients, as in
+           ``chunk_gate_gradient``, in two sweeps (suffix sums down, prefix sums up).
+
+        The products of phases 1 and 3 stage their operands at the front of the block's shared
+        memory (phases 4 and 5 reuse it).
+        """
+        n = cuda.blockIdx.x
+        BH, NT, Cp, K, V = dims
+        F = cuda.shared.array(0, nbtype)
+        sn = at2(n % NT, n // NT, BH)  # the chunk's [K, V] state in S and dS
+        state_products(do, U, dU, S, dS, dqg, dkt, dg, dtot, n, sn, Cp, K, V, F)
+        tril_product(dA, do, U, V, do, U, 0, False, n, Cp, F)
+        transposed(Tinv, dg, dU, dkw, dku, n, Cp, K, V)
+        tril_product(dX, dkw, w, K, dku, u0, V, True, n, Cp, F)
+        row_sums(beta, L, kg, v, dX, dkw, dku, dv, dbeta, n, Cp, K, V, F)
+        for d in range(cuda.threadIdx.x, K, cuda.blockDim.x):  # 5. dL is in dX now
             for i in range(Cp):
                 a = scale * dA[at3(n, i, i, Cp, Cp)]
                 o = at3(n, i, d, Cp, K)
                 dq[o] = a * k[o]
                 dk[o] = a * q[o]
                 dg[o] = zero
-            h = 1
-            while h < Cp:
-                for start in range(0, Cp, 2 * h):
-                    mid = start + h
-                    f = one
-                    r = one
-                    for m in range(h):
-                        F[(mid - 1 - m) * nth + tid] = f
-                        f *= math.exp(g[at3(n, mid - 1 - m, d, Cp, K)])
-                        r *= math.exp(g[at3(n, mid + m, d, Cp, K)])
-                        F[(mid + m) * nth + tid] = r
-                    run = zero
-                    for i in range(start + 2 * h - 1, mid - 1, -1):
-                        fi = F[i * nth + tid]
-                        acc_q = zero
-                        acc_k = zero
-                        for j in range(start, mid):
-                            cj = k[at3(n, j, d, Cp, K)] * F[j * nth + tid] * fi
-                            ij = at3(n, i, j, Cp, Cp)
-                            acc_q += scale * dA[ij] * cj
-                            acc_k += dX[ij] * cj
-                        o = at3(n, i, d, Cp, K)
-                        run += q[o] * acc_q + k[o] * acc_k
-                        dg[o] += run
-                        dq[o] += acc_q
-                        dk[o] += acc_k
-                    run = zero
-                    for j in range(start, mid):
-                        acc = zero
-                        for i in range(mid, start + 2 * h):
-                            ij = at3(n, i, j, Cp, Cp)
-                            o = at3(n, i, d, Cp, K)
-                            acc += (scale * dA[ij] * q[o] + dX[ij] * k[o]) * F[i * nth + tid]
-                        fj = F[j * nth + tid]
-                        o = at3(n, j, d, Cp, K)
-                        dg[o] += run
-                        run += k[o] * fj * acc
-                        dk[o] += acc * fj
-                h *= 2
-            # the factor gradients: prefix and suffix terms, total
-            tterm = total[at2(n, d, K)] * dtot[at2(n, d, K)]
-            run = zero
-            s = one
-            for i in range(Cp - 1, -1, -1):
-                o = at3(n, i, d, Cp, K)
-                dkg = beta[at2(n, i, Cp)] * dkw[o]
-                run += qg[o] * dqg[o] + kg[o] * dkg
-                dg[o] += run + tterm
-                dk[o] += s * dkt[o]
-                s *= math.exp(g[o])
-            run = zero
-            p = one
-            for i in range(Cp):
-                o = at3(n, i, d, Cp, K)
-                p *= math.exp(g[o])
-                dg[o] += run
-                run += kt[o] * dkt[o]
-                dq[o] += scale * p * dqg[o]
-                dk[o] += p * beta[at2(n, i, Cp)] * dkw[o]
+            pair_gradients(q, k, g, scale, dA, dX, dq, dk, dg, d, n, Cp, K, F)
+            factor_gradients(g, beta, scale, qg, kg, kt, total, dqg, dkt, dkw, dtot, dq, dk, dg, d, n, Cp, K)
 
-    return {
-        "chunk_local": chunk_local,
-        "chunk_local_backward": chunk_local_backward,
-    }
+    return chunk_local_backward
 
 
 KERNELS = Family(
     "local",
-    build,
     {
-        "chunk_local": "aaaaasaaaaaaaaa:3",
-        "chunk_local_backward": "aaaaasaaaaaaaaaaaaaaaaaaaaaaaaa:5",
+        "chunk_local": (_chunk_local_kernel, "aaaaasaaaaaaaaa:3"),
+        "chunk_local_backward": (_chunk_local_backward_kernel, "aaaaasaaaaaaaaaaaaaaaaaaaaaaaaa:5"),
     },
 )
 

@@ -4,7 +4,9 @@ in registers.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 from array_api_compat import array_namespace
@@ -25,10 +27,11 @@ from ._launch import (
 __all__ = ["recurrent_backward", "recurrent_forward"]
 
 
-def build(dtype: str, index: str = "uint32") -> dict:
-    """The Python functions of the recurrence kernels, specialised to ``dtype`` and ``index``."""
+@functools.cache
+def _step(dtype: str, index: str) -> Callable:
+    """``decay_and_predict``, the device function both recurrence kernels share."""
     _, _, zero, _ = constants(dtype)
-    at2, at3, at4 = offset_functions(index)
+    at2, at3, _ = offset_functions(index)
 
     @inline
     def decay_and_predict(S, g, k, step, bh, c, K, V):
@@ -42,6 +45,15 @@ def build(dtype: str, index: str = "uint32") -> dict:
             S[kc] = s
             pred += k[tk] * s
         return pred
+
+    return decay_and_predict
+
+
+def _recurrent_forward_kernel(dtype: str, index: str) -> Callable:
+    """The Python function of ``recurrent_forward`` for ``dtype`` and ``index``."""
+    _, _, zero, _ = constants(dtype)
+    at2, at3, _ = offset_functions(index)
+    decay_and_predict = _step(dtype, index)
 
     def recurrent_forward(q, k, g, v, beta, scale, state, o, final, dims):
         """One thread per (head, value column v): every column of the state evolves alone.
@@ -70,6 +82,15 @@ def build(dtype: str, index: str = "uint32") -> dict:
                 final[kc] = s
                 out += q[tk] * s
             o[at2(step, c, V)] = scale * out
+
+    return recurrent_forward
+
+
+def _recurrent_backward_kernel(dtype: str, index: str) -> Callable:
+    """The Python function of ``recurrent_backward`` for ``dtype`` and ``index``."""
+    _, _, zero, _ = constants(dtype)
+    at2, at3, at4 = offset_functions(index)
+    decay_and_predict = _step(dtype, index)
 
     def recurrent_backward(
         q, k, g, v, beta, scale, state, do, dstate, stride, ckpt, seg, dq, dk, dg, dbeta, dv, dS, dims
@@ -156,18 +177,14 @@ def build(dtype: str, index: str = "uint32") -> dict:
                     cuda.atomic.add(dg, tk, dsd * sd)
                     dS[kc] = e * dsd
 
-    return {
-        "recurrent_forward": recurrent_forward,
-        "recurrent_backward": recurrent_backward,
-    }
+    return recurrent_backward
 
 
 KERNELS = Family(
     "recurrent",
-    build,
     {
-        "recurrent_forward": "aaaaasaaa:4",
-        "recurrent_backward": "aaaaasaaaiaaaaaaaa:4",
+        "recurrent_forward": (_recurrent_forward_kernel, "aaaaasaaa:4"),
+        "recurrent_backward": (_recurrent_backward_kernel, "aaaaasaaaiaaaaaaaa:4"),
     },
 )
 

@@ -4,12 +4,15 @@ Two cuts of each pass, because each serves chunks the other cannot: the "staged"
 rows on the lanes; ``w``, ``qg``, ``kt``, ``A`` staged in shared memory) holds padded chunks of at
 most 128 steps whose tiles fit :data:`SHARED_LIMIT`; the "broadcast" cut (value columns on the
 lanes, tiles read through L1) serves the rest (float64 at ``K = 128``, ``Cp = 64``, for one).
-:data:`STATE_PASS` picks the cut where both fit. Kernels (:func:`build`) and their launchers
+:data:`STATE_PASS` picks the cut where both fit. Kernels (one builder each, on shared device
+functions) and their launchers
 (:func:`chunk_state_pass`, :func:`chunk_state_grad_pass`).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -45,8 +48,197 @@ STATE_THREADS = 256
 STATE_PASS = "staged"
 
 
-def build(dtype: str, index: str = "uint32") -> dict:
-    """The Python functions of the state-pass kernels, specialised to ``dtype`` and ``index``."""
+@functools.cache
+def _staging(dtype: str, index: str) -> tuple:
+    """``(tile_in, tile_out, slice_transposed, pair_begin, pair_end)``: the staged passes' tiles."""
+    _, _, zero, _ = constants(dtype)
+    at2, at3, _ = offset_functions(index)
+
+    @inline
+    def tile_in(dst, src, base, rows, pad, v0, V):
+        """Stage the block's ``[rows, STAGED_TILE_V]`` tile (columns ``v0..``, zero past ``V``) of
+        ``src[base]``, a ``[., rows, V]`` array, into ``dst`` with rows ``STAGED_TILE_V + pad`` apart."""
+        TV = STAGED_TILE_V
+        for e in range(cuda.threadIdx.x, rows * TV, cuda.blockDim.x):
+            r = e // TV
+            c = e % TV
+            dst[at2(r, c, TV + pad)] = src[at3(base, r, v0 + c, rows, V)] if v0 + c < V else zero
+
+    @inline
+    def tile_out(dst, src, base, rows, pad, v0, V):
+        """The inverse of ``tile_in``: write the tile back to ``dst[base]`` (columns below ``V``)."""
+        TV = STAGED_TILE_V
+        for e in range(cuda.threadIdx.x, rows * TV, cuda.blockDim.x):
+            r = e // TV
+            c = e % TV
+            if v0 + c < V:
+                dst[at3(base, r, v0 + c, rows, V)] = src[at2(r, c, TV + pad)]
+
+    @inline
+    def slice_transposed(dst, src, base, k0, rows, width):
+        """Stage columns ``k0 .. k0 + STAGED_SLICE`` (zero past ``width``) of ``src[base]``, a
+        ``[., rows, width]`` array, transposed: ``dst[k * (rows + 1) + r]`` (padded rows: no bank
+        conflicts when consecutive lanes read consecutive rows)."""
+        KS = STAGED_SLICE
+        for e in range(cuda.threadIdx.x, KS * rows, cuda.blockDim.x):
+            r = e // KS
+            dk = e % KS
+            inside = k0 + dk < width
+            dst[at2(dk, r, rows + 1)] = src[at3(base, r, k0 + dk, rows, width)] if inside else zero
+
+    @inline
+    def pair_begin(e, K, chunk, total, tile, acc, acc2):
+        """Start work item ``e`` of a staged state update: channels ``kk`` and ``k2 = kk +
+        ceil(K / 2)`` (``two``: whether ``k2 < K``), columns ``g0 ..`` of the ``[K, TV]`` tile;
+        ``acc, acc2 = total * tile`` rows ``kk, k2``. Returns ``(kk, k2, two, row, row2, g0)``."""
+        KP = (K + 1) // 2
+        kk = e % KP
+        k2 = kk + KP
+        two = k2 < K
+        g0 = (e // KP) * STAGED_COLUMNS
+        row = at2(kk, g0, STAGED_TILE_V)
+        row2 = at2(k2 if two else kk, g0, STAGED_TILE_V)
+        t1 = total[at2(chunk, kk, K)]
+        t2 = total[at2(chunk, k2, K)] if two else zero
+        for cc in range(STAGED_COLUMNS):
+            acc[cc] = t1 * tile[at2(row, cc, 1)]
+            acc2[cc] = t2 * tile[at2(row2, cc, 1)]
+        return kk, k2, two, row, row2, g0
+
+    @inline
+    def pair_end(tile, row, row2, two, acc, acc2):
+        """Write work item's accumulators back to its rows of the tile (see ``pair_begin``)."""
+        for cc in range(STAGED_COLUMNS):
+            tile[at2(row, cc, 1)] = acc[cc]
+            if two:
+                tile[at2(row2, cc, 1)] = acc2[cc]
+
+    return tile_in, tile_out, slice_transposed, pair_begin, pair_end
+
+
+@functools.cache
+def _staged_steps(dtype: str, index: str) -> tuple:
+    """``(staged_output, staged_update)``: steps 2 and 3 of ``chunk_state_pass_staged``."""
+    _, _, zero, _ = constants(dtype)
+    at2, at3, _ = offset_functions(index)
+    _, _, slice_transposed, pair_begin, pair_end = _staging(dtype, index)
+
+    @inline
+    def staged_output(A, Wt, Us, Os, chunk, Cp, accp):
+        """``O = qg S + A U`` (``qg S`` in ``accp``) for the thread's row and columns into ``Os``:
+        the lower triangle of ``A`` staged transposed into ``Wt`` by slices of rows ``j``."""
+        TV = STAGED_TILE_V
+        CC = STAGED_COLUMNS
+        KS = STAGED_SLICE
+        i = cuda.threadIdx.x % Cp
+        c0 = (cuda.threadIdx.x // Cp) * CC
+        for j0 in range(0, Cp, KS):
+            slice_transposed(Wt, A, chunk, j0, Cp, Cp)
+            cuda.syncthreads()
+            for dj in range(min(KS, i + 1 - j0)):
+                a = Wt[at2(dj, i, Cp + 1)]
+                urow = at2(j0 + dj, c0, TV + 1)
+                for cc in range(CC):
+                    accp[cc] += a * Us[at2(urow, cc, 1)]
+            cuda.syncthreads()
+        for cc in range(CC):
+            Os[at2(i, c0 + cc, TV + 1)] = accp[cc]
+
+    @inline
+    def staged_update(S, Us, kt, total, chunk, Cp, K, accu, accp):
+        """``S' = total S + kt^T U`` in ``S`` with the channels on the lanes, two per thread
+        (channels ``kk`` and ``kk + KP`` share every broadcast ``U`` load)."""
+        TV = STAGED_TILE_V
+        CC = STAGED_COLUMNS
+        t = cuda.threadIdx.x
+        nth = cuda.blockDim.x
+        for e in range(t, (K + 1) // 2 * (TV // CC), nth):
+            kk, k2, two, row, row2, g0 = pair_begin(e, K, chunk, total, S, accu, accp)
+            for r in range(Cp):
+                a = kt[at3(chunk, r, kk, Cp, K)]
+                b = kt[at3(chunk, r, k2, Cp, K)] if two else zero
+                urow = at2(r, g0, TV + 1)
+                for cc in range(CC):
+                    x = Us[at2(urow, cc, 1)]
+                    accu[cc] += a * x
+                    accp[cc] += b * x
+            pair_end(S, row, row2, two, accu, accp)
+
+    return staged_output, staged_update
+
+
+@functools.cache
+def _grad_staged_steps(dtype: str, index: str) -> tuple:
+    """``(staged_u_du, staged_grad_update)``: steps 2 and 3 of ``chunk_state_grad_pass_staged``."""
+    _, _, zero, _ = constants(dtype)
+    at2, at3, _ = offset_functions(index)
+    _, _, slice_transposed, pair_begin, pair_end = _staging(dtype, index)
+
+    @inline
+    def staged_u_du(A, w, kt, S, dS, dOs, Us, Wt, Kt, chunk, Cp, K, accu, accd):
+        """``U = u0 - w S`` (``u0`` in ``Us``) into ``accu`` and ``dU = A^T dO + kt dS`` into
+        ``accd`` for the thread's row and columns: ``w`` and ``kt`` staged transposed into ``Wt``
+        and ``Kt`` by slices of channels; ``A[j, i]`` for consecutive rows read coalesced."""
+        TV = STAGED_TILE_V
+        CC = STAGED_COLUMNS
+        KS = STAGED_SLICE
+        i = cuda.threadIdx.x % Cp
+        c0 = (cuda.threadIdx.x // Cp) * CC
+        for cc in range(CC):
+            accu[cc] = Us[at2(i, c0 + cc, TV + 1)]
+            accd[cc] = zero
+        for j in range(i, Cp):
+            a = A[at3(chunk, j, i, Cp, Cp)]
+            orow = at2(j, c0, TV + 1)
+            for cc in range(CC):
+                accd[cc] += a * dOs[at2(orow, cc, 1)]
+        for k0 in range(0, K, KS):
+            slice_transposed(Wt, w, chunk, k0, Cp, K)
+            slice_transposed(Kt, kt, chunk, k0, Cp, K)
+            cuda.syncthreads()
+            for dk in range(min(KS, K - k0)):
+                wi = at2(dk, i, Cp + 1)
+                a = -Wt[wi]
+                b = Kt[wi]
+                srow = at2(k0 + dk, c0, TV)
+                for cc in range(CC):
+                    accu[cc] = cuda.fma(a, S[at2(srow, cc, 1)], accu[cc])  # LLVM would unfuse -=
+                    accd[cc] += b * dS[at2(srow, cc, 1)]
+            cuda.syncthreads()
+
+    @inline
+    def staged_grad_update(dS, dOs, dUs, qg, w, total, chunk, Cp, K, accu, accd):
+        """``dS_start = total dS + qg^T dO - w^T dU`` in ``dS``, the channels on the lanes, two per
+        thread (channels ``kk`` and ``kk + KP`` share every broadcast ``dO`` and ``dU`` load)."""
+        TV = STAGED_TILE_V
+        CC = STAGED_COLUMNS
+        t = cuda.threadIdx.x
+        nth = cuda.blockDim.x
+        for e in range(t, (K + 1) // 2 * (TV // CC), nth):
+            kk, k2, two, row, row2, g0 = pair_begin(e, K, chunk, total, dS, accu, accd)
+            for r in range(Cp):
+                rk = at3(chunk, r, kk, Cp, K)
+                a = qg[rk]
+                b = -w[rk]
+                a2 = zero
+                b2 = zero
+                if two:
+                    rk2 = at3(chunk, r, k2, Cp, K)
+                    a2 = qg[rk2]
+                    b2 = -w[rk2]
+                urow = at2(r, g0, TV + 1)
+                for cc in range(CC):
+                    x = dOs[at2(urow, cc, 1)]
+                    y = dUs[at2(urow, cc, 1)]
+                    accu[cc] = cuda.fma(b, y, accu[cc] + a * x)  # LLVM would unfuse -=
+                    accd[cc] = cuda.fma(b2, y, accd[cc] + a2 * x)
+            pair_end(dS, row, row2, two, accu, accd)
+
+    return staged_u_du, staged_grad_update
+
+
+def _state_pass_kernel(dtype: str, index: str) -> Callable:
+    """The Python function of ``chunk_state_pass`` for ``dtype`` and ``index``."""
     _, nbtype, zero, _ = constants(dtype)
     at2, at3, at4 = offset_functions(index)
 
@@ -127,64 +319,15 @@ def build(dtype: str, index: str = "uint32") -> dict:
             for kk in range(ty, K, ny):
                 final[at3(bh, kk, v, K, V)] = S[at2(kk, tx, TV)]
 
-    @inline
-    def tile_in(dst, src, base, rows, pad, v0, V):
-        """Stage the block's ``[rows, STAGED_TILE_V]`` tile (columns ``v0..``, zero past ``V``) of
-        ``src[base]``, a ``[., rows, V]`` array, into ``dst`` with rows ``STAGED_TILE_V + pad`` apart."""
-        TV = STAGED_TILE_V
-        for e in range(cuda.threadIdx.x, rows * TV, cuda.blockDim.x):
-            r = e // TV
-            c = e % TV
-            dst[at2(r, c, TV + pad)] = src[at3(base, r, v0 + c, rows, V)] if v0 + c < V else zero
+    return chunk_state_pass
 
-    @inline
-    def tile_out(dst, src, base, rows, pad, v0, V):
-        """The inverse of ``tile_in``: write the tile back to ``dst[base]`` (columns below ``V``)."""
-        TV = STAGED_TILE_V
-        for e in range(cuda.threadIdx.x, rows * TV, cuda.blockDim.x):
-            r = e // TV
-            c = e % TV
-            if v0 + c < V:
-                dst[at3(base, r, v0 + c, rows, V)] = src[at2(r, c, TV + pad)]
 
-    @inline
-    def slice_transposed(dst, src, base, k0, rows, width):
-        """Stage columns ``k0 .. k0 + STAGED_SLICE`` (zero past ``width``) of ``src[base]``, a
-        ``[., rows, width]`` array, transposed: ``dst[k * (rows + 1) + r]`` (padded rows: no bank
-        conflicts when consecutive lanes read consecutive rows)."""
-        KS = STAGED_SLICE
-        for e in range(cuda.threadIdx.x, KS * rows, cuda.blockDim.x):
-            r = e // KS
-            dk = e % KS
-            inside = k0 + dk < width
-            dst[at2(dk, r, rows + 1)] = src[at3(base, r, k0 + dk, rows, width)] if inside else zero
-
-    @inline
-    def pair_begin(e, K, chunk, total, tile, acc, acc2):
-        """Start work item ``e`` of a staged state update: channels ``kk`` and ``k2 = kk +
-        ceil(K / 2)`` (``two``: whether ``k2 < K``), columns ``g0 ..`` of the ``[K, TV]`` tile;
-        ``acc, acc2 = total * tile`` rows ``kk, k2``. Returns ``(kk, k2, two, row, row2, g0)``."""
-        KP = (K + 1) // 2
-        kk = e % KP
-        k2 = kk + KP
-        two = k2 < K
-        g0 = (e // KP) * STAGED_COLUMNS
-        row = at2(kk, g0, STAGED_TILE_V)
-        row2 = at2(k2 if two else kk, g0, STAGED_TILE_V)
-        t1 = total[at2(chunk, kk, K)]
-        t2 = total[at2(chunk, k2, K)] if two else zero
-        for cc in range(STAGED_COLUMNS):
-            acc[cc] = t1 * tile[at2(row, cc, 1)]
-            acc2[cc] = t2 * tile[at2(row2, cc, 1)]
-        return kk, k2, two, row, row2, g0
-
-    @inline
-    def pair_end(tile, row, row2, two, acc, acc2):
-        """Write work item's accumulators back to its rows of the tile (see ``pair_begin``)."""
-        for cc in range(STAGED_COLUMNS):
-            tile[at2(row, cc, 1)] = acc[cc]
-            if two:
-                tile[at2(row2, cc, 1)] = acc2[cc]
+def _state_pass_staged_kernel(dtype: str, index: str) -> Callable:
+    """The Python function of ``chunk_state_pass_staged`` for ``dtype`` and ``index``."""
+    _, nbtype, zero, _ = constants(dtype)
+    at2, _, _ = offset_functions(index)
+    tile_in, tile_out, slice_transposed, _, _ = _staging(dtype, index)
+    staged_output, staged_update = _staged_steps(dtype, index)
 
     def chunk_state_pass_staged(qg, A, w, u0, kt, total, state, emit, out, boundaries, final, dims):
         """``chunk_state_pass`` re-cut with the chunk's rows on the lanes (docs/gpu.md, "What is open").
@@ -210,7 +353,6 @@ def build(dtype: str, index: str = "uint32") -> dict:
         bh = cuda.blockIdx.x // tiles
         v0 = (cuda.blockIdx.x % tiles) * TV
         t = cuda.threadIdx.x
-        nth = cuda.blockDim.x
         i = t % Cp  # this thread's row (steps 1 and 2)
         c0 = (t // Cp) * CC  # and its first column in the tile
         shared = cuda.shared.array(0, nbtype)
@@ -258,34 +400,21 @@ def build(dtype: str, index: str = "uint32") -> dict:
             cuda.syncthreads()
             # 2. O = qg S + A U (lower triangle of A), A staged transposed by slices of rows j
             if emit:
-                for j0 in range(0, Cp, KS):
-                    slice_transposed(Wt, A, chunk, j0, Cp, Cp)
-                    cuda.syncthreads()
-                    for dj in range(min(KS, i + 1 - j0)):
-                        a = Wt[at2(dj, i, Cp + 1)]
-                        urow = at2(j0 + dj, c0, TV + 1)
-                        for cc in range(CC):
-                            accp[cc] += a * Us[at2(urow, cc, 1)]
-                    cuda.syncthreads()
-                for cc in range(CC):
-                    Os[at2(i, c0 + cc, TV + 1)] = accp[cc]
-            # 3. S' = total S + kt^T U, the channels on the lanes, two per thread (channels kk
-            #    and kk + KP share every broadcast U load)
-            for e in range(t, (K + 1) // 2 * (TV // CC), nth):
-                kk, k2, two, row, row2, g0 = pair_begin(e, K, chunk, total, S, accu, accp)
-                for r in range(Cp):
-                    a = kt[at3(chunk, r, kk, Cp, K)]
-                    b = kt[at3(chunk, r, k2, Cp, K)] if two else zero
-                    urow = at2(r, g0, TV + 1)
-                    for cc in range(CC):
-                        x = Us[at2(urow, cc, 1)]
-                        accu[cc] += a * x
-                        accp[cc] += b * x
-                pair_end(S, row, row2, two, accu, accp)
+                staged_output(A, Wt, Us, Os, chunk, Cp, accp)
+            # 3. S' = total S + kt^T U, the channels on the lanes, two per thread
+            staged_update(S, Us, kt, total, chunk, Cp, K, accu, accp)
             cuda.syncthreads()
             if emit:
                 tile_out(out, Os, chunk, Cp, 1, v0, V)
         tile_out(final, S, bh, K, 0, v0, V)
+
+    return chunk_state_pass_staged
+
+
+def _state_grad_pass_kernel(dtype: str, index: str) -> Callable:
+    """The Python function of ``chunk_state_grad_pass`` for ``dtype`` and ``index``."""
+    _, nbtype, zero, _ = constants(dtype)
+    at2, at3, at4 = offset_functions(index)
 
     def chunk_state_grad_pass(qg, A, w, u0, kt, total, do, boundaries, dstate, dends, U, dU, dinitial, dims):
         """The state-gradient recurrence, last chunk first; blocks, threads and layouts as the state pass.
@@ -362,6 +491,16 @@ def build(dtype: str, index: str = "uint32") -> dict:
             for kk in range(ty, K, ny):
                 dinitial[at3(bh, kk, v, K, V)] = dS[at2(kk, tx, TV)]
 
+    return chunk_state_grad_pass
+
+
+def _state_grad_pass_staged_kernel(dtype: str, index: str) -> Callable:
+    """The Python function of ``chunk_state_grad_pass_staged`` for ``dtype`` and ``index``."""
+    _, nbtype, _, _ = constants(dtype)
+    at2, _, _ = offset_functions(index)
+    tile_in, tile_out, _, _, _ = _staging(dtype, index)
+    staged_u_du, staged_grad_update = _grad_staged_steps(dtype, index)
+
     def chunk_state_grad_pass_staged(
         qg, A, w, u0, kt, total, do, boundaries, dstate, dends, U, dU, dinitial, dims
     ):
@@ -387,7 +526,6 @@ def build(dtype: str, index: str = "uint32") -> dict:
         bh = cuda.blockIdx.x // tiles
         v0 = (cuda.blockIdx.x % tiles) * TV
         t = cuda.threadIdx.x
-        nth = cuda.blockDim.x
         i = t % Cp
         c0 = (t // Cp) * CC
         shared = cuda.shared.array(0, nbtype)
@@ -412,27 +550,7 @@ def build(dtype: str, index: str = "uint32") -> dict:
             cuda.syncthreads()
             tile_out(dends, dS, at2(n, bh, BH), K, 0, v0, V)
             # 2. U = u0 - w S and dU = A^T dO + kt dS
-            for cc in range(CC):
-                accu[cc] = Us[at2(i, c0 + cc, TV + 1)]
-                accd[cc] = zero
-            for j in range(i, Cp):
-                a = A[at3(chunk, j, i, Cp, Cp)]
-                orow = at2(j, c0, TV + 1)
-                for cc in range(CC):
-                    accd[cc] += a * dOs[at2(orow, cc, 1)]
-            for k0 in range(0, K, KS):
-                slice_transposed(Wt, w, chunk, k0, Cp, K)
-                slice_transposed(Kt, kt, chunk, k0, Cp, K)
-                cuda.syncthreads()
-                for dk in range(min(KS, K - k0)):
-                    wi = at2(dk, i, Cp + 1)
-                    a = -Wt[wi]
-                    b = Kt[wi]
-                    srow = at2(k0 + dk, c0, TV)
-                    for cc in range(CC):
-                        accu[cc] = cuda.fma(a, S[at2(srow, cc, 1)], accu[cc])  # LLVM would unfuse -=
-                        accd[cc] += b * dS[at2(srow, cc, 1)]
-                cuda.syncthreads()
+            staged_u_du(A, w, kt, S, dS, dOs, Us, Wt, Kt, chunk, Cp, K, accu, accd)
             for cc in range(CC):
                 Us[at2(i, c0 + cc, TV + 1)] = accu[cc]
                 dUs[at2(i, c0 + cc, TV + 1)] = accd[cc]
@@ -440,45 +558,20 @@ def build(dtype: str, index: str = "uint32") -> dict:
             tile_out(U, Us, chunk, Cp, 1, v0, V)
             tile_out(dU, dUs, chunk, Cp, 1, v0, V)
             # 3. dS_start = total dS + qg^T dO - w^T dU, the channels on the lanes, two per thread
-            #    (channels kk and kk + KP share every broadcast dO and dU load)
-            for e in range(t, (K + 1) // 2 * (TV // CC), nth):
-                kk, k2, two, row, row2, g0 = pair_begin(e, K, chunk, total, dS, accu, accd)
-                for r in range(Cp):
-                    rk = at3(chunk, r, kk, Cp, K)
-                    a = qg[rk]
-                    b = -w[rk]
-                    a2 = zero
-                    b2 = zero
-                    if two:
-                        rk2 = at3(chunk, r, k2, Cp, K)
-                        a2 = qg[rk2]
-                        b2 = -w[rk2]
-                    urow = at2(r, g0, TV + 1)
-                    for cc in range(CC):
-                        x = dOs[at2(urow, cc, 1)]
-                        y = dUs[at2(urow, cc, 1)]
-                        accu[cc] = cuda.fma(b, y, accu[cc] + a * x)  # LLVM would unfuse -=
-                        accd[cc] = cuda.fma(b2, y, accd[cc] + a2 * x)
-                pair_end(dS, row, row2, two, accu, accd)
+            staged_grad_update(dS, dOs, dUs, qg, w, total, chunk, Cp, K, accu, accd)
             cuda.syncthreads()
         tile_out(dinitial, dS, bh, K, 0, v0, V)
 
-    return {
-        "chunk_state_pass": chunk_state_pass,
-        "chunk_state_pass_staged": chunk_state_pass_staged,
-        "chunk_state_grad_pass": chunk_state_grad_pass,
-        "chunk_state_grad_pass_staged": chunk_state_grad_pass_staged,
-    }
+    return chunk_state_grad_pass_staged
 
 
 KERNELS = Family(
     "state_pass",
-    build,
     {
-        "chunk_state_pass": "aaaaaaajaaa:5",
-        "chunk_state_pass_staged": "aaaaaaajaaa:5",
-        "chunk_state_grad_pass": "aaaaaaaaaaaaa:5",
-        "chunk_state_grad_pass_staged": "aaaaaaaaaaaaa:5",
+        "chunk_state_pass": (_state_pass_kernel, "aaaaaaajaaa:5"),
+        "chunk_state_pass_staged": (_state_pass_staged_kernel, "aaaaaaajaaa:5"),
+        "chunk_state_grad_pass": (_state_grad_pass_kernel, "aaaaaaaaaaaaa:5"),
+        "chunk_state_grad_pass_staged": (_state_grad_pass_staged_kernel, "aaaaaaaaaaaaa:5"),
     },
 )
 
