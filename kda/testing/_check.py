@@ -631,44 +631,17 @@ def check_kernel(
         (an ``AssertionError``) naming the failed check, with the shrunk problem and a runnable
         reproducer in its message; also when every draw was rejected.
     """
-    from hypothesis import HealthCheck, Phase, given, reject, settings
+    from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hseed
     from hypothesis.errors import FlakyFailure, FlakyReplay, Unsatisfiable
 
     runner = _runner(fn, convention, backward, device, xp)
-    if not isinstance(max_examples, int) or isinstance(max_examples, bool) or max_examples < 1:
-        raise InvalidInputError(f"max_examples must be a positive int; got {max_examples!r}")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        raise InvalidTypeError(f"seed must be an int or None; got {type(seed).__name__}")
-    if not isinstance(strict, bool):
-        raise InvalidTypeError(f"strict must be a bool; got {type(strict).__name__}")
-    strategy = default_problems(convention, xp) if problems is None else problems
-    if not hasattr(strategy, "example"):
-        raise InvalidTypeError(f"problems must be a hypothesis strategy; got {type(strategy).__name__}")
+    strategy = _checked_arguments(
+        max_examples, seed, strict, default_problems(convention, xp) if problems is None else problems
+    )
     summary = Summary(checks=tuple(c for c in CHECKS if deterministic or c != "deterministic"))
-    state: dict[str, Any] = {"count": 0, "first": None, "last": None}
-    start = time.perf_counter()
-
-    def body(problem: Problem) -> None:
-        if not isinstance(problem, Problem):
-            raise InvalidTypeError(f"problems must draw kda.testing.Problem; drew {type(problem).__name__}")
-        if state["first"] is None:
-            state["count"] += 1
-        try:
-            _check(runner, problem, backward, deterministic, strict, summary)
-        except Rejected as why:
-            if state["first"] is None:
-                summary.rejected += 1
-                summary.reasons[str(why)] = summary.reasons.get(str(why), 0) + 1
-                for f in problem.features:
-                    summary.rejected_features[f] = summary.rejected_features.get(f, 0) + 1
-            reject()
-        except KernelCheckFailed as err:
-            if state["first"] is None:
-                state["first"] = (state["count"], time.perf_counter() - start)
-            state["last"] = err
-            raise
-
+    state: dict[str, Any] = {"count": 0, "first": None, "last": None, "start": time.perf_counter()}
+    body = _example_body(runner, backward, deterministic, strict, summary, state)
     config = settings(
         max_examples=max_examples,
         derandomize=seed is None,
@@ -700,14 +673,63 @@ def check_kernel(
             fn, err.problem, convention=convention, backward=backward, deterministic=deterministic,
             strict=strict,
         )  # fmt: skip
-        count, seconds = state["first"] or (state["count"], time.perf_counter() - start)
-        flaky = "" if isinstance(caught, KernelCheckFailed) else " (flaky: it did not fail again on replay)"
-        msg = (
-            f"{err.args[0]}{flaky}\nfirst failure after {count} examples ({seconds:.1f} s); shrunk problem:\n"
-            f"{err.problem!r}\nreproducer:\n{repro}"
-        )
-        out = KernelCheckFailed(msg, check=err.check, problem=err.problem)
-        out.examples, out.seconds, out.reproducer = count, seconds, repro
-        raise out from None
-    summary.seconds = time.perf_counter() - start
+        raise _reported(err, caught, state, repro) from None
+    summary.seconds = time.perf_counter() - state["start"]
     return summary
+
+
+def _checked_arguments(max_examples: Any, seed: Any, strict: Any, strategy: Any) -> Any:
+    """``strategy`` once :func:`check_kernel`'s arguments are checked (``kda.KdaError`` if not)."""
+    if not isinstance(max_examples, int) or isinstance(max_examples, bool) or max_examples < 1:
+        raise InvalidInputError(f"max_examples must be a positive int; got {max_examples!r}")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise InvalidTypeError(f"seed must be an int or None; got {type(seed).__name__}")
+    if not isinstance(strict, bool):
+        raise InvalidTypeError(f"strict must be a bool; got {type(strict).__name__}")
+    if not hasattr(strategy, "example"):
+        raise InvalidTypeError(f"problems must be a hypothesis strategy; got {type(strategy).__name__}")
+    return strategy
+
+
+def _example_body(
+    runner: Any, backward: Any, deterministic: bool, strict: bool, summary: Summary, state: dict
+) -> Callable[[Problem], None]:
+    """The body hypothesis runs per drawn problem: the checks, the rejected draws counted in
+    ``summary`` and the first failure's example count and time recorded in ``state``."""
+    from hypothesis import reject
+
+    def body(problem: Problem) -> None:
+        if not isinstance(problem, Problem):
+            raise InvalidTypeError(f"problems must draw kda.testing.Problem; drew {type(problem).__name__}")
+        if state["first"] is None:
+            state["count"] += 1
+        try:
+            _check(runner, problem, backward, deterministic, strict, summary)
+        except Rejected as why:
+            if state["first"] is None:
+                summary.rejected += 1
+                summary.reasons[str(why)] = summary.reasons.get(str(why), 0) + 1
+                for f in problem.features:
+                    summary.rejected_features[f] = summary.rejected_features.get(f, 0) + 1
+            reject()
+        except KernelCheckFailed as err:
+            if state["first"] is None:
+                state["first"] = (state["count"], time.perf_counter() - state["start"])
+            state["last"] = err
+            raise
+
+    return body
+
+
+def _reported(err: KernelCheckFailed, caught: BaseException, state: dict, repro: str) -> KernelCheckFailed:
+    """The failure :func:`check_kernel` raises: ``err``'s message with the example count, the time,
+    the shrunk problem and the reproducer ``repro``."""
+    count, seconds = state["first"] or (state["count"], time.perf_counter() - state["start"])
+    flaky = "" if isinstance(caught, KernelCheckFailed) else " (flaky: it did not fail again on replay)"
+    msg = (
+        f"{err.args[0]}{flaky}\nfirst failure after {count} examples ({seconds:.1f} s); shrunk problem:\n"
+        f"{err.problem!r}\nreproducer:\n{repro}"
+    )
+    out = KernelCheckFailed(msg, check=err.check, problem=err.problem)
+    out.examples, out.seconds, out.reproducer = count, seconds, repro
+    return out

@@ -12,7 +12,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -471,8 +471,44 @@ def problems(
     -------
     hypothesis.strategies.SearchStrategy[Problem]
     """
-    from hypothesis import strategies as st
+    space = _space(
+        dtypes, K, V, T, T_multiple_of, heads, groups, batch, packed, max_sequences, layouts,
+        initial_state, gates, lower_bound, regimes, qk_l2norm, beta_activations, scale, chunk_sizes,
+    )  # fmt: skip
+    return _strategy(space)
 
+
+class _Space(NamedTuple):
+    """The checked choices of :func:`problems` that a draw samples from."""
+
+    dt: tuple[str, ...]
+    Kr: tuple[int, int]
+    Vr: tuple[int, int]
+    Hr: tuple[int, int]
+    Br: tuple[int, int]
+    m: int
+    t_lo: int
+    t_hi: int
+    Gs: tuple
+    packs: tuple
+    lays: tuple
+    states: tuple
+    gts: tuple
+    regs: tuple
+    norms: tuple
+    betas: tuple
+    scales: tuple
+    chunks: tuple
+    lower_bound: tuple[float, float]
+    max_sequences: int
+
+
+def _space(
+    dtypes: Any, K: Any, V: Any, T: Any, T_multiple_of: Any, heads: Any, groups: Any, batch: Any,
+    packed: Any, max_sequences: Any, layouts: Any, initial_state: Any, gates: Any, lower_bound: Any,
+    regimes: Any, qk_l2norm: Any, beta_activations: Any, scale: Any, chunk_sizes: Any,
+) -> _Space:  # fmt: skip
+    """:func:`problems`' arguments checked (``kda.KdaError`` naming the bad one) and normalised."""
     dt = tuple(
         _dtype_name(d)
         for d in (dtypes if isinstance(dtypes, Sequence) and not isinstance(dtypes, str) else (dtypes,))
@@ -507,6 +543,18 @@ def problems(
         raise InvalidInputError(f"lower_bound must be a (min, max) pair of floats < 0; got {lower_bound!r}")
     if not isinstance(max_sequences, int) or max_sequences < 1:
         raise InvalidInputError(f"max_sequences must be a positive int; got {max_sequences!r}")
+    return _Space(
+        dt, Kr, Vr, Hr, Br, m, t_lo, t_hi, Gs, packs, lays, states, gts, regs, norms, betas, scales, chunks,
+        tuple(lower_bound), max_sequences,
+    )  # fmt: skip
+
+
+def _strategy(space: _Space) -> Any:
+    """The hypothesis strategy of :class:`Problem` drawing from ``space``."""
+    from hypothesis import strategies as st
+
+    (dt, Kr, Vr, Hr, Br, m, t_lo, t_hi, Gs, packs, lays, states, gts, regs, norms, betas, scales, chunks,
+     lower_bound, max_sequences) = space  # fmt: skip
 
     @st.composite
     def draw_problem(draw: Any) -> Problem:
