@@ -174,7 +174,9 @@ def _host_decode(static: tuple[Any, ...], v_first: bool, pad: int, *arrays):
 def _apply_pool(q, k, v, g, beta, pool, A_log, dt_bias, cu, call: FlaCall, kw: dict[str, Any]):
     """``fused_recurrent_kda(..., initial_state=pool, ssm_state_indices=..., inplace_final_state=True)``
     (vLLM's call), functionally: returns ``(o, new_pool)``, the pool with the slots' rows written
-    (a copy of the pool per call: JAX has no in-place update). Not differentiable."""
+    (a copy of the pool per call: JAX has no in-place update). Not differentiable. A float32,
+    float16 or bfloat16 pool for float32 (and 16-bit) inputs: the new pool keeps its dtype (each
+    stored state rounded to it), as :func:`kda.decode_kda`."""
     indices, accepted = (
         _as_array("ssm_state_indices", kw.get("ssm_state_indices")),
         kw.get("num_accepted_tokens"),
@@ -182,8 +184,9 @@ def _apply_pool(q, k, v, g, beta, pool, A_log, dt_bias, cu, call: FlaCall, kw: d
     accepted = _as_array("num_accepted_tokens", accepted)
     _host.check_pool_call(kw, pool, indices, accepted)
     cd = _compute_dtype(q.dtype)
-    if pool.dtype != cd:
-        msg = f"initial_state (the state pool) must have dtype {jnp.dtype(cd).name}; got {pool.dtype}"
+    if pool.dtype != cd and not (cd == jnp.float32 and pool.dtype in (jnp.float16, jnp.bfloat16)):
+        want = jnp.dtype(cd).name if cd != jnp.float32 else "float32, float16 or bfloat16"
+        msg = f"initial_state (the state pool) must have dtype {want}; got {pool.dtype}"
         raise InvalidTypeError(msg)
     if indices is None:  # request n continues row n
         N = q.shape[0] if cu is None else cu.shape[0] - 1
@@ -197,7 +200,7 @@ def _apply_pool(q, k, v, g, beta, pool, A_log, dt_bias, cu, call: FlaCall, kw: d
     if isinstance(pad, bool) or not isinstance(pad, int):
         msg = f"pad_slot_id must be an int (-1, or a pool row reserved for padding); got {type(pad).__name__}"
         raise InvalidTypeError(msg)
-    structs = (_struct(v.shape, cd), _struct(pool.shape, cd))
+    structs = (_struct(v.shape, cd), _struct(pool.shape, pool.dtype))  # a 16-bit pool stays 16-bit
     host = functools.partial(_host_decode, call.static, call.state_v_first, pad)  # the pool's own layout
     args = (q, k, v_, g, beta, pool, indices, accepted, A_log, dt_bias, cu)
     o, new = jax.pure_callback(host, structs, *args, vmap_method="sequential")
