@@ -460,3 +460,40 @@ def test_pools_benchmark_runs(capsys):
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("1 | ")]
     assert {(r[1], r[2]) for r in rows} >= {("1", "decode_kda"), ("64", "decode_kda")}
     assert all(len(r) == 3 + 6 + 7 for r in rows)
+
+
+@pytest.mark.parametrize("dtype", POOL_DTYPES)
+@pytest.mark.parametrize("v_first", [False, True])
+def test_jax_pool_call_keeps_the_pool_dtype(dtype, v_first):
+    """kda.jax's pool call on float32 / float16 / bfloat16 pools in either layout (jitted or
+    not): the new pool keeps the pool's dtype and is bitwise NumPy's ``decode_kda`` in place
+    (the recurrence from the rounded start rows); the input pool is unchanged."""
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    from kda.jax import fused_recurrent_kda
+
+    rng = np.random.default_rng(40)
+    N, HV, T, K, V, P = 3, 2, 2, 8, 12, 7
+    x = _inputs(rng, N, HV, T, K, V)
+    slots, accepted = np.array([[1, 1], [0, 0], [5, 3]]), np.array([1, 1, 2])
+    pool = _pool(rng, P, HV, K, V, dtype, v_first)
+    want_pool = pool.copy()
+    want = kda.decode_kda(*x, want_pool, slots, num_accepted_tokens=accepted, state_v_first=v_first,
+                          pad_slot_id=0)  # fmt: skip
+    _check(want, want_pool, pool, x, slots, accepted, 0, dtype, v_first)
+
+    def run(q, k, v, g, beta, pool, slots, accepted):
+        return fused_recurrent_kda(q, k, v, g, beta, initial_state=pool, inplace_final_state=True,
+                                   ssm_state_indices=slots, num_accepted_tokens=accepted,
+                                   state_v_first=v_first, pad_slot_id=0)  # fmt: skip
+
+    j_pool = jnp.asarray(pool)
+    assert j_pool.dtype == pool.dtype
+    args = (*(jnp.asarray(np.swapaxes(a, 1, 2)) for a in x), j_pool, jnp.asarray(slots, jnp.int32),
+            jnp.asarray(accepted, jnp.int32))  # fmt: skip
+    for f in (run, jax.jit(run)):
+        o, new = f(*args)
+        assert new.dtype == pool.dtype and new.shape == pool.shape
+        assert np.array_equal(np.asarray(o), np.swapaxes(want, 1, 2))
+        assert np.array_equal(_bits(np.asarray(new)), _bits(want_pool))
+    assert np.array_equal(_bits(np.asarray(j_pool)), _bits(pool)), "the input pool changed"
