@@ -2,11 +2,18 @@
 and the dispatch from the inputs' array namespace to a backend.
 
 A backend is a package beside this module (``kda/reference``, ``kda/cpu``, ``kda/cuda``) that
-provides every name of :class:`Backend`. The chunked algorithm (:mod:`kda._engine.chunked`), the
+provides every name of :class:`Backend`: it defines its primitives and ends with
+:func:`complete`, which fills in the defaults it does not override (:data:`DEFAULTS`: no fused
+passes, one worker, the gate checked on the host, any chunk length, the step recurrence for
+one-step calls, the generic chunk layout) and its ``__all__``. :data:`CAPABILITIES` is the one
+table of what each backend runs and when it is chosen: it generates the README's backend table
+(:func:`backend_table`), the ``backend`` entry of the entry points' docstrings
+(:func:`backend_doc`) and which backends the tests run here (:func:`installed_backends`). The
+chunked algorithm (:mod:`kda._engine.chunked`), the
 cores (:mod:`kda._engine.core`) and the entry points call backends only through these names.
 Backends import nothing from each other: what they share (the :class:`ChunkLocal` record, the
 generic :func:`to_chunks` / :func:`from_chunks`) lives here. Adding a backend is its folder plus
-its line in :data:`BACKENDS` (and, to be chosen by default, in :func:`get_backend`).
+its row in :data:`CAPABILITIES` (and, to be chosen by default, a line in :func:`get_backend`).
 
 Shapes: ``B`` batch rows, ``H`` heads (value heads: the core's q and k are already expanded),
 ``T`` steps, ``K`` key and ``V`` value channels; ``NT`` chunks of ``C`` steps padded with zero
@@ -27,12 +34,13 @@ compiled or launched: no exception of numba or CuPy escapes for such a cause.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import array_api_compat
 from array_api_compat import array_namespace
@@ -41,13 +49,21 @@ from ._errors import InvalidInputError
 
 __all__ = [
     "BACKENDS",
+    "CAPABILITIES",
+    "DEFAULTS",
+    "INTERFACE",
     "Backend",
+    "Capability",
     "ChunkLocal",
     "GateFlags",
+    "backend_doc",
+    "backend_table",
+    "complete",
     "cpu_available",
     "cuda_problem",
     "from_chunks",
     "get_backend",
+    "installed_backends",
     "resolve",
     "to_chunks",
 ]
@@ -230,12 +246,130 @@ def from_chunks(x: Any, chunk_size: int, length: int) -> Any:
     return x[:, :, :length, :]
 
 
-# name -> module implementing the primitive interface of ``kda.reference``
-BACKENDS = {
-    "reference": "kda.reference",
-    "cpu": "kda.cpu",
-    "cuda": "kda.cuda",
+# ---------------------------------------------------------------------- the base of every backend
+
+
+def _one_worker(xp: Any, heads: int) -> int:
+    """One head group at a time (no concurrency)."""
+    return 1
+
+
+def _no_worker_context() -> AbstractContextManager:
+    """Nothing to set around head groups."""
+    return contextlib.nullcontext()
+
+
+def _host_gate_check(g: Any) -> None:
+    """No device-side check: validation checks ``g`` on the host."""
+    return None
+
+
+# what a backend module has unless it defines its own (the optional part of :class:`Backend`)
+DEFAULTS: dict[str, Any] = {
+    "MAX_CHUNK": None,  # any chunk length
+    "RECURRENT_MAX_T": 1,  # the step recurrence for one-step calls only
+    "ChunkLocal": ChunkLocal,
+    "to_chunks": to_chunks,
+    "from_chunks": from_chunks,
+    "chunk_forward_heads": None,  # no fused passes: the engine composes the primitives by slabs
+    "chunk_backward_heads": None,
+    "workers": _one_worker,
+    "worker_context": _no_worker_context,
+    "launch_gate_check": _host_gate_check,
 }
+
+# every name a backend module provides: the attributes and methods of :class:`Backend`, the record
+INTERFACE: tuple[str, ...] = tuple(
+    sorted({*Backend.__annotations__, *(n for n in vars(Backend) if not n.startswith("_")), "ChunkLocal"})
+)
+
+
+def complete(namespace: dict[str, Any], extras: tuple[str, ...] = ()) -> None:
+    """Finish a backend module: :data:`DEFAULTS` for what ``namespace`` (its ``globals()``) does
+    not define, and ``__all__`` as :data:`INTERFACE` plus ``extras`` (its own public names).
+
+    Raises ``TypeError`` (a programming error, at import) when a name of the interface is missing.
+    """
+    for name, value in DEFAULTS.items():
+        namespace.setdefault(name, value)
+    missing = [name for name in (*INTERFACE, *extras) if name not in namespace]
+    if missing:
+        msg = f"backend {namespace.get('__name__')} lacks {missing} of the interface (kda._backend.Backend)"
+        raise TypeError(msg)
+    namespace["__all__"] = sorted({*INTERFACE, *extras})
+
+
+# ---------------------------------------------------------------------- the capability table
+
+
+class Capability(NamedTuple):
+    """One backend: what it runs and when it is chosen (a row of :data:`CAPABILITIES`)."""
+
+    name: str
+    module: str
+    arrays: str  # what it computes, and how (the README's "arrays" column)
+    chosen: str  # when the dispatch picks it (the README's "chosen" column)
+    requires: tuple[str, ...]  # top-level packages it needs installed (beyond kda's own)
+    summary: str  # one phrase for the ``backend`` docstrings
+
+
+CAPABILITIES: tuple[Capability, ...] = (
+    Capability(
+        "cpu", "kda.cpu", "NumPy; Numba kernels, BLAS products, one worker per core",
+        "by default for NumPy arrays", ("numba", "scipy"),
+        "NumPy arrays, Numba kernels (the default for them where numba and scipy are installed)",
+    ),
+    Capability(
+        "reference", "kda.reference",
+        "any array-API namespace (NumPy, array-api-strict, PyTorch CPU tensors, ...)",
+        'for every other namespace, or `backend="reference"`', (),
+        "any array-API namespace (the default for every other one)",
+    ),
+    Capability(
+        "cuda", "kda.cuda", "CuPy; Numba-CUDA kernels on CuPy's stream",
+        'for CuPy arrays (`pip install -e ".[cuda]"`, or `".[cuda13]"` for a CUDA 13 driver: `docs/gpu.md`)',
+        ("numba", "numba_cuda"), "CuPy arrays, Numba-CUDA kernels (the default for them)",
+    ),
+)  # fmt: skip
+
+# name -> module implementing the primitive interface
+BACKENDS = {c.name: c.module for c in CAPABILITIES}
+_CAPABILITY = {c.name: c for c in CAPABILITIES}
+
+
+def backend_table() -> str:
+    """The README's table of backends (markdown), from :data:`CAPABILITIES`."""
+    rows = ["| backend | arrays | chosen |", "| --- | --- | --- |"]
+    rows += [
+        f"| `{c.name}` (`{c.module.replace('.', '/')}`) | {c.arrays} | {c.chosen} |" for c in CAPABILITIES
+    ]
+    return "\n".join(rows)
+
+
+def backend_doc(indent: str = "    ") -> str:
+    """The numpydoc entry of an entry point's ``backend`` parameter, from :data:`CAPABILITIES`;
+    ``indent``: the indentation of the parameter's line (the description goes 4 spaces deeper)."""
+    import textwrap
+
+    names = ", ".join(f'"{c.name}"' for c in CAPABILITIES)
+    text = "``None`` picks from the arrays' namespace; " + "; ".join(
+        f'"{c.name}": {c.summary}' for c in CAPABILITIES
+    )
+    body = textwrap.fill(
+        text + ".", width=96, initial_indent=indent + "    ", subsequent_indent=indent + "    "
+    )
+    return f"backend : {{None, {names}}}\n{body}"
+
+
+def installed_backends() -> tuple[str, ...]:
+    """The backends whose packages are installed here, in :data:`CAPABILITIES` order (found, not
+    imported: so asking imports no numba)."""
+    import importlib.util
+
+    return tuple(
+        c.name for c in CAPABILITIES if all(importlib.util.find_spec(r) is not None for r in c.requires)
+    )
+
 
 _CUDA_FIX = (
     "Use backend='reference' (NumPy or any array-API arrays on the CPU), or run on a machine with an "
@@ -324,9 +458,7 @@ def get_backend(xp: Any, backend: str | None) -> ModuleType:
 @functools.lru_cache(maxsize=1)
 def cpu_available() -> bool:
     """Whether the Numba CPU backend can run here: numba and scipy are installed (not imported)."""
-    import importlib.util
-
-    return all(importlib.util.find_spec(name) is not None for name in ("numba", "scipy"))
+    return "cpu" in installed_backends()
 
 
 def resolve(ops: ModuleType, padded_chunk: int) -> ModuleType:

@@ -19,19 +19,14 @@ REGIMES = kt.LOG_REGIMES
 
 
 def _backends() -> tuple[str, ...]:
-    """The backends whose tests run here: the reference always; cpu where numba and scipy are
-    installed; cuda where numba-cuda imports (on the simulator without a GPU: tests/conftest.py
-    sets NUMBA_ENABLE_CUDASIM first)."""
-    import importlib.util
+    """The backends whose tests run here, from kda's capability table (kda._backend.CAPABILITIES):
+    the reference always; cpu where numba and scipy are installed; cuda where numba-cuda is (on
+    the simulator without a GPU: tests/conftest.py sets NUMBA_ENABLE_CUDASIM first). The table
+    looks the packages up without importing them (numba must not be imported before
+    tests/conftest.py switches the simulator on)."""
+    from kda._backend import installed_backends
 
-    names = ["reference"]
-    if all(importlib.util.find_spec(name) is not None for name in ("numba", "scipy")):
-        names.append("cpu")
-    # top-level lookups only: finding "numba.cuda" would import numba before tests/conftest.py
-    # switches the simulator on
-    if importlib.util.find_spec("numba") is not None and importlib.util.find_spec("numba_cuda") is not None:
-        names.append("cuda")
-    return tuple(names)
+    return installed_backends()
 
 
 BACKENDS = _backends()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._backend import backend_doc
 from .._options.table import Array, Choices, takes_options
 from .call import KdaGradients, KdaOutput, open_call
 
@@ -68,8 +69,7 @@ def chunk_kda(
         The states are V-major: ``initial_state`` ``[B, HV, V, K]``, and so are the returned
         final state and boundaries (``[NT, B, HV, V, K]``); bitwise the K-major call's states,
         transposed (the entry layer transposes them around the K-major chunk kernels).
-    backend : {None, "reference", "cuda"}
-        ``None`` picks from the arrays' namespace.
+    {backend}
     {options}
 
     Returns
@@ -205,4 +205,4 @@ def recurrent_kda_backward(
 
 
 for _f in (chunk_kda, chunk_kda_backward, recurrent_kda, recurrent_kda_backward):
-    _f.__doc__ = _f.__doc__.replace("{inputs}", INPUTS_DOC.rstrip())
+    _f.__doc__ = _f.__doc__.replace("{inputs}", INPUTS_DOC.rstrip()).replace("{backend}", backend_doc())

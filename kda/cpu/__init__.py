@@ -41,10 +41,10 @@ from typing import Any
 
 import numpy as np
 
-from .._backend import ChunkLocal, from_chunks
+from .._backend import ChunkLocal, complete
 from .._threads import PIN
 from . import _fpenv
-from ._decode import decode_finite, decode_forward, decode_screen
+from ._decode import decode_finite, decode_forward, decode_screen  # noqa: F401  (complete writes __all__)
 
 NAME = "cpu"
 MAX_CHUNK = None  # any chunk length
@@ -59,30 +59,6 @@ SLAB_ELEMENTS = 1 << 21
 # cannot depend on whether boundaries are kept (an output's bits must not), so the core takes the
 # smaller of the two for every call.
 RECURRENT_MAX_T = 64
-
-__all__ = [
-    "MAX_CHUNK",
-    "NAME",
-    "RECURRENT_MAX_T",
-    "SLAB_ELEMENTS",
-    "ChunkLocal",
-    "chunk_backward_heads",
-    "chunk_forward_heads",
-    "chunk_local",
-    "chunk_local_backward",
-    "chunk_state_grad_pass",
-    "chunk_state_pass",
-    "decode_finite",
-    "decode_forward",
-    "decode_screen",
-    "from_chunks",
-    "launch_gate_check",
-    "recurrent_backward",
-    "recurrent_forward",
-    "to_chunks",
-    "worker_context",
-    "workers",
-]
 
 # ranges per thread in a kernel call (load balance against other processes on the cores)
 SPLIT = 4
@@ -483,19 +459,8 @@ def recurrent_backward(
 
 
 # ----------------------------------------------------------------------------------------------
-# hooks
+# hooks: the defaults of kda._backend.complete (one head group: the kernels split heads and chunks
+# over threads themselves; nothing to set around head groups, each kernel call pins what it needs;
+# the gate checked on the host)
 
-
-def workers(xp: Any, heads: int) -> int:
-    """One head group: the kernels split heads and chunks over threads themselves."""
-    return 1
-
-
-def worker_context() -> contextlib.AbstractContextManager:
-    """Nothing to set around head groups (each kernel call pins what it needs)."""
-    return contextlib.nullcontext()
-
-
-def launch_gate_check(g: Any) -> None:
-    """No device-side check: validation checks ``g`` on the host."""
-    return None
+complete(globals(), extras=("decode_finite", "decode_screen"))

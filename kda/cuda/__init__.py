@@ -15,12 +15,12 @@ not fit a block: :func:`kda._backend.resolve` runs those problems on the array-A
 backend (on CuPy). :func:`launch_gate_check` checks the log decays on the device.
 """
 
-import contextlib
+# ruff: noqa: F401  (the imports are the backend interface; kda._backend.complete writes __all__)
 from typing import Any
 
 from array_api_compat import is_cupy_array
 
-from .._backend import ChunkLocal, from_chunks, to_chunks
+from .._backend import complete
 from ._decode import decode_forward
 from .gate import gate_flags, raise_for_gates
 from .local import MAX_CHUNK, chunk_local, chunk_local_backward
@@ -28,50 +28,14 @@ from .recurrent import recurrent_backward, recurrent_forward
 from .state_pass import chunk_state_grad_pass, chunk_state_pass
 
 NAME = "cuda"
-# no fused passes: the engine composes the chunk primitives slab by slab (kda/_engine/chunked.py)
-chunk_forward_heads = None
-chunk_backward_heads = None
 
-# the step recurrence runs one-step calls only (the chunked kernels are as fast from T = 2 on;
-# not measured on a GPU yet)
-RECURRENT_MAX_T = 1
-
-__all__ = [
-    "MAX_CHUNK",
-    "NAME",
-    "RECURRENT_MAX_T",
-    "SLAB_ELEMENTS",
-    "ChunkLocal",
-    "chunk_backward_heads",
-    "chunk_forward_heads",
-    "chunk_local",
-    "chunk_local_backward",
-    "chunk_state_grad_pass",
-    "chunk_state_pass",
-    "decode_forward",
-    "from_chunks",
-    "gate_flags",
-    "launch_gate_check",
-    "raise_for_gates",
-    "recurrent_backward",
-    "recurrent_forward",
-    "to_chunks",
-    "worker_context",
-    "workers",
-]
+# the step recurrence runs one-step calls only (the default of kda._backend.complete: the chunked
+# kernels are as fast from T = 2 on; not measured on a GPU yet); no fused passes (the engine
+# composes the chunk primitives), one head group (one stream)
 
 # How the chunked algorithm drives this backend: one slab at any realistic size, so kernel
-# launches per call do not grow with T, and no concurrent head groups (one stream).
+# launches per call do not grow with T.
 SLAB_ELEMENTS = 1 << 62
-
-
-def workers(xp: object, heads: int) -> int:
-    """Head groups to run at once: always one on the GPU."""
-    return 1
-
-
-def worker_context() -> contextlib.AbstractContextManager:
-    return contextlib.nullcontext()
 
 
 class _GateFlags:
@@ -87,3 +51,6 @@ class _GateFlags:
 def launch_gate_check(g: Any) -> "_GateFlags | None":
     """The device-side ``g <= 0`` check for CuPy arrays (None for host arrays: checked there)."""
     return _GateFlags(gate_flags(g)) if is_cupy_array(g) else None
+
+
+complete(globals(), extras=("gate_flags", "raise_for_gates"))
