@@ -38,7 +38,9 @@ of a pool of 256) from each pool layout and dtype serving engines keep: float32,
 bfloat16 (``ml_dtypes``), K-major ``[P, H, K, V]`` and V-major ``[P, H, V, K]``
 (``state_v_first=True``), through :func:`kda.decode_kda` and ``kda.torch``'s pool call (vLLM's),
 with the ratios the targets name (V-major within 1.2x of K-major, 16-bit within 1.2x of
-float32)::
+float32) and a verdict on each. The variants are timed in alternating rounds (each round calls
+every variant once, in a rotated order), so that the ratios compare calls made at the same
+time::
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python -m benchmarks.decode --pools
 
@@ -269,7 +271,8 @@ def _torch_pool(pool: np.ndarray) -> Any:
 
 def _pools(H: int, N: int, P: int, repeats: int) -> dict[str, Any]:
     """One step of ``N`` requests (distinct rows of a pool of ``P``) for every pool kind:
-    ``decode_kda`` and ``kda.torch.fused_recurrent_kda``'s pool call, (median, min) each."""
+    ``decode_kda`` and ``kda.torch.fused_recurrent_kda``'s pool call, (median, min) each, timed
+    in alternating rounds (:func:`_rounds`)."""
     x = _inputs(N, H, seed=5)
     q, k, v, g, beta = (x[n] for n in ("q", "k", "v", "g", "beta"))
     rng = np.random.default_rng(6)
@@ -284,7 +287,7 @@ def _pools(H: int, N: int, P: int, repeats: int) -> dict[str, Any]:
     if torch is not None:
         tx = [torch.from_numpy(np.ascontiguousarray(np.swapaxes(x[n], 1, 2))) for n in "q k v g beta".split()]
         trows = torch.from_numpy(rows.astype(np.int32))
-    out: dict[str, Any] = {}
+    fns: dict[str, Any] = {}
     for dtype, v_first in POOL_KINDS:
         pool = _pool_of(base, dtype, v_first)
         key = f"{dtype} {'V' if v_first else 'K'}"
@@ -292,7 +295,7 @@ def _pools(H: int, N: int, P: int, repeats: int) -> dict[str, Any]:
         def plain(pool=pool, v_first=v_first) -> Any:
             return kda.decode_kda(q, k, v, g, beta, pool, rows, state_v_first=v_first)
 
-        out[key] = _times(plain, repeats)
+        fns[key] = plain
         if torch is not None:
             tpool = _torch_pool(pool)
 
@@ -300,9 +303,30 @@ def _pools(H: int, N: int, P: int, repeats: int) -> dict[str, Any]:
                 return fused_recurrent_kda(*tx, initial_state=tpool, ssm_state_indices=trows,
                                            inplace_final_state=True, state_v_first=v_first)  # fmt: skip
 
-            with torch.inference_mode():
-                out["torch " + key] = _times(pool_call, repeats)
-    return out
+            fns["torch " + key] = pool_call
+    if torch is None:
+        return _rounds(fns, repeats)
+    with torch.inference_mode():  # vLLM's mode (the NumPy calls do not care)
+        return _rounds(fns, repeats)
+
+
+def _rounds(fns: dict[str, Any], repeats: int) -> dict[str, tuple[float, float]]:
+    """(median, min) seconds of each of ``fns`` over ``repeats`` rounds, after :data:`WARM_UP`
+    calls of each: a round times every variant once, in an order rotated from round to round,
+    so that a change of load on the machine reaches every variant alike."""
+    for fn in fns.values():
+        for _ in range(WARM_UP):
+            fn()
+    names = list(fns)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            fn = fns[name]
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
 def _ratio(a: Any, b: Any) -> str:
@@ -339,6 +363,7 @@ def pools_main(args: Any) -> int:
     kinds = [f"{d} {'V' if f else 'K'}" for d, f in POOL_KINDS]
     ratios = ("V/K f32", "V/K f16", "V/K bf16", "f16/f32 K", "bf16/f32 K", "f16/f32 V", "bf16/f32 V")
     print(" | ".join(["H", "requests", "api", *kinds, *ratios]))
+    worst: dict[str, tuple[float, str]] = {}  # target -> (worst ratio, where)
     for H in args.heads:
         for N, P, repeats in ((1, POOL, args.repeats), (MANY, MANY_POOL, args.many_repeats)):
             r = _pools(H, N, P, repeats)
@@ -349,6 +374,15 @@ def pools_main(args: Any) -> int:
                 ratios = [_ratio(t[1], t[0]), _ratio(t[3], t[2]), _ratio(t[5], t[4]), _ratio(t[2], t[0]),
                           _ratio(t[4], t[0]), _ratio(t[3], t[1]), _ratio(t[5], t[1])]  # fmt: skip
                 print(" | ".join([str(H), str(N), api, *map(_us, t), *ratios]), flush=True)
+                for target, pairs in (("V-major/K-major", ((1, 0), (3, 2), (5, 4))),
+                                      ("16-bit/float32", ((2, 0), (4, 0), (3, 1), (5, 1)))):  # fmt: skip
+                    for a, b in pairs:
+                        if t[a] is not None and t[b] is not None:
+                            ratio = t[a][0] / t[b][0]
+                            if ratio > worst.get(target, (0.0, ""))[0]:
+                                worst[target] = (ratio, f"H={H}, {N} requests, {api}, {kinds[a]}")
+    for target, (ratio, where) in worst.items():
+        print(f"target {target} <= 1.2: {'met' if ratio <= 1.2 else 'MISSED'} (worst {ratio:.2f}: {where})")
     print(_machine().splitlines()[0])
     return 0
 

@@ -79,13 +79,20 @@ _F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
 _BITS = {"float16": np.uint16, "bfloat16": np.int16}
 
 
+_SEEN: dict[int, tuple[np.dtype, Any]] = {}  # id(dtype) -> (dtype, its bits type or None)
+
+
 def pool_bits(pool: np.ndarray) -> np.ndarray:
     """``pool`` as the kernel reads it: a float32 / float64 pool itself, a float16 pool as a
     uint16 view and a bfloat16 one (``ml_dtypes.bfloat16``) as an int16 view, no copy."""
     dt = pool.dtype
     if dt is _F32 or dt is _F64:
         return pool
-    bits = _BITS.get(dt.name) if dt.itemsize == 2 and dt.kind in "fV" else None
+    seen = _SEEN.get(id(dt))
+    if seen is None:  # a dtype's name costs microseconds (float16's 4 us): looked up once per dtype
+        bits = _BITS.get(dt.name) if dt.itemsize == 2 and dt.kind in "fV" else None
+        seen = _SEEN[id(dt)] = (dt, bits)  # the dtype kept alive: its id is not reused
+    bits = seen[1]
     if bits is None:
         from .._errors import InvalidInputError
 
@@ -151,7 +158,8 @@ def flat_pool(pool: np.ndarray) -> tuple[np.ndarray | None, int]:
     which the kernel never reads or writes. Anything else (rows not C-contiguous, a negative or
     unaligned slot stride, rows that overlap) gives None: the caller copies.
     """
-    row = pool[0].size if pool.shape[0] else 0
+    P = pool.shape[0]
+    row = pool.size // P if P else 0
     if pool.flags.c_contiguous:
         return pool.reshape(-1), max(row, 1)
     item, strides, shape = pool.itemsize, pool.strides, pool.shape
@@ -164,7 +172,7 @@ def flat_pool(pool: np.ndarray) -> tuple[np.ndarray | None, int]:
     if slot % item or slot < row * item:
         return None, 0
     slot //= item
-    span = (pool.shape[0] - 1) * slot + row
+    span = (P - 1) * slot + row
     flat = np.lib.stride_tricks.as_strided(pool, (span,), (item,), writeable=pool.flags.writeable)
     return flat, slot
 

@@ -460,6 +460,9 @@ def test_pools_benchmark_runs(capsys):
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("1 | ")]
     assert {(r[1], r[2]) for r in rows} >= {("1", "decode_kda"), ("64", "decode_kda")}
     assert all(len(r) == 3 + 6 + 7 for r in rows)
+    verdicts = [line for line in out.splitlines() if line.startswith("target ")]
+    assert [v.split(" <= ")[0] for v in verdicts] == ["target V-major/K-major", "target 16-bit/float32"]
+    assert all(("met (worst" in v) != ("MISSED (worst" in v) for v in verdicts)
 
 
 @pytest.mark.parametrize("dtype", POOL_DTYPES)
