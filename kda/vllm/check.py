@@ -252,7 +252,12 @@ def check(dtypes: tuple[str, ...] = ("float32", "bfloat16"), tokens: int = TOKEN
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kda.vllm", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("check", help="vLLM-CPU + kda against transformers on kda, tiny random Kimi Linear")
+    c = sub.add_parser(
+        "check", help="vLLM-CPU + kda on a tiny random Kimi Linear (or GLM-5.3-Flash-style model)"
+    )
+    c.add_argument("--model", choices=("kimi", "glm"), default="kimi",
+                   help="kimi: against transformers on kda; glm: decode against teacher-forced prefill "
+                   "(kda.vllm.check_glm) (default: %(default)s)")  # fmt: skip
     c.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (default: %(default)s)")
     c.add_argument("--tokens", type=int, default=TOKENS, help="greedy tokens (default: %(default)s)")
     c.add_argument("--seed", type=int, default=0)
@@ -262,9 +267,16 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("dtype")
     g.add_argument("ids")
     g.add_argument("tokens", type=int)
+    g2 = sub.add_parser("_generate_glm", help=argparse.SUPPRESS)
+    for name in ("path", "dtype", "ids"):
+        g2.add_argument(name)
+    g2.add_argument("tokens", type=int)
     args = parser.parse_args(argv)
-    if args.command == "_generate":
-        generate(args.path, args.dtype, json.loads(args.ids), args.tokens)
+    if args.command in ("_generate", "_generate_glm"):
+        from . import check_glm
+
+        run = generate if args.command == "_generate" else check_glm.generate
+        run(args.path, args.dtype, json.loads(args.ids), args.tokens)
         return 0
     dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
     for d in dtypes:
@@ -274,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(args.keep, exist_ok=True)
     from . import VllmVersionError
 
+    if args.model == "glm":
+        return _check_glm(dtypes, args)
     try:
         ok, rows = check(dtypes, args.tokens, args.seed, args.keep)
     except VllmVersionError as err:
@@ -283,4 +297,29 @@ def main(argv: list[str] | None = None) -> int:
     n = args.tokens
     need = f"float32 {n}/{n}, bfloat16 >= {min(BF16_MIN_EQUAL, n)}/{n}"
     print(f"{'PASS' if ok else 'FAIL'}: tokens equal ({need}), first-token logprobs within {LOGPROB_TOL}")
+    return 0 if ok else 1
+
+
+def _check_glm(dtypes: tuple[str, ...], args: argparse.Namespace) -> int:
+    """``check --model glm``: exit 2 where vLLM or torchvision is missing, 1 on a failed row."""
+    from . import VllmVersionError, check_glm, check_vllm_version
+
+    try:
+        check_vllm_version()
+    except VllmVersionError as err:
+        print(f"python -m kda.vllm check: {err}", file=sys.stderr)
+        return 2
+    err = check_glm.torchvision_error()
+    if err is not None:
+        print(
+            f"python -m kda.vllm check --model glm: {check_glm.TORCHVISION.format(err=err)}", file=sys.stderr
+        )
+        return 2
+    ok, text = check_glm.check(dtypes, args.tokens, args.seed, args.keep)
+    print(text)
+    n = args.tokens - 1
+    need = f"float32 {n}/{n}, bfloat16 >= {n - (TOKENS - BF16_MIN_EQUAL)}/{n}"
+    verdict = "PASS" if ok else "FAIL"
+    print(f"{verdict}: decoded tokens equal to the teacher-forced prefill's ({need}), logprobs "
+          f"within {LOGPROB_TOL} in float32, each KDA op on kda")  # fmt: skip
     return 0 if ok else 1

