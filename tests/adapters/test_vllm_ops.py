@@ -343,7 +343,8 @@ def test_import_kda_imports_neither_torch_nor_vllm():
 def test_adapters_pass_the_pool_view_through(monkeypatch):
     """Each pool adapter (Kimi's packed decode and verify, GLM-5.3-Flash's recurrent op) hands
     kda.torch vLLM's pool view itself: the same tensor (no ``.contiguous()``, no gathered rows),
-    with its padded slot stride; the rows are written through the view into vLLM's page store,
+    with its padded slot stride, which the cpu kernel updates in place (its route through copies
+    of the rows made to fail); the rows are written through the view into vLLM's page store,
     whose padding between slots stays bitwise as it was."""
     glm = pytest.importorskip("kda.vllm.glm")
     H, K, P, B, pad = 2, 8, 6, 2, 5
@@ -354,6 +355,12 @@ def test_adapters_pass_the_pool_view_through(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(ops._kt, "fused_recurrent_kda", spy)  # kda.vllm.glm calls the same module's
+    decode = pytest.importorskip("kda.cpu._decode")
+
+    def through_copies(*args, **kwargs):
+        raise AssertionError("the pool went through copies of its rows")
+
+    monkeypatch.setattr(decode, "_through_copies", through_copies)  # the cpu kernel's copy route
     gen = torch.Generator().manual_seed(9)
     A_log, dt_bias = _gates(H, K)
     idx = torch.tensor([4, 2], dtype=torch.int32)
