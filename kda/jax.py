@@ -131,7 +131,7 @@ def _as_array(name: str, x: Any) -> Any:
 
 
 def _apply(q, k, v, g, beta, s0, A_log, dt_bias, cu, call: FlaCall):
-    dtype = q.dtype if call.static[0] == "chunk" else v.dtype  # fused_recurrent_kda: v's, as fla
+    dtype = q.dtype if call.static.method == "chunk" else v.dtype  # fused_recurrent_kda: v's, as fla
     k_dtype = k.dtype
     cd = _compute_dtype(q.dtype)
     check_gate_sizes(A_log, dt_bias, call)
@@ -148,7 +148,7 @@ def _apply(q, k, v, g, beta, s0, A_log, dt_bias, cu, call: FlaCall):
     nt = None
     if call.intermediate_states and cu is not None:
         try:
-            nt = packed_chunks(np.asarray(cu), call.static[2])
+            nt = packed_chunks(np.asarray(cu), call.static.chunk_size)
         except jax.errors.TracerArrayConversionError:
             msg = "return_intermediate_states=True with cu_seqlens needs concrete cu_seqlens (not under jit)"
             raise InvalidInputError(msg) from None

@@ -352,7 +352,7 @@ def _apply(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, call: Fl
     if cu_seqlens is not None:
         cu_seqlens = torch.as_tensor(cu_seqlens, dtype=torch.int64)
     inputs = (q, k, v, g, beta, initial_state, A_log, dt_bias)
-    if call.static[0] != "chunk" and not _needs_grad(inputs):
+    if call.static.method != "chunk" and not _needs_grad(inputs):
         # inference: the decode kernel, no autograd node; a V-major state read and written as such
         args = (*inputs, cu_seqlens, call.state_v_first, *call.static)
         o, final = _decode_states_impl(*args) if _eager(inputs) else torch.ops.kda.decode_states(*args)
@@ -366,7 +366,7 @@ def _apply(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, call: Fl
     )
     if not call.intermediate_states:
         return o, final
-    chunk_size = call.static[2]
+    chunk_size = call.static.chunk_size
     NT = boundaries.shape[0] if cu_seqlens is None else packed_chunks(_offsets(cu_seqlens), chunk_size)
     h = boundaries[:NT].movedim(0, 1)  # [B, NT, HV, K, V]
     h = (h.transpose(-1, -2) if call.state_v_first else h).to(k.dtype)
