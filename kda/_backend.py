@@ -142,7 +142,7 @@ class Backend(Protocol):
     # --- backward
     def chunk_state_grad_pass(
         self, w: Any, u0: Any, kt: Any, total: Any, qg: Any, A: Any, grad_output: Any, boundaries: Any,
-        dstate: Any,
+        dfinal: Any,
     ) -> tuple[Any, Any, Any, Any]:  # fmt: skip
         """The state-gradient recurrence, last chunk first: ``dU = A^T dO + kt dS`` and
         ``dS <- total * dS + qg^T dO - w^T dU``. Returns ``dends [NT, B, H, K, V]`` (the gradient
@@ -173,10 +173,10 @@ class Backend(Protocol):
 
     def chunk_backward_heads(
         self, q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, boundaries: Any, grad_output: Any,
-        grad_state: Any, chunk_size: int, grads: Any,
+        dfinal: Any, chunk_size: int, grads: Any,
     ) -> None:  # fmt: skip
         """The whole chunked backward, last chunk first, from the forward's ``boundaries``;
-        writes ``dq, dk, dv, dg, dbeta, dstate`` into the six buffers ``grads``. None: composed by
+        writes ``dq, dk, dv, dg, dbeta, dinitial`` into the six buffers ``grads``. None: composed by
         the engine, as for :meth:`chunk_forward_heads`."""  # fmt: skip
 
     # --- the step recurrence (the oracle, T == 1, decoding)
@@ -187,9 +187,9 @@ class Backend(Protocol):
 
     def recurrent_backward(
         self, q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any, grad_output: Any,
-        grad_state: Any,
+        dfinal: Any,
     ) -> tuple[Any, Any, Any, Any, Any, Any]:  # fmt: skip
-        """Gradients ``(dq, dk, dv, dg, dbeta, dstate)`` of the recurrence."""  # fmt: skip
+        """Gradients ``(dq, dk, dv, dg, dbeta, dinitial)`` of the recurrence."""  # fmt: skip
 
     def decode_forward(
         self, q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, pool: Any, start: Any, dest: Any,

@@ -78,16 +78,16 @@ def chunk_kda(
         ``(output, final_state, boundaries or None)``. float16 and bfloat16 inputs compute in
         float32 and return their own dtype.
     """
-    c = open_call(q, k, v, g, beta, scale, opts, backend=backend, chunk_size=chunk_size, defer_gate=True)
+    call = open_call(q, k, v, g, beta, scale, opts, backend=backend, chunk_size=chunk_size, defer_gate=True)
     v_first = _v_first(state_v_first)
     if v_first:
         from .states import k_major_state, v_major_output  # (states imports this module)
 
-        initial_state = k_major_state("initial_state", initial_state, c.p)
-    state = c.state_or_zeros("initial_state", initial_state)
+        initial_state = k_major_state("initial_state", initial_state, call.p)
+    state = call.state_or_zeros("initial_state", initial_state)
     finite = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
-    out = c.forward((q, k, v, g, beta), state, save_boundaries, check_inputs=finite)
-    return v_major_output(c.p.xp, out) if v_first else out
+    out = call.forward((q, k, v, g, beta), state, save_boundaries, check_inputs=finite)
+    return v_major_output(call.p.xp, out) if v_first else out
 
 
 def _v_first(state_v_first: Any) -> bool:
@@ -127,25 +127,25 @@ def chunk_kda_backward(
     KdaGradients
         ``(q, k, v, g, beta, initial_state, A_log, dt_bias)``, each shaped like its input.
     """
-    c = open_call(q, k, v, g, beta, scale, opts, backend=backend, chunk_size=chunk_size, defer_gate=True)
+    call = open_call(q, k, v, g, beta, scale, opts, backend=backend, chunk_size=chunk_size, defer_gate=True)
     v_first = _v_first(state_v_first)
     if v_first:
         from .states import k_major_state, v_major_output
 
-        initial_state = k_major_state("initial_state", initial_state, c.p)
-        boundaries = k_major_state("boundaries", boundaries, c.p, c.boundaries_shape())
-        grad_final_state = k_major_state("grad_final_state", grad_final_state, c.p)
-    state = c.state_or_zeros("initial_state", initial_state)
-    c.check_boundaries(boundaries)
-    do = c.grad_output(grad_output)
-    dfinal = c.state_or_zeros("grad_final_state", grad_final_state)
+        initial_state = k_major_state("initial_state", initial_state, call.p)
+        boundaries = k_major_state("boundaries", boundaries, call.p, call.boundaries_shape())
+        grad_final_state = k_major_state("grad_final_state", grad_final_state, call.p)
+    state = call.state_or_zeros("initial_state", initial_state)
+    call.check_boundaries(boundaries)
+    do = call.grad_output(grad_output)
+    dfinal = call.state_or_zeros("grad_final_state", grad_final_state)
     finite = dict(
         q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, boundaries=boundaries,
         grad_output=grad_output, grad_final_state=grad_final_state,
     )  # fmt: skip
     inputs = (q, k, v, g, beta, opts.A_log, opts.dt_bias)
-    grads = c.backward(inputs, state, boundaries, do, dfinal, check_inputs=finite)
-    return v_major_output(c.p.xp, grads) if v_first else grads
+    grads = call.backward(inputs, state, boundaries, do, dfinal, check_inputs=finite)
+    return v_major_output(call.p.xp, grads) if v_first else grads
 
 
 @takes_options()
@@ -166,10 +166,10 @@ def recurrent_kda(
     KdaOutput
         ``(output, final_state, None)``.
     """
-    c = open_call(q, k, v, g, beta, scale, opts, backend=backend, defer_gate=True)
-    state = c.state_or_zeros("initial_state", initial_state)
-    c.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
-    return c.forward((q, k, v, g, beta), state, False)
+    call = open_call(q, k, v, g, beta, scale, opts, backend=backend, defer_gate=True)
+    state = call.state_or_zeros("initial_state", initial_state)
+    call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+    return call.forward((q, k, v, g, beta), state, False)
 
 
 @takes_options()
@@ -193,15 +193,15 @@ def recurrent_kda_backward(
     KdaGradients
         ``(q, k, v, g, beta, initial_state, A_log, dt_bias)``, each shaped like its input.
     """
-    c = open_call(q, k, v, g, beta, scale, opts, backend=backend, defer_gate=True)
-    state = c.state_or_zeros("initial_state", initial_state)
-    do = c.grad_output(grad_output)
-    dfinal = c.state_or_zeros("grad_final_state", grad_final_state)
-    c.check_inputs_finite(
+    call = open_call(q, k, v, g, beta, scale, opts, backend=backend, defer_gate=True)
+    state = call.state_or_zeros("initial_state", initial_state)
+    do = call.grad_output(grad_output)
+    dfinal = call.state_or_zeros("grad_final_state", grad_final_state)
+    call.check_inputs_finite(
         q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, grad_output=grad_output,
         grad_final_state=grad_final_state,
     )  # fmt: skip
-    return c.backward((q, k, v, g, beta, opts.A_log, opts.dt_bias), state, None, do, dfinal)
+    return call.backward((q, k, v, g, beta, opts.A_log, opts.dt_bias), state, None, do, dfinal)
 
 
 for _f in (chunk_kda, chunk_kda_backward, recurrent_kda, recurrent_kda_backward):

@@ -230,18 +230,20 @@ class Call:
         message, only when it saw a non-finite value.
         """
         p, xp = self.p, self.p.xp
-        c = self.core_inputs(*inputs)
-        screen = self._screen(c.q) if check_inputs is not None and out is None else None
+        core_in = self.core_inputs(*inputs)
+        screen = self._screen(core_in.q) if check_inputs is not None and out is None else None
         self._check_before(check_inputs, screen)
         self._gate_before(screen)
         direct = out is not None and p.dtype == p.compute_dtype
         bufs = (head_first(xp, out.output, p.layout), out.final_state, out.boundaries) if direct else None
         with floating_point_quiet(xp):
             if p.offsets is None:
-                args = (c.q, c.k, c.v, c.g, c.beta, state, keep, bufs, screen)
+                args = (core_in.q, core_in.k, core_in.v, core_in.g, core_in.beta, state, keep, bufs, screen)
                 o, final, boundaries = self.core.forward(*args)
             else:
-                o, final, boundaries = run_packed_forward(self.core, xp, c, state, p.offsets, keep, bufs)
+                o, final, boundaries = run_packed_forward(
+                    self.core, xp, core_in, state, p.offsets, keep, bufs
+                )
         sums = self._screen_sums(screen)
         raise_for_gates(p)  # a deferred check, read once the work is queued
         if self.check and not self._results_finite(check_inputs, sums):
@@ -266,8 +268,8 @@ class Call:
         ``check_inputs``: as for :meth:`forward`.
         """
         p, xp, o = self.p, self.p.xp, self.o
-        c = self.core_inputs(*inputs[:5])
-        screen = self._screen(c.q) if check_inputs is not None and out is None else None
+        core_in = self.core_inputs(*inputs[:5])
+        screen = self._screen(core_in.q) if check_inputs is not None and out is None else None
         self._check_before(check_inputs, screen)
         self._gate_before(screen)
         direct = out is not None and p.dtype == p.compute_dtype and o.is_identity and p.H == p.HV
@@ -277,14 +279,27 @@ class Call:
         with floating_point_quiet(xp):
             if p.offsets is None:
                 grads = self.core.backward(
-                    c.q, c.k, c.v, c.g, c.beta, state, boundaries, do, dfinal, bufs, workspace, screen
+                    core_in.q,
+                    core_in.k,
+                    core_in.v,
+                    core_in.g,
+                    core_in.beta,
+                    state,
+                    boundaries,
+                    do,
+                    dfinal,
+                    bufs,
+                    workspace,
+                    screen,
                 )
             else:
-                grads = run_packed_backward(self.core, xp, c, state, boundaries, do, dfinal, p.offsets, bufs)
+                grads = run_packed_backward(
+                    self.core, xp, core_in, state, boundaries, do, dfinal, p.offsets, bufs
+                )
             dq, dk, dv, dlog, dbeta, dinitial = grads
-            dg, dA_log, ddt_bias = gate_backward(xp, dlog, c, o)
-            dq, dk = qk_backward(xp, dq, dk, c, o, p.H)
-            dbeta = beta_backward(xp, dbeta, c, o)
+            dg, dA_log, ddt_bias = gate_backward(xp, dlog, core_in, o)
+            dq, dk = qk_backward(xp, dq, dk, core_in, o, p.H)
+            dbeta = beta_backward(xp, dbeta, core_in, o)
         sums = self._screen_sums(screen)
         raise_for_gates(p)
         finite = self._results_finite(check_inputs, sums)  # of the core's gradients
@@ -302,15 +317,15 @@ class Call:
             _copy_into(out, result)
         return out
 
-    def end_state(self, c: CoreInputs, start: Any) -> Any:
-        """The state after the core inputs ``c`` from ``start`` (no outputs formed)."""
+    def end_state(self, core_in: CoreInputs, start: Any) -> Any:
+        """The state after the core inputs ``core_in`` from ``start`` (no outputs formed)."""
         with floating_point_quiet(self.p.xp):
-            return self.core.end_state(c.q, c.k, c.v, c.g, c.beta, start)
+            return self.core.end_state(core_in.q, core_in.k, core_in.v, core_in.g, core_in.beta, start)
 
-    def state_gradient(self, c: CoreInputs, do: Any) -> Any:
+    def state_gradient(self, core_in: CoreInputs, do: Any) -> Any:
         """The start-state gradient when the end-state gradient is zero."""
         with floating_point_quiet(self.p.xp):
-            return self.core.state_gradient(c.q, c.k, c.v, c.g, c.beta, do)
+            return self.core.state_gradient(core_in.q, core_in.k, core_in.v, core_in.g, core_in.beta, do)
 
 
 def _copy_into(out: tuple, result: tuple) -> None:

@@ -29,14 +29,14 @@ import itertools
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from .._errors import InvalidInputError
 from .._options.table import Choices
 from .._options.validation import check_chunk_size, check_scale
 
 __all__ = [
-    "KEYWORD_TABLE", "FlaCall", "boundary_bound", "check_gate_sizes", "choices", "chunk_keywords",
+    "KEYWORD_TABLE", "FlaCall", "Static", "boundary_bound", "check_gate_sizes", "choices", "chunk_keywords",
     "packed_chunks", "translate",
 ]  # fmt: skip
 
@@ -230,41 +230,59 @@ def fla_function(name: str, call: Any, module: str, doc: str) -> Any:
     return function
 
 
+class Static(NamedTuple):
+    """The options of an fla-style call that are not arrays, checked: a hashable tuple (an op's
+    non-tensor arguments, in this order, or a ``custom_vjp``'s static argument)."""
+
+    method: str  # "chunk" or "recurrent"
+    scale: float
+    chunk_size: int
+    qk_l2norm: bool
+    gate: str
+    lower_bound: float | None
+    beta_activation: str  # "" for none (an op argument cannot be None)
+
+    @classmethod
+    def of(cls, options: tuple[Any, ...]) -> Static:
+        """``options`` (a :class:`Static`, or the plain tuple an op received) as a :class:`Static`."""
+        return options if type(options) is cls else cls._make(options)
+
+
 @dataclass(frozen=True)
 class FlaCall:
     """One fla-style call, translated.
 
-    ``static`` holds the options that are not arrays, ``(method, scale, chunk_size, qk_l2norm,
-    gate, lower_bound, beta_activation or "")``, checked (:func:`choices` reads them; hashable:
-    an op's non-tensor arguments, or a ``custom_vjp``'s static argument); ``dt_bias_shape`` is
+    ``static`` holds the options that are not arrays (a :class:`Static`; :func:`choices` reads
+    them); ``dt_bias_shape`` is
     ``(HV, K)``; ``state_v_first``, ``output_final_state`` and ``intermediate_states``
     (``return_intermediate_states``) are applied by the adapter.
     """
 
-    static: tuple[Any, ...]
+    static: Static
     output_final_state: bool
     state_v_first: bool
     dt_bias_shape: tuple[int, int]
     intermediate_states: bool = False
 
 
-def choices(static: tuple[Any, ...], A_log: Any = None, dt_bias: Any = None, offsets: Any = None) -> Choices:
-    """The options of a :attr:`FlaCall.static` tuple as the table's :class:`~kda._options.table.Choices`
+def choices(static: Static, A_log: Any = None, dt_bias: Any = None, offsets: Any = None) -> Choices:
+    """The options of a :class:`Static` as the table's :class:`~kda._options.table.Choices`
     (time-major), with the gate's arrays and host ``offsets`` (``cu_seqlens``) or None."""
-    _, _, _, qk_l2norm, gate, lower_bound, beta_activation = static
+    static = Static.of(static)
     return Choices(
-        layout="time_major", qk_l2norm=qk_l2norm, gate=gate, A_log=A_log, dt_bias=dt_bias,
-        lower_bound=lower_bound, beta_activation=beta_activation or None, cu_seqlens=offsets,
+        layout="time_major", qk_l2norm=static.qk_l2norm, gate=static.gate, A_log=A_log, dt_bias=dt_bias,
+        lower_bound=static.lower_bound, beta_activation=static.beta_activation or None, cu_seqlens=offsets,
     )  # fmt: skip
 
 
-def chunk_keywords(static: tuple[Any, ...], A_log: Any = None, dt_bias: Any = None) -> dict[str, Any]:
-    """Keywords of :func:`kda.chunk_kda` (and of the transitions) for a ``static`` tuple, without
+def chunk_keywords(static: Static, A_log: Any = None, dt_bias: Any = None) -> dict[str, Any]:
+    """Keywords of :func:`kda.chunk_kda` (and of the transitions) for a :class:`Static`, without
     ``cu_seqlens``: for the paths that call the public functions on parts of a call (context
     parallelism, gradients through the chunk-start states)."""
+    static = Static.of(static)
     keywords = choices(static, A_log, dt_bias).keywords()
     del keywords["cu_seqlens"]
-    return {**keywords, "scale": static[1], "chunk_size": static[2]}
+    return {**keywords, "scale": static.scale, "chunk_size": static.chunk_size}
 
 
 def packed_chunks(offsets: Any, chunk_size: int) -> int:
@@ -453,7 +471,7 @@ def _translate(
     _check_unsupported(function, kw)
     HV, K = _check_shapes(q_shape, v_shape, has_cu_seqlens)
     gate = _gate(kw, has_A_log, has_dt_bias)
-    static = (
+    static = Static(
         "chunk" if function == "chunk_kda" else "recurrent",
         check_scale(kw.get("scale"), K),
         check_chunk_size(kw.get("chunk_size", 64)),

@@ -1,7 +1,8 @@
 """The host side of the fla-style adapters (:mod:`kda.torch`, :mod:`kda.jax`): arrays in, arrays out.
 
 Both adapters translate fla's keywords once (:func:`kda._entry.fla.translate`) into a hashable
-``static`` tuple (an op's non-tensor arguments, a ``custom_vjp``'s static argument) and then do
+:class:`~kda._entry.fla.Static` (an op's non-tensor arguments, a ``custom_vjp``'s static
+argument; each function here takes it as such or as the plain tuple an op received) and then do
 only what their framework needs: convert tensors to arrays of one namespace (NumPy on the host,
 CuPy on a GPU) and back, and register the forward and backward with their autograd. Everything
 between is here, once:
@@ -32,7 +33,7 @@ from .._options.validation import Problem
 from . import api as _api
 from . import decode as _decode
 from .call import Call, KdaGradients
-from .fla import boundary_bound, choices, chunk_keywords, packed_chunks
+from .fla import Static, boundary_bound, choices, chunk_keywords, packed_chunks
 from .states import backward_with_state_gradients
 
 __all__ = ["backward", "check_pool_call", "decode", "forward", "shapes", "validated_call"]
@@ -47,7 +48,7 @@ Arrays = tuple[Any, ...]  # q, k, v, g, beta, initial_state, A_log, dt_bias (Non
 
 
 def shapes(
-    static: tuple[Any, ...], q_shape: tuple[int, ...], v_shape: tuple[int, ...], num_seqs: int | None
+    static: Static, q_shape: tuple[int, ...], v_shape: tuple[int, ...], num_seqs: int | None
 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """Shapes of :func:`forward`'s ``(output, final_state, boundaries)``.
 
@@ -55,17 +56,18 @@ def shapes(
     are ``[NT, B, HV, K, V]`` with ``NT`` :func:`~kda._entry.fla.boundary_bound`'s bound
     (``ceil(T / C)`` without ``cu_seqlens``), or ``[0]`` for the recurrence.
     """
+    static = Static.of(static)
     B, T, _, K = q_shape
     HV, V = v_shape[2], v_shape[3]
     N = B if num_seqs is None else num_seqs
-    if static[0] != "chunk":
+    if static.method != "chunk":
         return (B, T, HV, V), (N, HV, K, V), (0,)
-    NT = boundary_bound(T, static[2], num_seqs)
+    NT = boundary_bound(T, static.chunk_size, num_seqs)
     return (B, T, HV, V), (N, HV, K, V), (NT, B, HV, K, V)
 
 
 def forward(
-    static: tuple[Any, ...], x: Arrays, offsets: tuple[int, ...] | None, v_first: bool = False
+    static: Static, x: Arrays, offsets: tuple[int, ...] | None, v_first: bool = False
 ) -> tuple[Any, Any, Any]:
     """``(output [B, T, HV, V], final_state [N, HV, K, V], boundaries)`` of one fla-style call.
 
@@ -76,19 +78,20 @@ def forward(
     inputs' namespace. ``v_first`` (the recurrence only): the initial and final states are
     V-major, ``[N, HV, V, K]``, read and written so by the decode kernel.
     """
+    static = Static.of(static)
     opts = _call_options(static, x, offsets)
-    if static[0] != "chunk":  # the recurrence's forward is the decode kernel's (no states kept)
-        out = _DECODE_STATES(*x[:5], x[5], state_v_first=v_first, scale=static[1], backend=None, opts=opts)
+    if static.method != "chunk":  # the recurrence's forward is the decode kernel's (no states kept)
+        out = _DECODE_STATES(*x[:5], x[5], state_v_first=v_first, scale=static.scale, backend=None, opts=opts)
         return out.output, out.final_state, out.final_state.reshape(-1)[:0]  # no boundaries: [0]
     out = _CHUNK(
-        *x[:5], scale=static[1], initial_state=x[5], chunk_size=static[2], save_boundaries=True,
+        *x[:5], scale=static.scale, initial_state=x[5], chunk_size=static.chunk_size, save_boundaries=True,
         backend=None, opts=opts,
     )  # fmt: skip
-    NT = boundary_bound(x[0].shape[1], static[2], None if offsets is None else len(offsets) - 1)
+    NT = boundary_bound(x[0].shape[1], static.chunk_size, None if offsets is None else len(offsets) - 1)
     return out.output, out.final_state, _pad(out.boundaries, NT)
 
 
-def _call_options(static: tuple[Any, ...], x: Arrays, offsets: tuple[int, ...] | None) -> Any:
+def _call_options(static: Static, x: Arrays, offsets: tuple[int, ...] | None) -> Any:
     """The table's :class:`~kda._options.table.Choices` of a call: made once per ``static`` for
     a call with no gate arrays and no offsets (immutable), else from the arrays."""
     if x[6] is None and x[7] is None and offsets is None:
@@ -97,12 +100,12 @@ def _call_options(static: tuple[Any, ...], x: Arrays, offsets: tuple[int, ...] |
 
 
 @functools.lru_cache(maxsize=256)
-def _plain_choices(static: tuple[Any, ...]) -> Any:
+def _plain_choices(static: Static) -> Any:
     return choices(static)
 
 
 def decode(
-    static: tuple[Any, ...], x: Arrays, pool: Any, state_indices: Any, num_accepted_tokens: Any,
+    static: Static, x: Arrays, pool: Any, state_indices: Any, num_accepted_tokens: Any,
     offsets: tuple[int, ...] | None, v_first: bool = False, pad_slot_id: int = -1,
 ) -> Any:  # fmt: skip
     """``fused_recurrent_kda`` from a state pool (vLLM's call): :func:`kda.decode_kda` on ``pool``
@@ -110,9 +113,10 @@ def decode(
     ``state_indices`` (``[N]`` or ``[N, T]``), ``num_accepted_tokens`` and ``pad_slot_id``;
     returns the output ``[B, T, HV, V]``. ``x[5]`` (the initial state) is unused: the pool is
     the state."""
+    static = Static.of(static)
     opts = _call_options(static, x, offsets)
     return _DECODE(*x[:5], pool, state_indices, num_accepted_tokens=num_accepted_tokens,
-                   state_v_first=v_first, pad_slot_id=pad_slot_id, scale=static[1], backend=None,
+                   state_v_first=v_first, pad_slot_id=pad_slot_id, scale=static.scale, backend=None,
                    opts=opts)  # fmt: skip
 
 
@@ -146,7 +150,7 @@ def _pad(boundaries: Any, NT: int) -> Any:
 
 
 def backward(
-    static: tuple[Any, ...],
+    static: Static,
     x: Arrays,
     offsets: tuple[int, ...] | None,
     boundaries: Any,
@@ -168,13 +172,14 @@ def backward(
     initial_state, A_log, dt_bias)`` come in :class:`~kda.KdaGradients`, each shaped like its
     input.
     """
+    static = Static.of(static)
     call = validated_call(static, x, offsets)
-    if static[0] != "chunk":
+    if static.method != "chunk":
         boundaries = None
     else:
-        NT = boundaries.shape[0] if offsets is None else packed_chunks(offsets, static[2])
+        NT = boundaries.shape[0] if offsets is None else packed_chunks(offsets, static.chunk_size)
         boundaries = boundaries[:NT, ...]
-        if dboundaries is not None and bool(call.p.xp.any(dboundaries[:NT, ...])):  # h reached the loss
+        if dboundaries is not None and bool(call.p.xp.any(dboundaries[:NT, ...])):  # they reached the loss
             keywords = chunk_keywords(static, x[6], x[7])
             args = (x[:5], boundaries, do, dfinal, dboundaries[:NT, ...], x[5], offsets, keywords)
             return functools.partial(backward_with_state_gradients, *args)
@@ -185,17 +190,23 @@ def backward(
     return functools.partial(call.backward, (*x[:5], x[6], x[7]), state, boundaries, do, dfinal)
 
 
-def validated_call(static: tuple[Any, ...], x: Arrays, offsets: tuple[int, ...] | None) -> Call:
+def validated_call(static: Static, x: Arrays, offsets: tuple[int, ...] | None) -> Call:
     """The :class:`~kda._entry.call.Call` that :func:`forward` validated, rebuilt without checks
     from the same static options and arrays (compute dtype, time-major, ``A_log [HV]``,
     ``dt_bias [HV, K]``): the problem's sizes, the options and the core."""
+    static = Static.of(static)
     q, v = x[0], x[2]
     xp = array_api_compat.array_namespace(q)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    scale = static[1]
-    p = Problem(xp, B, H, HV, T, K, V, q.dtype, q.dtype, scale, "time_major", offsets)
-    o = Options(static[3], static[4], x[6], x[7], static[5], static[6] or None)
+    scale = static.scale
+    problem = Problem(xp, B, H, HV, T, K, V, q.dtype, q.dtype, scale, "time_major", offsets)
+    options = Options(
+        static.qk_l2norm, static.gate, x[6], x[7], static.lower_bound, static.beta_activation or None
+    )
     ops = get_backend(xp, None)
-    core = ChunkCore(ops, scale, static[2]) if static[0] == "chunk" else RecurrentCore(ops, scale)
-    return Call(p, o, core, True)
+    if static.method == "chunk":
+        core = ChunkCore(ops, scale, static.chunk_size)
+    else:
+        core = RecurrentCore(ops, scale)
+    return Call(problem, options, core, True)

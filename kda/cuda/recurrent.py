@@ -93,13 +93,13 @@ def _recurrent_backward_kernel(dtype: str, index: str) -> Callable:
     decay_and_predict = _step(dtype, index)
 
     def recurrent_backward(
-        q, k, g, v, beta, scale, state, do, dstate, stride, ckpt, seg, dq, dk, dg, dbeta, dv, dS, dims
+        q, k, g, v, beta, scale, state, do, dfinal, stride, ckpt, seg, dq, dk, dg, dbeta, dv, dS, dims
     ):
         """One thread per (head, value column); reductions over columns by atomics.
 
         ``dims = (BH, T, K, V)``; the arrays are flattened ``[BH, T, K]`` (``q, k, g, dq, dk,
         dg``), ``[BH, T, V]`` (``v, do, dv``), ``[BH, T]`` (``beta, dbeta``), ``[BH, K, V]``
-        (``state, dstate, dS``) and ``[., BH, K, V]`` (``ckpt, seg``). States are kept every
+        (``state, dfinal, dS``) and ``[., BH, K, V]`` (``ckpt, seg``). States are kept every
         ``stride`` steps (``ckpt``) and each segment is recomputed into ``seg`` on the way back.
         ``dq, dk, dg, dbeta`` must be zero on entry.
         """
@@ -124,7 +124,7 @@ def _recurrent_backward_kernel(dtype: str, index: str) -> Callable:
                 dS[at3(bh, kk, c, K, V)] += k[at2(step, kk, K)] * u
         for kk in range(K):
             kc = at3(bh, kk, c, K, V)
-            dS[kc] = dstate[kc]
+            dS[kc] = dfinal[kc]
         nseg = (T + stride - 1) // stride
         for sg in range(nseg - 1, -1, -1):
             start = sg * stride
@@ -223,18 +223,18 @@ def recurrent_forward(q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, s
 
 
 def recurrent_backward(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any, grad_output: Any, grad_state: Any,
+    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any, grad_output: Any, dfinal: Any,
 ) -> tuple[Any, Any, Any, Any, Any, Any]:  # fmt: skip
-    """Gradients of the recurrence, one kernel: ``(dq, dk, dv, dg, dbeta, dstate)``.
+    """Gradients of the recurrence, one kernel: ``(dq, dk, dv, dg, dbeta, dinitial)``.
 
     Keeps ``ceil(sqrt(T))`` checkpoint states and recomputes the steps between them.
     """
     name = "recurrent_backward"
-    xp = array_namespace(q, k, v, g, beta, state, grad_output, grad_state)
-    dtype = _dtype_name(name, q, k, v, g, beta, state, grad_output, grad_state)
+    xp = array_namespace(q, k, v, g, beta, state, grad_output, dfinal)
+    dtype = _dtype_name(name, q, k, v, g, beta, state, grad_output, dfinal)
     B, H, T, K, V = _check_recurrent(name, q, k, v, g, beta, state)
     _check_shape(name, "grad_output", grad_output, v.shape)
-    _check_shape(name, "grad_state", grad_state, state.shape)
+    _check_shape(name, "dfinal", dfinal, state.shape)
     BH = B * H
     stride = math.isqrt(max(T - 1, 0)) + 1
     nseg = max(-(-T // stride), 1)
@@ -245,11 +245,11 @@ def recurrent_backward(
     grid = _grid(BH * V) if K else 0
     dv = (_empty if grid else _zeros)(xp, v, (BH, T, V))  # every element written by the kernel
     dS = _empty(xp, state, (BH, K, V))
-    tail = (state, grad_output, grad_state, stride, ckpt, seg)
+    tail = (state, grad_output, dfinal, stride, ckpt, seg)
     outs = (dq, dk, dg, dbeta, dv, dS)
     args = (q, k, g, v, beta, q.dtype.type(scale), *tail, *outs)
     _launch(name, dtype, grid, THREADS_PER_BLOCK, *args, dims=(BH, T, K, V))
     if grid == 0:
-        dS = xp.asarray(grad_state, copy=True)
+        dS = xp.asarray(dfinal, copy=True)
     dq, dk, dg = (xp.reshape(x, q.shape) for x in (dq, dk, dg))
     return dq, dk, xp.reshape(dv, v.shape), dg, xp.reshape(dbeta, beta.shape), xp.reshape(dS, state.shape)

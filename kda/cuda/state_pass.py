@@ -416,10 +416,10 @@ def _state_grad_pass_kernel(dtype: str, index: str) -> Callable:
     _, nbtype, zero, _ = constants(dtype)
     at2, at3, at4 = offset_functions(index)
 
-    def chunk_state_grad_pass(qg, A, w, u0, kt, total, do, boundaries, dstate, dends, U, dU, dinitial, dims):
+    def chunk_state_grad_pass(qg, A, w, u0, kt, total, do, boundaries, dfinal, dends, U, dU, dinitial, dims):
         """The state-gradient recurrence, last chunk first; blocks, threads and layouts as the state pass.
 
-        ``do, U, dU`` are ``[BH, NT, Cp, V]``, ``dstate, dinitial`` ``[BH, K, V]`` and ``dends``
+        ``do, U, dU`` are ``[BH, NT, Cp, V]``, ``dfinal, dinitial`` ``[BH, K, V]`` and ``dends``
         ``[NT, BH, K, V]``. The block keeps its tile of ``dS`` (the gradient of the state at the
         end of the chunk) in shared memory. Per chunk: stage the chunk-start state ``S`` and
         ``dO``; then ``U = u0 - w S`` and ``dU = A^T dO + kt dS`` (one pass over ``K`` for both);
@@ -443,7 +443,7 @@ def _state_grad_pass_kernel(dtype: str, index: str) -> Callable:
         acc = cuda.local.array(ROW_GROUP, nbtype)
         accd = cuda.local.array(ROW_GROUP, nbtype)
         for kk in range(ty, K, ny):
-            dS[at2(kk, tx, TV)] = dstate[at3(bh, kk, v, K, V)] if active else zero
+            dS[at2(kk, tx, TV)] = dfinal[at3(bh, kk, v, K, V)] if active else zero
         for n in range(NT - 1, -1, -1):
             chunk = at2(bh, n, NT)
             for kk in range(ty, K, ny):
@@ -502,7 +502,7 @@ def _state_grad_pass_staged_kernel(dtype: str, index: str) -> Callable:
     staged_u_du, staged_grad_update = _grad_staged_steps(dtype, index)
 
     def chunk_state_grad_pass_staged(
-        qg, A, w, u0, kt, total, do, boundaries, dstate, dends, U, dU, dinitial, dims
+        qg, A, w, u0, kt, total, do, boundaries, dfinal, dends, U, dU, dinitial, dims
     ):
         """``chunk_state_grad_pass`` re-cut as ``chunk_state_pass_staged``: rows on the lanes.
 
@@ -540,7 +540,7 @@ def _state_grad_pass_staged_kernel(dtype: str, index: str) -> Callable:
         Kt = shared[base + KS * (Cp + 1) : base + 2 * KS * (Cp + 1)]
         accu = cuda.local.array(STAGED_COLUMNS, nbtype)
         accd = cuda.local.array(STAGED_COLUMNS, nbtype)
-        tile_in(dS, dstate, bh, K, 0, v0, V)
+        tile_in(dS, dfinal, bh, K, 0, v0, V)
         for n in range(NT - 1, -1, -1):
             chunk = at2(bh, n, NT)
             # 1.
@@ -661,7 +661,7 @@ def chunk_state_pass(
 
 
 def chunk_state_grad_pass(
-    w: Any, u0: Any, kt: Any, total: Any, qg: Any, A: Any, grad_output: Any, boundaries: Any, dstate: Any,
+    w: Any, u0: Any, kt: Any, total: Any, qg: Any, A: Any, grad_output: Any, boundaries: Any, dfinal: Any,
 ) -> tuple[Any, Any, Any, Any]:  # fmt: skip
     """The state-gradient recurrence over every chunk, last first, in one kernel.
 
@@ -669,7 +669,7 @@ def chunk_state_grad_pass(
     initial-state gradient (see :mod:`kda.reference`).
     """
     name = "chunk_state_grad_pass"
-    arrays = (w, u0, kt, total, qg, A, grad_output, boundaries, dstate)
+    arrays = (w, u0, kt, total, qg, A, grad_output, boundaries, dfinal)
     xp = array_namespace(*arrays)
     dtype = _dtype_name(name, *arrays)
     _check_ndim(name, "w", w, 5)
@@ -683,21 +683,21 @@ def chunk_state_grad_pass(
     _check_shape(name, "A", A, (B, H, NT, Cp, Cp))
     _check_shape(name, "grad_output", grad_output, u0.shape)
     _check_shape(name, "boundaries", boundaries, (NT, B, H, K, V))
-    _check_shape(name, "dstate", dstate, (B, H, K, V))
+    _check_shape(name, "dfinal", dfinal, (B, H, K, V))
     BH = B * H
     dends = _empty(xp, w, (NT, BH, K, V))
     U, dU = (_empty(xp, w, (BH, NT, Cp, V)) for _ in range(2))
     dinitial = _empty(xp, w, (BH, K, V))
     if NT == 0 or K * V == 0:
-        dinitial = xp.asarray(dstate, copy=True)
+        dinitial = xp.asarray(dfinal, copy=True)
         U, dU = (_zeros(xp, w, (BH, NT, Cp, V)) for _ in range(2))
     name, grid, block, shared = _state_kernel(name, BH, NT, Cp, K, V, w.dtype.itemsize, backward=True)
-    args = (qg, A, w, u0, kt, total, grad_output, boundaries, dstate, dends, U, dU, dinitial)
+    args = (qg, A, w, u0, kt, total, grad_output, boundaries, dfinal, dends, U, dU, dinitial)
     _launch(name, dtype, grid, block, *args, shared=shared, dims=(BH, NT, Cp, K, V))
     shape = (NT, B, H, K, V)
     return (
         xp.reshape(dends, shape),
         xp.reshape(U, u0.shape),
         xp.reshape(dU, u0.shape),
-        xp.reshape(dinitial, dstate.shape),
+        xp.reshape(dinitial, dfinal.shape),
     )

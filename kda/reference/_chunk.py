@@ -302,7 +302,7 @@ def _stack_states(xp: Any, states: list[Any], like: Any) -> Any:
 
 
 def chunk_state_grad_pass(
-    w: Any, u0: Any, kt: Any, total: Any, qg: Any, A: Any, grad_output: Any, boundaries: Any, dstate: Any,
+    w: Any, u0: Any, kt: Any, total: Any, qg: Any, A: Any, grad_output: Any, boundaries: Any, dfinal: Any,
 ) -> tuple[Any, Any, Any, Any]:  # fmt: skip
     """The state-gradient recurrence over chunks, last chunk first, with its local terms fused in.
 
@@ -315,7 +315,7 @@ def chunk_state_grad_pass(
     ----------
     w, kt, qg : ``[B, H, NT, Cp, K]``; u0, grad_output : ``[B, H, NT, Cp, V]``;
     total : ``[B, H, NT, K]``; A : ``[B, H, NT, Cp, Cp]`` (only its lower triangle is read);
-    boundaries : ``[NT, B, H, K, V]``; dstate : ``[B, H, K, V]``, the gradient of the final state.
+    boundaries : ``[NT, B, H, K, V]``; dfinal : ``[B, H, K, V]``, the gradient of the final state.
 
     Returns
     -------
@@ -324,18 +324,18 @@ def chunk_state_grad_pass(
     du : ``[B, H, NT, Cp, V]``, the gradient of ``U``.
     dinitial : ``[B, H, K, V]``, the gradient of the state before the first chunk.
     """
-    xp = array_namespace(w, u0, kt, total, qg, A, grad_output, boundaries, dstate)
+    xp = array_namespace(w, u0, kt, total, qg, A, grad_output, boundaries, dfinal)
     mT = xp.matrix_transpose
     NT = w.shape[2]
     if NT == 0:
         empty = xp.zeros(u0.shape, dtype=u0.dtype, device=u0.device)
-        return _stack_states(xp, [], dstate), empty, empty, dstate
+        return _stack_states(xp, [], dfinal), empty, empty, dfinal
     # the local terms of every chunk at once: one batched product each
     u = u0 - xp.matmul(w, xp.permute_dims(boundaries, (1, 2, 0, 3, 4)))
     du_local = xp.matmul(mT(xp.tril(A)), grad_output)
     ds_local = xp.matmul(mT(qg), grad_output)
     ends, dus = [None] * NT, [None] * NT
-    dS = dstate
+    dS = dfinal
     for n in reversed(range(NT)):
         ends[n] = dS
         dU = du_local[:, :, n, ...] + xp.matmul(kt[:, :, n, ...], dS)

@@ -73,7 +73,7 @@ def recurrent_forward(q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, s
 
 
 def recurrent_backward(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any, grad_output: Any, grad_state: Any,
+    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any, grad_output: Any, dfinal: Any,
 ) -> tuple[Any, Any, Any, Any, Any, Any]:  # fmt: skip
     """Gradients of the recurrence, stepping backwards through time.
 
@@ -83,13 +83,13 @@ def recurrent_backward(
     Parameters
     ----------
     q, k, v, g, beta, scale, state : as for :func:`recurrent_forward`.
-    grad_output : ``[B, H, T, V]``; grad_state : ``[B, H, K, V]``, gradient of the final state.
+    grad_output : ``[B, H, T, V]``; dfinal : ``[B, H, K, V]``, gradient of the final state.
 
     Returns
     -------
-    dq, dk, dv, dg, dbeta, dstate : gradients with the shapes of ``q, k, v, g, beta, state``.
+    dq, dk, dv, dg, dbeta, dinitial : gradients with the shapes of ``q, k, v, g, beta, state``.
     """
-    xp = array_namespace(q, k, v, g, beta, state, grad_output, grad_state)
+    xp = array_namespace(q, k, v, g, beta, state, grad_output, dfinal)
     T = q.shape[2]
     stride = max(1, math.isqrt(max(T - 1, 0)) + 1)
     checkpoints = {}
@@ -100,7 +100,7 @@ def recurrent_backward(
         S, _ = _step(xp, S, *_at(t, q, k, v, g, beta), scale)
 
     grads: list[list[Any]] = [[] for _ in range(5)]  # dq, dk, dv, dg, dbeta, last step first
-    dS = grad_state
+    dS = dfinal
     for start in reversed(range(0, T, stride)):
         stop = min(start + stride, T)
         previous = [checkpoints[start]]  # previous[i]: the state before step start + i
