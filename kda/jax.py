@@ -33,13 +33,11 @@ import numpy as np
 from ._entry import host as _host
 from ._entry.fla import (
     CHUNK_DOC,
-    DECODE_KEYWORDS,
     RECURRENT_DOC,
     FlaCall,
     check_gate_sizes,
     fla_function,
     packed_chunks,
-    translate,
 )
 from ._errors import InvalidInputError, InvalidTypeError
 
@@ -133,8 +131,7 @@ def _as_array(name: str, x: Any) -> Any:
 def _apply(q, k, v, g, beta, s0, A_log, dt_bias, cu, call: FlaCall):
     dtype = q.dtype if call.static.method == "chunk" else v.dtype  # fused_recurrent_kda: v's, as fla
     k_dtype = k.dtype
-    cd = _compute_dtype(q.dtype)
-    check_gate_sizes(A_log, dt_bias, call)
+    cd = _compute_dtype(q.dtype)  # the gate arrays' sizes: checked by _host.route
     q, k, v, g, beta = (x.astype(cd) if x.dtype != cd else x for x in (q, k, v, g, beta))
     if s0 is not None:
         s0 = (jnp.swapaxes(s0, -1, -2) if call.state_v_first else s0).astype(cd)
@@ -217,17 +214,11 @@ def _call(name: str, q, k, v, g, beta, kw: dict[str, Any]):
     if kw.get("cp_context") is not None:
         msg = "cp_context (context parallelism over torch.distributed) is supported by kda.torch only"
         raise InvalidInputError(msg)
-    call = translate(
-        name,
-        arrays["q"].shape,
-        arrays["v"].shape,
-        kw,
-        has_A_log=extra["A_log"] is not None,
-        has_dt_bias=extra["dt_bias"] is not None,
-        has_cu_seqlens=extra["cu_seqlens"] is not None,
-    )
-    pool_call = kw.get("inplace_final_state") or any(kw.get(n) is not None for n in DECODE_KEYWORDS[:2])
-    if name == "fused_recurrent_kda" and pool_call:
+    path, call = _host.route(
+        name, arrays["q"].shape, arrays["v"].shape, kw, extra["A_log"], extra["dt_bias"],
+        extra["cu_seqlens"] is not None,
+    )  # fmt: skip
+    if path == "pool":
         return _apply_pool(*arrays.values(), *extra.values(), call, kw)
     return _apply(*arrays.values(), *extra.values(), call)
 

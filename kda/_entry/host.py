@@ -7,6 +7,8 @@ only what their framework needs: convert tensors to arrays of one namespace (Num
 CuPy on a GPU) and back, and register the forward and backward with their autograd. Everything
 between is here, once:
 
+- :func:`route`: the one hand-off of a call's keywords: translated, the gate arrays' sizes
+  checked, and which path runs it (the plain forward, a state pool, context parallelism);
 - :func:`shapes`: the shapes of the forward's three results (for fake tensors and callbacks);
 - :func:`forward`: ``(output, final_state, boundaries)``, the boundaries (chunk-start states)
   padded to a bound that does not depend on ``cu_seqlens``' values;
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import array_api_compat
 
@@ -33,10 +35,19 @@ from .._options.validation import Problem
 from . import api as _api
 from . import decode as _decode
 from .call import Call, KdaGradients
-from .fla import Static, boundary_bound, choices, chunk_keywords, packed_chunks
+from .fla import (
+    FlaCall,
+    Static,
+    boundary_bound,
+    check_gate_sizes,
+    choices,
+    chunk_keywords,
+    packed_chunks,
+    translate,
+)
 from .states import backward_with_state_gradients
 
-__all__ = ["backward", "check_pool_call", "decode", "forward", "shapes", "validated_call"]
+__all__ = ["Route", "backward", "check_pool_call", "decode", "forward", "route", "shapes", "validated_call"]
 
 # the bodies of kda.chunk_kda, kda.decode_kda and the decode kernel's recurrent forward, which
 # take the options as one Choices
@@ -45,6 +56,40 @@ _DECODE_STATES = _decode.decode_states.__wrapped__
 _DECODE = _decode.decode_kda.__wrapped__
 
 Arrays = tuple[Any, ...]  # q, k, v, g, beta, initial_state, A_log, dt_bias (None where absent)
+
+
+class Route(NamedTuple):
+    """Where an fla-style call goes (:func:`route`)."""
+
+    path: str  # "forward" (the chunked or recurrent forward), "pool" (decoding from a state pool), "cp"
+    call: FlaCall
+
+
+def route(
+    function: str, q_shape: tuple[int, ...], v_shape: tuple[int, ...], kw: dict[str, Any], A_log: Any,
+    dt_bias: Any, has_cu_seqlens: bool, cp: bool = False,
+) -> Route:  # fmt: skip
+    """The one hand-off of an adapter's call (``function``: ``"chunk_kda"`` or
+    ``"fused_recurrent_kda"``, fla's keywords ``kw``): the keywords translated
+    (:func:`~kda._entry.fla.translate`), ``A_log`` and ``dt_bias`` checked by element count
+    (anything with a ``shape``, or None) and the path that runs it: ``"cp"`` with a context of
+    context parallelism (``cp``), ``"pool"`` for ``fused_recurrent_kda`` on a state pool
+    (``inplace_final_state``, ``ssm_state_indices`` or ``num_accepted_tokens``), else
+    ``"forward"``."""
+    call = translate(
+        function, q_shape, v_shape, kw,
+        has_A_log=A_log is not None, has_dt_bias=dt_bias is not None, has_cu_seqlens=has_cu_seqlens,
+    )  # fmt: skip
+    if A_log is not None or dt_bias is not None:
+        check_gate_sizes(A_log, dt_bias, call)
+    if cp:
+        return Route("cp", call)
+    if function == "fused_recurrent_kda" and (
+        kw.get("inplace_final_state") or kw.get("ssm_state_indices") is not None
+        or kw.get("num_accepted_tokens") is not None
+    ):  # fmt: skip
+        return Route("pool", call)
+    return Route("forward", call)
 
 
 def shapes(
