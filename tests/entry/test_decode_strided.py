@@ -174,3 +174,29 @@ def test_torch_pool_call_on_a_padded_view(dtype, v_first, inference, monkeypatch
     got = t_pool.view(torch.int16).numpy() if dtype == "bfloat16" else t_pool.numpy()
     assert np.array_equal(_bits(got), _bits(want_pool))
     assert torch.equal(buf[:, row:].view(torch.int16), padding.view(torch.int16))
+
+
+def test_torch_bfloat16_pool_view_follows_the_tensor():
+    """kda.torch keeps one ml_dtypes view per bfloat16 pool tensor: a tensor given new storage
+    (``set_``) or a new shape is read anew, and the view goes with the tensor."""
+    if "cpu" not in BACKENDS:
+        pytest.skip("no cpu backend")
+    import kda.torch as kt
+
+    rng = np.random.default_rng(25)
+    x = _inputs(rng, 2, 1, 1, 4, 6)
+    tq, tk, tv, tg, tb = (torch.from_numpy(np.ascontiguousarray(np.swapaxes(a, 1, 2))) for a in x)
+    t_pool = torch.zeros((4, 1, 4, 6), dtype=torch.bfloat16)
+    for fill in (0.5, -0.25):
+        dense = _pool(rng, 4, 1, 4, 6, "bfloat16", False, poison=False) * fill
+        t_pool.set_(torch.from_numpy(dense.view(np.int16).copy()).view(torch.bfloat16))
+        want = kda.decode_kda(*x, dense, [1, 3])
+        with torch.inference_mode():
+            kw = dict(initial_state=t_pool, inplace_final_state=True, ssm_state_indices=torch.tensor([1, 3]))
+            o, final = kt.fused_recurrent_kda(tq, tk, tv, tg, tb, **kw)
+        assert np.array_equal(o.numpy(), np.swapaxes(want, 1, 2))
+        assert np.array_equal(_bits(t_pool.view(torch.int16).numpy()), _bits(dense))
+    key = id(t_pool)
+    assert key in kt._BF16_VIEWS and final is t_pool
+    del t_pool, final, kw
+    assert key not in kt._BF16_VIEWS
