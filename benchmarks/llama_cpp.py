@@ -15,9 +15,11 @@ channel; ``ggml/src/ggml-cpu/ops.cpp``: a step recurrence in C, forward only). T
    where decay products go subnormal), ggml's forward, ``kda.chunk_kda``'s forward and forward+backward,
    ``kda.recurrent_kda``, the float64 forward over the float32 one (the two timed in alternating
    rounds), the same-run GEMM rate, the forward and forward+backward as a percentage of it (the
-   FLOP count of :mod:`benchmarks.chunk`), the ratio to ggml, the peak traced memory
+   FLOP count of :mod:`benchmarks.chunk`), the ratio to ggml, the backward's time over the
+   forward's (``bwd/fwd``: forward+backward less the forward), the peak traced memory
    (tracemalloc, as :mod:`benchmarks.chunk`) of the chunked forward+backward, and
-   ``os.getloadavg()``.
+   ``os.getloadavg()``; first, the path of the kernels' matrix products and their rates at this
+   run's chunk shapes, one thread, measured in the same run (:mod:`benchmarks.products`).
 
 ``--one-core`` runs everything (ggml on one thread, kda, the GEMM) pinned to one core. Where no
 compiler or cmake is found, or the download or build fails, the ggml columns are skipped with the
@@ -388,6 +390,10 @@ def main(argv: list[str] | None = None) -> int:
         gemm = _gemm_rate()
         print(f"cores {cores}, ggml threads {threads}; same-run GEMM (2048^3 float32): {gemm:.1f} GFLOP/s")
         print(f"load average before: {os.getloadavg()}")
+        if not args.crossover:
+            from .products import report
+
+            report(C, D)  # the product path and its rates at this run's chunk shapes
         if args.crossover:
             crossover(H, D, (65, 96, 128, 192, 256, 384, 512, 1024), args.repeats)
             print(f"load average after: {os.getloadavg()}")
@@ -401,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
             "fwd %GEMM",
             "f+b ms",
             "f+b %GEMM",
+            "bwd/fwd",
             "f64/f32",
             "recur ms",
         )
@@ -424,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
             cells = (
                 B, T, "-" if ggml is None else f"{ggml * 1e3:.1f}", f"{t['chunk_fwd'] * 1e3:.1f}", ratio,
                 f"{fwd:.1f}", f"{t['chunk_fwd_bwd'] * 1e3:.1f}", f"{both:.1f}",
-                f"{t['f64_over_f32']:.2f}", f"{t['recurrent_fwd'] * 1e3:.1f}",
+                f"{t['chunk_fwd_bwd'] / t['chunk_fwd'] - 1:.2f}", f"{t['f64_over_f32']:.2f}",
+                f"{t['recurrent_fwd'] * 1e3:.1f}",
             )  # fmt: skip
             label = "-U(0.001, 0.201)" if regime == "mild" else "Kimi's formula"
             print(" ".join(f"{c:>10}" for c in cells) + f"  {label}, {note}", flush=True)

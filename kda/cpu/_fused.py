@@ -92,8 +92,33 @@ def _load_beta(beta, b, h, t0, m, buf):
 
 
 @jit()
+def _chunk_scratch(x, Cp, K, V):
+    """The scratch arrays of one chunk that both fused passes use, of ``x``'s dtype: the chunk's
+    inputs ``qc, kc, gc: [Cp, K]``, ``vc: [Cp, V]``, ``bc: [Cp]``; ``KQ = [kg; qg]: [2 Cp, K]``,
+    ``kt: [Cp, K]``, ``total: [K]``; ``A, L, Tinv: [Cp, Cp]``; ``pre, suf: [Cp, K]``, ``kd: [K]``
+    (:func:`_local_pairs`); the solve's ``Td: [Cp, SOLVE_BLOCK]``, ``Wb: [SOLVE_BLOCK, V]``
+    (:func:`_solve_blocks`) and the state ``S: [K, V]``."""
+    dt = x.dtype
+    qc, kc, gc = _three(x, Cp, K)
+    A, L, Tinv = _three(x, Cp, Cp)
+    pre, suf, kt = _three(x, Cp, K)
+    return (
+        qc, kc, gc, np.empty((Cp, V), dt), np.empty(Cp, dt), np.empty((2 * Cp, K), dt), kt,
+        np.empty(K, dt), A, L, Tinv, pre, suf, np.empty(K, dt), np.empty((Cp, cfg.SOLVE_BLOCK), dt),
+        np.empty((cfg.SOLVE_BLOCK, V), dt), np.empty((K, V), dt),
+    )  # fmt: skip
+
+
+@jit()
+def _three(x, rows, cols):
+    """Three scratch arrays ``[rows, cols]`` of ``x``'s dtype."""
+    dt = x.dtype
+    return np.empty((rows, cols), dt), np.empty((rows, cols), dt), np.empty((rows, cols), dt)
+
+
+@jit()
 def forward_heads(
-    q, k, v, g, beta, scale, state, C, with_output, with_bounds, out, bounds, final, screen, lo, hi
+    q, k, v, g, beta, scale, state, C, with_output, with_boundaries, out, boundaries, final, screen, lo, hi
 ):  # fmt: skip
     """Heads ``[lo, hi)`` of ``B * H``: the chunked forward.
 
@@ -103,8 +128,8 @@ def forward_heads(
     ``S <- total S + kt^T U``.
 
     ``q, k, g: [B, H, T, K]``, ``v, out: [B, H, T, V]``, ``beta: [B, H, T]`` (any strides),
-    ``state, final: [B, H, K, V]``, ``bounds: [NT, B, H, K, V]`` (the chunk-start states, written
-    with ``with_bounds``); ``out`` is written with ``with_output``. ``screen: [B * H, 2]`` (float64;
+    ``state, final: [B, H, K, V]``, ``boundaries: [NT, B, H, K, V]`` (the chunk-start states, written
+    with ``with_boundaries``); ``out`` is written with ``with_output``. ``screen: [B * H, 2]`` (float64;
     ``[0, 2]`` for none) receives, per head, ``sum(x * 0)`` over its ``q, k, v`` and over its
     output and final state: 0 where they are finite, NaN where not (taken while the chunks are
     copied in and out, instead of in passes over the whole arrays); the first is NaN too where an
@@ -119,19 +144,11 @@ def forward_heads(
     s = scale[0]
     dt = q.dtype
     by_inverse = K >= cfg.SUBSTITUTE_BELOW
-    qc, kc, gc = np.empty((Cp, K), dt), np.empty((Cp, K), dt), np.empty((Cp, K), dt)
-    vc, bc = np.empty((Cp, V), dt), np.empty(Cp, dt)
-    KQ = np.empty((2 * Cp, K), dt)  # [kg; qg]: one product with the state
-    kg, qg = KQ[:Cp], KQ[Cp:]
-    kt = np.empty((Cp, K), dt)
-    total = np.empty(K, dt)
-    A, L, Tinv = np.empty((Cp, Cp), dt), np.empty((Cp, Cp), dt), np.empty((Cp, Cp), dt)
-    pre, suf, kd = np.empty((Cp, K), dt), np.empty((Cp, K), dt), np.empty(K, dt)
+    qc, kc, gc, vc, bc, KQ, kt, total, A, L, Tinv, pre, suf, kd, Td, Wb, S = _chunk_scratch(q, Cp, K, V)
+    kg, qg = KQ[:Cp], KQ[Cp:]  # [kg; qg]: one product with the state
     R = np.empty((2 * Cp, V), dt)  # [kg S; qg S]
     QS = R[Cp:]
-    Y, U = np.empty((Cp, V), dt), np.empty((Cp, V), dt)
-    Td, Wb = np.empty((Cp, cfg.SOLVE_BLOCK), dt), np.empty((cfg.SOLVE_BLOCK, V), dt)
-    S = np.empty((K, V), dt)
+    Y, U, _ = _three(q, Cp, V)
     with_screen = screen.shape[0] > 0
     for bh in range(lo, hi):
         b = bh // H
@@ -146,8 +163,8 @@ def forward_heads(
             seen_in += _decays_screen(gc)  # its padding rows are zeros
             _load_beta(beta, b, h, t0, m, bc)
             _local_pairs(qc, kc, gc, bc, s, qg, kg, kt, total, A, L, Tinv, pre, suf, kd, False)
-            if with_bounds:
-                bounds[n, b, h] = S
+            if with_boundaries:
+                boundaries[n, b, h] = S
             if n == 0 and _is_zero(S):
                 R[:, :] = 0.0  # no initial state: [kg; qg] S is zero, skip the product
             else:
@@ -176,11 +193,11 @@ def forward_heads(
 
 @jit()
 def backward_heads(
-    q, k, v, g, beta, scale, bounds, dO, dstate, C, dq, dk, dv, dg, dbeta, dinit, screen, lo, hi
+    q, k, v, g, beta, scale, boundaries, dO, dfinal, C, dq, dk, dv, dg, dbeta, dinit, screen, lo, hi
 ):  # fmt: skip
     """Heads ``[lo, hi)`` of ``B * H``: the chunked backward, last chunk first.
 
-    Per chunk, with its chunk-start state ``S`` (from ``bounds``) and the gradient ``dS`` of its
+    Per chunk, with its chunk-start state ``S`` (from ``boundaries``) and the gradient ``dS`` of its
     end state: its state-free work again and ``U`` as in :func:`forward_heads`, ``dU = A^T dO +
     kt dS``, ``dY = Tinv^T dU`` and ``dR = -beta dY`` (the gradient of ``kg S``), the state step
     ``dS <- total dS + [kg; qg]^T [dR; dO]`` (one product), then the chunk's local gradients
@@ -188,7 +205,7 @@ def backward_heads(
     OpenBLAS's small-matrix products of a row-major ``X @ Y.T`` are the slow ones here (128 x 128
     x 128: 28 us against 18.5 for ``X.T @ Y.T``, one core; ``docs/speed.md``), and with these
     layouts no product of the backward has that form. Shapes as :func:`forward_heads`; ``dO``
-    and the gradients like their inputs, ``bounds: [NT, B, H, K, V]``, ``dstate, dinit: [B, H,
+    and the gradients like their inputs, ``boundaries: [NT, B, H, K, V]``, ``dfinal, dinit: [B, H,
     K, V]``. ``screen: [B * H, 2]`` as in :func:`forward_heads`: ``sum(x * 0)`` over the head's
     ``q, k, v, dO`` and boundaries (NaN too for a ``g`` not ``<= 0``), and over its six
     gradients.
@@ -202,28 +219,22 @@ def backward_heads(
     s = scale[0]
     dt = q.dtype
     by_inverse = K >= cfg.SUBSTITUTE_BELOW
-    qc, kc, gc = np.empty((Cp, K), dt), np.empty((Cp, K), dt), np.empty((Cp, K), dt)
-    vc, bc = np.empty((Cp, V), dt), np.empty(Cp, dt)
-    KQ = np.empty((2 * Cp, K), dt)  # [kg; qg]
-    kg, qg = KQ[:Cp], KQ[Cp:]
+    qc, kc, gc, vc, bc, KQ, kt, total, A, L, Tinv, pre, suf, kd, Td, Wb, S = _chunk_scratch(q, Cp, K, V)
+    kg, qg = KQ[:Cp], KQ[Cp:]  # [kg; qg]
     ROT = np.empty((V, 2 * Cp), dt)  # [dR; dO]^T: the gradients of [kg; qg] S, transposed
     dRT, dOT = ROT[:, :Cp], ROT[:, Cp:]
-    kt = np.empty((Cp, K), dt)
-    total = np.empty(K, dt)
-    A, L, Tinv = np.empty((Cp, Cp), dt), np.empty((Cp, Cp), dt), np.empty((Cp, Cp), dt)
-    pre, suf, kd = np.empty((Cp, K), dt), np.empty((Cp, K), dt), np.empty(K, dt)
-    Rk, Z, Y = np.empty((Cp, V), dt), np.empty((Cp, V), dt), np.empty((Cp, V), dt)
-    U, dU, dY = np.empty((Cp, V), dt), np.empty((Cp, V), dt), np.empty((Cp, V), dt)
-    dR, dOc, UT = np.empty((Cp, V), dt), np.empty((Cp, V), dt), np.empty((V, Cp), dt)
-    Td, Wb = np.empty((Cp, cfg.SOLVE_BLOCK), dt), np.empty((cfg.SOLVE_BLOCK, V), dt)
-    S, dS, dSend = np.empty((K, V), dt), np.empty((K, V), dt), np.empty((K, V), dt)
-    gq, gk, gg = np.empty((Cp, K), dt), np.empty((Cp, K), dt), np.empty((Cp, K), dt)
-    gv, gb = np.empty((Cp, V), dt), np.empty(Cp, dt)
+    Rk, Z, Y = _three(q, Cp, V)
+    U, dU, dY = _three(q, Cp, V)
+    dR, dOc, gv = _three(q, Cp, V)
+    UT = np.empty((V, Cp), dt)
+    dS, dSend, _ = _three(q, K, V)
+    gq, gk, gg = _three(q, Cp, K)
+    gb = np.empty(Cp, dt)
     with_screen = screen.shape[0] > 0
     for bh in range(lo, hi):
         b = bh // H
         h = bh - b * H
-        dS[:, :] = dstate[b, h]
+        dS[:, :] = dfinal[b, h]
         seen_in = seen_out = 0.0
         for n in range(NT - 1, -1, -1):
             t0 = n * C
@@ -235,7 +246,7 @@ def backward_heads(
             seen_in += _decays_screen(gc)  # its padding rows are zeros
             _load_beta(beta, b, h, t0, m, bc)
             e = _local_pairs(qc, kc, gc, bc, s, qg, kg, kt, total, A, L, Tinv, pre, suf, kd, not by_inverse)
-            S[:, :] = bounds[n, b, h]
+            S[:, :] = boundaries[n, b, h]
             if with_screen:
                 seen_in += _zeros_of(S)
             dSend[:, :] = dS

@@ -72,8 +72,8 @@ def local_forward(q, k, g, v, beta, scale, qg, kg, kt, total, A, L, Tinv, w, u0,
 
 
 @jit()
-def state_pass(w, u0, kt, total, state, qg, A, with_output, bounds, out, final, lo, hi):
-    """Per head ``bh`` of ``w: [BH, NT, Cp, K]``: the state recurrence; ``bounds: [NT, BH, K, V]``."""
+def state_pass(w, u0, kt, total, state, qg, A, with_output, boundaries, out, final, lo, hi):
+    """Per head ``bh`` of ``w: [BH, NT, Cp, K]``: the state recurrence; ``boundaries: [NT, BH, K, V]``."""
     _BH, NT, Cp, K = w.shape
     V = u0.shape[3]
     for bh in range(lo, hi):
@@ -82,7 +82,7 @@ def state_pass(w, u0, kt, total, state, qg, A, with_output, bounds, out, final, 
         X = np.empty((K, V), w.dtype)
         At = np.empty((Cp, Cp), w.dtype)
         for n in range(NT):
-            bounds[n, bh] = S
+            boundaries[n, bh] = S
             np.dot(w[bh, n], S, U)
             for i in range(Cp):
                 for c in range(V):
@@ -103,18 +103,18 @@ def state_pass(w, u0, kt, total, state, qg, A, with_output, bounds, out, final, 
 
 
 @jit()
-def state_grad_pass(w, u0, kt, total, qg, A, dO, bounds, dstate, ends, u, du, dinit, lo, hi):
+def state_grad_pass(w, u0, kt, total, qg, A, dO, boundaries, dfinal, ends, u, du, dinit, lo, hi):
     """Per head, last chunk first: ``dU = A^T dO + kt dS``, ``dS <- total dS + qg^T dO - w^T dU``."""
     _BH, NT, Cp, K = w.shape
     V = u0.shape[3]
     for bh in range(lo, hi):
-        dS = dstate[bh].copy()
+        dS = dfinal[bh].copy()
         X = np.empty((K, V), w.dtype)
         At = np.empty((Cp, Cp), w.dtype)
         for n in range(NT - 1, -1, -1):
             ends[n, bh] = dS
             U = u[bh, n]
-            np.dot(w[bh, n], bounds[n, bh], U)
+            np.dot(w[bh, n], boundaries[n, bh], U)
             for i in range(Cp):
                 for c in range(V):
                     U[i, c] = u0[bh, n, i, c] - U[i, c]
@@ -187,17 +187,17 @@ def _local_backward_core(
 
 @jit()
 def local_backward(
-    q, k, g, v, beta, scale, kg, w, u0, L, Tinv, bounds, ends, u, du, dO, dq, dk, dv, dg, dbeta, lo, hi
+    q, k, g, v, beta, scale, kg, w, u0, L, Tinv, boundaries, ends, u, du, dO, dq, dk, dv, dg, dbeta, lo, hi
 ):
-    """``chunk_local_backward`` of ``N = BH * NT`` chunks (``bounds, ends: [NT, BH, K, V]``)."""
+    """``chunk_local_backward`` of ``N = BH * NT`` chunks (``boundaries, ends: [NT, BH, K, V]``)."""
     q.shape[0]
-    NT = bounds.shape[0]
+    NT = boundaries.shape[0]
     s = scale[0]
     for n in range(lo, hi):
         bh = n // NT
         t = n - bh * NT
         _local_backward_one(
-            q[n], k[n], g[n], v[n], beta[n], s, kg[n], w[n], u0[n], L[n], Tinv[n], bounds[t, bh],
+            q[n], k[n], g[n], v[n], beta[n], s, kg[n], w[n], u0[n], L[n], Tinv[n], boundaries[t, bh],
             ends[t, bh], u[n], du[n], dO[n], dq[n], dk[n], dv[n], dg[n], dbeta[n],
         )  # fmt: skip
 
@@ -248,7 +248,7 @@ def recurrent_forward(q, k, v, g, beta, scale, state, out, final, lo, hi):
 
 
 @jit()
-def recurrent_backward(q, k, v, g, beta, scale, state, do, dstate, dq, dk, dv, dg, dbeta, dinit, lo, hi):
+def recurrent_backward(q, k, v, g, beta, scale, state, do, dfinal, dq, dk, dv, dg, dbeta, dinit, lo, hi):
     """Gradients of the recurrence per head; states kept every ``ceil(sqrt(T))`` steps."""
     _BH, T, K = q.shape
     V = v.shape[2]
@@ -268,7 +268,7 @@ def recurrent_backward(q, k, v, g, beta, scale, state, do, dstate, dq, dk, dv, d
             if t % stride == 0:
                 chk[t // stride] = S
             _step(S, q[bh, t], k[bh, t], v[bh, t], g[bh, t], beta[bh, t], s, o, pred)
-        dS = dstate[bh].copy()
+        dS = dfinal[bh].copy()
         Sd = np.empty((K, V), q.dtype)
         r = np.empty(V, q.dtype)
         du = np.empty(V, q.dtype)
