@@ -50,11 +50,9 @@ from ._entry.fla import (
     CHUNK_DOC,
     RECURRENT_DOC,
     FlaCall,
-    check_gate_sizes,
     chunk_keywords,
     fla_function,
     packed_chunks,
-    translate,
 )
 from ._errors import InvalidInputError, InvalidTypeError
 
@@ -334,8 +332,7 @@ def _gate_params(call: FlaCall, A_log: Any, dt_bias: Any, cd: torch.dtype) -> tu
     ``[HV, K]``) in the compute dtype; reshapes, so autograd returns their gradients in the
     shapes given."""
     if A_log is None and dt_bias is None:
-        return None, None
-    check_gate_sizes(A_log, dt_bias, call)
+        return None, None  # (their element counts: checked by kda._entry.host.route)
     HV, K = call.dt_bias_shape
     A_log = None if A_log is None else A_log.reshape(HV).to(cd)
     dt_bias = None if dt_bias is None else dt_bias.reshape(HV, K).to(cd)
@@ -455,17 +452,12 @@ def _call(method: str, q, k, v, g, beta, kw: dict[str, Any]):
             msg = "return_intermediate_states=True is not supported with cp_context"
             raise InvalidInputError(msg)
         cu = ctx.cu_seqlens  # as fla: the context's rank-local offsets replace cu_seqlens
-    call = translate(
-        name, tuple(q.shape), tuple(v.shape), kw,
-        has_A_log=A_log is not None, has_dt_bias=dt_bias is not None, has_cu_seqlens=cu is not None,
-    )  # fmt: skip
-    if ctx is not None:
+    path, call = _host.route(
+        name, tuple(q.shape), tuple(v.shape), kw, A_log, dt_bias, cu is not None, cp=ctx is not None
+    )
+    if path == "cp":
         return _apply_cp(q, k, v, g, beta, s0, A_log, dt_bias, ctx, call)
-    if method != "chunk" and (
-        kw.get("inplace_final_state")
-        or kw.get("ssm_state_indices") is not None
-        or kw.get("num_accepted_tokens") is not None
-    ):
+    if path == "pool":
         return _apply_pool(q, k, v, g, beta, s0, A_log, dt_bias, cu, call, kw)
     return _apply(q, k, v, g, beta, s0, A_log, dt_bias, cu, call)
 
