@@ -35,7 +35,6 @@ from ._entry.fla import (
     CHUNK_DOC,
     RECURRENT_DOC,
     FlaCall,
-    check_gate_sizes,
     fla_function,
     packed_chunks,
 )
@@ -179,7 +178,6 @@ def _apply_pool(q, k, v, g, beta, pool, A_log, dt_bias, cu, call: FlaCall, kw: d
         kw.get("num_accepted_tokens"),
     )
     accepted = _as_array("num_accepted_tokens", accepted)
-    _host.check_pool_call(kw, pool, indices, accepted)
     cd = _compute_dtype(q.dtype)
     if pool.dtype != cd and not (cd == jnp.float32 and pool.dtype in (jnp.float16, jnp.bfloat16)):
         want = jnp.dtype(cd).name if cd != jnp.float32 else "float32, float16 or bfloat16"
@@ -188,7 +186,6 @@ def _apply_pool(q, k, v, g, beta, pool, A_log, dt_bias, cu, call: FlaCall, kw: d
     if indices is None:  # request n continues row n
         N = q.shape[0] if cu is None else cu.shape[0] - 1
         indices = jnp.arange(N, dtype=jnp.int32)
-    check_gate_sizes(A_log, dt_bias, call)
     HV, K = call.dt_bias_shape
     A_log = None if A_log is None else A_log.reshape(HV).astype(cd)
     dt_bias = None if dt_bias is None else dt_bias.reshape(HV, K).astype(cd)

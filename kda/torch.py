@@ -390,7 +390,6 @@ def _apply_pool(q, k, v, g, beta, pool, A_log, dt_bias, cu_seqlens, call: FlaCal
     """``fused_recurrent_kda(..., initial_state=pool, ssm_state_indices=..., num_accepted_tokens=...,
     inplace_final_state=True)`` as vLLM calls it: the pool updated in place, returned as the final state."""
     indices, accepted = kw.get("ssm_state_indices"), kw.get("num_accepted_tokens")
-    _host.check_pool_call(kw, pool, indices, accepted)
     _check_tensors(ssm_state_indices=indices, num_accepted_tokens=accepted)
     if _needs_grad((q, k, v, g, beta, pool, A_log, dt_bias)):
         msg = (

@@ -74,8 +74,8 @@ def route(
     (:func:`~kda._entry.fla.translate`), ``A_log`` and ``dt_bias`` checked by element count
     (anything with a ``shape``, or None) and the path that runs it: ``"cp"`` with a context of
     context parallelism (``cp``), ``"pool"`` for ``fused_recurrent_kda`` on a state pool
-    (``inplace_final_state``, ``ssm_state_indices`` or ``num_accepted_tokens``), else
-    ``"forward"``."""
+    (``inplace_final_state``, ``ssm_state_indices`` or ``num_accepted_tokens``; those keywords
+    checked to fit together, :func:`check_pool_call`), else ``"forward"``."""
     call = translate(
         function, q_shape, v_shape, kw,
         has_A_log=A_log is not None, has_dt_bias=dt_bias is not None, has_cu_seqlens=has_cu_seqlens,
@@ -88,6 +88,8 @@ def route(
         kw.get("inplace_final_state") or kw.get("ssm_state_indices") is not None
         or kw.get("num_accepted_tokens") is not None
     ):  # fmt: skip
+        pool, indices = kw.get("initial_state"), kw.get("ssm_state_indices")
+        check_pool_call(kw, pool, indices, kw.get("num_accepted_tokens"))
         return Route("pool", call)
     return Route("forward", call)
 
