@@ -390,14 +390,13 @@ def main(argv: list[str] | None = None) -> int:
         gemm = _gemm_rate()
         print(f"cores {cores}, ggml threads {threads}; same-run GEMM (2048^3 float32): {gemm:.1f} GFLOP/s")
         print(f"load average before: {os.getloadavg()}")
-        if not args.crossover:
-            from .products import report
-
-            report(C, D)  # the product path and its rates at this run's chunk shapes
         if args.crossover:
             crossover(H, D, (65, 96, 128, 192, 256, 384, 512, 1024), args.repeats)
             print(f"load average after: {os.getloadavg()}")
             return 0
+        from .products import report
+
+        report(C, D)  # the product path and its rates at this run's chunk shapes
         head = (
             "B",
             "T",

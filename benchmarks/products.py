@@ -74,11 +74,10 @@ def chunk_products(C: int, D: int) -> dict[str, list[Product]]:
     """The products of one head and chunk of ``forward_heads`` and ``backward_heads`` at chunk
     size ``C`` and ``K = V = D`` (a chunk after the first, with a state), with the block sizes
     the kernels are compiled with on this machine (``kda.cpu._compile``)."""
+    from kda._engine.chunked import padded_chunk_size
     from kda.cpu import _compile as cfg
 
-    Cp = 1
-    while Cp < C:
-        Cp *= 2
+    Cp = padded_chunk_size(C)
     K = V = D
     c = min(cfg.SUB_BLOCK, Cp)
     pairs_f, pairs_b = _pairs_products(Cp, K, c, False), _pairs_products(Cp, K, c, True)

@@ -148,7 +148,7 @@ def forward_heads(
     kg, qg = KQ[:Cp], KQ[Cp:]  # [kg; qg]: one product with the state
     R = np.empty((2 * Cp, V), dt)  # [kg S; qg S]
     QS = R[Cp:]
-    Y, U, _ = _three(q, Cp, V)
+    Y, U = np.empty((Cp, V), dt), np.empty((Cp, V), dt)
     with_screen = screen.shape[0] > 0
     for bh in range(lo, hi):
         b = bh // H
@@ -227,7 +227,7 @@ def backward_heads(
     U, dU, dY = _three(q, Cp, V)
     dR, dOc, gv = _three(q, Cp, V)
     UT = np.empty((V, Cp), dt)
-    dS, dSend, _ = _three(q, K, V)
+    dS, dSend = np.empty((K, V), dt), np.empty((K, V), dt)
     gq, gk, gg = _three(q, Cp, K)
     gb = np.empty(Cp, dt)
     with_screen = screen.shape[0] > 0
