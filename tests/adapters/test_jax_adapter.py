@@ -189,6 +189,22 @@ def test_keywords_and_errors():
     np.testing.assert_array_equal(np.asarray(o), np.asarray(o2))
 
 
+def test_pool_keywords_that_do_not_fit_together_are_refused():
+    """The pool call's keywords, checked once by the host router for kda.jax as for kda.torch."""
+    x = make_inputs(7, T=1, gate="log", H=1, HV=1)
+    args = [jnp.asarray(x[n], dtype=jnp.float32) for n in NAMES[:5]]
+    pool = jnp.zeros((3, 1, 5, 4), jnp.float32)
+    slots = jnp.array([2], jnp.int32)
+    with pytest.raises(kda.InvalidInputError, match="need inplace_final_state=True"):
+        kj.fused_recurrent_kda(*args, initial_state=pool, ssm_state_indices=slots)
+    with pytest.raises(kda.InvalidInputError, match="needs initial_state"):
+        kj.fused_recurrent_kda(*args, inplace_final_state=True, ssm_state_indices=slots)
+    with pytest.raises(kda.InvalidInputError, match="num_accepted_tokens needs ssm_state_indices"):
+        kj.fused_recurrent_kda(
+            *args, initial_state=pool, inplace_final_state=True, num_accepted_tokens=jnp.array([1], jnp.int32)
+        )
+
+
 def test_fla_conventions_match_kda_torch(x64):
     """``A_log [1, 1, HV, 1]`` (gradient in that shape), ``return_intermediate_states`` with its
     gradient, and the recurrent output in v's dtype: the same numbers as kda.torch."""
