@@ -6,6 +6,10 @@ in each; rows no request names bitwise unchanged; the refusals write nothing."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from helpers import BACKENDS, gates
@@ -158,6 +162,66 @@ def test_pools_match_the_recurrence(backend, dtype, v_first, N, HV, T, K, V, per
     out = kda.decode_kda(*x, pool, slots, backend=backend, **kw)
     assert out.dtype == np.float32
     _check(out, pool, before, x, slots, accepted, pad, dtype, v_first)
+
+
+@pytest.mark.parametrize("dtype", [d for d in POOL_DTYPES if d != "float32"])
+@pytest.mark.parametrize("v_first", [False, True])
+@pytest.mark.parametrize("width", [16, 40, 128])
+@pytest.mark.parametrize("T", [1, 3])
+def test_16bit_rows_are_the_rounded_float32_rows(dtype, v_first, width, T):
+    """A 16-bit pool's step is the float32 pool's step from the same values, rounded on store: the
+    same outputs, and stored rows bitwise the float32 pool's rows rounded (ml_dtypes / NumPy), on
+    rows wide enough for the cpu kernel's bfloat16 vector stores (16 columns at a time, a scalar
+    tail where the row is not a multiple of 16), in place (``T = 1``) and from the float32 private
+    state (``T = 3``, own slots at every step); and within one rounding of the recurrence."""
+    if "cpu" not in BACKENDS:
+        pytest.skip("no cpu backend")
+    rng = np.random.default_rng(width + T)
+    N, HV, P = 3, 2, 6
+    K, V = (width, 24) if v_first else (24, width)  # the rows run over V (K-major) or K (V-major)
+    rows = np.array([4, 0, 2])
+    x = _inputs(rng, N, HV, T, K, V, "strong")
+    slots = np.repeat(rows[:, None], T, axis=1) if T > 1 else rows
+    pool = _pool(rng, P, HV, K, V, dtype, v_first)
+    before, wide = pool.copy(), pool.astype(np.float32)
+    out = kda.decode_kda(*x, pool, slots, state_v_first=v_first, backend="cpu")
+    assert np.array_equal(out, kda.decode_kda(*x, wide, slots, state_v_first=v_first, backend="cpu"))
+    assert np.array_equal(_bits(pool[rows]), _bits(wide[rows].astype(pool.dtype)))
+    _check(out, pool, before, x, slots, None, -1, dtype, v_first)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(ml_dtypes is None, reason="needs ml_dtypes")
+def test_bfloat16_stores_without_the_bfloat16_instruction(tmp_path):
+    """Where the target has AVX512-BF16 the bfloat16 vector stores are its ``vcvtneps2bf16``;
+    the integer rounding the kernel compiles elsewhere, forced here in a fresh process and cache,
+    stores the same bits (:func:`test_16bit_rows_are_the_rounded_float32_rows`)."""
+    if "cpu" not in BACKENDS:
+        pytest.skip("no cpu backend")
+    from kda.cpu import _decode_kernels
+
+    if not _decode_kernels.BF16_INSTRUCTION:
+        pytest.skip("the kernel compiles the integer rounding here already (no AVX512-BF16)")
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = f"""
+import sys
+sys.path[:0] = [{here!r}, {os.path.dirname(here)!r}]
+from kda.cpu import _decode_kernels
+_decode_kernels.BF16_INSTRUCTION = False
+from test_decode_pools import test_16bit_rows_are_the_rounded_float32_rows as check
+from test_decode_pools import test_cpu_bfloat16_row_stores_match_ml_dtypes
+test_cpu_bfloat16_row_stores_match_ml_dtypes()
+for v_first in (False, True):
+    for width in (40, 128):
+        for T in (1, 3):
+            check("bfloat16", v_first, width, T)
+asm = next(iter(_decode_kernels.decode.inspect_asm().values()))
+print("vcvtneps2bf16" in asm)
+"""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.stdout.split() == ["False"], r.stdout
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -363,6 +427,62 @@ def test_torch_pool_refusals():
         chunk_kda(tq, tk, tv, tg, tb, pad_slot_id=0)
 
 
+def _bfloat16_cases(rng, n):
+    """float32 values to round to bfloat16: random magnitudes over the normal range, every tie
+    (lower half ``0x8000``), overflow, inf, NaN (no subnormals: the kernels flush them; no -0:
+    ``1 * S + 0 * y`` is +0 there)."""
+    every = np.arange(0, 2**15, dtype=np.int64).astype(np.int16)
+    ties = every.view(ml_dtypes.bfloat16).astype(np.float32).view(np.int32) + 0x8000
+    ties = ties.view(np.float32)[np.abs(ties.view(np.float32)) >= np.finfo(np.float32).tiny]
+    x = np.ldexp(rng.uniform(-1, 1, n).astype(np.float32), rng.integers(-124, 128, n).astype(np.int32))
+    x = x[np.abs(x) >= np.finfo(np.float32).tiny]
+    edges = np.array([0.0, np.inf, -np.inf, np.nan, 3.4e38, -3.4e38, 1.1754944e-38], np.float32)
+    return np.concatenate([x, ties, -ties, edges])
+
+
+def test_cpu_bfloat16_row_stores_match_ml_dtypes():
+    """The cpu kernel's bfloat16 row store (:func:`kda.cpu._decode_kernels.blend_row`: 16 columns
+    at a time as one vector, rows of 40 leaving a scalar tail): ``a * S + b * y`` with ``a = 1,
+    b = 0`` rounds ``S`` to nearest even as ml_dtypes does (ties, overflow, inf, NaN quieted);
+    with random ``a, b, y`` and ``S`` in bfloat16 bits, lane for lane the scalar loop's
+    ``store(D, fma(b, y, a * load(S, S[c])))``, near cancellation where the rounding shows it."""
+    if ml_dtypes is None or "cpu" not in BACKENDS:
+        pytest.skip("needs ml_dtypes and the cpu backend")
+    import numba
+
+    from kda.cpu._decode_kernels import blend_row, fma, load, store
+
+    @numba.njit
+    def rows(D, S, a, b, y, vector):
+        for r in range(D.shape[0]):
+            Dr, Sr = D[r], S[r]
+            start = blend_row(Dr, Sr, a[r], b[r], y[r]) if vector else 0
+            for c in range(start, Dr.shape[0]):
+                Dr[c] = store(Dr, fma(b[r], y[r, c], a[r] * load(Sr, Sr[c])))
+
+    rng = np.random.default_rng(15)
+    x = _bfloat16_cases(rng, 40 * 5000)
+    x = np.concatenate([x, np.zeros(-len(x) % 40, np.float32)]).reshape(-1, 40)
+    R = x.shape[0]
+    D = np.zeros(x.shape, np.int16)
+    rows(D, x, np.ones(R, np.float32), np.zeros(R, np.float32), np.zeros(x.shape, np.float32), True)
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = x.astype(ml_dtypes.bfloat16).view(np.int16)
+    nan = np.isnan(x)
+    assert np.array_equal(D[~nan], want[~nan])
+    assert np.isnan(D[nan].view(ml_dtypes.bfloat16).astype(np.float32)).all()
+    # random steps near cancellation: a * S close to -b * y
+    S = rng.standard_normal((R, 40)).astype(ml_dtypes.bfloat16).view(np.int16)
+    a = rng.uniform(0.1, 1, R).astype(np.float32)
+    b = rng.uniform(0.1, 1, R).astype(np.float32)
+    y = (-a[:, None] * S.view(ml_dtypes.bfloat16).astype(np.float32) / b[:, None]).astype(np.float32)
+    y *= np.float32(1) + rng.uniform(-1e-3, 1e-3, y.shape).astype(np.float32)
+    got, scalar = np.zeros_like(S), np.zeros_like(S)
+    rows(got, S, a, b, y, True)
+    rows(scalar, S, a, b, y, False)
+    assert np.array_equal(got, scalar)
+
+
 def test_cuda_bfloat16_conversions_match_ml_dtypes():
     """The CUDA kernel's bfloat16 conversions (arithmetic, no bit casts) against ml_dtypes: every
     bfloat16 value read exactly; float32 values (ties, subnormals, overflow, inf, NaN, -0) rounded
@@ -476,7 +596,7 @@ def test_jax_pool_call_keeps_the_pool_dtype(dtype, v_first):
     from kda.jax import fused_recurrent_kda
 
     rng = np.random.default_rng(40)
-    N, HV, T, K, V, P = 3, 2, 2, 8, 12, 7
+    N, HV, T, K, V, P = 3, 2, 2, 20, 36, 7  # rows past 16 columns: the cpu kernel's vector stores
     x = _inputs(rng, N, HV, T, K, V)
     slots, accepted = np.array([[1, 1], [0, 0], [5, 3]]), np.array([1, 1, 2])
     pool = _pool(rng, P, HV, K, V, dtype, v_first)
