@@ -173,12 +173,13 @@ def test_16bit_rows_are_the_rounded_float32_rows(dtype, v_first, width, T):
     same outputs, and stored rows bitwise the float32 pool's rows rounded (ml_dtypes / NumPy), on
     rows wide enough for the cpu kernel's bfloat16 vector stores (16 columns at a time, a scalar
     tail where the row is not a multiple of 16), in place (``T = 1``) and from the float32 private
-    state (``T = 3``, own slots at every step); and within one rounding of the recurrence."""
+    state (``T = 3``, own slots at every step), with a number of rows that leaves two rows past the
+    cpu kernels' groups of four; and within one rounding of the recurrence."""
     if "cpu" not in BACKENDS:
         pytest.skip("no cpu backend")
     rng = np.random.default_rng(width + T)
     N, HV, P = 3, 2, 6
-    K, V = (width, 24) if v_first else (24, width)  # the rows run over V (K-major) or K (V-major)
+    K, V = (width, 26) if v_first else (26, width)  # the rows run over V (K-major) or K (V-major)
     rows = np.array([4, 0, 2])
     x = _inputs(rng, N, HV, T, K, V, "strong")
     slots = np.repeat(rows[:, None], T, axis=1) if T > 1 else rows
