@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", type=int, nargs="+", default=[4, 16, 32])
     parser.add_argument("--repeats", type=int, default=200)
-    parser.add_argument("--many-repeats", type=int, default=20)
+    parser.add_argument("--many-repeats", type=int, default=60)
     parser.add_argument(
         "--pools", action="store_true",
         help="time one step from float32 / float16 / bfloat16 pools, K-major and V-major (state_v_first), "
