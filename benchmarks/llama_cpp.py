@@ -254,9 +254,9 @@ def crossover(H: int, D: int, lengths: tuple[int, ...], repeats: int) -> None:
 
 
 def _kda_times(x: dict[str, np.ndarray], repeats: int, rounds: int, C: int) -> dict[str, float]:
-    """kda's forward+backward, ``recurrent_kda``, and two ratios each timed in alternating rounds (so
-    that both sides see the same drift of the machine's speed): the float64 forward over the float32
-    one (``f64_over_f32``) and the backward alone over the forward (``bwd_over_fwd``:
+    """kda's forward+backward, ``recurrent_kda``, and two ratios to the float32 forward, all three
+    timed in alternating rounds (so that each sees the same drift of the machine's speed): the
+    float64 forward (``f64_over_f32``) and the backward alone (``bwd_over_fwd``:
     ``chunk_kda_backward`` from the boundaries of a forward made once, into fresh gradient arrays
     as a training step has them, over the plain ``chunk_kda`` forward)."""
     import kda
@@ -271,18 +271,15 @@ def _kda_times(x: dict[str, np.ndarray], repeats: int, rounds: int, C: int) -> d
     x64 = [a.astype(np.float64) for a in (q, k, v, g, beta)]
     f32: list[float] = []
     f64: list[float] = []
-    fwd: list[float] = []
     bwd: list[float] = []
     for _ in range(rounds):
         f32 += _times(lambda: kda.chunk_kda(q, k, v, g, beta, chunk_size=C), repeats)
         f64 += _times(lambda: kda.chunk_kda(*x64, chunk_size=C), repeats)
-    for _ in range(rounds):
-        fwd += _times(lambda: kda.chunk_kda(q, k, v, g, beta, chunk_size=C), repeats)
         bwd += _times(lambda: kda.chunk_kda_backward(q, k, v, g, beta, saved, do, chunk_size=C), repeats)
     return {
         "chunk_fwd_bwd": _median(fwd_bwd, repeats),
         "f64_over_f32": statistics.median(f64) / statistics.median(f32),
-        "bwd_over_fwd": statistics.median(bwd) / statistics.median(fwd),
+        "bwd_over_fwd": statistics.median(bwd) / statistics.median(f32),
         "recurrent_fwd": _median(lambda: kda.recurrent_kda(q, k, v, g, beta), max(1, repeats // 2)),
     }
 

@@ -296,12 +296,11 @@ def _is_rows(ty, *dtypes) -> bool:
 @intrinsic
 def _update_lanes4(typingctx, D, S, c, at, e, kk, u0, u1, u2, u3):
     """``D[c + r, at : at + LANES] = fma(kk, ur, e * S[c + r, at : at + LANES])`` for ``r < 4``:
-    four rows of V-major states ``D, S: [V, K]`` (float32 or bfloat16 bits; ``D`` rounded to
-    nearest even), ``e, kk`` float32 vectors whose lanes are loaded once for the four rows, ``ur``
-    the rows' float32 scalars (passed as values: loaded from an array here, LLVM could not keep
-    them out of the loop, the array possibly being ``D``): the scalar loop's arithmetic, lane by
-    lane."""
-    if not (_is_rows(D, types.int16, types.float32) and _is_rows(S, types.int16, types.float32)):
+    four rows of V-major states ``D: [V, K]`` float32, ``S: [V, K]`` float32 or bfloat16 bits,
+    ``e, kk`` float32 vectors whose lanes are loaded once for the four rows, ``ur`` the rows'
+    float32 scalars (passed as values: loaded from an array here, LLVM could not keep them out of
+    the loop, the array possibly being ``D``): the scalar loop's arithmetic, lane by lane."""
+    if not (_is_rows(D, types.float32) and _is_rows(S, types.int16, types.float32)):
         return None
     if not all(_is_lanes(t, types.float32) for t in (e, kk)) or {u0, u1, u2, u3} != {types.float32}:
         return None
@@ -318,34 +317,24 @@ def _update_lanes4(typingctx, D, S, c, at, e, kk, u0, u1, u2, u3):
             ur = _lanes(context, builder, types.float32, args[6 + r], at)
             x = _fma_ir(builder, kv, ur, builder.fmul(ev, _lanes(context, builder, tS, vS, at)))
             data = builder.gep(context.make_array(tD)(context, builder, vD).data, [at])
-            if tD.dtype == types.float32:
-                builder.store(x, builder.bitcast(data, x.type.as_pointer()), align=4)
-            else:
-                i16 = ir.VectorType(ir.IntType(16), LANES)
-                builder.store(
-                    _round_to_bfloat(builder, x, LANES), builder.bitcast(data, i16.as_pointer()), align=2
-                )
+            builder.store(x, builder.bitcast(data, x.type.as_pointer()), align=4)
         return context.get_dummy_value()
 
     return sig, codegen
 
 
-# The pool dtypes whose V-major rows update four at a time: float32. bfloat16 rows stay row by
-# row (blend_row): four at a time, one step of 64 requests from a bfloat16 pool (memory bound)
-# measured 1.21-1.25x the K-major step against 1.15-1.21x row by row (AMD Zen 4, load 0.2-0.5).
-UPDATE_ROWS4 = (types.float32,)
-
-
 def update_rows(D, S, e, kk, u):  # pragma: no cover - replaced by its overload in compiled code
     """``D[c, d] = store(D, fma(kk[d], u[c], e[d] * load(S, S[c, d])))`` for V-major states
     ``D, S: [V, K]`` (``D`` may be ``S``), four rows and ``LANES`` columns at a time as explicit
-    vectors where ``D`` is of a dtype in :data:`UPDATE_ROWS4` (nothing otherwise); returns ``(rows,
-    columns)``: the block ``[:rows, :columns]`` it wrote."""
+    vectors where ``D`` is float32 (nothing otherwise); returns ``(rows, columns)``: the block
+    ``[:rows, :columns]`` it wrote. bfloat16 rows stay row by row (:func:`blend_row`): four at a
+    time, one step of 64 requests from a bfloat16 pool (memory bound) measured 1.21-1.25x the
+    K-major step against 1.15-1.21x row by row (AMD Zen 4, load 0.2-0.5)."""
 
 
 @overload(update_rows)
 def _update_rows(D, S, e, kk, u):
-    if not (_is_rows(D, *UPDATE_ROWS4) and _is_rows(S, types.int16, types.float32)):
+    if not (_is_rows(D, types.float32) and _is_rows(S, types.int16, types.float32)):
         return lambda D, S, e, kk, u: (0, 0)
     if not all(_is_lanes(t, types.float32) for t in (e, kk, u)):
         return lambda D, S, e, kk, u: (0, 0)
@@ -474,21 +463,21 @@ def _update_v(D, S, e, kk, u):
     """``D[c] = e * S[c] + kk u[c]`` per row ``c`` of V-major states (``D`` may be ``S``): four rows
     a sweep as explicit vectors (:func:`update_rows`), so each load of ``e`` and ``kk`` serves four
     rows (row by row, a stored vector took three loads where a K-major row's takes two: the V-major
-    step was 1.12-1.2x the K-major one on an AMD Zen 4); what they leave (other pool dtypes, rows
+    step was 1.15-1.24x the K-major one on an AMD Zen 4); what they leave (other pool dtypes, rows
     and columns past whole groups) by the scalar loop, whose arithmetic is the same."""
     V, K = S.shape
     rows, cols = update_rows(D, S, e, kk, u)
-    for c in range(V):
-        x = u[c]
-        Dc = D[c]
-        if D.ctypes.data == S.ctypes.data:  # in place, written as such (see _step)
-            n = cols if c < rows else blend_row(Dc, Dc, e, kk, x)
-            for d in range(n, K):
+    if D.ctypes.data == S.ctypes.data:  # in place, written as such (see _step)
+        for c in range(V):
+            x = u[c]
+            Dc = D[c]
+            for d in range(cols if c < rows else blend_row(Dc, Dc, e, kk, x), K):
                 Dc[d] = store(D, fma(kk[d], x, e[d] * load(D, Dc[d])))
-        else:
-            Sc = S[c]
-            n = cols if c < rows else blend_row(Dc, Sc, e, kk, x)
-            for d in range(n, K):
+    else:
+        for c in range(V):
+            x = u[c]
+            Dc, Sc = D[c], S[c]
+            for d in range(cols if c < rows else blend_row(Dc, Sc, e, kk, x), K):
                 Dc[d] = store(D, fma(kk[d], x, e[d] * load(S, Sc[d])))
 
 
