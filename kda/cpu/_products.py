@@ -1,34 +1,151 @@
-"""Matrix products of the CPU kernels: ``_mm``, BLAS ``gemm`` on row-major 2-D arrays through
-Numba's own ``numba_xxgemm`` (the BLAS of SciPy's ``cython_blas``, as ``np.dot`` calls it), in
-blocks of :data:`GEMM_BLOCK <kda.cpu._compile.GEMM_BLOCK>` rows and columns of the result."""
+"""Matrix products of the CPU kernels: ``_mm``, BLAS ``gemm`` on row-major 2-D arrays, in blocks
+of :data:`GEMM_BLOCK <kda.cpu._compile.GEMM_BLOCK>` rows and columns of the result.
+
+The BLAS is the process's *product path* (:data:`PATH`), chosen once, when this module is first
+imported (by the first kernel call), and logged on the ``kda.cpu`` logger:
+
+- ``scipy``: the BLAS of SciPy's ``cython_blas`` (its OpenBLAS; the one Numba's ``np.dot`` calls),
+  in every install;
+- ``mkl``: Intel MKL's ``libmkl_rt`` (the ``mkl`` wheel, ``pip install "kda[mkl]"``), taken when it
+  is installed.
+
+The environment variable ``KDA_CPU_PRODUCTS`` (``auto``, the default, ``scipy`` or ``mkl``)
+overrides the choice. The kernels call Fortran ``sgemm``/``dgemm`` through two symbols,
+``kda_sgemm`` and ``kda_dgemm``, bound to the chosen library's functions before any kernel is
+linked, so compiled and cached kernels are the same for both paths. Each call of the BLAS runs on
+one thread, so results are bitwise the same for any number of threads on a given path; another
+path may change the last bits (``docs/speed.md``, "Product paths").
+"""
 
 from __future__ import annotations
 
-from llvmlite import ir
-from numba.core import cgutils, types
-from numba.extending import intrinsic
-from numba.np.linalg import check_blas_return, ensure_blas, get_blas_kind
+import ctypes
+import ctypes.util
+import glob
+import logging
+import os
+import sys
+from typing import NamedTuple
 
+import llvmlite.binding as llvm
+from llvmlite import ir
+from numba.core import cgutils, errors, types
+from numba.extending import get_cython_function_address, intrinsic
+
+from .._errors import InvalidInputError, KdaError
 from . import _compile as cfg
 from ._compile import jit
+
+ENV = "KDA_CPU_PRODUCTS"
+CHOICES = ("auto", "scipy", "mkl")
+_SYMBOLS = {"s": "kda_sgemm", "d": "kda_dgemm"}
+LOG = logging.getLogger("kda.cpu")
+
+
+class ProductPath(NamedTuple):
+    """The BLAS the kernels' products call: ``name`` (``"scipy"`` or ``"mkl"``), the ``library``
+    file, its ``version`` and why it was chosen (``reason``)."""
+
+    name: str
+    library: str
+    version: str
+    reason: str
+
+
+def _scipy() -> tuple[ProductPath, dict[str, int]]:
+    """SciPy's ``cython_blas`` ``sgemm``/``dgemm`` (named by threadpoolctl where it can)."""
+    import scipy.linalg.cython_blas  # noqa: F401
+
+    addresses = {t: get_cython_function_address("scipy.linalg.cython_blas", f"{t}gemm") for t in _SYMBOLS}
+    library, version = scipy.linalg.cython_blas.__file__, ""
+    try:
+        import threadpoolctl
+
+        infos = [i for i in threadpoolctl.threadpool_info() if i.get("user_api") == "blas"]
+        info = next((i for i in infos if "scipy" in i.get("filepath", "")), None)
+        if info is not None:
+            library = info["filepath"]
+            version = f"{info.get('internal_api')} {info.get('version')} ({info.get('architecture')})"
+    except ImportError:
+        pass
+    return ProductPath("scipy", library, version, ""), addresses
+
+
+def _mkl_files() -> list[str]:
+    """Where ``libmkl_rt`` may be: the ``mkl`` wheel's ``lib`` folder of this environment (and of
+    the base one), then the loader's search path."""
+    found: list[str] = []
+    for prefix in dict.fromkeys((sys.prefix, sys.base_prefix)):
+        found += sorted(glob.glob(os.path.join(prefix, "lib", "libmkl_rt.so*")), reverse=True)
+    name = ctypes.util.find_library("mkl_rt")
+    return found + ([name] if name else [])
+
+
+def _mkl() -> tuple[ProductPath, dict[str, int]] | str:
+    """MKL's Fortran ``sgemm_``/``dgemm_`` (32-bit integers), or why it cannot be used."""
+    layer = os.environ.get("MKL_INTERFACE_LAYER", "").upper()
+    if "ILP64" in layer:
+        return f"MKL_INTERFACE_LAYER={layer} (the kernels pass 32-bit integers)"
+    files = _mkl_files()
+    for file in files:
+        try:
+            lib = ctypes.CDLL(file)
+        except OSError:
+            continue
+        addresses = {t: ctypes.cast(getattr(lib, f"{t}gemm_"), ctypes.c_void_p).value for t in _SYMBOLS}
+        text = ctypes.create_string_buffer(256)
+        lib.mkl_get_version_string(text, ctypes.c_int(len(text)))
+        version = " ".join(text.value.decode(errors="replace").split()[:8])
+        return ProductPath("mkl", file, version, ""), addresses
+    return "no libmkl_rt found (pip install 'kda[mkl]')" + (f"; could not load {files}" if files else "")
+
+
+def choose(setting: str | None) -> tuple[ProductPath, dict[str, int]]:
+    """The product path for ``setting`` (the value of ``KDA_CPU_PRODUCTS``; None or ``"auto"``:
+    MKL where it is installed, else SciPy's BLAS) and its ``gemm`` addresses by BLAS type letter."""
+    value = (setting or "auto").strip().lower()
+    if value not in CHOICES:
+        msg = f"{ENV}: expected one of {', '.join(CHOICES)}; got {setting!r}"
+        raise InvalidInputError(msg)
+    if value == "scipy":
+        path, addresses = _scipy()
+        return path._replace(reason=f"{ENV}=scipy"), addresses
+    mkl = _mkl()
+    if not isinstance(mkl, str):
+        path, addresses = mkl
+        return path._replace(reason=f"{ENV}={value}" if value == "mkl" else "auto: MKL is installed"), addresses
+    if value == "mkl":
+        msg = f"{ENV}=mkl: {mkl}"
+        raise KdaError(msg)
+    path, addresses = _scipy()
+    return path._replace(reason=f"auto: {mkl}"), addresses
+
+
+def _bind(path: ProductPath, addresses: dict[str, int]) -> ProductPath:
+    for t, symbol in _SYMBOLS.items():
+        llvm.add_symbol(symbol, addresses[t])
+    LOG.info("kda.cpu matrix products: %s, %s %s (%s)", path.name, path.library, path.version, path.reason)
+    return path
+
+
+PATH = _bind(*choose(os.environ.get(ENV)))
 
 
 @intrinsic
 def _xxgemm(typingctx, ta, tb, m, n, k, a, ia, lda, b, ib, ldb, beta, c, ic, ldc):
-    """Column-major BLAS ``gemm`` (Numba's own ``numba_xxgemm``, as ``np.dot`` calls it) on the
-    buffers of arrays ``a, b, c`` from the flat element offsets ``ia, ib, ic``, ``alpha = 1``;
-    ``ta, tb`` are the characters' codes (``ord("n")``, ``ord("t")``)."""
-    ensure_blas()
+    """Column-major Fortran ``gemm`` of the product path on the buffers of arrays ``a, b, c``
+    from the flat element offsets ``ia, ib, ic``, ``alpha = 1``; ``ta, tb`` are the characters'
+    codes (``ord("n")``, ``ord("t")``)."""
+    letter = {types.float32: "s", types.float64: "d"}.get(getattr(a, "dtype", None))
+    if letter is None:
+        raise errors.TypingError(f"_mm computes float32 or float64 arrays; got {a}")
     sig = types.void(ta, tb, m, n, k, a, ia, lda, b, ib, ldb, beta, c, ic, ldc)
 
     def codegen(context, builder, signature, args):
-        char, void_p = ir.IntType(8), ir.IntType(8).as_pointer()
-        intp = context.get_value_type(types.intp)
-        fnty = ir.FunctionType(
-            ir.IntType(32),
-            [char, char, char, intp, intp, intp, void_p, void_p, intp, void_p, intp, void_p, void_p, intp],
+        void_p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [void_p] * 13), _SYMBOLS[letter]
         )
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "numba_xxgemm")
         vta, vtb, vm, vn, vk, _, via, vlda, _, vib, vldb, vbeta, _, vic, vldc = args
         tys = signature.args
         dtype = tys[5].dtype
@@ -37,16 +154,22 @@ def _xxgemm(typingctx, ta, tb, m, n, k, a, ia, lda, b, ib, ldb, beta, c, ic, ldc
             data = context.make_array(tys[i])(context, builder, args[i]).data
             return builder.bitcast(builder.gep(data, [offset]), void_p)
 
-        def slot(value, ty):
-            cell = cgutils.alloca_once_value(builder, context.cast(builder, value, ty, dtype))
-            return builder.bitcast(cell, void_p)
+        def cell(value):
+            return builder.bitcast(cgutils.alloca_once_value(builder, value), void_p)
+
+        def real(value, ty):
+            return cell(context.cast(builder, value, ty, dtype))
+
+        def integer(value):
+            return cell(builder.trunc(value, i32))
 
         call = (
-            ir.Constant(char, ord(get_blas_kind(dtype))), builder.trunc(vta, char), builder.trunc(vtb, char),
-            vm, vn, vk, slot(ir.Constant(context.get_value_type(dtype), 1.0), dtype), at(5, via), vlda,
-            at(8, vib), vldb, slot(vbeta, tys[11]), at(12, vic), vldc,
+            cell(builder.trunc(vta, ir.IntType(8))), cell(builder.trunc(vtb, ir.IntType(8))),
+            integer(vm), integer(vn), integer(vk), cell(ir.Constant(context.get_value_type(dtype), 1.0)),
+            at(5, via), integer(vlda), at(8, vib), integer(vldb), real(vbeta, tys[11]), at(12, vic), integer(vldc),
         )  # fmt: skip
-        check_blas_return(context, builder, builder.call(fn, call))
+        builder.call(fn, call)
+        return context.get_dummy_value()
 
     return sig, codegen
 
