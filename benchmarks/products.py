@@ -1,25 +1,28 @@
 """The CPU kernels' matrix products at the chunk shapes: which path they take and how fast it runs.
 
 Every dense product of the fused passes (``kda.cpu._fused``: ``forward_heads``, ``backward_heads``
-and the pairs and solves they call) goes through ``_mm`` (``kda/cpu/_products.py``). This lists
+and the pairs and solves they call) goes through ``_mm`` (``kda/cpu/_products.py``), on the process's product path. This lists
 those products per chunk for a chunk size and ``K = V = D`` (:func:`chunk_products`), measures
 ``_mm``'s rate at each distinct shape on one thread (:func:`rates`) and adds up what the products
 of one head and chunk would take at those rates (:func:`product_time`), to set beside the time a
 pass takes per head and chunk.
 
-    python -m benchmarks.products --chunk-size 64 --D 128
+    python -m benchmarks.products --chunk-size 64 --D 128 [--paths scipy mkl]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 from collections import Counter
 from typing import NamedTuple
 
 import numpy as np
+
+ENV = "KDA_CPU_PRODUCTS"  # kda.cpu._products.ENV (read without importing numba)
 
 
 class Product(NamedTuple):
@@ -137,17 +140,12 @@ def product_time(products: list[Product], rate: dict[Product, float]) -> float:
 
 
 def path() -> str:
-    """The product path of the CPU kernels, in words: ``_mm`` calls Numba's ``numba_xxgemm``,
-    which calls the BLAS of SciPy's ``cython_blas`` (named with its version by threadpoolctl)."""
-    import scipy.linalg.cython_blas  # noqa: F401  (the BLAS of Numba's np.dot)
-    import threadpoolctl
+    """The product path of the CPU kernels, in words: its name, the library ``_mm`` calls, its
+    version and why it was chosen (``kda.cpu._products.PATH``; ``KDA_CPU_PRODUCTS`` overrides)."""
+    from kda.cpu._products import PATH
 
-    libs = [i for i in threadpoolctl.threadpool_info() if i.get("user_api") == "blas"]
-    scipy_libs = [i for i in libs if "scipy" in i.get("filepath", "")] or libs
-    if not scipy_libs:
-        return "BLAS through numba_xxgemm"
-    i = scipy_libs[0]
-    return f"{i.get('internal_api')} {i.get('version')} ({i.get('architecture')}) through numba_xxgemm"
+    version = f" {PATH.version}" if PATH.version else ""
+    return f"{PATH.name}: {PATH.library}{version} ({PATH.reason})"
 
 
 def report(C: int, D: int) -> dict[str, float]:
@@ -174,9 +172,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--chunk-size", type=int, default=64)
     p.add_argument("--D", type=int, default=128, help="K = V (default 128)")
+    p.add_argument(
+        "--paths", nargs="+", choices=("auto", "scipy", "mkl"),
+        help="product paths to measure one after another, each in a fresh process (KDA_CPU_PRODUCTS)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     print(f"load average before: {os.getloadavg()}")
-    report(args.chunk_size, args.D)
+    if args.paths:
+        for name in args.paths:
+            cmd = [sys.executable, "-m", "benchmarks.products", "--chunk-size", str(args.chunk_size), "--D", str(args.D)]
+            out = subprocess.run(cmd, env={**os.environ, ENV: name}, capture_output=True, text=True, check=True)
+            print("\n".join(line for line in out.stdout.splitlines() if not line.startswith("load average")))
+    else:
+        report(args.chunk_size, args.D)
     print(f"load average after: {os.getloadavg()}")
     return 0
 
