@@ -1,11 +1,12 @@
 """The CPU kernels' matrix products at the chunk shapes: which path they take and how fast it runs.
 
 Every dense product of the fused passes (``kda.cpu._fused``: ``forward_heads``, ``backward_heads``
-and the pairs and solves they call) goes through ``_mm`` (``kda/cpu/_products.py``), on the process's product path. This lists
-those products per chunk for a chunk size and ``K = V = D`` (:func:`chunk_products`), measures
-``_mm``'s rate at each distinct shape on one thread (:func:`rates`) and adds up what the products
-of one head and chunk would take at those rates (:func:`product_time`), to set beside the time a
-pass takes per head and chunk.
+and the pairs and solves they call) goes through ``_mm`` (``kda/cpu/_products.py``, on the
+process's product path). This lists those products per chunk for a chunk size and ``K = V =
+D`` (:func:`chunk_products`), measures ``_mm``'s rate at each distinct shape on one thread
+(:func:`rates`) and adds up what the products of one head and chunk would take at those rates
+(:func:`product_time`), to set beside the time a pass takes per head and chunk. ``--paths``
+measures product paths one after another, each in a fresh process.
 
     python -m benchmarks.products --chunk-size 64 --D 128 [--paths scipy mkl]
 """
@@ -180,8 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average before: {os.getloadavg()}")
     if args.paths:
         for name in args.paths:
-            cmd = [sys.executable, "-m", "benchmarks.products", "--chunk-size", str(args.chunk_size), "--D", str(args.D)]
-            out = subprocess.run(cmd, env={**os.environ, ENV: name}, capture_output=True, text=True, check=True)
+            cmd = [sys.executable, "-m", "benchmarks.products", f"--chunk-size={args.chunk_size}"]
+            cmd.append(f"--D={args.D}")
+            env = {**os.environ, ENV: name}
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
             print("\n".join(line for line in out.stdout.splitlines() if not line.startswith("load average")))
     else:
         report(args.chunk_size, args.D)

@@ -130,11 +130,13 @@ def choose(setting: str | None, cpu_vendor: str | None = None) -> tuple[ProductP
     cpu_vendor = vendor() if cpu_vendor is None else cpu_vendor
     if value == "auto" and cpu_vendor != "GenuineIntel":
         path, addresses = _scipy()
-        return path._replace(reason=f"auto: processor {cpu_vendor or 'of unknown vendor'}, not Intel's"), addresses
+        why = f"auto: processor {cpu_vendor or 'of unknown vendor'}, not Intel's"
+        return path._replace(reason=why), addresses
     mkl = _mkl()
     if not isinstance(mkl, str):
         path, addresses = mkl
-        return path._replace(reason=f"{ENV}={value}" if value == "mkl" else "auto: an Intel processor, MKL installed"), addresses
+        why = f"{ENV}=mkl" if value == "mkl" else "auto: an Intel processor, MKL installed"
+        return path._replace(reason=why), addresses
     if value == "mkl":
         msg = f"{ENV}=mkl: {mkl}"
         raise KdaError(msg)
@@ -187,7 +189,8 @@ def _xxgemm(typingctx, ta, tb, m, n, k, a, ia, lda, b, ib, ldb, beta, c, ic, ldc
         call = (
             cell(builder.trunc(vta, ir.IntType(8))), cell(builder.trunc(vtb, ir.IntType(8))),
             integer(vm), integer(vn), integer(vk), cell(ir.Constant(context.get_value_type(dtype), 1.0)),
-            at(5, via), integer(vlda), at(8, vib), integer(vldb), real(vbeta, tys[11]), at(12, vic), integer(vldc),
+            at(5, via), integer(vlda), at(8, vib), integer(vldb), real(vbeta, tys[11]), at(12, vic),
+            integer(vldc),
         )  # fmt: skip
         builder.call(fn, call)
         return context.get_dummy_value()
