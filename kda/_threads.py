@@ -5,11 +5,20 @@ it runs (the reference's concurrent head groups, the cpu backend's Numba kernels
 from several threads at once) holds the one :data:`PIN` here, so overlapping calls of any
 backends, from any threads, leave the setting as they found it: the first holder records the
 counts and sets them to 1, the last one to leave restores them.
+
+Intel MKL (threaded by OpenMP) is the exception: its thread count is a setting of each thread
+(a count set in one thread is not seen in another), so a process-wide pin set by one thread and
+restored by another would leave threads changed. MKL is pinned per thread instead:
+:meth:`BlasPin.this_thread` sets the calling thread's MKL to one thread
+(``mkl_set_num_threads_local``) and puts the thread's own setting back when it leaves; every
+holder of the pin does that on its own thread, and the cpu backend does it on each of its
+workers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -31,6 +40,7 @@ class BlasPin:
         self._holders = 0
         self._limiter: Any = None
         self._controller: Any = None
+        self._mkl: list[Any] = []  # MKL's mkl_set_num_threads_local, per loaded MKL library
 
     def rescan(self) -> None:
         """Scan the loaded BLAS libraries again at the next pin (after a backend loaded another
@@ -48,12 +58,20 @@ class BlasPin:
         with self._lock:
             if self._holders == 0:
                 if self._controller is None:  # scanning the loaded libraries costs ~0.5 ms: once
-                    import threadpoolctl
-
-                    self._controller = threadpoolctl.ThreadpoolController()
+                    self._scan()
                 with _no_controlling_thread():
-                    self._limiter = self._controller.limit(limits=1, user_api="blas")
+                    self._limiter = self._controller.limit(limits=1)
             self._holders += 1
+
+    def _scan(self) -> None:
+        """The loaded BLAS libraries: MKL's per-thread setters apart, the others in one controller."""
+        import threadpoolctl
+
+        blas = threadpoolctl.ThreadpoolController().select(user_api="blas")
+        mkl = [c for c in blas.lib_controllers if c.internal_api == "mkl"]
+        self._mkl = [_local_setter(c) for c in mkl]
+        others = sorted({c.internal_api for c in blas.lib_controllers} - {"mkl"})
+        self._controller = blas.select(internal_api=others)
 
     def _exit(self) -> None:
         with self._lock:
@@ -65,12 +83,35 @@ class BlasPin:
 
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
-        """BLAS on one thread inside the block; the original counts back after the last holder."""
+        """BLAS on one thread inside the block; the original counts back after the last holder
+        (MKL's on this thread: :meth:`this_thread`)."""
         self._enter()
+        try:
+            with self.this_thread():
+                yield
+        finally:
+            self._exit()
+
+    @contextlib.contextmanager
+    def this_thread(self) -> Iterator[None]:
+        """MKL on one thread for calls from this thread inside the block, this thread's own
+        setting back after it (nothing where no MKL was loaded at the pin's last scan)."""
+        setters = self._mkl
+        old = [setter(1) for setter in setters]
         try:
             yield
         finally:
-            self._exit()
+            for setter, value in zip(setters, old, strict=True):
+                setter(value)
+
+
+def _local_setter(controller: Any) -> Any:
+    """``mkl_set_num_threads_local`` of an MKL library (threadpoolctl's controller of it): sets
+    this thread's count (0: back to the process's) and returns the thread's previous one."""
+    lib = getattr(controller, "dynlib", None) or ctypes.CDLL(controller.filepath)
+    setter = lib.MKL_Set_Num_Threads_Local
+    setter.argtypes, setter.restype = [ctypes.c_int], ctypes.c_int
+    return setter
 
 
 @contextlib.contextmanager

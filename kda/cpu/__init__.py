@@ -129,9 +129,16 @@ def _run(name: str, items: int, *args: Any, blas: bool = True) -> None:
         parts = min(items, workers * SPLIT)
         bounds = [items * i // parts for i in range(parts + 1)]
         pool = _pool(workers)
-        futures = [pool.submit(_fpenv.run, kernel, *args, a, b) for a, b in itertools.pairwise(bounds)]
+        run = _on_worker if blas else _fpenv.run
+        futures = [pool.submit(run, kernel, *args, a, b) for a, b in itertools.pairwise(bounds)]
         for f in futures:
             f.result()
+
+
+def _on_worker(kernel: Any, *args: Any) -> None:
+    """A range of a kernel on a pool thread, with that thread's MKL (where loaded) on one thread."""
+    with PIN.this_thread():
+        _fpenv.run(kernel, *args)
 
 
 def _c(x: Any, dtype: Any) -> np.ndarray:

@@ -29,9 +29,12 @@ def _python(code: str, env_drop: tuple[str, ...] = ()) -> subprocess.CompletedPr
 
 
 def _blas_threads() -> list[tuple[str, int]]:
+    """The thread counts of the BLAS libraries whose count is process-wide: all but MKL, whose
+    count is each thread's own (``test_mkl_is_pinned_on_each_thread_that_runs_kda``)."""
     from threadpoolctl import threadpool_info
 
-    return sorted((i["filepath"], i["num_threads"]) for i in threadpool_info() if i["user_api"] == "blas")
+    infos = [i for i in threadpool_info() if i["user_api"] == "blas" and i["internal_api"] != "mkl"]
+    return sorted((i["filepath"], i["num_threads"]) for i in infos)
 
 
 @pytest.fixture
@@ -126,6 +129,72 @@ def test_overlapping_calls_pin_blas_and_restore_it_after_the_last_one(monkeypatc
                 threads[name].join()
     assert all(n == 1 for _, n in inside_both), "BLAS is not single-threaded inside the calls"
     assert _blas_threads() == blas_at_two
+
+
+def _mkl_library():
+    """MKL's runtime loaded into this process (as the cpu backend's MKL product path loads it),
+    the pin rescanned; a skip where MKL is not installed."""
+    import ctypes
+
+    pytest.importorskip("numba")
+    from kda._threads import PIN
+    from kda.cpu._products import _mkl
+
+    found = _mkl()
+    if isinstance(found, str):
+        pytest.skip(f"MKL: {found}")
+    lib = ctypes.CDLL(found[0].library)
+    lib.MKL_Get_Max_Threads.restype = ctypes.c_int
+    PIN.rescan()
+    return lib
+
+
+def test_mkl_is_pinned_on_each_thread_that_runs_kda(monkeypatch):
+    """MKL's thread count is each thread's own. Holders A (this thread) and B (another) overlap
+    (A in, B in, A out, B out): each runs MKL on one thread inside, and each thread has its
+    own setting back after; the cpu backend's pool threads run MKL on one thread in every range
+    and are left as they were. (A process-wide pin, set by A's thread and restored by B's,
+    leaves A's thread at 1 and B's unpinned: the first checks fail.)"""
+    import kda.cpu
+    from kda._threads import BlasPin
+
+    lib = _mkl_library()
+    pin = BlasPin()
+    default = lib.MKL_Get_Max_Threads()
+    seen: dict[str, int] = {}
+    b_inside, a_out = threading.Event(), threading.Event()
+
+    def holder_b():
+        with pin.hold():
+            seen["B in"] = lib.MKL_Get_Max_Threads()
+            b_inside.set()
+            assert a_out.wait(60)
+            seen["B in, A out"] = lib.MKL_Get_Max_Threads()
+        seen["B out"] = lib.MKL_Get_Max_Threads()
+
+    with pin.hold():
+        seen["A in"] = lib.MKL_Get_Max_Threads()
+        thread = threading.Thread(target=holder_b)
+        thread.start()
+        assert b_inside.wait(60)
+    seen["A out"] = lib.MKL_Get_Max_Threads()
+    a_out.set()
+    thread.join()
+    assert seen == {"A in": 1, "B in": 1, "A out": default, "B in, A out": 1, "B out": default}
+
+    ranges: list[int] = []
+
+    def probe(*args):  # a kernel: its last two arguments are its range
+        ranges.append(lib.MKL_Get_Max_Threads())
+
+    monkeypatch.setattr(kda.cpu, "_k", lambda name: probe)
+    monkeypatch.setattr(kda.cpu, "threads", lambda: 2)
+    big = np.zeros(kda.cpu.INLINE_ELEMENTS)
+    kda.cpu._run("probe", 8, big)
+    pool = kda.cpu._pool(2)
+    after = [pool.submit(lib.MKL_Get_Max_Threads).result() for _ in range(8)]
+    assert ranges == [1] * 8
+    assert set(after) == {default}
 
 
 def test_concurrent_calls_are_bitwise_serial_and_leave_blas_as_found(monkeypatch, blas_at_two):
