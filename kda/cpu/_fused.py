@@ -273,7 +273,7 @@ def backward_heads(
             if by_inverse:
                 _solve_blocks_t(L, bc, Td, dU, dY, dR, Wb)
             else:
-                np.dot(Tinv.T, dU, dY)
+                _mm(Tinv, True, dU, False, dY, 0.0)
                 for i in range(Cp):
                     x = -bc[i]
                     for c in range(V):
