@@ -94,11 +94,11 @@ def _mkl() -> tuple[ProductPath, dict[str, int]] | str:
     for file in files:
         try:
             lib = ctypes.CDLL(file)
-        except OSError:
+            addresses = {t: ctypes.cast(getattr(lib, f"{t}gemm_"), ctypes.c_void_p).value for t in _SYMBOLS}
+            text = ctypes.create_string_buffer(256)
+            lib.mkl_get_version_string(text, ctypes.c_int(len(text)))
+        except (OSError, AttributeError):  # not loadable, or not MKL's runtime
             continue
-        addresses = {t: ctypes.cast(getattr(lib, f"{t}gemm_"), ctypes.c_void_p).value for t in _SYMBOLS}
-        text = ctypes.create_string_buffer(256)
-        lib.mkl_get_version_string(text, ctypes.c_int(len(text)))
         version = " ".join(text.value.decode(errors="replace").split()[:8])
         return ProductPath("mkl", file, version, ""), addresses
     return "no libmkl_rt found (pip install 'kda[mkl]')" + (f"; could not load {files}" if files else "")
