@@ -13,7 +13,7 @@ import numpy as np
 from . import _compile as cfg
 from ._compile import jit
 from ._pairs import _factor_grads, _local_pairs, _sum_products
-from ._products import _mm
+from ._products import _mm, empty2
 from ._solve import _solve_blocks, _solve_blocks_t, _substitute
 
 
@@ -103,9 +103,9 @@ def _chunk_scratch(x, Cp, K, V):
     A, L, Tinv = _three(x, Cp, Cp)
     pre, suf, kt = _three(x, Cp, K)
     return (
-        qc, kc, gc, np.empty((Cp, V), dt), np.empty(Cp, dt), np.empty((2 * Cp, K), dt), kt,
-        np.empty(K, dt), A, L, Tinv, pre, suf, np.empty(K, dt), np.empty((Cp, cfg.SOLVE_BLOCK), dt),
-        np.empty((cfg.SOLVE_BLOCK, V), dt), np.empty((K, V), dt),
+        qc, kc, gc, empty2(Cp, V, dt), np.empty(Cp, dt), empty2(2 * Cp, K, dt), kt,
+        np.empty(K, dt), A, L, Tinv, pre, suf, np.empty(K, dt), empty2(Cp, cfg.SOLVE_BLOCK, dt),
+        empty2(cfg.SOLVE_BLOCK, V, dt), empty2(K, V, dt),
     )  # fmt: skip
 
 
@@ -113,7 +113,7 @@ def _chunk_scratch(x, Cp, K, V):
 def _three(x, rows, cols):
     """Three scratch arrays ``[rows, cols]`` of ``x``'s dtype."""
     dt = x.dtype
-    return np.empty((rows, cols), dt), np.empty((rows, cols), dt), np.empty((rows, cols), dt)
+    return empty2(rows, cols, dt), empty2(rows, cols, dt), empty2(rows, cols, dt)
 
 
 @jit()
@@ -146,9 +146,9 @@ def forward_heads(
     by_inverse = K >= cfg.SUBSTITUTE_BELOW
     qc, kc, gc, vc, bc, KQ, kt, total, A, L, Tinv, pre, suf, kd, Td, Wb, S = _chunk_scratch(q, Cp, K, V)
     kg, qg = KQ[:Cp], KQ[Cp:]  # [kg; qg]: one product with the state
-    R = np.empty((2 * Cp, V), dt)  # [kg S; qg S]
+    R = empty2(2 * Cp, V, dt)  # [kg S; qg S]
     QS = R[Cp:]
-    Y, U = np.empty((Cp, V), dt), np.empty((Cp, V), dt)
+    Y, U = empty2(Cp, V, dt), empty2(Cp, V, dt)
     with_screen = screen.shape[0] > 0
     for bh in range(lo, hi):
         b = bh // H
@@ -221,13 +221,13 @@ def backward_heads(
     by_inverse = K >= cfg.SUBSTITUTE_BELOW
     qc, kc, gc, vc, bc, KQ, kt, total, A, L, Tinv, pre, suf, kd, Td, Wb, S = _chunk_scratch(q, Cp, K, V)
     kg, qg = KQ[:Cp], KQ[Cp:]  # [kg; qg]
-    ROT = np.empty((V, 2 * Cp), dt)  # [dR; dO]^T: the gradients of [kg; qg] S, transposed
+    ROT = empty2(V, 2 * Cp, dt)  # [dR; dO]^T: the gradients of [kg; qg] S, transposed
     dRT, dOT = ROT[:, :Cp], ROT[:, Cp:]
     Rk, Z, Y = _three(q, Cp, V)
     U, dU, dY = _three(q, Cp, V)
     dR, dOc, gv = _three(q, Cp, V)
-    UT = np.empty((V, Cp), dt)
-    dS, dSend = np.empty((K, V), dt), np.empty((K, V), dt)
+    UT = empty2(V, Cp, dt)
+    dS, dSend = empty2(K, V, dt), empty2(K, V, dt)
     gq, gk, gg = _three(q, Cp, K)
     gb = np.empty(Cp, dt)
     with_screen = screen.shape[0] > 0
@@ -330,15 +330,15 @@ def _fused_local_backward(
     """
     Cp, K = q.shape
     V = v.shape[1]
-    G = np.empty((2 * Cp, K), q.dtype)  # [dkg; dqg]
+    G = empty2(2 * Cp, K, q.dtype)  # [dkg; dqg]
     if zero_s:
         G[:, :] = 0.0
     else:
         _mm(ROT, True, S, True, G, 0.0)
-    dA, dX = np.empty((Cp, Cp), q.dtype), np.empty((Cp, Cp), q.dtype)
+    dA, dX = empty2(Cp, Cp, q.dtype), empty2(Cp, Cp, q.dtype)
     _mm(ROT[:, Cp:], True, UT, False, dA, 0.0)  # dO U^T, lower triangle read
     _mm(dY, False, UT, False, dX, 0.0)  # dY U^T = -dM
-    dkt = np.empty((Cp, K), q.dtype)
+    dkt = empty2(Cp, K, q.dtype)
     if zero_ds:
         dkt[:, :] = 0.0
     else:

@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _compile as cfg
 from ._compile import jit
-from ._products import _mm
+from ._products import _mm, empty2
 from ._solve import _inverse
 
 _LOG2E = 1.4426950408889634
@@ -65,7 +65,7 @@ def _exp_row(x, out, work):
 def _exp(g):
     """``exp(g)`` of a ``[Cp, K]`` array of log decays (``g <= 0``), row by row (:func:`_exp_row`)."""
     Cp, K = g.shape
-    e = np.empty((Cp, K), g.dtype)
+    e = empty2(Cp, K, g.dtype)
     work = np.empty(K, np.float64)
     for i in range(Cp):
         _exp_row(g[i], e[i], work)
@@ -173,11 +173,11 @@ def _pairs(q, k, e, s, A, L, kd):
         _pairs_within(q, k, e, s, A, L, kd, a0, a0 + c)
     if c == Cp:
         return
-    P, Q = np.empty((Cp, K), dt), np.empty((Cp, K), dt)
+    P, Q = empty2(Cp, K, dt), empty2(Cp, K, dt)
     _block_factors(e, c, P, Q)
-    left = np.empty((2 * c, K), dt)
-    right = np.empty((Cp - c, K), dt)
-    AL = np.empty((2 * c, Cp - c), dt)  # [A; L] rows of a sub-block: one product for both
+    left = empty2(2 * c, K, dt)
+    right = empty2(Cp - c, K, dt)
+    AL = empty2(2 * c, Cp - c, dt)  # [A; L] rows of a sub-block: one product for both
     M = np.empty(K, dt)
     for a0 in range(c, Cp, c):
         for r in range(c):
@@ -261,11 +261,11 @@ def _pairs_backward(q, k, e, s, dA, dX, DQ, DK, COL):
         _pairs_backward_within(q, k, e, s, dA, dX, DQ, DK, COL, a0, a0 + c)
     if c == Cp:
         return
-    P, Q = np.empty((Cp, K), dt), np.empty((Cp, K), dt)
+    P, Q = empty2(Cp, K, dt), empty2(Cp, K, dt)
     _block_factors(e, c, P, Q)
-    left = np.empty((2 * c, K), dt)
-    right, qm = np.empty((Cp - c, K), dt), np.empty((Cp - c, K), dt)
-    G, rows, cols = np.empty((2 * c, Cp - c), dt), np.empty((2 * c, K), dt), np.empty((Cp - c, K), dt)
+    left = empty2(2 * c, K, dt)
+    right, qm = empty2(Cp - c, K, dt), empty2(Cp - c, K, dt)
+    G, rows, cols = empty2(2 * c, Cp - c, dt), empty2(2 * c, K, dt), empty2(Cp - c, K, dt)
     M = np.empty(K, dt)
     for a0 in range(c, Cp, c):
         for r in range(c):
@@ -316,10 +316,10 @@ def _factor_grads(q, k, e, pre, suf, s, S, dS, dA, dL, dqg, dkg, dkt, dq, dk, dg
             acc += S[d, c] * dS[d, c]
         dtotal[d] = acc
     # pairs: gradients of A (scale q_i . k_j D) and L (k_i . k_j D), D = prod exp(g) over (j, i]
-    DQ, DK, COL = np.empty((Cp, K), q.dtype), np.empty((Cp, K), q.dtype), np.empty((Cp, K), q.dtype)
+    DQ, DK, COL = empty2(Cp, K, q.dtype), empty2(Cp, K, q.dtype), empty2(Cp, K, q.dtype)
     _pairs_backward(q, k, e, s, dA, dL, DQ, DK, COL)
-    rowP = np.empty((Cp, K), q.dtype)
-    colP = np.empty((Cp, K), q.dtype)
+    rowP = empty2(Cp, K, q.dtype)
+    colP = empty2(Cp, K, q.dtype)
     for j in range(Cp):
         c0 = s * dA[j, j]  # the pair (j, j): no decay
         for d in range(K):

@@ -30,6 +30,7 @@ import sys
 from typing import NamedTuple
 
 import llvmlite.binding as llvm
+import numpy as np
 from llvmlite import ir
 from numba.core import cgutils, errors, types
 from numba.extending import get_cython_function_address, intrinsic
@@ -196,6 +197,18 @@ def _xxgemm(typingctx, ta, tb, m, n, k, a, ia, lda, b, ib, ldb, beta, c, ic, ldc
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@jit()
+def empty2(rows, cols, dt):
+    """An uninitialised C-contiguous ``[rows, cols]`` array of dtype ``dt`` whose data starts on a
+    64-byte boundary. The kernels' scratch arrays (every operand of ``_mm``) are made so: MKL's
+    results may depend on its operands' alignment, so a fixed alignment keeps them the same from
+    call to call (OpenBLAS's do not depend on it)."""
+    raw = np.empty(rows * cols + 64, dt)
+    per = 64 // raw.itemsize
+    skip = (-(raw.ctypes.data // raw.itemsize)) % per
+    return raw[skip : skip + rows * cols].reshape((rows, cols))
 
 
 @jit()
