@@ -125,24 +125,26 @@ def choose(setting: str | None, cpu_vendor: str | None = None) -> tuple[ProductP
     if value not in CHOICES:
         msg = f"{ENV}: expected one of {', '.join(CHOICES)}; got {setting!r}"
         raise InvalidInputError(msg)
+    cpu_vendor = vendor() if cpu_vendor is None and value == "auto" else cpu_vendor
     if value == "scipy":
-        path, addresses = _scipy()
-        return path._replace(reason=f"{ENV}=scipy"), addresses
-    cpu_vendor = vendor() if cpu_vendor is None else cpu_vendor
-    if value == "auto" and cpu_vendor != "GenuineIntel":
-        path, addresses = _scipy()
+        why = f"{ENV}=scipy"
+    elif value == "auto" and cpu_vendor != "GenuineIntel":
         why = f"auto: processor {cpu_vendor or 'of unknown vendor'}, not Intel's"
-        return path._replace(reason=why), addresses
-    mkl = _mkl()
-    if not isinstance(mkl, str):
-        path, addresses = mkl
-        why = f"{ENV}=mkl" if value == "mkl" else "auto: an Intel processor, MKL installed"
-        return path._replace(reason=why), addresses
-    if value == "mkl":
-        msg = f"{ENV}=mkl: {mkl}"
-        raise KdaError(msg)
-    path, addresses = _scipy()
-    return path._replace(reason=f"auto: {mkl}"), addresses
+    else:
+        mkl = _mkl()
+        if not isinstance(mkl, str):
+            why = f"{ENV}=mkl" if value == "mkl" else "auto: an Intel processor, MKL installed"
+            return _because(mkl, why)
+        if value == "mkl":
+            msg = f"{ENV}=mkl: {mkl}"
+            raise KdaError(msg)
+        why = f"auto: {mkl}"
+    return _because(_scipy(), why)
+
+
+def _because(found: tuple[ProductPath, dict[str, int]], reason: str) -> tuple[ProductPath, dict[str, int]]:
+    path, addresses = found
+    return path._replace(reason=reason), addresses
 
 
 def _bind(path: ProductPath, addresses: dict[str, int]) -> ProductPath:
@@ -205,7 +207,7 @@ def empty2(rows, cols, dt):
     64-byte boundary. The kernels' scratch arrays (every operand of ``_mm``) are made so: MKL's
     results may depend on its operands' alignment, so a fixed alignment keeps them the same from
     call to call (OpenBLAS's do not depend on it)."""
-    raw = np.empty(rows * cols + 64, dt)
+    raw = np.empty(rows * cols + 16, dt)  # room to skip up to 15 float32 (7 float64) elements
     per = 64 // raw.itemsize
     skip = (-(raw.ctypes.data // raw.itemsize)) % per
     return raw[skip : skip + rows * cols].reshape((rows, cols))

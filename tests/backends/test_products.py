@@ -78,8 +78,8 @@ def test_mkl_missing_or_ilp64_falls_back_on_auto_and_is_refused_when_asked(monke
 
 
 # Run in a fresh process with KDA_CPU_PRODUCTS set (the path is bound once per process): a
-# training-sized problem forward and backward, on all cores and on one, from inputs at every
-# 4-byte offset of a 64-byte line; prints the path and a digest of every result's bytes.
+# training-sized problem forward and backward, on all cores and on one, from inputs at six
+# 4-byte offsets within a 64-byte line; prints the path and how many distinct results it saw.
 _RUN = """
 import hashlib, logging, os, sys
 import numpy as np
@@ -130,7 +130,7 @@ def _run_path(name: str, tmp_path) -> tuple[str, np.ndarray]:
 @pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity"), reason="needs os.sched_setaffinity")
 def test_mkl_path_agrees_with_scipys_and_is_bitwise_reproducible(tmp_path):
     """Where MKL is installed: asked for, it is the path (logged); one training problem gives the
-    same bits on every core count and input alignment, and agrees with SciPy's path within the
+    same bits on all cores and on one and at six input alignments, and agrees with SciPy's path within the
     float32 tolerance (not bitwise: another BLAS rounds differently)."""
     from kda.cpu._products import _mkl
 
@@ -142,3 +142,23 @@ def test_mkl_path_agrees_with_scipys_and_is_bitwise_reproducible(tmp_path):
     assert "path mkl results 1" in mkl_out and "path scipy results 1" in scipy_out
     assert not np.array_equal(mkl, ref)  # another BLAS did run
     assert np.max(np.abs(mkl - ref)) <= 1e-5 * np.max(np.abs(ref))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_scratch_arrays_start_on_64_bytes(dtype):
+    """empty2 (every _mm operand is made by it): C-contiguous, the shape asked for, its data on a
+    64-byte boundary, whatever the allocator gave (many sizes, so many raw offsets)."""
+    import numba
+
+    from kda.cpu._products import empty2
+
+    @numba.njit
+    def make(rows, cols, x):
+        a = empty2(rows, cols, x.dtype)
+        a[:, :] = 1.0
+        return a
+
+    for rows, cols in [(1, 1), (3, 5), (7, 13), (64, 128), (16, 9), (2, 1)]:
+        a = make(rows, cols, np.zeros(1, dtype))
+        assert a.shape == (rows, cols) and a.dtype == dtype and a.flags.c_contiguous
+        assert a.ctypes.data % 64 == 0 and a.sum() == rows * cols
