@@ -7,9 +7,9 @@ imported (by the first kernel call), and logged on the ``kda.cpu`` logger:
 - ``scipy``: the BLAS of SciPy's ``cython_blas`` (its OpenBLAS; the one Numba's ``np.dot`` calls),
   in every install;
 - ``mkl``: Intel MKL's ``libmkl_rt`` (the ``mkl`` wheel, ``pip install "kda[mkl]"``), taken when it
-  is installed and the processor is Intel's. On an AMD Zen 4 MKL ran the chunk products 25-30 %
-  slower than SciPy's OpenBLAS (``python -m benchmarks.products --paths scipy mkl``), so AMD
-  processors keep SciPy's BLAS unless asked.
+  is installed and the processor is Intel's. AMD processors keep SciPy's BLAS unless asked: there
+  MKL ran the chunk products slower (``docs/speed.md``, "Product paths";
+  ``python -m benchmarks.products --paths scipy mkl``).
 
 The environment variable ``KDA_CPU_PRODUCTS`` (``auto``, the default, ``scipy`` or ``mkl``)
 overrides the choice. The kernels call Fortran ``sgemm``/``dgemm`` through two symbols,
