@@ -24,25 +24,25 @@ in under 3 s. Arrays on an accelerator are copied to the host for the callback.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ._entry import host as _host
+from ._entry.call import Inputs
 from ._entry.fla import (
     CHUNK_DOC,
     RECURRENT_DOC,
     FlaCall,
+    OpOptions,
     fla_function,
     packed_chunks,
 )
 from ._errors import InvalidInputError, InvalidTypeError
 
 __all__ = ["chunk_kda", "fused_recurrent_kda"]
-
-_GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
 
 
 def _compute_dtype(dtype: Any) -> Any:
@@ -65,50 +65,54 @@ def _host_offsets(cu: Any) -> tuple[int, ...] | None:
     return None if cu is None else tuple(int(n) for n in np.asarray(cu))
 
 
-def _host_forward(static: tuple[Any, ...], *arrays):
-    *x, cu = _host_arrays(arrays)
-    return tuple(np.asarray(a) for a in _host.forward(static, tuple(x), _host_offsets(cu)))
+class Residuals(NamedTuple):
+    """What the forward keeps for the backward (a pytree): the host arrays, the offsets and the
+    forward's boundaries (chunk-start states)."""
+
+    inputs: Inputs
+    cu_seqlens: Any
+    boundaries: Any
 
 
-def _host_backward(static: tuple[Any, ...], present: tuple[bool, ...], *arrays):
-    *x, cu, boundaries, do, dfinal, dboundaries = _host_arrays(arrays)
-    grads = _host.backward(static, tuple(x), _host_offsets(cu), boundaries, do, dfinal, dboundaries)()
-    return tuple(np.asarray(gr) for gr, p in zip(grads, present) if p)
+def _host_forward(static: OpOptions, x: Inputs, cu: Any):
+    x = Inputs._make(_host_arrays(x))
+    return tuple(np.asarray(a) for a in _host.forward(static, x, _host_offsets(cu)))
 
 
-def _forward(static: tuple[Any, ...], q, k, v, g, beta, s0, A_log, dt_bias, cu):
+def _host_backward(static: OpOptions, res: Residuals, do: Any, dfinal: Any, dboundaries: Any):
+    x = Inputs._make(_host_arrays(res.inputs))
+    boundaries, do, dfinal, dboundaries = _host_arrays((res.boundaries, do, dfinal, dboundaries))
+    cu = _host_offsets(res.cu_seqlens)
+    grads = _host.backward(static, x, cu, boundaries, do, dfinal, dboundaries)()
+    return tuple(np.asarray(gr) for gr, a in zip(grads, x) if a is not None)
+
+
+def _forward(static: OpOptions, x: Inputs, cu: Any):
     num_seqs = None if cu is None else cu.shape[0] - 1
-    o, final, boundaries = _host.shapes(static, q.shape, v.shape, num_seqs)
-    cd = _compute_dtype(q.dtype)
-    structs = (_struct(o, q.dtype), _struct(final, cd), _struct(boundaries, cd))
+    o, final, boundaries = _host.shapes(static, x.q.shape, x.v.shape, num_seqs)
+    cd = _compute_dtype(x.q.dtype)
+    structs = (_struct(o, x.q.dtype), _struct(final, cd), _struct(boundaries, cd))
     host = functools.partial(_host_forward, static)
-    args = (q, k, v, g, beta, s0, A_log, dt_bias, cu)
-    return jax.pure_callback(host, structs, *args, vmap_method="sequential")
+    return jax.pure_callback(host, structs, x, cu, vmap_method="sequential")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _kda(static: tuple[Any, ...], q, k, v, g, beta, s0, A_log, dt_bias, cu):
+def _kda(static: OpOptions, x: Inputs, cu: Any):
     """``(o, final_state, boundaries)``; the boundaries (chunk-start states) are differentiable."""
-    return _forward(static, q, k, v, g, beta, s0, A_log, dt_bias, cu)
+    return _forward(static, x, cu)
 
 
-def _kda_fwd(static: tuple[Any, ...], *args):
-    o, final, boundaries = _forward(static, *args)
-    return (o, final, boundaries), (*args, boundaries)
+def _kda_fwd(static: OpOptions, x: Inputs, cu: Any):
+    o, final, boundaries = _forward(static, x, cu)
+    return (o, final, boundaries), Residuals(x, cu, boundaries)
 
 
-def _kda_bwd(static: tuple[Any, ...], res: tuple[Any, ...], cotangents: tuple[Any, Any, Any]):
-    inputs, cu, boundaries = res[:8], res[8], res[9]
+def _kda_bwd(static: OpOptions, res: Residuals, cotangents: tuple[Any, Any, Any]):
     do, dfinal, dboundaries = cotangents
-    present = tuple(x is not None for x in inputs)
-    structs = tuple(_struct(x.shape, x.dtype) for x in inputs if x is not None)
-    host = functools.partial(_host_backward, static, present)
-    grads = iter(
-        jax.pure_callback(
-            host, structs, *inputs, cu, boundaries, do, dfinal, dboundaries, vmap_method="sequential"
-        )
-    )
-    return (*(next(grads) if p else None for p in present), None)
+    structs = tuple(_struct(a.shape, a.dtype) for a in res.inputs if a is not None)
+    host = functools.partial(_host_backward, static)
+    grads = iter(jax.pure_callback(host, structs, res, do, dfinal, dboundaries, vmap_method="sequential"))
+    return Inputs._make(None if a is None else next(grads) for a in res.inputs), None
 
 
 _kda.defvjp(_kda_fwd, _kda_bwd)
@@ -127,11 +131,13 @@ def _as_array(name: str, x: Any) -> Any:
     return jnp.asarray(x)
 
 
-def _apply(q, k, v, g, beta, s0, A_log, dt_bias, cu, call: FlaCall):
+def _apply(x: Inputs, cu: Any, call: FlaCall):
+    q, k, v, g, beta = x.steps
+    s0, A_log, dt_bias = x.initial_state, x.A_log, x.dt_bias
     dtype = q.dtype if call.static.method == "chunk" else v.dtype  # fused_recurrent_kda: v's, as fla
     k_dtype = k.dtype
     cd = _compute_dtype(q.dtype)  # the gate arrays' sizes: checked by _host.route
-    q, k, v, g, beta = (x.astype(cd) if x.dtype != cd else x for x in (q, k, v, g, beta))
+    q, k, v, g, beta = (a.astype(cd) if a.dtype != cd else a for a in (q, k, v, g, beta))
     if s0 is not None:
         s0 = (jnp.swapaxes(s0, -1, -2) if call.state_v_first else s0).astype(cd)
     HV, K = call.dt_bias_shape
@@ -148,7 +154,7 @@ def _apply(q, k, v, g, beta, s0, A_log, dt_bias, cu, call: FlaCall):
         except jax.errors.TracerArrayConversionError:
             msg = "return_intermediate_states=True with cu_seqlens needs concrete cu_seqlens (not under jit)"
             raise InvalidInputError(msg) from None
-    o, final, boundaries = _kda(call.static, q, k, v, g, beta, s0, A_log, dt_bias, cu)
+    o, final, boundaries = _kda(call.static, Inputs(q, k, v, g, beta, s0, A_log, dt_bias), cu)
     o = o.astype(dtype)
     final = (
         (jnp.swapaxes(final, -1, -2) if call.state_v_first else final) if call.output_final_state else None
@@ -159,20 +165,23 @@ def _apply(q, k, v, g, beta, s0, A_log, dt_bias, cu, call: FlaCall):
     return o, final, (jnp.swapaxes(h, -1, -2) if call.state_v_first else h).astype(k_dtype)
 
 
-def _host_decode(static: tuple[Any, ...], v_first: bool, pad: int, *arrays):
-    q, k, v, g, beta, pool, indices, accepted, A_log, dt_bias, cu = _host_arrays(arrays)
+def _host_decode(static: OpOptions, v_first: bool, pad: int, x: Inputs, pool, indices, accepted, cu):
+    x = Inputs._make(_host_arrays(x))
+    pool, indices, accepted = _host_arrays((pool, indices, accepted))
     pool = np.array(pool)  # JAX arrays are immutable: the updated pool is a new array
-    o = _host.decode(static, (q, k, v, g, beta, None, A_log, dt_bias), pool, indices, accepted,
-                     _host_offsets(cu), v_first, pad)  # fmt: skip
+    o = _host.decode(static, x, pool, indices, num_accepted_tokens=accepted, offsets=_host_offsets(cu),
+                     v_first=v_first, pad_slot_id=pad)  # fmt: skip
     return np.asarray(o), pool
 
 
-def _apply_pool(q, k, v, g, beta, pool, A_log, dt_bias, cu, call: FlaCall, kw: dict[str, Any]):
+def _apply_pool(x: Inputs, cu: Any, call: FlaCall, kw: dict[str, Any]):
     """``fused_recurrent_kda(..., initial_state=pool, ssm_state_indices=..., inplace_final_state=True)``
     (vLLM's call), functionally: returns ``(o, new_pool)``, the pool with the slots' rows written
     (a copy of the pool per call: JAX has no in-place update). Not differentiable. A float32,
     float16 or bfloat16 pool for float32 (and 16-bit) inputs: the new pool keeps its dtype (each
-    stored state rounded to it), as :func:`kda.decode_kda`."""
+    stored state rounded to it), as :func:`kda.decode_kda`. ``x.initial_state`` is the pool."""
+    q, k, v, g, beta = x.steps
+    pool, A_log, dt_bias = x.initial_state, x.A_log, x.dt_bias
     indices, accepted = (
         _as_array("ssm_state_indices", kw.get("ssm_state_indices")),
         kw.get("num_accepted_tokens"),
@@ -189,15 +198,15 @@ def _apply_pool(q, k, v, g, beta, pool, A_log, dt_bias, cu, call: FlaCall, kw: d
     HV, K = call.dt_bias_shape
     A_log = None if A_log is None else A_log.reshape(HV).astype(cd)
     dt_bias = None if dt_bias is None else dt_bias.reshape(HV, K).astype(cd)
-    q, k, v_, g, beta = (x.astype(cd) if x.dtype != cd else x for x in (q, k, v, g, beta))
+    q, k, v_, g, beta = (a.astype(cd) if a.dtype != cd else a for a in (q, k, v, g, beta))
     pad = kw.get("pad_slot_id", -1)
     if isinstance(pad, bool) or not isinstance(pad, int):
         msg = f"pad_slot_id must be an int (-1, or a pool row reserved for padding); got {type(pad).__name__}"
         raise InvalidTypeError(msg)
     structs = (_struct(v.shape, cd), _struct(pool.shape, pool.dtype))  # a 16-bit pool stays 16-bit
     host = functools.partial(_host_decode, call.static, call.state_v_first, pad)  # the pool's own layout
-    args = (q, k, v_, g, beta, pool, indices, accepted, A_log, dt_bias, cu)
-    o, new = jax.pure_callback(host, structs, *args, vmap_method="sequential")
+    steps = Inputs(q, k, v_, g, beta, A_log=A_log, dt_bias=dt_bias)
+    o, new = jax.pure_callback(host, structs, steps, pool, indices, accepted, cu, vmap_method="sequential")
     return o.astype(v.dtype), new
 
 
@@ -215,9 +224,10 @@ def _call(name: str, q, k, v, g, beta, kw: dict[str, Any]):
         name, arrays["q"].shape, arrays["v"].shape, kw, extra["A_log"], extra["dt_bias"],
         extra["cu_seqlens"] is not None,
     )  # fmt: skip
+    x = Inputs(**arrays, initial_state=extra["initial_state"], A_log=extra["A_log"], dt_bias=extra["dt_bias"])
     if path == "pool":
-        return _apply_pool(*arrays.values(), *extra.values(), call, kw)
-    return _apply(*arrays.values(), *extra.values(), call)
+        return _apply_pool(x, extra["cu_seqlens"], call, kw)
+    return _apply(x, extra["cu_seqlens"], call)
 
 
 def _chunk(q, k, v, g, beta, kw: dict[str, Any]):

@@ -14,7 +14,7 @@ chunk-start states; the backward reuses them and the forward's validated call (t
 therefore traces a model that calls it with ``fullgraph=True``.
 
 Inference (no input needs a gradient) skips autograd: ``fused_recurrent_kda`` then calls
-``torch.ops.kda.decode_states``, and the pool form (``ssm_state_indices``, ``num_accepted_tokens``,
+``torch.ops.kda.recurrent_inference``, and the pool form (``ssm_state_indices``, ``num_accepted_tokens``,
 ``inplace_final_state=True``, as vLLM calls it) ``torch.ops.kda.decode``, which writes the pool in
 place (``docs/decode.md``); both are declared with ``torch.library.Library`` (a cheaper call).
 
@@ -32,8 +32,10 @@ is tested, nccl on CUDA tensors is written but has not run; ``docs/context_paral
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+import operator
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -46,10 +48,12 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as current_d
 
 from ._entry import cp as _cp
 from ._entry import host as _host
+from ._entry.call import Inputs
 from ._entry.fla import (
     CHUNK_DOC,
     RECURRENT_DOC,
     FlaCall,
+    OpOptions,
     chunk_keywords,
     fla_function,
     packed_chunks,
@@ -58,15 +62,43 @@ from ._errors import InvalidInputError, InvalidTypeError
 
 __all__ = ["KdaCPContext", "build_cp_context", "chunk_kda", "fused_recurrent_kda"]
 
-_OPTION_ARGS = (
-    "str method, float scale, int chunk_size, bool qk_l2norm, str gate, float? lower_bound, "
-    "str beta_activation"
-)
-_INPUT_ARGS = (
-    "Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? initial_state, Tensor? A_log, "
-    "Tensor? dt_bias, Tensor? cu_seqlens"
-)
+# The ops' schemas, generated from the records they carry: the host arrays (kda._entry.call.Inputs:
+# a field with a default may be None) and the options that are not arrays (kda._entry.fla.OpOptions,
+# by their annotations). tests/interior/test_records.py ties each op to them.
+_SCHEMA_TYPES = {"str": "str", "float": "float", "int": "int", "bool": "bool", "float | None": "float?"}
+
+
+def _input_args() -> str:
+    tensors = [f"Tensor{'?' if n in Inputs._field_defaults else ''} {n}" for n in Inputs._fields]
+    return ", ".join([*tensors, "Tensor? cu_seqlens"])
+
+
+def _option_args() -> str:
+    hints = {n: getattr(a, "__forward_arg__", a) for n, a in OpOptions.__annotations__.items()}  # as written
+    return ", ".join(f"{_SCHEMA_TYPES[hints[n]]} {n}" for n in OpOptions._fields)
+
+
+_INPUT_ARGS, _OPTION_ARGS = _input_args(), _option_args()
+_STEP_ARGS = ", ".join(f"Tensor {n}" for n in Inputs._fields if n not in Inputs._field_defaults)
 _HALF = (torch.float16, torch.bfloat16)
+_INPUTS_OF, _OPTIONS_OF = operator.attrgetter(*Inputs._fields), operator.attrgetter(*OpOptions._fields)
+
+
+def _arguments(schema: str) -> tuple[str, ...]:
+    """The argument names of an op's schema ``(...) -> ...``, in order."""
+    inner = schema[schema.index("(") + 1 : schema.rindex(") ->")]
+    return tuple(a.split()[-1] for a in inner.split(", "))
+
+
+def _op_record(name: str, schema: str) -> type:
+    """A named tuple of an op's arguments, from its schema: the op's implementation reads them by
+    name (``a = Record._make(args)``), never by position."""
+    return collections.namedtuple(name, _arguments(schema))
+
+
+def _split(a: Any) -> tuple[Inputs, OpOptions]:
+    """The host arrays and the options of an op's argument record ``a``."""
+    return Inputs._make(_INPUTS_OF(a)), OpOptions._make(_OPTIONS_OF(a))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -186,18 +218,22 @@ def _offsets(cu_seqlens: torch.Tensor | None) -> tuple[int, ...] | None:
 # The custom ops
 
 
-@torch.library.custom_op(
-    "kda::forward", mutates_args=(), schema=f"({_INPUT_ARGS}, {_OPTION_ARGS}) -> (Tensor, Tensor, Tensor)"
-)
-def _forward_op(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, *options):
+FORWARD_SCHEMA = f"({_INPUT_ARGS}, {_OPTION_ARGS}) -> (Tensor, Tensor, Tensor)"
+_ForwardArgs = _op_record("ForwardArgs", FORWARD_SCHEMA)
+
+
+@torch.library.custom_op("kda::forward", mutates_args=(), schema=FORWARD_SCHEMA)
+def _forward_op(*args):
     """``(o [B, T, HV, V], final_state [N, HV, K, V], boundaries)`` (:func:`kda._entry.host.forward`)."""
-    inputs = (q, k, v, g, beta, initial_state, A_log, dt_bias)
-    with _on_stream(q):
-        o, final, boundaries = _host.forward(options, tuple(_array(t) for t in inputs), _offsets(cu_seqlens))
-        cd = _compute_dtype(q.dtype)
-        if options[0] != "chunk":  # the decode kernel's results: new arrays, no input's memory
-            return _fresh(o, v.dtype), _fresh(final, cd), q.new_empty((0,), dtype=cd)
-        o = _tensor(o, q.dtype, inputs)
+    a = _ForwardArgs._make(args)
+    inputs, options = _split(a)
+    with _on_stream(a.q):
+        x = Inputs._make(map(_array, inputs))
+        o, final, boundaries = _host.forward(options, x, _offsets(a.cu_seqlens))
+        cd = _compute_dtype(a.q.dtype)
+        if options.method != "chunk":  # the decode kernel's results: new arrays, no input's memory
+            return _fresh(o, a.v.dtype), _fresh(final, cd), a.q.new_empty((0,), dtype=cd)
+        o = _tensor(o, a.q.dtype, inputs)
         return o, _tensor(final, cd, inputs), _tensor(boundaries, cd, inputs)
 
 
@@ -205,112 +241,132 @@ def _forward_op(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, *op
 # calling a torch.library.custom_op costs tens of microseconds of Python (its aliasing checks and
 # wrappers), a Library-registered op about 3 us, and a decode step is a few tens of microseconds.
 _LIB = torch.library.Library("kda", "FRAGMENT")
-_STEPS = "Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta"
-_LIB.define(
-    f"decode({_STEPS}, Tensor(a!) state_pool, Tensor state_indices, Tensor? num_accepted_tokens, "
+DECODE_SCHEMA = (
+    f"({_STEP_ARGS}, Tensor(a!) state_pool, Tensor state_indices, Tensor? num_accepted_tokens, "
     f"Tensor? A_log, Tensor? dt_bias, Tensor? cu_seqlens, bool state_v_first, int pad_slot_id, "
     f"{_OPTION_ARGS}) -> Tensor"
 )
-_LIB.define(
-    f"decode_states({_STEPS}, Tensor? initial_state, Tensor? A_log, Tensor? dt_bias, Tensor? cu_seqlens, "
-    f"bool state_v_first, {_OPTION_ARGS}) -> (Tensor, Tensor)"
-)
+RECURRENT_INFERENCE_SCHEMA = f"({_INPUT_ARGS}, bool state_v_first, {_OPTION_ARGS}) -> (Tensor, Tensor)"
+_LIB.define("decode" + DECODE_SCHEMA)
+_LIB.define("recurrent_inference" + RECURRENT_INFERENCE_SCHEMA)
+_DecodeArgs = _op_record("DecodeArgs", DECODE_SCHEMA)
+_RecurrentInferenceArgs = _op_record("RecurrentInferenceArgs", RECURRENT_INFERENCE_SCHEMA)
 
 
-def _decode_impl(q, k, v, g, beta, state_pool, state_indices, num_accepted_tokens, A_log, dt_bias, cu_seqlens,
-                 state_v_first, pad_slot_id, *options):  # fmt: skip
+def _decode_impl(*args):
     """``o [B, T, HV, V]``; the rows of ``state_pool`` the slots name are written in place
     (:func:`kda._entry.host.decode`)."""
-    with _on_stream(q):
-        x = tuple(_array(t) for t in (q, k, v, g, beta, None, A_log, dt_bias))
-        slots = _array(state_indices), _array(num_accepted_tokens)
-        o = _host.decode(options, x, _pool_array(state_pool), *slots, _offsets(cu_seqlens), state_v_first,
-                         pad_slot_id)  # fmt: skip
-        return _fresh(o, v.dtype)
+    return _decode(_DecodeArgs._make(args))
 
 
-def _decode_states_impl(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, state_v_first, *options):
+def _decode(a: Any) -> torch.Tensor:
+    """:func:`_decode_impl` on its arguments' record."""
+    with _on_stream(a.q):
+        x = Inputs(
+            *map(_array, (a.q, a.k, a.v, a.g, a.beta)), A_log=_array(a.A_log), dt_bias=_array(a.dt_bias)
+        )
+        o = _host.decode(
+            OpOptions._make(_OPTIONS_OF(a)), x, _pool_array(a.state_pool), _array(a.state_indices),
+            num_accepted_tokens=_array(a.num_accepted_tokens), offsets=_offsets(a.cu_seqlens),
+            v_first=a.state_v_first, pad_slot_id=a.pad_slot_id,
+        )  # fmt: skip
+        return _fresh(o, a.v.dtype)
+
+
+def _recurrent_inference_impl(*args):
     """``(o [B, T, HV, V], final_state [N, HV, K, V])`` (``[N, HV, V, K]`` with ``state_v_first``)
     of the recurrence without autograd (:func:`kda._entry.host.forward`'s recurrent branch: the
     decode kernel)."""
-    with _on_stream(q):
-        x = tuple(_array(t) for t in (q, k, v, g, beta, initial_state, A_log, dt_bias))
-        o, final, _ = _host.forward(options, x, _offsets(cu_seqlens), state_v_first)
-        return _fresh(o, v.dtype), _fresh(final, _compute_dtype(q.dtype))
+    a = _RecurrentInferenceArgs._make(args)
+    inputs, options = _split(a)
+    with _on_stream(a.q):
+        x = Inputs._make(map(_array, inputs))
+        o, final, _ = _host.forward(options, x, _offsets(a.cu_seqlens), a.state_v_first)
+        return _fresh(o, a.v.dtype), _fresh(final, _compute_dtype(a.q.dtype))
 
 
 for _key in ("CPU", "CUDA"):
     _LIB.impl("decode", _decode_impl, _key)
-    _LIB.impl("decode_states", _decode_states_impl, _key)
+    _LIB.impl("recurrent_inference", _recurrent_inference_impl, _key)
 
 
 @torch.library.register_fake("kda::decode", lib=_LIB)
-def _decode_fake(q, k, v, g, beta, state_pool, *rest):
-    return torch.empty_like(v, memory_format=torch.contiguous_format)
+def _decode_fake(*args):
+    a = _DecodeArgs._make(args)
+    return torch.empty_like(a.v, memory_format=torch.contiguous_format)
 
 
-@torch.library.register_fake("kda::decode_states", lib=_LIB)
-def _decode_states_fake(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, state_v_first, *options):
-    num_seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    o, final, _ = _host.shapes(options, tuple(q.shape), tuple(v.shape), num_seqs)
-    if state_v_first:
+@torch.library.register_fake("kda::recurrent_inference", lib=_LIB)
+def _recurrent_inference_fake(*args):
+    a = _RecurrentInferenceArgs._make(args)
+    num_seqs = None if a.cu_seqlens is None else a.cu_seqlens.shape[0] - 1
+    options = OpOptions._make(_OPTIONS_OF(a))
+    o, final, _ = _host.shapes(options, tuple(a.q.shape), tuple(a.v.shape), num_seqs)
+    if a.state_v_first:
         final = (*final[:2], final[3], final[2])
-    return q.new_empty(o, dtype=v.dtype), q.new_empty(final, dtype=_compute_dtype(q.dtype))
+    return a.q.new_empty(o, dtype=a.v.dtype), a.q.new_empty(final, dtype=_compute_dtype(a.q.dtype))
 
 
 @_forward_op.register_fake
-def _forward_fake(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, *options):
-    num_seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    o, final, boundaries = _host.shapes(options, tuple(q.shape), tuple(v.shape), num_seqs)
-    cd = _compute_dtype(q.dtype)
-    out_dtype = q.dtype if options[0] == "chunk" else v.dtype
+def _forward_fake(*args):
+    a = _ForwardArgs._make(args)
+    options = OpOptions._make(_OPTIONS_OF(a))
+    num_seqs = None if a.cu_seqlens is None else a.cu_seqlens.shape[0] - 1
+    o, final, boundaries = _host.shapes(options, tuple(a.q.shape), tuple(a.v.shape), num_seqs)
+    cd = _compute_dtype(a.q.dtype)
+    out_dtype = a.q.dtype if options.method == "chunk" else a.v.dtype
+    q = a.q
     return q.new_empty(o, dtype=out_dtype), q.new_empty(final, dtype=cd), q.new_empty(boundaries, dtype=cd)
 
 
-@torch.library.custom_op(
-    "kda::backward",
-    mutates_args=(),
-    schema=f"({_INPUT_ARGS}, Tensor boundaries, Tensor grad_output, Tensor? grad_final_state, "
-    f"Tensor? grad_boundaries, {_OPTION_ARGS}) -> Tensor[]",
+BACKWARD_SCHEMA = (
+    f"({_INPUT_ARGS}, Tensor boundaries, Tensor grad_output, Tensor? grad_final_state, "
+    f"Tensor? grad_boundaries, {_OPTION_ARGS}) -> Tensor[]"
 )
-def _backward_op(
-    q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, boundaries, do, dfinal, dboundaries, *options
-):
+_BackwardArgs = _op_record("BackwardArgs", BACKWARD_SCHEMA)
+
+
+@torch.library.custom_op("kda::backward", mutates_args=(), schema=BACKWARD_SCHEMA)
+def _backward_op(*args):
     """Gradients of ``q, k, v, g, beta, initial_state, A_log, dt_bias``, each shaped and typed like
     its input; an empty tensor for an input that is None (:func:`kda._entry.host.backward`)."""
-    inputs = (q, k, v, g, beta, initial_state, A_log, dt_bias)
-    with _on_stream(q):
-        x = tuple(_array(t) for t in inputs)
-        cotangents = (_array(do), _array(dfinal), _array(dboundaries))
-        grads = _host.backward(options, x, _offsets(cu_seqlens), _array(boundaries), *cotangents)()
+    a = _BackwardArgs._make(args)
+    inputs, options = _split(a)
+    with _on_stream(a.q):
+        x = Inputs._make(map(_array, inputs))
+        cotangents = (_array(a.grad_output), _array(a.grad_final_state), _array(a.grad_boundaries))
+        grads = _host.backward(options, x, _offsets(a.cu_seqlens), _array(a.boundaries), *cotangents)()
         return [
-            q.new_empty((0,)) if t is None or gr is None else _tensor(gr, t.dtype, inputs)
+            a.q.new_empty((0,)) if t is None or gr is None else _tensor(gr, t.dtype, inputs)
             for t, gr in zip(inputs, grads)
         ]
 
 
 @_backward_op.register_fake
-def _backward_fake(q, k, v, g, beta, initial_state, A_log, dt_bias, *rest):
-    inputs = (q, k, v, g, beta, initial_state, A_log, dt_bias)
+def _backward_fake(*args):
+    a = _BackwardArgs._make(args)
     return [
-        q.new_empty((0,)) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
-        for t in inputs
+        a.q.new_empty((0,)) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
+        for t in _INPUTS_OF(a)
     ]
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs[:9], output[2])
-    ctx.options = inputs[9:]
+    a = _ForwardArgs._make(inputs)
+    _, _, boundaries = output
+    ctx.save_for_backward(*_INPUTS_OF(a), a.cu_seqlens, boundaries)
+    ctx.options = OpOptions._make(_OPTIONS_OF(a))
 
 
 def _backward(ctx, do, dfinal, dboundaries):
-    *inputs, boundaries = ctx.saved_tensors
+    *arrays, cu_seqlens, boundaries = ctx.saved_tensors
+    x = Inputs._make(arrays)
     if do is None:
-        dtype = inputs[0].dtype if ctx.options[0] == "chunk" else inputs[2].dtype
-        do = inputs[2].new_zeros(inputs[2].shape, dtype=dtype)
-    grads = _backward_op(*inputs, boundaries, do, dfinal, dboundaries, *ctx.options)
-    tensor_grads = [None if t is None else gr for t, gr in zip(inputs[:8], grads)]
-    return (*tensor_grads, None, *(None for _ in ctx.options))
+        dtype = x.q.dtype if ctx.options.method == "chunk" else x.v.dtype
+        do = x.v.new_zeros(x.v.shape, dtype=dtype)
+    grads = _backward_op(*x, cu_seqlens, boundaries, do, dfinal, dboundaries, *ctx.options)
+    tensor_grads = [None if t is None else gr for t, gr in zip(x, grads)]
+    return (*tensor_grads, None, *(None for _ in ctx.options))  # (cu_seqlens and the options: none)
 
 
 torch.library.register_autograd("kda::forward", _backward, setup_context=_setup_context)
@@ -364,16 +420,16 @@ def _apply(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, call: Fl
         initial_state = initial_state.to(cd)
     if cu_seqlens is not None:
         cu_seqlens = torch.as_tensor(cu_seqlens, dtype=torch.int64)
-    inputs = (q, k, v, g, beta, initial_state, A_log, dt_bias)
+    inputs = Inputs(q, k, v, g, beta, initial_state, A_log, dt_bias)
     if call.static.method != "chunk" and not _needs_grad(inputs):
         # inference: the decode kernel, no autograd node; a V-major state read and written as such
         args = (*inputs, cu_seqlens, call.state_v_first, *call.static)
-        o, final = _decode_states_impl(*args) if _eager(inputs) else torch.ops.kda.decode_states(*args)
+        direct = _eager(inputs)
+        o, final = _recurrent_inference_impl(*args) if direct else torch.ops.kda.recurrent_inference(*args)
         return o, (final if call.output_final_state else None)
     if initial_state is not None and call.state_v_first:
-        initial_state = initial_state.transpose(-1, -2)
-    args = (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, *call.static)
-    o, final, boundaries = _forward_op(*args)
+        inputs = inputs._replace(initial_state=initial_state.transpose(-1, -2))
+    o, final, boundaries = _forward_op(*inputs, cu_seqlens, *call.static)
     final = (
         None if not call.output_final_state else (final.transpose(-1, -2) if call.state_v_first else final)
     )
@@ -412,13 +468,16 @@ def _apply_pool(q, k, v, g, beta, pool, A_log, dt_bias, cu_seqlens, call: FlaCal
         N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
         indices = torch.arange(N, dtype=torch.int64)
     A_log, dt_bias = _gate_params(call, A_log, dt_bias, cd)
-    args = (q, k, v, g, beta, pool, indices, accepted, A_log, dt_bias, cu_seqlens, call.state_v_first, pad,
-            *call.static)  # fmt: skip
+    args = _DecodeArgs(
+        q=q, k=k, v=v, g=g, beta=beta, state_pool=pool, state_indices=indices, num_accepted_tokens=accepted,
+        A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens, state_v_first=call.state_v_first,
+        pad_slot_id=pad, **call.static._asdict(),
+    )  # fmt: skip
     # in eager inference mode (no version counters) the implementation directly: the op's
     # dispatch costs more than a small step; elsewhere the mutating op, which torch sees (the
     # compile check first: dynamo does not trace is_inference_mode_enabled)
     direct = _eager((q, k, v, g, beta, pool, indices, accepted)) and torch.is_inference_mode_enabled()
-    o = _decode_impl(*args) if direct else torch.ops.kda.decode(*args)
+    o = _decode(args) if direct else torch.ops.kda.decode(*args)
     return o, pool
 
 
@@ -594,20 +653,20 @@ class _ContextParallel(torch.autograd.Function):
         ctx, cp_ctx: KdaCPContext, static: tuple, want_final: bool, q, k, v, g, beta, s0, A_log, dt_bias
     ):
         p, group = cp_ctx.partition, cp_ctx.group
-        inputs = (q, k, v, g, beta, s0, A_log, dt_bias)
+        inputs = Inputs(q, k, v, g, beta, s0, A_log, dt_bias)
         cd = _compute_dtype(q.dtype)
         with _on_stream(q):
-            x = [_array(t) for t in inputs]
-            opts = chunk_keywords(static, x[6], x[7])
-            xp, adt = _namespace(x[2]), x[2].dtype
+            x = Inputs._make(map(_array, inputs))
+            opts = chunk_keywords(static, x.A_log, x.dt_bias)
+            xp, adt = _namespace(x.v), x.v.dtype
             shape = (v.shape[2], q.shape[3], v.shape[3])
-            own = _cp.forward_map(p, tuple(x[:5]), opts, adt)
+            own = _cp.forward_map(p, x.steps, opts, adt)
             maps = _all_gather(own, group, q) if p.crossing else None
-            starts = _cp.start_states(p, maps, x[5], shape, adt, xp)
-            out = _cp.forward_local(p, tuple(x[:5]), starts, opts)
+            starts = _cp.start_states(p, maps, x.initial_state, shape, adt, xp)
+            out = _cp.forward_local(p, x.steps, starts, opts)
             o = _tensor(out.output, q.dtype, inputs)
             if want_final:
-                share = _cp.final_state_share(p, out.final_state, x[5], xp)
+                share = _cp.final_state_share(p, out.final_state, x.initial_state, xp)
                 final = _all_reduce(_tensor(share, cd, inputs), group)
             else:
                 final = q.new_empty((0,), dtype=cd)
@@ -621,8 +680,9 @@ class _ContextParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dfinal):
         p, group = ctx.cp_ctx.partition, ctx.cp_ctx.group
-        *inputs, own, starts, boundaries = ctx.saved_tensors
-        q, v = inputs[0], inputs[2]
+        *saved, own, starts, boundaries = ctx.saved_tensors
+        inputs = Inputs._make(saved)
+        q, v = inputs.q, inputs.v
         if do is None:
             do = torch.zeros_like(v, dtype=q.dtype)
         if ctx.want_final:
@@ -630,21 +690,19 @@ class _ContextParallel(torch.autograd.Function):
                 dfinal = starts.new_zeros((p.num_seqs, *starts.shape[1:]))
             dfinal = _all_reduce(dfinal.to(starts.dtype).clone(), group)
         with _on_stream(q):
-            x = [_array(t) for t in inputs]
-            opts = chunk_keywords(ctx.static, x[6], x[7])
-            xp, adt = _namespace(x[2]), x[2].dtype
+            x = Inputs._make(map(_array, inputs))
+            opts = chunk_keywords(ctx.static, x.A_log, x.dt_bias)
+            xp, adt = _namespace(x.v), x.v.dtype
             shape = (v.shape[2], q.shape[3], v.shape[3])
             do_ = _array(do)
             dfinal_ = _array(dfinal) if ctx.want_final else None
             own_, starts_ = _array(own), _array(starts)
-            mine = _cp.backward_map(p, tuple(x[:5]), do_, opts, adt, own_map=own_)
+            mine = _cp.backward_map(p, x.steps, do_, opts, adt, own_map=own_)
             maps = _all_gather(mine, group, q) if p.crossing else None
             dends = _cp.end_gradients(p, maps, dfinal_, shape, adt, xp)
-            grads = _cp.backward_local(
-                p, tuple(x[:5]), starts_, _array(boundaries), do_, dends, opts, dfinal_
-            )
+            grads = _cp.backward_local(p, x.steps, starts_, _array(boundaries), do_, dends, opts, dfinal_)
             out = [
-                None if t is None or gr is None else _tensor(gr, t.dtype, tuple(inputs))
+                None if t is None or gr is None else _tensor(gr, t.dtype, inputs)
                 for t, gr in zip(inputs, grads)
             ]
         return (None, None, None, *out)

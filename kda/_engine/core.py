@@ -52,11 +52,11 @@ class Core(Protocol):
     def screens(self, q) -> bool: ...
 
     def forward(
-        self, q, k, v, g, beta, state, keep: bool = True, out=None, screen=None
+        self, q, k, v, g, beta, state, keep: bool = True, *, out=None, screen=None
     ) -> tuple[Any, Any, Any]: ...
 
     def backward(
-        self, q, k, v, g, beta, state, boundaries, do, dfinal, out=None, workspace=None, screen=None
+        self, q, k, v, g, beta, state, boundaries, do, dfinal, *, out=None, workspace=None, screen=None
     ) -> tuple[Any, ...]: ...
 
 
@@ -72,13 +72,13 @@ class RecurrentCore:
         return False
 
     def forward(
-        self, q, k, v, g, beta, state, keep: bool = True, out=None, screen=None
+        self, q, k, v, g, beta, state, keep: bool = True, *, out=None, screen=None
     ) -> tuple[Any, Any, Any]:
         o, final = self.ops.recurrent_forward(q, k, v, g, beta, self.scale, state)
         return _into(out, (o, final, None))
 
     def backward(
-        self, q, k, v, g, beta, state, boundaries, do, dfinal, out=None, workspace=None, screen=None
+        self, q, k, v, g, beta, state, boundaries, do, dfinal, *, out=None, workspace=None, screen=None
     ) -> tuple[Any, ...]:
         return _into(out, self.ops.recurrent_backward(q, k, v, g, beta, self.scale, state, do, dfinal))
 
@@ -137,7 +137,7 @@ class ChunkCore:
         return route[0].chunk_forward_heads is not None and route[0].chunk_backward_heads is not None
 
     def forward(
-        self, q, k, v, g, beta, state, keep: bool = True, out=None, screen=None
+        self, q, k, v, g, beta, state, keep: bool = True, *, out=None, screen=None
     ) -> tuple[Any, Any, Any]:
         """``(output, final_state, boundaries)``; ``keep=False`` may return None boundaries.
 
@@ -158,7 +158,7 @@ class ChunkCore:
         return _into(out, _cast(xp, q.dtype, *results))
 
     def backward(
-        self, q, k, v, g, beta, state, boundaries, do, dfinal, out=None, workspace=None, screen=None
+        self, q, k, v, g, beta, state, boundaries, do, dfinal, *, out=None, workspace=None, screen=None
     ) -> tuple[Any, ...]:
         """The six gradients. ``out``: six buffers of their shapes that receive them;
         ``workspace``: a ``[NT, B, HV, K, V]`` buffer for the recomputed boundaries (with

@@ -7,11 +7,10 @@ The chunked functions run the core's chunked algorithm; the recurrent ones the s
 
 from __future__ import annotations
 
-from typing import Any
-
 from .._backend import backend_doc
 from .._options.table import Array, Choices, takes_options
-from .call import KdaGradients, KdaOutput, open_call
+from .call import Inputs, KdaGradients, KdaOutput, open_call
+from .layout import check_state_v_first, k_major_state, v_major_output
 
 __all__ = [
     "KdaGradients",
@@ -79,21 +78,13 @@ def chunk_kda(
         float32 and return their own dtype.
     """
     call = open_call(q, k, v, g, beta, scale, opts, backend=backend, chunk_size=chunk_size, defer_gate=True)
-    v_first = _v_first(state_v_first)
+    v_first = check_state_v_first(state_v_first)
     if v_first:
-        from .states import k_major_state, v_major_output  # (states imports this module)
-
         initial_state = k_major_state("initial_state", initial_state, call.p)
     state = call.state_or_zeros("initial_state", initial_state)
     finite = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
-    out = call.forward((q, k, v, g, beta), state, save_boundaries, check_inputs=finite)
+    out = call.forward(Inputs(q, k, v, g, beta), state, save_boundaries, check_inputs=finite)
     return v_major_output(call.p.xp, out) if v_first else out
-
-
-def _v_first(state_v_first: Any) -> bool:
-    from .decode import check_state_v_first
-
-    return check_state_v_first(state_v_first)
 
 
 @takes_options()
@@ -128,10 +119,8 @@ def chunk_kda_backward(
         ``(q, k, v, g, beta, initial_state, A_log, dt_bias)``, each shaped like its input.
     """
     call = open_call(q, k, v, g, beta, scale, opts, backend=backend, chunk_size=chunk_size, defer_gate=True)
-    v_first = _v_first(state_v_first)
+    v_first = check_state_v_first(state_v_first)
     if v_first:
-        from .states import k_major_state, v_major_output
-
         initial_state = k_major_state("initial_state", initial_state, call.p)
         boundaries = k_major_state("boundaries", boundaries, call.p, call.boundaries_shape())
         grad_final_state = k_major_state("grad_final_state", grad_final_state, call.p)
@@ -143,7 +132,7 @@ def chunk_kda_backward(
         q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, boundaries=boundaries,
         grad_output=grad_output, grad_final_state=grad_final_state,
     )  # fmt: skip
-    inputs = (q, k, v, g, beta, opts.A_log, opts.dt_bias)
+    inputs = Inputs(q, k, v, g, beta, A_log=opts.A_log, dt_bias=opts.dt_bias)
     grads = call.backward(inputs, state, boundaries, do, dfinal, check_inputs=finite)
     return v_major_output(call.p.xp, grads) if v_first else grads
 
@@ -169,7 +158,7 @@ def recurrent_kda(
     call = open_call(q, k, v, g, beta, scale, opts, backend=backend, defer_gate=True)
     state = call.state_or_zeros("initial_state", initial_state)
     call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
-    return call.forward((q, k, v, g, beta), state, False)
+    return call.forward(Inputs(q, k, v, g, beta), state, False)
 
 
 @takes_options()
@@ -201,7 +190,8 @@ def recurrent_kda_backward(
         q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, grad_output=grad_output,
         grad_final_state=grad_final_state,
     )  # fmt: skip
-    return call.backward((q, k, v, g, beta, opts.A_log, opts.dt_bias), state, None, do, dfinal)
+    inputs = Inputs(q, k, v, g, beta, A_log=opts.A_log, dt_bias=opts.dt_bias)
+    return call.backward(inputs, state, None, do, dfinal)
 
 
 for _f in (chunk_kda, chunk_kda_backward, recurrent_kda, recurrent_kda_backward):

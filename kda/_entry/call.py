@@ -11,7 +11,7 @@ they compute the same thing the same way:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -41,7 +41,7 @@ from .._options.validation import (
     raise_for_gates,
 )
 
-__all__ = ["Call", "KdaGradients", "KdaOutput", "open_call"]
+__all__ = ["Call", "Inputs", "KdaGradients", "KdaOutput", "open_call"]
 
 # The raw inputs a backend's fused passes screen for NaN / inf as their chunks pass (the forward
 # reads q, k, v; the backward also grad_output and the boundaries): see Call.forward.
@@ -84,6 +84,31 @@ class KdaGradients(NamedTuple):
     dt_bias: Any = None
 
 
+class Inputs(NamedTuple):
+    """The arrays of one call, by name: the fields of :class:`KdaGradients`, in its order.
+
+    ``q, k [B, H, T, K]``, ``v [B, HV, T, V]``, ``g [B, HV, T, K]``, ``beta [B, HV, T]`` (in the
+    call's layout); ``initial_state [N, HV, K, V]``, ``A_log [HV]``, ``dt_bias [HV, K]``, each
+    None where absent (or not needed: the forward reads ``q .. beta``, the backward also
+    ``A_log`` and ``dt_bias``). The adapters' host arrays (:mod:`kda._entry.host`) are this
+    record, time-major in the compute dtype.
+    """
+
+    q: Any
+    k: Any
+    v: Any
+    g: Any
+    beta: Any
+    initial_state: Any = None
+    A_log: Any = None
+    dt_bias: Any = None
+
+    @property
+    def steps(self) -> tuple[Any, Any, Any, Any, Any]:
+        """``(q, k, v, g, beta)``: the arrays with a time axis."""
+        return (self.q, self.k, self.v, self.g, self.beta)
+
+
 def open_call(
     q, k, v, g, beta, scale: Any, opts: Choices, *, backend: str | None, chunk_size: Any = None,
     defer_gate: bool = False,
@@ -102,10 +127,10 @@ def open_call(
         gate_check = partial(ScreenedGate, xp)  # the fused passes screen g (Call._gate_before)
     p, o = check_options_call(q, k, v, g, beta, scale, opts, gate_check)
     if chunk_size is None:
-        core: Core = RecurrentCore(ops, p.scale)
+        core: Core = RecurrentCore(ops=ops, scale=p.scale)
     else:
-        core = ChunkCore(ops, p.scale, check_chunk_size(chunk_size))
-    return Call(p, o, core, bool(opts.check_finite))
+        core = ChunkCore(ops=ops, scale=p.scale, chunk_size=check_chunk_size(chunk_size))
+    return Call(p=p, o=o, core=core, check=bool(opts.check_finite))
 
 
 @dataclass(frozen=True)
@@ -116,6 +141,31 @@ class Call:
     o: Options
     core: Core
     check: bool
+
+    # --- calls derived from this one (validated already: composition checks nothing again)
+
+    def packed(self, offsets: tuple[int, ...]) -> Call:
+        """This call on one row of packed sequences at host ``offsets`` (``cu_seqlens``): ``B = 1``,
+        ``T = offsets[-1]``; the arrays are this call's, reshaped by the caller to one row."""
+        return replace(self, p=replace(self.p, B=1, T=offsets[-1], offsets=tuple(offsets)))
+
+    def segment(self, a: int, b: int) -> Call:
+        """This call on steps ``a:b`` of its (unpacked) sequences; the arrays sliced by the caller
+        (:meth:`steps`)."""
+        return replace(self, p=replace(self.p, T=b - a, offsets=None))
+
+    def widened(self, V: int) -> Call:
+        """This call with values ``V`` wide (a transition's ``[0, v]``: ``K + V``)."""
+        return replace(self, p=replace(self.p, V=V))
+
+    def steps(self, x: Inputs, a: int, b: int) -> Inputs:
+        """Steps ``a:b`` of ``x``'s arrays with a time axis (in this call's layout); the rest as they are."""
+        t = (
+            (slice(None), slice(None), slice(a, b))
+            if self.p.layout == "head_first"
+            else (slice(None), slice(a, b))
+        )
+        return x._replace(**{n: getattr(x, n)[t] for n in ("q", "k", "v", "g", "beta")})
 
     # --- checks of the other arguments
 
@@ -206,20 +256,19 @@ class Call:
 
     # --- the computation
 
-    def core_inputs(self, q, k, v, g, beta) -> CoreInputs:
-        """The core's inputs: head-first, in the compute dtype, with every option applied."""
+    def core_inputs(self, x: Inputs) -> CoreInputs:
+        """The core's inputs from ``x.q .. x.beta``: head-first, in the compute dtype, with every
+        option applied."""
         p, xp = self.p, self.p.xp
-        arrays = [
-            head_first(xp, xp.astype(x, p.compute_dtype, copy=False), p.layout) for x in (q, k, v, g, beta)
-        ]
+        arrays = [head_first(xp, xp.astype(a, p.compute_dtype, copy=False), p.layout) for a in x.steps]
         with floating_point_quiet(xp):
             return prepare_core_inputs(xp, *arrays, self.o, p.HV)
 
     def forward(
-        self, inputs: tuple, state: Any, keep: bool, out: KdaOutput | None = None,
+        self, inputs: Inputs, state: Any, keep: bool, *, out: KdaOutput | None = None,
         check_inputs: dict | None = None,
     ) -> KdaOutput:  # fmt: skip
-        """The forward of raw ``inputs = (q, k, v, g, beta)`` from ``state``.
+        """The forward of the raw ``inputs`` (``q .. beta`` read) from ``state``.
 
         ``out``: a :class:`KdaOutput` of buffers (the output's dtype and layout; states in the
         compute dtype; ``boundaries`` may be None) that receive the results and are returned.
@@ -230,7 +279,7 @@ class Call:
         message, only when it saw a non-finite value.
         """
         p, xp = self.p, self.p.xp
-        core_in = self.core_inputs(*inputs)
+        core_in = self.core_inputs(inputs)
         screen = self._screen(core_in.q) if check_inputs is not None and out is None else None
         self._check_before(check_inputs, screen)
         self._gate_before(screen)
@@ -238,8 +287,17 @@ class Call:
         bufs = (head_first(xp, out.output, p.layout), out.final_state, out.boundaries) if direct else None
         with floating_point_quiet(xp):
             if p.offsets is None:
-                args = (core_in.q, core_in.k, core_in.v, core_in.g, core_in.beta, state, keep, bufs, screen)
-                o, final, boundaries = self.core.forward(*args)
+                o, final, boundaries = self.core.forward(
+                    core_in.q,
+                    core_in.k,
+                    core_in.v,
+                    core_in.g,
+                    core_in.beta,
+                    state,
+                    keep,
+                    out=bufs,
+                    screen=screen,
+                )
             else:
                 o, final, boundaries = run_packed_forward(
                     self.core, xp, core_in, state, p.offsets, keep, bufs
@@ -256,10 +314,11 @@ class Call:
         return out
 
     def backward(
-        self, inputs: tuple, state: Any, boundaries: Any, do: Any, dfinal: Any,
+        self, inputs: Inputs, state: Any, boundaries: Any, do: Any, dfinal: Any, *,
         out: KdaGradients | None = None, workspace: Any = None, check_inputs: dict | None = None,
     ) -> KdaGradients:  # fmt: skip
-        """Gradients of raw ``inputs = (q, k, v, g, beta, A_log, dt_bias)``.
+        """Gradients of the raw ``inputs`` (``q .. beta``, ``A_log`` and ``dt_bias`` read;
+        ``initial_state`` is ``state``).
 
         ``do``: head-first output gradient in the compute dtype; ``dfinal``: the final state's
         gradient ``[N, HV, K, V]``. ``out``: a
@@ -268,30 +327,21 @@ class Call:
         ``check_inputs``: as for :meth:`forward`.
         """
         p, xp, o = self.p, self.p.xp, self.o
-        core_in = self.core_inputs(*inputs[:5])
+        core_in = self.core_inputs(inputs)
         screen = self._screen(core_in.q) if check_inputs is not None and out is None else None
         self._check_before(check_inputs, screen)
         self._gate_before(screen)
         direct = out is not None and p.dtype == p.compute_dtype and o.is_identity and p.H == p.HV
         bufs = None
         if direct:
-            bufs = (*(head_first(xp, x, p.layout) for x in out[:5]), out.initial_state)
+            steps = (out.q, out.k, out.v, out.g, out.beta)
+            bufs = (*(head_first(xp, x, p.layout) for x in steps), out.initial_state)
         with floating_point_quiet(xp):
             if p.offsets is None:
                 grads = self.core.backward(
-                    core_in.q,
-                    core_in.k,
-                    core_in.v,
-                    core_in.g,
-                    core_in.beta,
-                    state,
-                    boundaries,
-                    do,
-                    dfinal,
-                    bufs,
-                    workspace,
-                    screen,
-                )
+                    core_in.q, core_in.k, core_in.v, core_in.g, core_in.beta, state, boundaries, do, dfinal,
+                    out=bufs, workspace=workspace, screen=screen,
+                )  # fmt: skip
             else:
                 grads = run_packed_backward(
                     self.core, xp, core_in, state, boundaries, do, dfinal, p.offsets, bufs
@@ -308,7 +358,7 @@ class Call:
         grads = [xp.astype(head_first(xp, x, p.layout), p.dtype, copy=False) for x in (dq, dk, dv, dg, dbeta)]
         params = [
             None if d is None else xp.astype(d, x.dtype, copy=False)
-            for d, x in ((dA_log, inputs[5]), (ddt_bias, inputs[6]))
+            for d, x in ((dA_log, inputs.A_log), (ddt_bias, inputs.dt_bias))
         ]
         result = KdaGradients(*grads, dinitial, *params)
         if out is None:

@@ -34,13 +34,14 @@ from typing import Any
 
 import array_api_compat
 
-from .._backend import cpu_available, get_backend
+from .._backend import get_backend
 from .._errors import InvalidInputError, InvalidTypeError, KdaError
 from .._options.checks import warn_if_diverged
 from .._options.maps import head_first
-from .._options.table import Array, Choices, takes_options
-from .._options.validation import Problem, _host_integers, check_array, check_state
-from .call import Call, KdaOutput, open_call
+from .._options.table import Array, Choices, is_plain, takes_options
+from .._options.validation import Problem, _host_integers, c_contiguous, check_array, check_state
+from .call import Call, Inputs, KdaOutput, open_call
+from .layout import check_state_v_first
 
 __all__ = ["DecodePlan", "Slots", "decode_kda", "decode_states", "prepare_decode_kda"]
 
@@ -135,16 +136,6 @@ def check_pad_slot_id(pad_slot_id: Any, P: int) -> int:
         msg = f"pad_slot_id must be -1 or a pool row in [0, {P}) reserved for padding; got {int(pad_slot_id)}"
         raise InvalidInputError(msg)
     return int(pad_slot_id)
-
-
-def check_state_v_first(state_v_first: Any) -> bool:
-    if not isinstance(state_v_first, bool):
-        msg = (
-            "state_v_first must be a bool (True: states [.., V, K], V-major; False: [.., K, V]); got "
-            f"{state_v_first!r} of type {type(state_v_first).__name__}"
-        )
-        raise InvalidTypeError(msg)
-    return state_v_first
 
 
 @dataclass(frozen=True)
@@ -342,19 +333,19 @@ def _slot_per_step(
 
 
 def _run(
-    call: Call, inputs: tuple, pool: Any, slots: Slots, out: Any = None, final_pool: Any = None,
+    call: Call, inputs: Inputs, pool: Any, slots: Slots, *, out: Any = None, final_pool: Any = None,
     v_first: bool = False,
 ) -> Any:  # fmt: skip
     """The general route: options mapped, the backend's kernel, the output in the caller's layout."""
     p, xp = call.p, call.p.xp
-    c = call.core_inputs(*inputs)
+    c = call.core_inputs(inputs)
     ops = call.core.ops
     if v_first:
-        o = ops.decode_forward(c.q, c.k, c.v, c.g, c.beta, p.scale, pool, slots.start, slots.dest, p.offsets,
-                               final_pool, v_first=True)  # fmt: skip
+        o = ops.decode_forward(c.q, c.k, c.v, c.g, c.beta, p.scale, pool, slots.start, slots.dest,
+                               offsets=p.offsets, final_pool=final_pool, v_first=True)  # fmt: skip
     else:
-        o = ops.decode_forward(c.q, c.k, c.v, c.g, c.beta, p.scale, pool, slots.start, slots.dest, p.offsets,
-                               final_pool)  # fmt: skip
+        o = ops.decode_forward(c.q, c.k, c.v, c.g, c.beta, p.scale, pool, slots.start, slots.dest,
+                               offsets=p.offsets, final_pool=final_pool)  # fmt: skip
     o = head_first(xp, xp.astype(o, p.dtype, copy=False), p.layout)
     if call.check:
         warn_if_diverged(xp, o, stacklevel=4)
@@ -435,8 +426,8 @@ def decode_kda(
         Wrong dtypes (the pool must be the compute dtype) or array types.
     """
     if opts.cu_seqlens is None and (state_v_first is False or state_v_first is True):
-        out = _numpy_route(q, k, v, g, beta, state_pool, state_indices, scale, backend, opts,
-                           num_accepted_tokens=num_accepted_tokens, v_first=state_v_first,
+        out = _numpy_route(q, k, v, g, beta, state_pool, state_indices, scale=scale, backend=backend,
+                           opts=opts, num_accepted_tokens=num_accepted_tokens, v_first=state_v_first,
                            pad=pad_slot_id)  # fmt: skip
         if out is not None:
             return out
@@ -447,7 +438,7 @@ def decode_kda(
     pad = check_pad_slot_id(pad_slot_id, P)
     slots = check_slots(state_indices, num_accepted_tokens, p.N, p.T, p.offsets, P, pad)
     call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta)
-    return _run(call, (q, k, v, g, beta), state_pool, slots, v_first=v_first)
+    return _run(call, Inputs(q, k, v, g, beta), state_pool, slots, v_first=v_first)
 
 
 _ROWS: dict[int, Slots] = {}  # N -> request n on row n (arange(N), int64, read-only): decode_states
@@ -489,8 +480,8 @@ def decode_states(
         if plain and getattr(q, "ndim", 0) == 4 and initial_state.shape[0] == q.shape[0]:
             final = np.empty(initial_state.shape, initial_state.dtype)
             rows = _rows(initial_state.shape[0])
-            out = _numpy_route(q, k, v, g, beta, initial_state, rows.start, scale, backend, opts, final,
-                               slots=rows, v_first=v_first)  # fmt: skip
+            out = _numpy_route(q, k, v, g, beta, initial_state, rows.start, scale=scale, backend=backend,
+                               opts=opts, final_pool=final, slots=rows, v_first=v_first)  # fmt: skip
             if out is not None:
                 return KdaOutput(out, final, None)
     call = open_call(q, k, v, g, beta, scale, opts, backend=backend)
@@ -501,14 +492,14 @@ def decode_states(
     final = xp.zeros(shape, dtype=p.compute_dtype, device=array_api_compat.device(q))
     slots = _rows(p.N)
     if initial_state is None:
-        return KdaOutput(_run(call, (q, k, v, g, beta), final, slots, v_first=v_first), final, None)
+        return KdaOutput(_run(call, Inputs(q, k, v, g, beta), final, slots, v_first=v_first), final, None)
     if v_first:
         rows = "B" if p.offsets is None else "N"
         check_array("initial_state", initial_state, p, shape, f"{rows}, HV, V, K", p.compute_dtype,
                     "states are float64 for float64 inputs, float32 otherwise")  # fmt: skip
     else:
         check_state("initial_state", initial_state, p)
-    o = _run(call, (q, k, v, g, beta), initial_state, slots, final_pool=final, v_first=v_first)
+    o = _run(call, Inputs(q, k, v, g, beta), initial_state, slots, final_pool=final, v_first=v_first)
     return KdaOutput(o, final, None)
 
 
@@ -516,30 +507,41 @@ def decode_states(
 # the direct NumPy route
 
 
-def _plain(opts: Choices) -> bool:
-    """The options leave the inputs as they are (only the layout and check_finite may differ)."""
-    return (
-        opts.gate == "log" and opts.qk_l2norm is False and opts.beta_activation is None and opts.A_log is None
-        and opts.dt_bias is None and opts.lower_bound is None and opts.cu_seqlens is None
-        and opts.layout in ("head_first", "time_major")
-    )  # fmt: skip
+_NUMPY_BACKENDS: dict[Any, Any] = {}  # backend argument -> the backend module NumPy arrays run on
 
 
-_CPU: list[Any] = []  # the cpu backend module, once looked up
+def _numpy_backend(backend: Any) -> Any:
+    """The backend :func:`~kda._backend.get_backend` gives NumPy arrays for ``backend`` (as the
+    general route's :func:`~kda._entry.call.open_call`), looked up once; None where it refuses
+    (the general route words the error)."""
+    ops = _NUMPY_BACKENDS.get(backend)
+    if ops is None and (backend is None or isinstance(backend, str)):
+        import numpy as np
+
+        try:
+            ops = _NUMPY_BACKENDS[backend] = get_backend(np, backend)
+        except KdaError:
+            return None
+    return ops
 
 
-def _numpy_route(q, k, v, g, beta, pool, state_indices, scale, backend, opts, final_pool=None,
-                 num_accepted_tokens=None, slots=None, v_first=False, pad=PADDING) -> Any:  # fmt: skip
-    """The output of a plain NumPy call on the cpu backend, or None to take the general route.
+def _numpy_route(
+    q, k, v, g, beta, pool, state_indices, *, scale, backend, opts, final_pool=None, num_accepted_tokens=None,
+    slots=None, v_first=False, pad=PADDING,
+) -> Any:  # fmt: skip
+    """The output of a plain NumPy call, or None to take the general route.
 
-    Every check of the general route that can fail for such a call is made here too (types,
-    shapes, dtypes, the pool's writability, the slots by :func:`check_slots` itself, ``g <= 0``
-    and finiteness, the last two in one compiled pass over the inputs); any failure returns None
-    before anything is written, and the general route raises its own error. ``final_pool``: the
-    pool that receives the states (checked by the caller), or None (``pool``, in place);
-    ``slots``: the :class:`Slots` of ``state_indices`` where the caller knows them valid (each
-    request its own row: :func:`decode_states`), or None to check them here; ``v_first``: the
-    pools' layout (a bool); ``pad``: ``pad_slot_id``.
+    A plain call (:func:`~kda._options.table.is_plain`: the options leave the inputs as they are)
+    runs the backend's kernel on the arrays as given, through the backend's own screen of them
+    (``decode_screen``: dtypes, contiguity, ``g <= 0`` and finiteness, in one pass on the cpu
+    backend) and of the output (``decode_finite``). Every check of the general route that can
+    fail for such a call is made here too (types, shapes, dtypes, the pool's writability, the
+    slots by :func:`check_slots` itself); any failure returns None before anything is written,
+    and the general route raises its own error. ``final_pool``: the pool that receives the
+    states (checked by the caller), or None (``pool``, in place); ``slots``: the :class:`Slots`
+    of ``state_indices`` where the caller knows them valid (each request its own row:
+    :func:`decode_states`), or None to check them here; ``v_first``: the pools' layout (a
+    bool); ``pad``: ``pad_slot_id``.
     """
     import numpy as np
 
@@ -547,7 +549,11 @@ def _numpy_route(q, k, v, g, beta, pool, state_indices, scale, backend, opts, fi
     if not (type(q) is nd and type(k) is nd and type(v) is nd and type(g) is nd and type(beta) is nd
             and type(pool) is nd):  # fmt: skip
         return None
-    if backend not in (None, "cpu") or not _plain(opts) or not cpu_available():
+    if not is_plain(opts):
+        return None
+    ops = _numpy_backend(backend)
+    screen = getattr(ops, "decode_screen", None)
+    if screen is None:
         return None
     dt, shape, head_major = q.dtype, q.shape, opts.layout == "head_first"
     pool_dt = pool.dtype is dt or (dt.type is np.float32 and is_half_pool(pool.dtype))
@@ -565,21 +571,15 @@ def _numpy_route(q, k, v, g, beta, pool, state_indices, scale, backend, opts, fi
         slots = _direct_slots(state_indices, num_accepted_tokens, N, T, pool.shape[0], pad)
     if slots is None:
         return None
-    if not _CPU:
-        _CPU.append(get_backend(np, "cpu"))
-    ops = _CPU[0]
     check = opts.check_finite is True
-    if not ops.decode_screen(q, k, v, g, beta, check):  # dtypes, contiguity, g <= 0, finite
+    if not screen(q, k, v, g, beta, check):  # dtypes, contiguity, g <= 0, finite
         return None
     s = K**-0.5 if scale is None else float(scale)
     start, dest = slots.start, slots.dest
-    if head_major:
-        out = ops.decode_forward(q, k, v, g, beta, s, pool, start, dest, None, final_pool, None, v_first)
-    else:
-        qh, kh, vh = q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2)
-        gh, bh = g.swapaxes(1, 2), beta.swapaxes(1, 2)
-        out = ops.decode_forward(qh, kh, vh, gh, bh, s, pool, start, dest, None, final_pool, None, v_first)
-    # the output's finiteness in one compiled pass (no warning from a sum of large finite values)
+    if not head_major:
+        q, k, v, g, beta = (x.swapaxes(1, 2) for x in (q, k, v, g, beta))
+    out = ops.decode_forward(q, k, v, g, beta, s, pool, start, dest, final_pool=final_pool, v_first=v_first)
+    # the output's finiteness in one pass of the backend (no warning from a sum of large finite values)
     if check and not ops.decode_finite(out):
         warn_if_diverged(np, out, stacklevel=3)
     return out if head_major else out.swapaxes(1, 2)
@@ -628,7 +628,7 @@ class DecodePlan:
     """
 
     call: Call
-    inputs: tuple
+    inputs: Inputs  # q .. beta
     pool: Any
     state_indices: Any
     num_accepted_tokens: Any
@@ -641,7 +641,7 @@ class DecodePlan:
     def __post_init__(self) -> None:
         p, xp = self.call.p, self.call.p.xp
         # what runs read: head-first views of the bound buffers (valid while they are refilled)
-        self._views = tuple(head_first(xp, x, p.layout) for x in self.inputs)
+        self._views = tuple(head_first(xp, x, p.layout) for x in self.inputs.steps)
         self._buffer = head_first(xp, self.out, p.layout)
         idx = self.state_indices
         one_d = (
@@ -669,22 +669,22 @@ class DecodePlan:
             )
         self._recheck_gate()
         if not self.direct:
-            return _run(self.call, self.inputs, self.pool, slots, self.out, v_first=self.v_first)
+            return _run(self.call, self.inputs, self.pool, slots, out=self.out, v_first=self.v_first)
         buffer = self._buffer
         ops = self.call.core.ops
         if self.v_first:
-            o = ops.decode_forward(*self._views, p.scale, self.pool, slots.start, slots.dest, p.offsets,
-                                   out=buffer, v_first=True)  # fmt: skip
+            o = ops.decode_forward(*self._views, p.scale, self.pool, slots.start, slots.dest,
+                                   offsets=p.offsets, out=buffer, v_first=True)  # fmt: skip
         else:
             o = ops.decode_forward(
-                *self._views, p.scale, self.pool, slots.start, slots.dest, p.offsets, out=buffer
+                *self._views, p.scale, self.pool, slots.start, slots.dest, offsets=p.offsets, out=buffer
             )
         if o is not buffer:
             buffer[...] = o
         return self.out
 
     def _recheck_gate(self) -> None:
-        g, xp = self.inputs[3], self.call.p.xp
+        g, xp = self.inputs.g, self.call.p.xp
         if self.call.o.gate != "log" or array_api_compat.is_cupy_namespace(xp) or g.size == 0:
             return
         if not bool((g.max() if hasattr(g, "max") else xp.max(g)) <= 0):
@@ -696,11 +696,6 @@ def _is_int64_vector(x: Any, N: int) -> bool:
     import numpy as np
 
     return type(x) is np.ndarray and x.dtype == np.int64 and x.shape == (N,) and x.flags.c_contiguous
-
-
-def _c_contiguous(x: Any) -> bool:
-    flags = getattr(x, "flags", None)
-    return True if flags is None or not hasattr(flags, "c_contiguous") else bool(flags.c_contiguous)
 
 
 @takes_options()
@@ -739,7 +734,7 @@ def prepare_decode_kda(
     check_slots(state_indices, num_accepted_tokens, p.N, p.T, p.offsets, P, pad)
     call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta)
     for name, x in zip(("q", "k", "v", "g", "beta"), (q, k, v, g, beta)):
-        if not _c_contiguous(x):
+        if not c_contiguous(x):
             msg = f"prepared decode requires C-contiguous bindings: {name} (shape {tuple(x.shape)}) is not"
             raise InvalidInputError(msg)
     shape = p.shape(p.HV, p.V)
@@ -747,11 +742,11 @@ def prepare_decode_kda(
         out = p.xp.zeros(shape, dtype=p.dtype, device=array_api_compat.device(q))
     else:
         check_array("out", out, p, shape, p.letters("HV", "V"), p.dtype, "the dtype of q")
-        if not array_api_compat.is_writeable_array(out) or not _c_contiguous(out):
+        if not array_api_compat.is_writeable_array(out) or not c_contiguous(out):
             msg = "out must be a writable C-contiguous array (runs write the output into it)"
             raise InvalidInputError(msg)
     direct = call.o.is_identity and p.H == p.HV and p.dtype == p.compute_dtype
-    inputs = (q, k, v, g, beta)
     return DecodePlan(
-        call, inputs, state_pool, state_indices, num_accepted_tokens, out, P, direct, v_first, pad
-    )
+        call=call, inputs=Inputs(q, k, v, g, beta), pool=state_pool, state_indices=state_indices,
+        num_accepted_tokens=num_accepted_tokens, out=out, P=P, direct=direct, v_first=v_first, pad=pad,
+    )  # fmt: skip

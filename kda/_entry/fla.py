@@ -36,8 +36,8 @@ from .._options.table import Choices
 from .._options.validation import check_chunk_size, check_scale
 
 __all__ = [
-    "KEYWORD_TABLE", "FlaCall", "Static", "boundary_bound", "check_gate_sizes", "choices", "chunk_keywords",
-    "packed_chunks", "translate",
+    "KEYWORD_TABLE", "FlaCall", "OpOptions", "boundary_bound", "check_gate_sizes", "choices",
+    "chunk_keywords", "packed_chunks", "translate",
 ]  # fmt: skip
 
 # keyword -> (class, what kda does with it); the README's table restates it
@@ -230,9 +230,10 @@ def fla_function(name: str, call: Any, module: str, doc: str) -> Any:
     return function
 
 
-class Static(NamedTuple):
+class OpOptions(NamedTuple):
     """The options of an fla-style call that are not arrays, checked: a hashable tuple (an op's
-    non-tensor arguments, in this order, or a ``custom_vjp``'s static argument)."""
+    non-tensor arguments, in this order: :mod:`kda.torch` generates its ops' schemas from these
+    fields and their annotations; or a ``custom_vjp``'s static argument)."""
 
     method: str  # "chunk" or "recurrent"
     scale: float
@@ -243,8 +244,8 @@ class Static(NamedTuple):
     beta_activation: str  # "" for none (an op argument cannot be None)
 
     @classmethod
-    def of(cls, options: tuple[Any, ...]) -> Static:
-        """``options`` (a :class:`Static`, or the plain tuple an op received) as a :class:`Static`."""
+    def of(cls, options: tuple[Any, ...]) -> OpOptions:
+        """``options`` (a :class:`OpOptions`, or the plain tuple an op received) as a :class:`OpOptions`."""
         return options if type(options) is cls else cls._make(options)
 
 
@@ -252,34 +253,34 @@ class Static(NamedTuple):
 class FlaCall:
     """One fla-style call, translated.
 
-    ``static`` holds the options that are not arrays (a :class:`Static`; :func:`choices` reads
+    ``static`` holds the options that are not arrays (a :class:`OpOptions`; :func:`choices` reads
     them); ``dt_bias_shape`` is
     ``(HV, K)``; ``state_v_first``, ``output_final_state`` and ``intermediate_states``
     (``return_intermediate_states``) are applied by the adapter.
     """
 
-    static: Static
+    static: OpOptions
     output_final_state: bool
     state_v_first: bool
     dt_bias_shape: tuple[int, int]
     intermediate_states: bool = False
 
 
-def choices(static: Static, A_log: Any = None, dt_bias: Any = None, offsets: Any = None) -> Choices:
-    """The options of a :class:`Static` as the table's :class:`~kda._options.table.Choices`
+def choices(static: OpOptions, A_log: Any = None, dt_bias: Any = None, offsets: Any = None) -> Choices:
+    """The options of a :class:`OpOptions` as the table's :class:`~kda._options.table.Choices`
     (time-major), with the gate's arrays and host ``offsets`` (``cu_seqlens``) or None."""
-    static = Static.of(static)
+    static = OpOptions.of(static)
     return Choices(
         layout="time_major", qk_l2norm=static.qk_l2norm, gate=static.gate, A_log=A_log, dt_bias=dt_bias,
         lower_bound=static.lower_bound, beta_activation=static.beta_activation or None, cu_seqlens=offsets,
     )  # fmt: skip
 
 
-def chunk_keywords(static: Static, A_log: Any = None, dt_bias: Any = None) -> dict[str, Any]:
-    """Keywords of :func:`kda.chunk_kda` (and of the transitions) for a :class:`Static`, without
+def chunk_keywords(static: OpOptions, A_log: Any = None, dt_bias: Any = None) -> dict[str, Any]:
+    """Keywords of :func:`kda.chunk_kda` (and of the transitions) for a :class:`OpOptions`, without
     ``cu_seqlens``: for the paths that call the public functions on parts of a call (context
     parallelism, gradients through the chunk-start states)."""
-    static = Static.of(static)
+    static = OpOptions.of(static)
     keywords = choices(static, A_log, dt_bias).keywords()
     del keywords["cu_seqlens"]
     return {**keywords, "scale": static.scale, "chunk_size": static.chunk_size}
@@ -471,14 +472,14 @@ def _translate(
     _check_unsupported(function, kw)
     HV, K = _check_shapes(q_shape, v_shape, has_cu_seqlens)
     gate = _gate(kw, has_A_log, has_dt_bias)
-    static = Static(
-        "chunk" if function == "chunk_kda" else "recurrent",
-        check_scale(kw.get("scale"), K),
-        check_chunk_size(kw.get("chunk_size", 64)),
-        bool(kw.get("use_qk_l2norm_in_kernel", False)),
-        gate["gate"],
-        gate.get("lower_bound"),
-        _beta(kw) or "",
+    static = OpOptions(
+        method="chunk" if function == "chunk_kda" else "recurrent",
+        scale=check_scale(kw.get("scale"), K),
+        chunk_size=check_chunk_size(kw.get("chunk_size", 64)),
+        qk_l2norm=bool(kw.get("use_qk_l2norm_in_kernel", False)),
+        gate=gate["gate"],
+        lower_bound=gate.get("lower_bound"),
+        beta_activation=_beta(kw) or "",
     )
     return FlaCall(
         static=static,

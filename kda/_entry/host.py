@@ -1,7 +1,7 @@
 """The host side of the fla-style adapters (:mod:`kda.torch`, :mod:`kda.jax`): arrays in, arrays out.
 
 Both adapters translate fla's keywords once (:func:`kda._entry.fla.translate`) into a hashable
-:class:`~kda._entry.fla.Static` (an op's non-tensor arguments, a ``custom_vjp``'s static
+:class:`~kda._entry.fla.OpOptions` (an op's non-tensor arguments, a ``custom_vjp``'s static
 argument; each function here takes it as such or as the plain tuple an op received) and then do
 only what their framework needs: convert tensors to arrays of one namespace (NumPy on the host,
 CuPy on a GPU) and back, and register the forward and backward with their autograd. Everything
@@ -34,28 +34,28 @@ from .._options.maps import Options
 from .._options.validation import Problem
 from . import api as _api
 from . import decode as _decode
-from .call import Call, KdaGradients
+from .call import Call, Inputs, KdaGradients
 from .fla import (
     FlaCall,
-    Static,
+    OpOptions,
     boundary_bound,
     check_gate_sizes,
     choices,
-    chunk_keywords,
     packed_chunks,
     translate,
 )
 from .states import backward_with_state_gradients
 
-__all__ = ["Route", "backward", "check_pool_call", "decode", "forward", "route", "shapes", "validated_call"]
+__all__ = [
+    "Inputs", "Route", "backward", "check_pool_call", "decode", "forward", "route", "shapes",
+    "validated_call",
+]  # fmt: skip
 
 # the bodies of kda.chunk_kda, kda.decode_kda and the decode kernel's recurrent forward, which
 # take the options as one Choices
 _CHUNK = _api.chunk_kda.__wrapped__
 _DECODE_STATES = _decode.decode_states.__wrapped__
 _DECODE = _decode.decode_kda.__wrapped__
-
-Arrays = tuple[Any, ...]  # q, k, v, g, beta, initial_state, A_log, dt_bias (None where absent)
 
 
 class Route(NamedTuple):
@@ -95,7 +95,7 @@ def route(
 
 
 def shapes(
-    static: Static, q_shape: tuple[int, ...], v_shape: tuple[int, ...], num_seqs: int | None
+    static: OpOptions, q_shape: tuple[int, ...], v_shape: tuple[int, ...], num_seqs: int | None
 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """Shapes of :func:`forward`'s ``(output, final_state, boundaries)``.
 
@@ -103,7 +103,7 @@ def shapes(
     are ``[NT, B, HV, K, V]`` with ``NT`` :func:`~kda._entry.fla.boundary_bound`'s bound
     (``ceil(T / C)`` without ``cu_seqlens``), or ``[0]`` for the recurrence.
     """
-    static = Static.of(static)
+    static = OpOptions.of(static)
     B, T, _, K = q_shape
     HV, V = v_shape[2], v_shape[3]
     N = B if num_seqs is None else num_seqs
@@ -114,7 +114,7 @@ def shapes(
 
 
 def forward(
-    static: Static, x: Arrays, offsets: tuple[int, ...] | None, v_first: bool = False
+    static: OpOptions, x: Inputs, offsets: tuple[int, ...] | None, v_first: bool = False
 ) -> tuple[Any, Any, Any]:
     """``(output [B, T, HV, V], final_state [N, HV, K, V], boundaries)`` of one fla-style call.
 
@@ -125,44 +125,45 @@ def forward(
     inputs' namespace. ``v_first`` (the recurrence only): the initial and final states are
     V-major, ``[N, HV, V, K]``, read and written so by the decode kernel.
     """
-    static = Static.of(static)
+    static = OpOptions.of(static)
     opts = _call_options(static, x, offsets)
     if static.method != "chunk":  # the recurrence's forward is the decode kernel's (no states kept)
-        out = _DECODE_STATES(*x[:5], x[5], state_v_first=v_first, scale=static.scale, backend=None, opts=opts)
+        out = _DECODE_STATES(
+            *x.steps, x.initial_state, state_v_first=v_first, scale=static.scale, backend=None, opts=opts
+        )
         return out.output, out.final_state, out.final_state.reshape(-1)[:0]  # no boundaries: [0]
     out = _CHUNK(
-        *x[:5], scale=static.scale, initial_state=x[5], chunk_size=static.chunk_size, save_boundaries=True,
-        backend=None, opts=opts,
+        *x.steps, scale=static.scale, initial_state=x.initial_state, chunk_size=static.chunk_size,
+        save_boundaries=True, backend=None, opts=opts,
     )  # fmt: skip
-    NT = boundary_bound(x[0].shape[1], static.chunk_size, None if offsets is None else len(offsets) - 1)
+    NT = boundary_bound(x.q.shape[1], static.chunk_size, None if offsets is None else len(offsets) - 1)
     return out.output, out.final_state, _pad(out.boundaries, NT)
 
 
-def _call_options(static: Static, x: Arrays, offsets: tuple[int, ...] | None) -> Any:
+def _call_options(static: OpOptions, x: Inputs, offsets: tuple[int, ...] | None) -> Any:
     """The table's :class:`~kda._options.table.Choices` of a call: made once per ``static`` for
     a call with no gate arrays and no offsets (immutable), else from the arrays."""
-    if x[6] is None and x[7] is None and offsets is None:
+    if x.A_log is None and x.dt_bias is None and offsets is None:
         return _plain_choices(static)
-    return choices(static, x[6], x[7], offsets)
+    return choices(static, x.A_log, x.dt_bias, offsets)
 
 
 @functools.lru_cache(maxsize=256)
-def _plain_choices(static: Static) -> Any:
+def _plain_choices(static: OpOptions) -> Any:
     return choices(static)
 
 
 def decode(
-    static: Static, x: Arrays, pool: Any, state_indices: Any, num_accepted_tokens: Any,
+    static: OpOptions, x: Inputs, pool: Any, state_indices: Any, *, num_accepted_tokens: Any,
     offsets: tuple[int, ...] | None, v_first: bool = False, pad_slot_id: int = -1,
 ) -> Any:  # fmt: skip
     """``fused_recurrent_kda`` from a state pool (vLLM's call): :func:`kda.decode_kda` on ``pool``
     (``[P, HV, K, V]``, ``[P, HV, V, K]`` with ``v_first``; updated in place) with
     ``state_indices`` (``[N]`` or ``[N, T]``), ``num_accepted_tokens`` and ``pad_slot_id``;
-    returns the output ``[B, T, HV, V]``. ``x[5]`` (the initial state) is unused: the pool is
-    the state."""
-    static = Static.of(static)
+    returns the output ``[B, T, HV, V]``. ``x.initial_state`` is unused: the pool is the state."""
+    static = OpOptions.of(static)
     opts = _call_options(static, x, offsets)
-    return _DECODE(*x[:5], pool, state_indices, num_accepted_tokens=num_accepted_tokens,
+    return _DECODE(*x.steps, pool, state_indices, num_accepted_tokens=num_accepted_tokens,
                    state_v_first=v_first, pad_slot_id=pad_slot_id, scale=static.scale, backend=None,
                    opts=opts)  # fmt: skip
 
@@ -197,8 +198,8 @@ def _pad(boundaries: Any, NT: int) -> Any:
 
 
 def backward(
-    static: Static,
-    x: Arrays,
+    static: OpOptions,
+    x: Inputs,
     offsets: tuple[int, ...] | None,
     boundaries: Any,
     do: Any,
@@ -212,14 +213,14 @@ def backward(
     cotangents, new here, are checked for finiteness only: ``do [B, T, HV, V]`` the output's
     gradient, ``dfinal`` the final state's (None: zeros); ``dboundaries`` the boundaries' (None
     or all zeros: they did not reach the loss; else the work is
-    :func:`backward_with_state_gradients`, which runs the public functions on the chunks).
+    :func:`~kda._entry.states.backward_with_state_gradients`, on calls derived from this one).
 
     The work is returned to be called, so that the adapter's own frame runs it: the call path
     from the adapter to the core is :meth:`Call.backward` alone. Gradients ``(q, k, v, g, beta,
     initial_state, A_log, dt_bias)`` come in :class:`~kda.KdaGradients`, each shaped like its
     input.
     """
-    static = Static.of(static)
+    static = OpOptions.of(static)
     call = validated_call(static, x, offsets)
     if static.method != "chunk":
         boundaries = None
@@ -227,33 +228,39 @@ def backward(
         NT = boundaries.shape[0] if offsets is None else packed_chunks(offsets, static.chunk_size)
         boundaries = boundaries[:NT, ...]
         if dboundaries is not None and bool(call.p.xp.any(dboundaries[:NT, ...])):  # they reached the loss
-            keywords = chunk_keywords(static, x[6], x[7])
-            args = (x[:5], boundaries, do, dfinal, dboundaries[:NT, ...], x[5], offsets, keywords)
-            return functools.partial(backward_with_state_gradients, *args)
+            dboundaries = dboundaries[:NT, ...]
+            call.check_finite(grad_output=do, grad_final_state=dfinal, grad_boundaries=dboundaries)
+            return functools.partial(
+                backward_with_state_gradients, call, x, boundaries, do, dfinal, dboundaries
+            )
     call.check_finite(grad_output=do, grad_final_state=dfinal)
-    state = call.zero_state() if x[5] is None else x[5]
+    state = call.zero_state() if x.initial_state is None else x.initial_state
     dfinal = call.zero_state() if dfinal is None else dfinal
     do = call.grad_output(do, check=False)
-    return functools.partial(call.backward, (*x[:5], x[6], x[7]), state, boundaries, do, dfinal)
+    return functools.partial(call.backward, x, state, boundaries, do, dfinal)
 
 
-def validated_call(static: Static, x: Arrays, offsets: tuple[int, ...] | None) -> Call:
+def validated_call(static: OpOptions, x: Inputs, offsets: tuple[int, ...] | None) -> Call:
     """The :class:`~kda._entry.call.Call` that :func:`forward` validated, rebuilt without checks
     from the same static options and arrays (compute dtype, time-major, ``A_log [HV]``,
     ``dt_bias [HV, K]``): the problem's sizes, the options and the core."""
-    static = Static.of(static)
-    q, v = x[0], x[2]
+    static = OpOptions.of(static)
+    q, v = x.q, x.v
     xp = array_api_compat.array_namespace(q)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     scale = static.scale
-    problem = Problem(xp, B, H, HV, T, K, V, q.dtype, q.dtype, scale, "time_major", offsets)
+    problem = Problem(
+        xp=xp, B=B, H=H, HV=HV, T=T, K=K, V=V, dtype=q.dtype, compute_dtype=q.dtype, scale=scale,
+        layout="time_major", offsets=offsets,
+    )  # fmt: skip
     options = Options(
-        static.qk_l2norm, static.gate, x[6], x[7], static.lower_bound, static.beta_activation or None
-    )
+        qk_l2norm=static.qk_l2norm, gate=static.gate, A_log=x.A_log, dt_bias=x.dt_bias,
+        lower_bound=static.lower_bound, beta_activation=static.beta_activation or None,
+    )  # fmt: skip
     ops = get_backend(xp, None)
     if static.method == "chunk":
-        core = ChunkCore(ops, scale, static.chunk_size)
+        core = ChunkCore(ops=ops, scale=scale, chunk_size=static.chunk_size)
     else:
-        core = RecurrentCore(ops, scale)
-    return Call(problem, options, core, True)
+        core = RecurrentCore(ops=ops, scale=scale)
+    return Call(p=problem, o=options, core=core, check=True)

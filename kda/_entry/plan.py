@@ -36,25 +36,16 @@ import array_api_compat
 from .._errors import InvalidInputError, InvalidTypeError
 from .._options.maps import Options, head_first
 from .._options.table import Array, Choices, takes_options
-from .._options.validation import STATE_DTYPE_RULE, Problem, check_array
-from .call import Call, KdaGradients, KdaOutput, open_call
+from .._options.validation import STATE_DTYPE_RULE, Problem, c_contiguous, check_array
+from .call import Call, Inputs, KdaGradients, KdaOutput, open_call
 
 __all__ = ["BackwardPlan", "ForwardPlan", "prepare_chunk_kda", "prepare_chunk_kda_backward"]
-
-
-def _c_contiguous(x: Any) -> bool:
-    flags = getattr(x, "flags", None)
-    if flags is not None and hasattr(flags, "c_contiguous"):
-        return bool(flags.c_contiguous)
-    if hasattr(x, "is_contiguous"):  # torch
-        return bool(x.is_contiguous())
-    return True  # a namespace without strides to ask about
 
 
 def _check_bindings(bindings: dict[str, Any]) -> None:
     """Every bound array must be C-contiguous (the seed's rule)."""
     for name, x in bindings.items():
-        if x is not None and not _c_contiguous(x):
+        if x is not None and not c_contiguous(x):
             msg = (
                 f"prepared KDA requires C-contiguous bindings: {name} (shape {tuple(x.shape)}) is not; "
                 "bind a contiguous copy and refill that"
@@ -102,7 +93,7 @@ class _Runner:
     functions, so their results are bitwise those of the plain calls."""
 
     call: Call
-    inputs: tuple  # raw q, k, v, g, beta (and A_log, dt_bias for the backward)
+    inputs: Inputs  # raw q, k, v, g, beta (and A_log, dt_bias for the backward)
     state: Any
     graph: Any = None
     graph_resources: tuple = field(default_factory=tuple)
@@ -113,7 +104,7 @@ class _Runner:
 
     def recheck_gate(self) -> None:
         """``max(g) <= 0`` on host arrays with a log gate (see the module notes)."""
-        g = self.inputs[3]
+        g = self.inputs.g
         if self.call.o.gate != "log" or array_api_compat.is_cupy_namespace(self.xp) or g.size == 0:
             return
         if not bool(self.xp.max(g) <= 0):
@@ -282,7 +273,8 @@ def prepare_chunk_kda(
         boundaries = make.state("boundaries", out.boundaries, call.boundaries_shape(), "NT, B, HV, K, V")
     bound = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state}
     _check_bindings({**bound, "out.output": output, "out.final_state": final, "out.boundaries": boundaries})
-    return ForwardPlan(_Runner(call, (q, k, v, g, beta), state), KdaOutput(output, final, boundaries))
+    runner = _Runner(call=call, inputs=Inputs(q, k, v, g, beta), state=state)
+    return ForwardPlan(runner, KdaOutput(output, final, boundaries))
 
 
 @takes_options()
@@ -327,7 +319,9 @@ def prepare_chunk_kda_backward(
     workspace = None
     if boundaries is None and _is_plain(p, o):  # recomputed boundaries, written in place
         workspace = make.state("boundaries workspace", None, call.boundaries_shape(), "NT, B, HV, K, V")
-    runner = _Runner(call, (q, k, v, g, beta, opts.A_log, opts.dt_bias), state)
+    runner = _Runner(
+        call=call, inputs=Inputs(q, k, v, g, beta, A_log=opts.A_log, dt_bias=opts.dt_bias), state=state
+    )
     return BackwardPlan(runner, grads, (boundaries, grad_output, dfinal), workspace)
 
 

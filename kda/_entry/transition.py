@@ -20,10 +20,12 @@ import array_api_compat
 
 from .._options.checks import warn_if_diverged
 from .._options.table import Array, Choices, takes_options
-from .api import chunk_kda, chunk_kda_backward
-from .call import open_call
+from .call import Call, Inputs, open_call
 
-__all__ = ["KdaTransition", "chunk_kda_transition", "chunk_kda_transition_backward"]
+__all__ = [
+    "KdaTransition", "chunk_kda_transition", "chunk_kda_transition_backward", "transition_gradient",
+    "transition_map",
+]  # fmt: skip
 
 
 class KdaTransition(NamedTuple):
@@ -75,12 +77,21 @@ def chunk_kda_transition(
     ``[0, v]`` from the start state ``[I, 0]``, whose end state is ``[A, N]``), without forming
     outputs. With ``cu_seqlens`` it runs the ordinary forward so widened.
     """
-    if opts.cu_seqlens is not None:  # one map per sequence: the ordinary forward, widened
-        return _packed_transition(q, k, v, g, beta, scale, chunk_size, backend, opts)
     call = open_call(q, k, v, g, beta, scale, opts, backend=backend, chunk_size=chunk_size)
-    p, xp = call.p, call.p.xp
     call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta)
-    c = call.core_inputs(q, k, v, g, beta)
+    return transition_map(call, Inputs(q, k, v, g, beta))
+
+
+def transition_map(call: Call, x: Inputs) -> KdaTransition:
+    """:func:`chunk_kda_transition` of a validated (and scanned) ``call`` on the raw ``x.q .. x.beta``
+    of its layout: what the public function and every composition (packed chunks, context
+    parallelism, Dask shards) run, checking nothing again."""
+    p, xp = call.p, call.p.xp
+    if p.offsets is not None:  # one map per sequence: the ordinary forward, widened
+        wide_v, start = _widened(xp, x.v, p.N, p.HV, p.K, p.compute_dtype)  # V is last in either layout
+        out = call.widened(p.K + p.V).forward(x._replace(v=wide_v), start, False)
+        return KdaTransition(out.final_state[..., : p.K], out.final_state[..., p.K :])
+    c = call.core_inputs(x)
     wide_v, start = _widened(xp, c.v, p.N, p.HV, p.K, p.compute_dtype)
     c.v = wide_v
     end = call.end_state(c, start)
@@ -95,17 +106,6 @@ def _widened(xp: Any, v: Any, N: int, HV: int, K: int, dtype: Any) -> tuple[Any,
     wide_v = xp.concat([xp.zeros((*v.shape[:-1], K), dtype=v.dtype, device=device), v], axis=-1)
     eye = xp.eye(K, K + v.shape[-1], dtype=dtype, device=device)
     return wide_v, xp.broadcast_to(eye, (N, HV, K, K + v.shape[-1]))
-
-
-def _packed_transition(q, k, v, g, beta, scale, chunk_size, backend, opts: Choices) -> KdaTransition:
-    """The maps of packed sequences: the public forward with values ``[0, v]`` from ``[I, 0]``."""
-    p = open_call(q, k, v, g, beta, scale, opts, backend=backend, chunk_size=chunk_size).p
-    wide_v, start = _widened(p.xp, v, p.N, p.HV, p.K, p.compute_dtype)  # V is last in either layout
-    out = chunk_kda(
-        q, k, wide_v, g, beta, scale=scale, initial_state=start, chunk_size=chunk_size, backend=backend,
-        **opts.keywords(),
-    )  # fmt: skip
-    return KdaTransition(out.final_state[..., : p.K], out.final_state[..., p.K :])
 
 
 @takes_options()
@@ -142,13 +142,16 @@ def chunk_kda_transition_backward(
     chunk and one ``[K, V]`` product pair per chunk): no states, no gradients of the inputs. With
     ``cu_seqlens`` it runs the ordinary backward and returns its initial-state gradient.
     """
-    if opts.cu_seqlens is not None:  # one D per sequence: the ordinary backward's initial-state gradient
-        grads = chunk_kda_backward(
-            q, k, v, g, beta, None, grad_output, None, scale=scale, chunk_size=chunk_size, backend=backend,
-            **opts.keywords(),
-        )  # fmt: skip
-        return grads.initial_state
     call = open_call(q, k, v, g, beta, scale, opts, backend=backend, chunk_size=chunk_size)
     do = call.grad_output(grad_output)
     call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta, grad_output=grad_output)
-    return call.state_gradient(call.core_inputs(q, k, v, g, beta), do)
+    return transition_gradient(call, Inputs(q, k, v, g, beta), do)
+
+
+def transition_gradient(call: Call, x: Inputs, do: Any) -> Any:
+    """:func:`chunk_kda_transition_backward` of a validated (and scanned) ``call`` on the raw
+    ``x.q .. x.beta`` (``x.A_log``, ``x.dt_bias`` too) and the head-first output gradient ``do``
+    in the compute dtype (:meth:`~kda._entry.call.Call.grad_output`), checking nothing again."""
+    if call.p.offsets is not None:  # one D per sequence: the ordinary backward's initial-state gradient
+        return call.backward(x, call.zero_state(), None, do, call.zero_state()).initial_state
+    return call.state_gradient(call.core_inputs(x), do)

@@ -18,8 +18,10 @@ to rounding for every finite ``x``. No gate produces a positive log decay.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
+
+from .table import plain_predicate
 
 __all__ = [
     "L2NORM_EPS",
@@ -52,8 +54,13 @@ class Options:
 
     @property
     def is_identity(self) -> bool:
-        """No element-wise map at all: the core's inputs are the raw inputs."""
-        return self.gate == "log" and not self.qk_l2norm and self.beta_activation is None
+        """No element-wise map at all: the core's inputs are the raw inputs (every option held here
+        at a plain value of the table, :func:`kda._options.table.is_plain`)."""
+        return _plain_maps(self)
+
+
+# the table's plain-call test over the options this record holds
+_plain_maps = plain_predicate(tuple(f.name for f in fields(Options)))
 
 
 def head_first(xp: Any, x: Any, layout: str) -> Any:

@@ -11,7 +11,8 @@ default, allowed values and documentation. From this table come
 - the "options" section of every docstring (:func:`options_doc`);
 - the checks of the allowed values (:func:`kda._options.validation.validate_options`).
 
-Adding an option: a row here, its check in ``validation.py`` and its map in ``maps.py``.
+Adding an option: a row here (its ``plain`` values included: :func:`is_plain`), its check in
+``validation.py`` and its map in ``maps.py``.
 """
 
 from __future__ import annotations
@@ -22,13 +23,26 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any
 
-__all__ = ["OPTIONS", "Array", "Choices", "Option", "option_names", "options_doc", "takes_options"]
+__all__ = [
+    "ANY", "OPTIONS", "Array", "Choices", "Option", "is_plain", "option_names", "options_doc",
+    "plain_predicate", "takes_options",
+]  # fmt: skip
 
 Array = Any  # an array of the caller's array-API namespace (in signatures)
 
 LAYOUTS = ("head_first", "time_major")
 GATES = ("log", "softplus", "lower_bound")
 BETA_ACTIVATIONS = (None, "sigmoid", "sigmoid2")
+
+
+class _Any:
+    """Every value of an option leaves a call plain (:attr:`Option.plain`)."""
+
+    def __repr__(self) -> str:
+        return "ANY"
+
+
+ANY = _Any()
 
 
 @dataclass(frozen=True)
@@ -40,6 +54,10 @@ class Option:
     annotation: str
     doc: str
     choices: tuple[Any, ...] | None = None
+    # the values with which the option leaves a call plain: the inputs reach the kernels as they
+    # are (no element-wise map, no packing); ANY: every value (a view or a check, not a map).
+    # Required, so that a new option states it and no fast path can ignore it (:func:`is_plain`).
+    plain: tuple[Any, ...] | Any = field(kw_only=True)
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -47,32 +65,38 @@ OPTIONS: tuple[Option, ...] = (
         "layout", "head_first", "str",
         """``"time_major"`` takes and returns ``[B, T, heads, ...]`` arrays. States are always
         ``[B, HV, K, V]``, boundaries ``[NT, B, HV, K, V]``.""",
-        LAYOUTS,
+        LAYOUTS, plain=LAYOUTS,
     ),
     Option(
         "qk_l2norm", False, "bool",
         """Replace q and k by ``x / sqrt(sum(x**2, over K) + 1e-6)`` per step and head.""",
+        plain=(False,),
     ),
     Option(
         "gate", "log", "str",
         """The log decay: ``g`` itself; ``-exp(A_log[h]) * softplus(g + dt_bias[h])``; or
         ``lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias[h]))`` (factor 1 when ``A_log``
         is None).""",
-        GATES,
+        GATES, plain=("log",),
     ),
     Option(
         "A_log", None, "Any",
         """shape ``[HV]``. Required for ``"softplus"``, optional for ``"lower_bound"``, refused
         for ``"log"``.""",
+        plain=(None,),
     ),
     Option(
-        "dt_bias", None, "Any", """shape ``[HV, K]``. Gate bias (zeros when None); refused for ``"log"``."""
+        "dt_bias", None, "Any", """shape ``[HV, K]``. Gate bias (zeros when None); refused for ``"log"``.""",
+        plain=(None,),
     ),
-    Option("lower_bound", None, "float | None", """A float < 0, required for ``"lower_bound"`` only."""),
+    Option(
+        "lower_bound", None, "float | None", """A float < 0, required for ``"lower_bound"`` only.""",
+        plain=(None,),
+    ),
     Option(
         "beta_activation", None, "str | None",
         """Use ``beta``, ``sigmoid(beta)`` or ``2 * sigmoid(beta)`` (negative eigenvalues allowed).""",
-        BETA_ACTIVATIONS,
+        BETA_ACTIVATIONS, plain=(None,),
     ),
     Option(
         "cu_seqlens", None, "Any",
@@ -80,16 +104,49 @@ OPTIONS: tuple[Option, ...] = (
         independent sequences, sequence ``i`` at steps ``cu_seqlens[i]:cu_seqlens[i + 1]``;
         states are ``[N, HV, K, V]``, boundaries ``[NT, 1, HV, K, V]`` with
         ``NT = sum(ceil(len_i / C))``, in sequence order.""",
+        plain=(None,),
     ),
     Option(
         "check_finite", True, "bool",
         """Refuse NaN or infinite inputs (``-inf`` stays legal in a log gate) with
         :class:`~kda.InvalidInputError`, and warn with :class:`~kda.KdaWarning` when finite
         inputs give non-finite results (the delta rule diverged). False skips both.""",
+        plain=ANY,
     ),
 )  # fmt: skip
 
 _BY_NAME = {o.name: o for o in OPTIONS}
+
+
+def _plain_test(o: Option) -> str:
+    """Python source of the test that option ``o`` is plain, on a record ``v``."""
+    terms = [
+        f"v.{o.name} is {p!r}" if p is None or isinstance(p, bool) else f"v.{o.name} == {p!r}"
+        for p in o.plain
+    ]
+    return "(" + " or ".join(terms) + ")"
+
+
+def plain_predicate(names: Any = None) -> Callable[[Any], bool]:
+    """The test that a record's options leave a call plain, generated from the table.
+
+    ``names``: the options the record holds (a validated record holds a part of them; the rest
+    are the problem's); default every option. The test reads each as an attribute and requires
+    one of its :attr:`Option.plain` values (``is`` for None and bools, ``==`` for strings). One
+    expression, generated once: a fast path asks it at every call.
+    """
+    tests = [_plain_test(o) for o in OPTIONS if o.plain is not ANY and (names is None or o.name in names)]
+    source = f"def is_plain(v):\n    return {' and '.join(tests) or 'True'}\n"
+    namespace: dict[str, Any] = {}
+    exec(compile(source, "<kda option table: is_plain>", "exec"), namespace)
+    return namespace["is_plain"]
+
+
+# Whether the options (a Choices, or any record with every option as an attribute) leave a call
+# plain: the one definition of a plain call, asked by the NumPy decode route, the plans' direct
+# runs and the chain rules' shortcuts (through kda._options.maps.Options.is_identity), so a new
+# option, whose row must state its plain values, cannot be ignored by a fast path.
+is_plain = plain_predicate()
 
 
 def option_names(exclude: tuple[str, ...] = ()) -> tuple[str, ...]:

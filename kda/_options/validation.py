@@ -19,7 +19,7 @@ from .checks import is_real_floating
 from .maps import Options
 from .table import OPTIONS, Choices
 
-__all__ = ["Problem", "check_options_call", "validate_options", "validate_problem"]
+__all__ = ["Problem", "c_contiguous", "check_options_call", "validate_options", "validate_problem"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,17 @@ def namespace_of(names: list[str], arrays: list[Any]) -> Any:
         kinds = ", ".join(f"{n}: {type(x).__module__}.{type(x).__name__}" for n, x in zip(names, arrays))
         msg = f"all arrays must come from one array library; got {kinds}"
         raise InvalidTypeError(msg) from err
+
+
+def c_contiguous(x: Any) -> bool:
+    """Whether ``x`` is C-contiguous: NumPy's and CuPy's ``flags``, torch's ``is_contiguous()``;
+    True for a namespace without strides to ask about (JAX)."""
+    flags = getattr(x, "flags", None)
+    if flags is not None and hasattr(flags, "c_contiguous"):
+        return bool(flags.c_contiguous)
+    if hasattr(x, "is_contiguous"):  # torch
+        return bool(x.is_contiguous())
+    return True
 
 
 def check_shape(name: str, x: Any, expected: tuple[int, ...], letters: str) -> None:
@@ -193,7 +204,9 @@ def validate_problem(
     xp = namespace_of(names, arrays)  # layout: checked with the other choices (check_options_call)
     B, H, HV, T, K, V = _sizes(q, v, layout)
     _check_value_heads(v, B, H, HV, T, layout)
-    p = Problem(xp, B, H, HV, T, K, V, q.dtype, None, 0.0, layout)
+    p = Problem(
+        xp=xp, B=B, H=H, HV=HV, T=T, K=K, V=V, dtype=q.dtype, compute_dtype=None, scale=0.0, layout=layout
+    )
     check_shape("k", k, p.shape(H, K), p.letters("H", "K"))
     check_shape("g", g, p.shape(HV, K), p.letters("HV", "K"))
     check_shape("beta", beta, p.shape(HV), p.letters("HV"))
@@ -379,7 +392,10 @@ def validate_options(p: Problem, opts: Choices) -> tuple[Problem, Options]:
         raise InvalidTypeError(msg)
     A_log, dt_bias, lower_bound = _check_gate(p, opts.gate, opts.A_log, opts.dt_bias, opts.lower_bound)
     offsets = check_cu_seqlens(opts.cu_seqlens, p.B, p.T)
-    options = Options(opts.qk_l2norm, opts.gate, A_log, dt_bias, lower_bound, opts.beta_activation)
+    options = Options(
+        qk_l2norm=opts.qk_l2norm, gate=opts.gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        beta_activation=opts.beta_activation,
+    )  # fmt: skip
     return replace(p, offsets=offsets), options
 
 
