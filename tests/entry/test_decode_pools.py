@@ -547,7 +547,7 @@ def test_torch_fla_form_with_v_major_states(grad, monkeypatch):
 def test_torch_eager_calls_are_the_ops():
     """In eager inference ``kda.torch`` runs the inference ops' implementations directly (their
     dispatch costs more than a small step): bitwise what the ops give (``no_grad``: the pool op;
-    ``torch.ops.kda.decode_states`` called as such), and both forms write the same pool rows."""
+    ``torch.ops.kda.recurrent_inference`` called as such), and both forms write the same pool rows."""
     from kda.torch import fused_recurrent_kda
 
     rng = np.random.default_rng(15)
@@ -562,7 +562,7 @@ def test_torch_eager_calls_are_the_ops():
         o1, f1 = fused_recurrent_kda(*tx, initial_state=s0, output_final_state=True)
         p1, _ = fused_recurrent_kda(*tx, initial_state=pools[0], **kw)
     static = (*tx, s0, None, None, None, False, "recurrent", 8**-0.5, 64, False, "log", None, "")
-    o2, f2 = torch.ops.kda.decode_states(*static)
+    o2, f2 = torch.ops.kda.recurrent_inference(*static)
     with torch.no_grad():
         p2, _ = fused_recurrent_kda(*tx, initial_state=pools[1], **kw)
     assert torch.equal(o1, o2) and torch.equal(f1, f2)
