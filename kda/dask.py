@@ -332,9 +332,10 @@ def _forward_block(q, k, v, g, beta, A_log, dt_bias, state, *, options: dict, sa
     return tuple(out)
 
 
-def _backward_block(
-    q, k, v, g, beta, A_log, dt_bias, state, boundaries, grad_output, dend, *, options
-) -> tuple:
+def _backward_block(*blocks: Any, options: dict) -> tuple:
+    """``blocks``: ``q, k, v, g, beta, A_log, dt_bias``, the start state, the boundaries, the output
+    gradient and the end-state gradient of one block (keys of the graph, in this order)."""
+    q, k, v, g, beta, A_log, dt_bias, state, boundaries, grad_output, dend = blocks
     grads = _chunk_kda_backward(
         q, k, v, g, beta, boundaries, grad_output, dend, A_log=A_log, dt_bias=dt_bias, initial_state=state,
         **options,
@@ -507,9 +508,10 @@ def _packed_forward_block(q, k, v, g, beta, A_log, dt_bias, states, carried, *, 
     return out.output, out.final_state
 
 
-def _packed_backward_block(
-    q, k, v, g, beta, A_log, dt_bias, states, carried, do, dfinal, dcarried, *, shard: _Shard, options: dict
-):
+def _packed_backward_block(*blocks: Any, shard: _Shard, options: dict) -> tuple:
+    """``blocks``: ``q, k, v, g, beta, A_log, dt_bias``, the initial states, the carried state, the
+    output gradient, the final states' gradient and the carried end-state gradient of one shard."""
+    q, k, v, g, beta, A_log, dt_bias, states, carried, do, dfinal, dcarried = blocks
     shape = (v.shape[1] if options["layout"] == "head_first" else v.shape[2], q.shape[3], v.shape[3])
     xp = array_api_compat.array_namespace(v)
     like = xp.zeros((), dtype=np.float64 if v.dtype == np.float64 else np.float32)

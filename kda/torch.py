@@ -413,14 +413,17 @@ def _needs_grad(tensors: tuple[Any, ...]) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _apply(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, call: FlaCall):
+def _apply(x: Inputs, cu_seqlens: Any, call: FlaCall):
+    """``chunk_kda`` / ``fused_recurrent_kda`` on the tensors ``x`` (the plain forward)."""
+    q, k = x.q, x.k
     cd = _compute_dtype(q.dtype)
-    A_log, dt_bias = _gate_params(call, A_log, dt_bias, cd)
+    A_log, dt_bias = _gate_params(call, x.A_log, x.dt_bias, cd)
+    initial_state = x.initial_state
     if initial_state is not None and initial_state.dtype != cd:
         initial_state = initial_state.to(cd)
     if cu_seqlens is not None:
         cu_seqlens = torch.as_tensor(cu_seqlens, dtype=torch.int64)
-    inputs = Inputs(q, k, v, g, beta, initial_state, A_log, dt_bias)
+    inputs = x._replace(initial_state=initial_state, A_log=A_log, dt_bias=dt_bias)
     if call.static.method != "chunk" and not _needs_grad(inputs):
         # inference: the decode kernel, no autograd node; a V-major state read and written as such
         args = (*inputs, cu_seqlens, call.state_v_first, *call.static)
@@ -442,9 +445,12 @@ def _apply(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, call: Fl
     return o, final, h
 
 
-def _apply_pool(q, k, v, g, beta, pool, A_log, dt_bias, cu_seqlens, call: FlaCall, kw: dict[str, Any]):
+def _apply_pool(x: Inputs, cu_seqlens: Any, call: FlaCall, kw: dict[str, Any]):
     """``fused_recurrent_kda(..., initial_state=pool, ssm_state_indices=..., num_accepted_tokens=...,
-    inplace_final_state=True)`` as vLLM calls it: the pool updated in place, returned as the final state."""
+    inplace_final_state=True)`` as vLLM calls it (``x.initial_state`` the pool): the pool updated in
+    place, returned as the final state."""
+    q, k, v, g, beta = x.steps
+    pool, A_log, dt_bias = x.initial_state, x.A_log, x.dt_bias
     indices, accepted = kw.get("ssm_state_indices"), kw.get("num_accepted_tokens")
     _check_tensors(ssm_state_indices=indices, num_accepted_tokens=accepted)
     if _needs_grad((q, k, v, g, beta, pool, A_log, dt_bias)):
@@ -513,11 +519,12 @@ def _call(method: str, q, k, v, g, beta, kw: dict[str, Any]):
     path, call = _host.route(
         name, tuple(q.shape), tuple(v.shape), kw, A_log, dt_bias, cu is not None, cp=ctx is not None
     )
+    x = Inputs(q, k, v, g, beta, initial_state=s0, A_log=A_log, dt_bias=dt_bias)
     if path == "cp":
-        return _apply_cp(q, k, v, g, beta, s0, A_log, dt_bias, ctx, call)
+        return _apply_cp(x, ctx, call)
     if path == "pool":
-        return _apply_pool(q, k, v, g, beta, s0, A_log, dt_bias, cu, call, kw)
-    return _apply(q, k, v, g, beta, s0, A_log, dt_bias, cu, call)
+        return _apply_pool(x, cu, call, kw)
+    return _apply(x, cu, call)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -649,11 +656,11 @@ class _ContextParallel(torch.autograd.Function):
     with ``output_final_state``."""
 
     @staticmethod
-    def forward(
-        ctx, cp_ctx: KdaCPContext, static: tuple, want_final: bool, q, k, v, g, beta, s0, A_log, dt_bias
-    ):
+    def forward(ctx, cp_ctx: KdaCPContext, static: tuple, want_final: bool, *tensors: Any):
+        """``tensors``: the fields of :class:`~kda._entry.call.Inputs` (each its own autograd input)."""
         p, group = cp_ctx.partition, cp_ctx.group
-        inputs = Inputs(q, k, v, g, beta, s0, A_log, dt_bias)
+        inputs = Inputs._make(tensors)
+        q, v = inputs.q, inputs.v
         cd = _compute_dtype(q.dtype)
         with _on_stream(q):
             x = Inputs._make(map(_array, inputs))
@@ -714,9 +721,10 @@ def _namespace(a: Any) -> Any:
     return array_api_compat.array_namespace(a)
 
 
-def _apply_cp(q, k, v, g, beta, initial_state, A_log, dt_bias, cp_ctx: KdaCPContext, call: FlaCall):
+def _apply_cp(x: Inputs, cp_ctx: KdaCPContext, call: FlaCall):
     """``chunk_kda`` with ``cp_context``: the rank's slice ``[1, T / W, ...]``; ``initial_state``
     the global ``[N, HV, K, V]`` (the same on every rank); returns the global final states."""
+    q, initial_state = x.q, x.initial_state
     p = cp_ctx.partition
     if q.shape[0] != 1 or q.shape[1] != p.part_len:
         msg = (
@@ -725,7 +733,7 @@ def _apply_cp(q, k, v, g, beta, initial_state, A_log, dt_bias, cp_ctx: KdaCPCont
         )
         raise InvalidInputError(msg)
     cd = _compute_dtype(q.dtype)
-    A_log, dt_bias = _gate_params(call, A_log, dt_bias, cd)
+    A_log, dt_bias = _gate_params(call, x.A_log, x.dt_bias, cd)
     if initial_state is not None:
         if initial_state.ndim != 4 or initial_state.shape[0] != p.num_seqs:
             msg = (
@@ -734,9 +742,8 @@ def _apply_cp(q, k, v, g, beta, initial_state, A_log, dt_bias, cp_ctx: KdaCPCont
             )
             raise InvalidInputError(msg)
         initial_state = (initial_state.transpose(-1, -2) if call.state_v_first else initial_state).to(cd)
-    o, final = _ContextParallel.apply(
-        cp_ctx, call.static, call.output_final_state, q, k, v, g, beta, initial_state, A_log, dt_bias
-    )
+    tensors = x._replace(initial_state=initial_state, A_log=A_log, dt_bias=dt_bias)
+    o, final = _ContextParallel.apply(cp_ctx, call.static, call.output_final_state, *tensors)
     if not call.output_final_state:
         return o, None
     return o, (final.transpose(-1, -2) if call.state_v_first else final)

@@ -127,7 +127,7 @@ def _writable(x: Any) -> bool:
 
 
 def chunk_forward(
-    ops: Any, xp: Any, q, k, v, g, beta, scale: float, state: Any, chunk_size: int, out: Any = None,
+    ops: Any, xp: Any, q, k, v, g, beta, scale: float, state: Any, chunk_size: int, *, out: Any = None,
     keep: bool = True, screen: Any = None,
 ) -> tuple[Any, Any, Any]:  # fmt: skip
     """Chunked forward on arrays of the compute dtype.
@@ -158,7 +158,9 @@ def chunk_forward(
     if ops.chunk_forward_heads is not None and _writable(o):
         if out is None and keep:
             saved = xp.empty((NT, *state.shape), dtype=state.dtype, device=state.device)
-        final = ops.chunk_forward_heads(q, k, v, g, beta, scale, state, chunk_size, o, saved, screen)
+        final = ops.chunk_forward_heads(
+            q, k, v, g, beta, scale, state, chunk_size, output=o, boundaries=saved, screen=screen
+        )
         if out is None:
             return o, final, saved
         final_buf[...] = final
@@ -171,7 +173,7 @@ def chunk_forward(
         i = _index(axis, group)
         inputs = [x[i] for x in (q, k, v, g, beta)]
         slab_out = None if saved is None else saved[(slice(None), *i)]
-        result = _forward_heads(ops, xp, *inputs, scale, state[i], chunk_size, o[i], slab_out)
+        result = _forward_heads(ops, xp, *inputs, scale, state[i], chunk_size, out=o[i], saved=slab_out)
         if final_buf is not None:
             final_buf[i] = result[0]
         return result
@@ -187,7 +189,7 @@ def chunk_forward(
 
 
 def _forward_heads(
-    ops: Any, xp: Any, q, k, v, g, beta, scale: float, state: Any, C: int, out: Any, saved: Any = None
+    ops: Any, xp: Any, q, k, v, g, beta, scale: float, state: Any, C: int, *, out: Any, saved: Any = None
 ) -> tuple[Any, Any, Any]:
     """Forward of a group of heads, slab by slab; writes ``out`` where it can.
 
@@ -222,26 +224,14 @@ def _forward_heads(
 
 
 def chunk_backward(
-    ops: Any,
-    xp: Any,
-    q,
-    k,
-    v,
-    g,
-    beta,
-    scale: float,
-    state: Any,
-    boundaries: Any | None,
-    grad_output: Any,
-    grad_state: Any,
-    chunk_size: int,
-    out: Any = None,
-    screen: Any = None,
-) -> tuple[Any, Any, Any, Any, Any, Any]:
+    ops: Any, xp: Any, q, k, v, g, beta, scale: float, state: Any, boundaries: Any | None, *,
+    grad_output: Any, dfinal: Any, chunk_size: int, out: Any = None, screen: Any = None,
+) -> tuple[Any, Any, Any, Any, Any, Any]:  # fmt: skip
     """Chunked backward on arrays of the compute dtype.
 
     ``boundaries`` are the chunk-start states of the forward, or ``None`` to recompute them
-    from ``state``. Returns the gradients of ``q, k, v, g, beta`` and of the initial state.
+    from ``state``; ``dfinal`` is the final state's gradient. Returns the gradients of
+    ``q, k, v, g, beta`` and of the initial state.
     ``screen``: as for :func:`chunk_forward`, filled by the fused backward pass.
     ``out``, when given, is a tuple of caller-owned writable buffers (compute dtype) for those
     six gradients, optionally followed by a ``[NT, B, H, K, V]`` workspace that receives the
@@ -252,18 +242,19 @@ def chunk_backward(
     if out is None:
         fill = xp.empty if ops.chunk_backward_heads is not None else xp.zeros  # fused: every row written
         grads = [fill(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v, g, beta)]
-        dstate_buf = workspace = None
+        dinitial_buf = workspace = None
     else:
-        grads, dstate_buf = list(out[:5]), out[5]
+        grads, dinitial_buf = list(out[:5]), out[5]
         workspace = out[6] if len(out) > 6 else None
     if T == 0 or q.shape[0] * q.shape[1] == 0:  # nothing to compute: no steps, or no heads
         if out is None:
-            return (*grads, xp.asarray(grad_state, copy=True))
-        dstate_buf[...] = grad_state
+            return (*grads, xp.asarray(dfinal, copy=True))
+        dinitial_buf[...] = dfinal
         return tuple(out[:6])
     if ops.chunk_backward_heads is not None and _writable(grads[0]):
-        return _backward_fused(ops, xp, q, k, v, g, beta, scale, state, boundaries, grad_output, grad_state,
-                               chunk_size, grads, dstate_buf, workspace, screen)  # fmt: skip
+        return _backward_fused(ops, xp, q, k, v, g, beta, scale, state, boundaries, grad_output=grad_output,
+                               dfinal=dfinal, chunk_size=chunk_size, grads=grads, dinitial=dinitial_buf,
+                               workspace=workspace, screen=screen)  # fmt: skip
     axis, groups = _head_groups(ops, xp, q.shape)
     if not _writable(grads[0]):
         axis, groups = 1, [slice(None)]
@@ -273,14 +264,15 @@ def chunk_backward(
         inputs = [x[i] for x in (q, k, v, g, beta)]
         if boundaries is None:
             ws = None if workspace is None else workspace[(slice(None), *i)]
-            starts = _forward_heads(ops, xp, *inputs, scale, state[i], chunk_size, None, ws)[1]
+            starts = _forward_heads(ops, xp, *inputs, scale, state[i], chunk_size, out=None, saved=ws)[1]
         else:
             starts = boundaries[(slice(None), *i)]
         result = _backward_heads(
-            ops, xp, *inputs, scale, starts, grad_output[i], grad_state[i], chunk_size, [x[i] for x in grads]
-        )
-        if dstate_buf is not None:
-            dstate_buf[i] = result[0]
+            ops, xp, *inputs, scale, starts, grad_output=grad_output[i], dfinal=dfinal[i],
+            chunk_size=chunk_size, grads=[x[i] for x in grads],
+        )  # fmt: skip
+        if dinitial_buf is not None:
+            dinitial_buf[i] = result[0]
         return result
 
     results = _run_groups(ops, groups, task)
@@ -292,36 +284,41 @@ def chunk_backward(
 
 
 def _backward_fused(
-    ops: Any, xp: Any, q, k, v, g, beta, scale: float, state: Any, boundaries: Any, grad_output: Any,
-    grad_state: Any, C: int, grads: list[Any], dstate: Any, workspace: Any, screen: Any = None,
+    ops: Any, xp: Any, q, k, v, g, beta, scale: float, state: Any, boundaries: Any, *, grad_output: Any,
+    dfinal: Any, chunk_size: int, grads: list[Any], dinitial: Any, workspace: Any, screen: Any = None,
 ) -> tuple[Any, ...]:  # fmt: skip
-    """The backward through the backend's fused passes (boundaries recomputed when None)."""
+    """The backward through the backend's fused passes (boundaries recomputed when None);
+    ``dinitial``: the initial state's gradient's buffer, or None."""
+    C = chunk_size
     if boundaries is None:
         NT = -(-q.shape[2] // C)
         if workspace is None:
             workspace = xp.empty((NT, *state.shape), dtype=state.dtype, device=state.device)
-        ops.chunk_forward_heads(q, k, v, g, beta, scale, state, C, None, workspace)
+        ops.chunk_forward_heads(q, k, v, g, beta, scale, state, C, output=None, boundaries=workspace)
         boundaries = workspace
-    if dstate is None:
-        dstate = xp.empty(grad_state.shape, dtype=grad_state.dtype, device=grad_state.device)
+    if dinitial is None:
+        dinitial = xp.empty(dfinal.shape, dtype=dfinal.dtype, device=dfinal.device)
     ops.chunk_backward_heads(
-        q, k, v, g, beta, scale, boundaries, grad_output, grad_state, C, [*grads, dstate], screen
+        q, k, v, g, beta, scale, boundaries, grad_output, dfinal, C, grads=[*grads, dinitial], screen=screen
     )
-    return (*grads, dstate)
+    return (*grads, dinitial)
 
 
 def _backward_heads(
-    ops: Any, xp: Any, q, k, v, g, beta, scale: float, boundaries, grad_output, dstate, C: int, grads
-) -> tuple[Any, list[Any]]:
-    """Backward of a group of heads, slab by slab from the last; writes ``grads`` where it can."""
-    T = q.shape[2]
+    ops: Any, xp: Any, q, k, v, g, beta, scale: float, boundaries, *, grad_output, dfinal, chunk_size: int,
+    grads,
+) -> tuple[Any, list[Any]]:  # fmt: skip
+    """Backward of a group of heads, slab by slab from the last; writes ``grads`` where it can.
+    Returns the initial state's gradient and the gradients."""
+    T, C, dend = q.shape[2], chunk_size, dfinal  # the gradient of the state at a slab's end
     collected = []
     for n0, n1 in reversed(slabs(q.shape, C, max(q.shape[-1], v.shape[-1]), ops.SLAB_ELEMENTS)):
         t = _steps(n0, n1, C, T)
         inputs = (x[:, :, t, ...] for x in (q, k, v, g, beta))
-        slab_grads, dstate = _backward_slab(
-            ops, xp, *inputs, scale, boundaries[n0:n1, ...], grad_output[:, :, t, ...], dstate, C
-        )
+        slab_grads, dend = _backward_slab(
+            ops, xp, *inputs, scale, boundaries[n0:n1, ...], grad_output=grad_output[:, :, t, ...],
+            dfinal=dend, chunk_size=C,
+        )  # fmt: skip
         if _writable(grads[0]):
             for acc, x in zip(grads, slab_grads, strict=True):
                 acc[:, :, t, ...] = x
@@ -329,30 +326,32 @@ def _backward_heads(
             collected.append(slab_grads)
     if collected:
         grads = [xp.concat(parts[::-1], axis=2) for parts in zip(*collected, strict=True)]
-    return dstate, grads
+    return dend, grads
 
 
 def _backward_slab(
-    ops: Any, xp: Any, q, k, v, g, beta, scale: float, boundaries: Any, grad_output: Any, dstate: Any, C: int
-) -> tuple[list[Any], Any]:
-    """Gradients of one slab of chunks; ``dstate`` is the gradient of the state at its end.
+    ops: Any, xp: Any, q, k, v, g, beta, scale: float, boundaries: Any, *, grad_output: Any, dfinal: Any,
+    chunk_size: int,
+) -> tuple[list[Any], Any]:  # fmt: skip
+    """Gradients of one slab of chunks; ``dfinal`` is the gradient of the state at its end; returns
+    them and the gradient of the state at its start.
 
     Three primitives: the state-free work again, the state-gradient recurrence (which also
     recomputes ``U`` and forms ``A^T dO`` and ``qg^T dO``), and the gradients of the state-free
     work given the states and their gradients.
     """
-    T = q.shape[2]
+    T, C = q.shape[2], chunk_size
     c = _prepare(ops, xp, q, k, v, g, beta, scale, C)
     loc = c.local
     dO = ops.to_chunks(grad_output, C, padded_chunk_size(C))
-    dends, U, dU, dstate = ops.chunk_state_grad_pass(
-        loc.w, loc.u0, loc.kt, loc.total, loc.qg, loc.A, dO, boundaries, dstate
+    dends, U, dU, dstart = ops.chunk_state_grad_pass(
+        loc.w, loc.u0, loc.kt, loc.total, loc.qg, loc.A, dO, boundaries, dfinal
     )
     dq, dk, dv, dg, dbeta = ops.chunk_local_backward(
-        c.q, c.k, c.g, c.v, c.beta, scale, loc, boundaries, dends, U, dU, dO
+        c.q, c.k, c.g, c.v, c.beta, scale, loc, boundaries, dends=dends, u=U, du=dU, grad_output=dO
     )
     grads = [ops.from_chunks(x, C, T) for x in (dq, dk, dv, dg)]
-    return [*grads, ops.from_chunks(dbeta[..., None], C, T)[..., 0]], dstate
+    return [*grads, ops.from_chunks(dbeta[..., None], C, T)[..., 0]], dstart
 
 
 def chunk_end_state(ops: Any, xp: Any, q, k, v, g, beta, scale: float, start: Any, chunk_size: int) -> Any:
@@ -380,16 +379,14 @@ def chunk_state_gradient(
     """
     B, H, T, K = q.shape
     V = v.shape[-1]
-    dstate = xp.zeros((B, H, K, V), dtype=q.dtype, device=q.device)
+    dend = xp.zeros((B, H, K, V), dtype=q.dtype, device=q.device)
     if T == 0 or B * H == 0:
-        return dstate
+        return dend
     C, Cp = chunk_size, padded_chunk_size(chunk_size)
     for n0, n1 in reversed(slabs(q.shape, C, max(K, V), ops.SLAB_ELEMENTS)):
         t = _steps(n0, n1, C, T)
         loc = _prepare(ops, xp, *(x[:, :, t, ...] for x in (q, k, v, g, beta)), scale, C).local
         dO = ops.to_chunks(grad_output[:, :, t, ...], C, Cp)
-        zeros = xp.zeros((n1 - n0, *dstate.shape), dtype=dstate.dtype, device=dstate.device)
-        dstate = ops.chunk_state_grad_pass(
-            loc.w, loc.u0, loc.kt, loc.total, loc.qg, loc.A, dO, zeros, dstate
-        )[3]
-    return dstate
+        zeros = xp.zeros((n1 - n0, *dend.shape), dtype=dend.dtype, device=dend.device)
+        dend = ops.chunk_state_grad_pass(loc.w, loc.u0, loc.kt, loc.total, loc.qg, loc.A, dO, zeros, dend)[3]
+    return dend

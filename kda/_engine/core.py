@@ -152,7 +152,9 @@ class ChunkCore:
         ops, C, wide = route
         xp = _namespace(q)
         if wide == q.dtype:
-            return chunk_forward(ops, xp, q, k, v, g, beta, self.scale, state, C, out, keep, screen)
+            return chunk_forward(
+                ops, xp, q, k, v, g, beta, self.scale, state, C, out=out, keep=keep, screen=screen
+            )
         args = _cast(xp, wide, q, k, v, g, beta, state)
         results = chunk_forward(ops, xp, *args[:5], self.scale, args[5], C, keep=keep)
         return _into(out, _cast(xp, q.dtype, *results))
@@ -173,10 +175,21 @@ class ChunkCore:
         if wide == q.dtype:
             bufs = None if out is None else (*out, *(() if workspace is None else (workspace,)))
             return chunk_backward(
-                ops, xp, q, k, v, g, beta, self.scale, state, boundaries, do, dfinal, C, bufs, screen
-            )
+                ops, xp, q, k, v, g, beta, self.scale, state, boundaries, grad_output=do, dfinal=dfinal,
+                chunk_size=C, out=bufs, screen=screen,
+            )  # fmt: skip
         args = _cast(xp, wide, q, k, v, g, beta, state, boundaries, do, dfinal)
-        grads = chunk_backward(ops, xp, *args[:5], self.scale, *args[5:], C)
+        grads = chunk_backward(
+            ops,
+            xp,
+            *args[:5],
+            self.scale,
+            args[5],
+            args[6],
+            grad_output=args[7],
+            dfinal=args[8],
+            chunk_size=C,
+        )
         return _into(out, _cast(xp, q.dtype, *grads))
 
     def end_state(self, q, k, v, g, beta, start) -> Any:

@@ -1,0 +1,1 @@
+"""The engine: the core (chunk length, route, dtype, backend) and the backend-neutral chunked algorithm."""
