@@ -99,8 +99,8 @@ def _head_groups(ops: Any, xp: Any, shape: tuple[int, ...]) -> tuple[int, list[s
     workers = min(workers, n)
     if workers <= 1:
         return 1, [slice(None)]
-    bounds = [n * i // workers for i in range(workers + 1)]
-    return axis, [slice(a, b) for a, b in itertools.pairwise(bounds)]
+    edges = [n * i // workers for i in range(workers + 1)]
+    return axis, [slice(a, b) for a, b in itertools.pairwise(edges)]
 
 
 def _run_groups(ops: Any, groups: list[slice], task) -> list[Any]:
@@ -146,9 +146,9 @@ def chunk_forward(
     if out is None:
         fill = xp.empty if ops.chunk_forward_heads is not None else xp.zeros  # fused: every row written
         o = fill((B, H, T, V), dtype=v.dtype, device=v.device)
-        final_buf = saved = None
+        final_buf = boundaries = None
     else:
-        o, final_buf, saved = out
+        o, final_buf, boundaries = out
     if T == 0 or B * H == 0:  # nothing to compute: no steps, or no heads
         if out is None:
             empty = xp.zeros((NT, *state.shape), dtype=state.dtype, device=state.device)
@@ -157,12 +157,12 @@ def chunk_forward(
         return out
     if ops.chunk_forward_heads is not None and _writable(o):
         if out is None and keep:
-            saved = xp.empty((NT, *state.shape), dtype=state.dtype, device=state.device)
+            boundaries = xp.empty((NT, *state.shape), dtype=state.dtype, device=state.device)
         final = ops.chunk_forward_heads(
-            q, k, v, g, beta, scale, state, chunk_size, output=o, boundaries=saved, screen=screen
+            q, k, v, g, beta, scale, state, chunk_size, output=o, boundaries=boundaries, screen=screen
         )
         if out is None:
-            return o, final, saved
+            return o, final, boundaries
         final_buf[...] = final
         return out
     axis, groups = _head_groups(ops, xp, q.shape)
@@ -172,8 +172,8 @@ def chunk_forward(
     def task(group: slice) -> tuple[Any, Any, Any]:
         i = _index(axis, group)
         inputs = [x[i] for x in (q, k, v, g, beta)]
-        slab_out = None if saved is None else saved[(slice(None), *i)]
-        result = _forward_heads(ops, xp, *inputs, scale, state[i], chunk_size, out=o[i], saved=slab_out)
+        into = None if boundaries is None else boundaries[(slice(None), *i)]
+        result = _forward_heads(ops, xp, *inputs, scale, state[i], chunk_size, out=o[i], boundaries_buf=into)
         if final_buf is not None:
             final_buf[i] = result[0]
         return result
@@ -189,26 +189,38 @@ def chunk_forward(
 
 
 def _forward_heads(
-    ops: Any, xp: Any, q, k, v, g, beta, scale: float, state: Any, C: int, *, out: Any, saved: Any = None
+    ops: Any,
+    xp: Any,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale: float,
+    state: Any,
+    C: int,
+    *,
+    out: Any,
+    boundaries_buf: Any = None,
 ) -> tuple[Any, Any, Any]:
     """Forward of a group of heads, slab by slab; writes ``out`` where it can.
 
     ``out=None`` asks for the states only (the backward's recomputed boundaries): no output is formed.
-    ``saved``, when given, is a ``[NT, ...]`` buffer that receives the chunk-start states slab by
+    ``boundaries_buf``, when given, is a ``[NT, ...]`` buffer that receives the chunk-start states slab by
     slab (and is returned as the boundaries) instead of concatenating them.
     """
     T = q.shape[2]
-    starts, outs = [], []
+    parts, outs = [], []  # the slabs' boundaries (without boundaries_buf), outputs
     for n0, n1 in slabs(q.shape, C, max(q.shape[-1], v.shape[-1]), ops.SLAB_ELEMENTS):
         t = _steps(n0, n1, C, T)
         c = _prepare(ops, xp, *(x[:, :, t, ...] for x in (q, k, v, g, beta)), scale, C)
         loc = c.local
         dense = () if out is None else (loc.qg, loc.A)  # the output O = qg S + A U, fused in
         boundaries, O, state = ops.chunk_state_pass(loc.w, loc.u0, loc.kt, loc.total, state, *dense)
-        if saved is None:
-            starts.append(boundaries)
+        if boundaries_buf is None:
+            parts.append(boundaries)
         else:
-            saved[n0:n1, ...] = boundaries
+            boundaries_buf[n0:n1, ...] = boundaries
         if out is None:
             continue
         O = ops.from_chunks(O, C, t.stop - t.start)
@@ -216,10 +228,10 @@ def _forward_heads(
             out[:, :, t, :] = O
         else:
             outs.append(O)
-    if saved is not None:
-        boundaries = saved
+    if boundaries_buf is not None:
+        boundaries = boundaries_buf
     else:
-        boundaries = starts[0] if len(starts) == 1 else xp.concat(starts, axis=0)
+        boundaries = parts[0] if len(parts) == 1 else xp.concat(parts, axis=0)
     return state, boundaries, (xp.concat(outs, axis=2) if outs else out)
 
 
@@ -264,11 +276,13 @@ def chunk_backward(
         inputs = [x[i] for x in (q, k, v, g, beta)]
         if boundaries is None:
             ws = None if workspace is None else workspace[(slice(None), *i)]
-            starts = _forward_heads(ops, xp, *inputs, scale, state[i], chunk_size, out=None, saved=ws)[1]
+            group_boundaries = _forward_heads(
+                ops, xp, *inputs, scale, state[i], chunk_size, out=None, boundaries_buf=ws
+            )[1]
         else:
-            starts = boundaries[(slice(None), *i)]
+            group_boundaries = boundaries[(slice(None), *i)]
         result = _backward_heads(
-            ops, xp, *inputs, scale, starts, grad_output=grad_output[i], dfinal=dfinal[i],
+            ops, xp, *inputs, scale, group_boundaries, grad_output=grad_output[i], dfinal=dfinal[i],
             chunk_size=chunk_size, grads=[x[i] for x in grads],
         )  # fmt: skip
         if dinitial_buf is not None:

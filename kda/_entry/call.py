@@ -125,20 +125,21 @@ def open_call(
     gate_check = ops.launch_gate_check if defer_gate else None
     if defer_gate and getattr(ops, "chunk_forward_heads", None) is not None:
         gate_check = partial(ScreenedGate, xp)  # the fused passes screen g (Call._gate_before)
-    p, o = check_options_call(q, k, v, g, beta, scale, opts, gate_check)
+    p, options = check_options_call(q, k, v, g, beta, scale, opts, gate_check)
     if chunk_size is None:
         core: Core = RecurrentCore(ops=ops, scale=p.scale)
     else:
         core = ChunkCore(ops=ops, scale=p.scale, chunk_size=check_chunk_size(chunk_size))
-    return Call(p=p, o=o, core=core, check=bool(opts.check_finite))
+    return Call(p=p, options=options, core=core, check=bool(opts.check_finite))
 
 
 @dataclass(frozen=True)
 class Call:
-    """One validated call: the problem, its options, its core and whether to check finiteness."""
+    """One validated call: the problem ``p``, its validated ``options``, its core and whether to
+    check finiteness."""
 
     p: Problem
-    o: Options
+    options: Options
     core: Core
     check: bool
 
@@ -172,7 +173,7 @@ class Call:
     def check_inputs_finite(self, **arrays: Any) -> None:
         """Refuse NaN / infinite values in ``arrays`` and in the gate's ``A_log``, ``dt_bias``
         (``-inf`` allowed in a log gate), when asked to check."""
-        self.check_finite(**arrays, A_log=self.o.A_log, dt_bias=self.o.dt_bias)
+        self.check_finite(**arrays, A_log=self.options.A_log, dt_bias=self.options.dt_bias)
 
     def check_finite(self, **arrays: Any) -> None:
         """Refuse NaN / infinite values in ``arrays`` (None skipped), when asked to check.
@@ -182,7 +183,7 @@ class Call:
         """
         if not self.check:
             return
-        log_gate = self.o.gate == "log"
+        log_gate = self.options.gate == "log"
         for name, x in arrays.items():
             if not (name == "g" and log_gate):
                 _check_finite(self.p.xp, name, x)
@@ -262,7 +263,7 @@ class Call:
         p, xp = self.p, self.p.xp
         arrays = [head_first(xp, xp.astype(a, p.compute_dtype, copy=False), p.layout) for a in x.steps]
         with floating_point_quiet(xp):
-            return prepare_core_inputs(xp, *arrays, self.o, p.HV)
+            return prepare_core_inputs(xp, *arrays, self.options, p.HV)
 
     def forward(
         self, inputs: Inputs, state: Any, keep: bool, *, out: KdaOutput | None = None,
@@ -287,7 +288,7 @@ class Call:
         bufs = (head_first(xp, out.output, p.layout), out.final_state, out.boundaries) if direct else None
         with floating_point_quiet(xp):
             if p.offsets is None:
-                o, final, boundaries = self.core.forward(
+                output, final, boundaries = self.core.forward(
                     core_in.q,
                     core_in.k,
                     core_in.v,
@@ -299,14 +300,15 @@ class Call:
                     screen=screen,
                 )
             else:
-                o, final, boundaries = run_packed_forward(
+                output, final, boundaries = run_packed_forward(
                     self.core, xp, core_in, state, p.offsets, keep, bufs
                 )
         sums = self._screen_sums(screen)
         raise_for_gates(p)  # a deferred check, read once the work is queued
         if self.check and not self._results_finite(check_inputs, sums):
-            warn_if_diverged(xp, o, final, stacklevel=5)
-        result = KdaOutput(xp.astype(head_first(xp, o, p.layout), p.dtype, copy=False), final, boundaries)
+            warn_if_diverged(xp, output, final, stacklevel=5)
+        output = xp.astype(head_first(xp, output, p.layout), p.dtype, copy=False)
+        result = KdaOutput(output, final, boundaries)
         if out is None:
             return result if keep else result._replace(boundaries=None)
         if not direct:
@@ -326,12 +328,12 @@ class Call:
         gradients and are returned; ``workspace`` holds recomputed boundaries on the way.
         ``check_inputs``: as for :meth:`forward`.
         """
-        p, xp, o = self.p, self.p.xp, self.o
+        p, xp, options = self.p, self.p.xp, self.options
         core_in = self.core_inputs(inputs)
         screen = self._screen(core_in.q) if check_inputs is not None and out is None else None
         self._check_before(check_inputs, screen)
         self._gate_before(screen)
-        direct = out is not None and p.dtype == p.compute_dtype and o.is_identity and p.H == p.HV
+        direct = out is not None and p.dtype == p.compute_dtype and options.is_identity and p.H == p.HV
         bufs = None
         if direct:
             steps = (out.q, out.k, out.v, out.g, out.beta)
@@ -347,13 +349,13 @@ class Call:
                     self.core, xp, core_in, state, boundaries, do, dfinal, p.offsets, bufs
                 )
             dq, dk, dv, dlog, dbeta, dinitial = grads
-            dg, dA_log, ddt_bias = gate_backward(xp, dlog, core_in, o)
-            dq, dk = qk_backward(xp, dq, dk, core_in, o, p.H)
-            dbeta = beta_backward(xp, dbeta, core_in, o)
+            dg, dA_log, ddt_bias = gate_backward(xp, dlog, core_in, options)
+            dq, dk = qk_backward(xp, dq, dk, core_in, options, p.H)
+            dbeta = beta_backward(xp, dbeta, core_in, options)
         sums = self._screen_sums(screen)
         raise_for_gates(p)
         finite = self._results_finite(check_inputs, sums)  # of the core's gradients
-        if self.check and not (o.is_identity and finite):
+        if self.check and not (options.is_identity and finite):
             warn_if_diverged(xp, dq, dk, dv, dg, dbeta, dinitial, stacklevel=5)
         grads = [xp.astype(head_first(xp, x, p.layout), p.dtype, copy=False) for x in (dq, dk, dv, dg, dbeta)]
         params = [

@@ -685,7 +685,7 @@ class DecodePlan:
 
     def _recheck_gate(self) -> None:
         g, xp = self.inputs.g, self.call.p.xp
-        if self.call.o.gate != "log" or array_api_compat.is_cupy_namespace(xp) or g.size == 0:
+        if self.call.options.gate != "log" or array_api_compat.is_cupy_namespace(xp) or g.size == 0:
             return
         if not bool((g.max() if hasattr(g, "max") else xp.max(g)) <= 0):
             msg = "g must hold log decays <= 0 (-inf allowed); the refilled g has a positive or NaN element"
@@ -745,7 +745,7 @@ def prepare_decode_kda(
         if not array_api_compat.is_writeable_array(out) or not c_contiguous(out):
             msg = "out must be a writable C-contiguous array (runs write the output into it)"
             raise InvalidInputError(msg)
-    direct = call.o.is_identity and p.H == p.HV and p.dtype == p.compute_dtype
+    direct = call.options.is_identity and p.H == p.HV and p.dtype == p.compute_dtype
     return DecodePlan(
         call=call, inputs=Inputs(q, k, v, g, beta), pool=state_pool, state_indices=state_indices,
         num_accepted_tokens=num_accepted_tokens, out=out, P=P, direct=direct, v_first=v_first, pad=pad,

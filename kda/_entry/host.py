@@ -263,4 +263,4 @@ def validated_call(static: OpOptions, x: Inputs, offsets: tuple[int, ...] | None
         core = ChunkCore(ops=ops, scale=scale, chunk_size=static.chunk_size)
     else:
         core = RecurrentCore(ops=ops, scale=scale)
-    return Call(p=problem, o=options, core=core, check=True)
+    return Call(p=problem, options=options, core=core, check=True)

@@ -105,7 +105,7 @@ class _Runner:
     def recheck_gate(self) -> None:
         """``max(g) <= 0`` on host arrays with a log gate (see the module notes)."""
         g = self.inputs.g
-        if self.call.o.gate != "log" or array_api_compat.is_cupy_namespace(self.xp) or g.size == 0:
+        if self.call.options.gate != "log" or array_api_compat.is_cupy_namespace(self.xp) or g.size == 0:
             return
         if not bool(self.xp.max(g) <= 0):
             msg = "g must hold log decays <= 0 (-inf allowed); the refilled g has a positive or NaN element"
@@ -304,7 +304,7 @@ def prepare_chunk_kda_backward(
         ``plan.run()`` returns ``plan.out``, a :class:`~kda.KdaGradients` of the plan's buffers.
     """
     call, state = _prepare(q, k, v, g, beta, scale, chunk_size, backend, initial_state, opts)
-    p, o = call.p, call.o
+    p, o = call.p, call.options
     call.check_boundaries(boundaries)
     check_array(
         "grad_output", grad_output, p, p.shape(p.HV, p.V), p.letters("HV", "V"), p.dtype, "the dtype of q"
