@@ -664,13 +664,13 @@ class _ContextParallel(torch.autograd.Function):
         cd = _compute_dtype(q.dtype)
         with _on_stream(q):
             x = Inputs._make(map(_array, inputs))
-            opts = chunk_keywords(static, x.A_log, x.dt_bias)
+            rank = _cp.open_rank(p, x, chunk_keywords(static, x.A_log, x.dt_bias))  # validated once
             xp, adt = _namespace(x.v), x.v.dtype
             shape = (v.shape[2], q.shape[3], v.shape[3])
-            own = _cp.forward_map(p, x.steps, opts, adt)
+            own = _cp.forward_map(p, x, rank, adt)
             maps = _all_gather(own, group, q) if p.crossing else None
             starts = _cp.start_states(p, maps, x.initial_state, shape, adt, xp)
-            out = _cp.forward_local(p, x.steps, starts, opts)
+            out = _cp.forward_local(p, x, starts, rank)
             o = _tensor(out.output, q.dtype, inputs)
             if want_final:
                 share = _cp.final_state_share(p, out.final_state, x.initial_state, xp)
@@ -679,7 +679,7 @@ class _ContextParallel(torch.autograd.Function):
                 final = q.new_empty((0,), dtype=cd)
             kept = [_tensor(a, cd, inputs) for a in (own, starts, out.boundaries)]
         ctx.save_for_backward(*inputs, *kept)
-        ctx.cp_ctx, ctx.static, ctx.want_final = cp_ctx, static, want_final
+        ctx.cp_ctx, ctx.rank_call, ctx.want_final = cp_ctx, rank[0], want_final
         if not want_final:
             ctx.mark_non_differentiable(final)
         return o, final
@@ -698,16 +698,17 @@ class _ContextParallel(torch.autograd.Function):
             dfinal = _all_reduce(dfinal.to(starts.dtype).clone(), group)
         with _on_stream(q):
             x = Inputs._make(map(_array, inputs))
-            opts = chunk_keywords(ctx.static, x.A_log, x.dt_bias)
+            rank = (ctx.rank_call, x)  # the forward's validated call: nothing checked again
             xp, adt = _namespace(x.v), x.v.dtype
             shape = (v.shape[2], q.shape[3], v.shape[3])
             do_ = _array(do)
             dfinal_ = _array(dfinal) if ctx.want_final else None
+            ctx.rank_call.check_finite(grad_output=do_, grad_final_state=dfinal_)  # the cotangents, once
             own_, starts_ = _array(own), _array(starts)
-            mine = _cp.backward_map(p, x.steps, do_, opts, adt, own_map=own_)
+            mine = _cp.backward_map(p, x, do_, rank, adt, own_map=own_)
             maps = _all_gather(mine, group, q) if p.crossing else None
             dends = _cp.end_gradients(p, maps, dfinal_, shape, adt, xp)
-            grads = _cp.backward_local(p, x.steps, starts_, _array(boundaries), do_, dends, opts, dfinal_)
+            grads = _cp.backward_local(p, x, starts_, _array(boundaries), do_, dends, rank, dfinal_)
             out = [
                 None if t is None or gr is None else _tensor(gr, t.dtype, inputs)
                 for t, gr in zip(inputs, grads)

@@ -20,9 +20,11 @@ backward
     3. :func:`backward_local`: the ordinary chunked backward; the initial-state gradient of a
        sequence is kept only on the rank where it starts (each rank's share).
 
-Every step calls kda's public functions (:func:`kda.chunk_kda`, :func:`kda.chunk_kda_backward`,
-:func:`kda.chunk_kda_transition`, :func:`kda.chunk_kda_transition_backward`) on the arrays it is
-given (NumPy or CuPy), time-major with ``B == 1``.
+The rank's slice is validated and scanned for NaN / inf once (:func:`open_rank`: its packed call
+at the local offsets); every step then runs on that call or calls derived from it (a segment's
+transition maps, :meth:`kda._entry.call.Call.segment`), checking nothing again. The arrays are
+NumPy or CuPy, time-major with ``B == 1``. A step given the keywords of :func:`kda.chunk_kda`
+instead of an opened call opens one itself (the in-process simulation of the tests).
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ from typing import Any
 import array_api_compat
 
 from .._errors import InvalidInputError
-from .api import KdaGradients, KdaOutput, chunk_kda, chunk_kda_backward
+from .._options.table import Choices
+from .call import Call, Inputs, KdaGradients, KdaOutput, open_call
 from .scan import advance, retreat
-from .transition import chunk_kda_transition, chunk_kda_transition_backward
+from .transition import transition_gradient, transition_map
 
 __all__ = [
     "Partition",
@@ -46,6 +49,7 @@ __all__ = [
     "final_state_share",
     "forward_local",
     "forward_map",
+    "open_rank",
     "partition",
     "start_states",
 ]
@@ -152,24 +156,48 @@ def _xp(x: Any) -> Any:
     return array_api_compat.array_namespace(x)
 
 
-def _segment(x: tuple[Any, ...], a: int, b: int) -> tuple[Any, ...]:
-    """Steps ``a:b`` of time-major ``[1, T, ...]`` arrays."""
-    return tuple(t[:, a:b, ...] for t in x)
+def open_rank(p: Partition, x: Any, opts: dict[str, Any]) -> tuple[Call, Inputs]:
+    """The rank's slice validated, and scanned for NaN / inf, once: its call (packed at the local
+    offsets) and its arrays as a record.
+
+    ``x``: the rank's ``q, k, v, g, beta`` (time-major, ``B == 1``; a tuple or an
+    :class:`~kda._entry.call.Inputs`); ``opts``: the keywords of :func:`kda.chunk_kda` without
+    ``cu_seqlens`` (``scale``, ``chunk_size``, the options, ``A_log`` and ``dt_bias`` included).
+    """
+    keywords = dict(opts)
+    scale, chunk_size = keywords.pop("scale", None), keywords.pop("chunk_size", 64)
+    backend = keywords.pop("backend", None)
+    q, k, v, g, beta = x.steps if isinstance(x, Inputs) else x
+    x = Inputs(q, k, v, g, beta, A_log=keywords.get("A_log"), dt_bias=keywords.get("dt_bias"))
+    choices = Choices(**keywords, cu_seqlens=p.local_offsets)
+    call = open_call(q, k, v, g, beta, scale, choices, backend=backend, chunk_size=chunk_size)
+    call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta)
+    return call, x
 
 
-def forward_map(p: Partition, x: tuple[Any, ...], opts: dict[str, Any], dtype: Any) -> Any:
+def _opened(p: Partition, x: Any, opts: Any) -> tuple[Call, Inputs]:
+    """``opts``: the rank's ``(call, arrays)`` from :func:`open_rank`, or the keywords to open it with."""
+    return open_rank(p, x, opts) if isinstance(opts, dict) else opts
+
+
+def _segment(call: Call, x: Inputs, a: int, b: int) -> tuple[Call, Inputs]:
+    """Steps ``a:b`` of the rank's slice (one sequence's piece) as a call of its own."""
+    return call.segment(a, b), call.steps(x, a, b)
+
+
+def forward_map(p: Partition, x: Any, opts: Any, dtype: Any) -> Any:
     """Step 1 of the forward: ``[HV, K, K + V]`` = ``[A, N]`` of the last local segment.
 
-    ``x`` are the rank's ``q, k, v, g, beta`` (time-major, ``B == 1``); ``opts`` the keywords of
-    :func:`kda.chunk_kda` without ``cu_seqlens`` (``A_log``, ``dt_bias`` included). Zeros when
-    no later rank continues the sequence (nobody reads the map).
+    ``x`` are the rank's ``q, k, v, g, beta`` (time-major, ``B == 1``); ``opts`` the rank's call
+    (:func:`open_rank`), or the keywords to open it with. Zeros when no later rank continues the
+    sequence (nobody reads the map).
     """
-    xp = _xp(x[2])
-    HV, K, V = x[2].shape[2], x[0].shape[3], x[2].shape[3]
+    call, x = _opened(p, x, opts)
+    xp, HV, K, V = call.p.xp, call.p.HV, call.p.K, call.p.V
     if p.post_num_ranks == 0:
         return xp.zeros((HV, K, K + V), dtype=dtype)
     a, b = p.local_offsets[-2], p.local_offsets[-1]
-    t = chunk_kda_transition(*_segment(x, a, b), **opts)
+    t = transition_map(*_segment(call, x, a, b))
     return xp.concat([t.A[0], t.N[0]], axis=-1)
 
 
@@ -193,9 +221,9 @@ def start_states(
     return xp.stack(starts)
 
 
-def forward_local(p: Partition, x: tuple[Any, ...], starts: Any, opts: dict[str, Any]) -> KdaOutput:
-    """Step 3 of the forward: :func:`kda.chunk_kda` over the local slice from ``starts``
-    (boundaries saved for :func:`backward_local`).
+def forward_local(p: Partition, x: Any, starts: Any, opts: Any) -> KdaOutput:
+    """Step 3 of the forward: the chunked forward over the local slice from ``starts``
+    (boundaries saved for :func:`backward_local`); ``opts`` as for :func:`forward_map`.
 
     Raises
     ------
@@ -211,7 +239,8 @@ def forward_local(p: Partition, x: tuple[Any, ...], starts: Any, opts: dict[str,
             "example; use_qk_l2norm_in_kernel=True normalises them)"
         )
         raise InvalidInputError(msg)
-    return chunk_kda(*x, initial_state=starts, save_boundaries=True, cu_seqlens=p.local_offsets, **opts)
+    call, x = _opened(p, x, opts)
+    return call.forward(x, call.state_or_zeros("initial_state", starts), True)
 
 
 def final_state_share(p: Partition, local_final: Any, initial_state: Any, xp: Any) -> Any:
@@ -229,25 +258,24 @@ def final_state_share(p: Partition, local_final: Any, initial_state: Any, xp: An
     return share
 
 
-def backward_map(
-    p: Partition, x: tuple[Any, ...], do: Any, opts: dict[str, Any], dtype: Any, own_map: Any = None
-) -> Any:
+def backward_map(p: Partition, x: Any, do: Any, opts: Any, dtype: Any, own_map: Any = None) -> Any:
     """Step 1 of the backward: ``[HV, K, K + V]`` = ``[A, D]`` of the first local segment.
 
-    ``do``: the rank's output gradient; ``own_map``: this rank's :func:`forward_map` (reused for
-    ``A`` when the first segment is also the last). Zeros when the sequence started on this rank.
+    ``do``: the rank's output gradient (scanned by the caller); ``opts`` as for
+    :func:`forward_map`; ``own_map``: this rank's :func:`forward_map` (reused for ``A`` when the
+    first segment is also the last). Zeros when the sequence started on this rank.
     """
-    xp = _xp(x[2])
-    HV, K, V = x[2].shape[2], x[0].shape[3], x[2].shape[3]
+    call, x = _opened(p, x, opts)
+    xp, HV, K, V = call.p.xp, call.p.HV, call.p.K, call.p.V
     if p.pre_num_ranks == 0:
         return xp.zeros((HV, K, K + V), dtype=dtype)
     a, b = p.local_offsets[0], p.local_offsets[1]
-    seg = _segment(x, a, b)
+    seg_call, seg = _segment(call, x, a, b)
     if own_map is not None and len(p.local_seqs) == 1 and p.post_num_ranks > 0:
         A = own_map[..., :K]
     else:
-        A = chunk_kda_transition(*seg, **opts).A[0]
-    D = chunk_kda_transition_backward(*seg, do[:, a:b, ...], **opts)[0]
+        A = transition_map(seg_call, seg).A[0]
+    D = transition_gradient(seg_call, seg, seg_call.grad_output(do[:, a:b, ...], check=False))[0]
     return xp.concat([A, D], axis=-1)
 
 
@@ -270,25 +298,18 @@ def end_gradients(p: Partition, maps: Any, dfinal: Any, shape: tuple[int, ...], 
 
 
 def backward_local(
-    p: Partition,
-    x: tuple[Any, ...],
-    starts: Any,
-    boundaries: Any,
-    do: Any,
-    dends: Any,
-    opts: dict[str, Any],
-    dfinal: Any = None,
+    p: Partition, x: Any, starts: Any, boundaries: Any, do: Any, dends: Any, opts: Any, dfinal: Any = None
 ) -> KdaGradients:
-    """Step 3 of the backward: :func:`kda.chunk_kda_backward` over the local slice.
+    """Step 3 of the backward: the chunked backward over the local slice (``opts`` as for
+    :func:`forward_map`; ``do``, ``dfinal`` scanned by the caller).
 
     The returned ``initial_state`` field is the global ``[N, HV, K, V]`` share: the gradient of a
     sequence's initial state on the rank where it starts (empty sequences: ``dfinal``
     on rank 0), zeros elsewhere. ``A_log``, ``dt_bias``: this rank's share.
     """
-    xp = _xp(x[2])
-    grads = chunk_kda_backward(
-        *x, boundaries, do, dends, initial_state=starts, cu_seqlens=p.local_offsets, **opts
-    )
+    call, x = _opened(p, x, opts)
+    xp = call.p.xp
+    grads = call.backward(x, starts, boundaries, call.grad_output(do, check=False), dends)
     local = grads.initial_state
     share = xp.zeros((p.num_seqs, *local.shape[1:]), dtype=local.dtype)
     for i, n in enumerate(p.local_seqs):
