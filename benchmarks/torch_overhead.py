@@ -24,7 +24,7 @@ inference mode) into the layers it passes, each timed as a whole call, interleav
 * ``decode_kda``: :func:`kda.decode_kda` in place on a pool row (NumPy, head-first);
 * ``decode_states``: the adapters' recurrent forward on NumPy views (time-major; a new final state);
 * ``host.forward``: the host layer on the same views, with the translated options;
-* ``op``: ``torch.ops.kda.decode_states`` (the dispatcher, the tensor <-> array views, the host layer);
+* ``op``: ``torch.ops.kda.recurrent_inference`` (the dispatcher, the tensor <-> array views, the host layer);
 * ``fused_recurrent_kda``: the public call (fla's keywords, their translation, the op);
 * ``pool call``: ``fused_recurrent_kda(initial_state=pool, ssm_state_indices=int32,
   inplace_final_state=True)``, vLLM's call.
@@ -106,8 +106,10 @@ def _decode_layers(H: int, K: int) -> dict[str, object]:
     return {
         "decode_kda": lambda: kda.decode_kda(*head_first, pool, rows),
         "decode_states": lambda: decode_states(*views, s0, layout="time_major"),
-        "host.forward": lambda: host.forward(static, (*views, s0, None, None), None),
-        "op": lambda: torch.ops.kda.decode_states(q, k, v, g, beta, state, None, None, None, False, *static),
+        "host.forward": lambda: host.forward(static, host.Inputs(*views, s0), None),
+        "op": lambda: torch.ops.kda.recurrent_inference(
+            q, k, v, g, beta, state, None, None, None, False, *static
+        ),
         "fused_recurrent_kda": lambda: kt.fused_recurrent_kda(
             q, k, v, g, beta, initial_state=state, output_final_state=True
         ),
