@@ -395,14 +395,13 @@ def _gate_params(call: FlaCall, A_log: Any, dt_bias: Any, cd: torch.dtype) -> tu
     return A_log, dt_bias
 
 
-def _eager(tensors: tuple[Any, ...]) -> bool:
+def _eager(q: torch.Tensor, tensors: tuple[Any, ...]) -> bool:
     """Whether an inference op may run its implementation directly: plain CPU / CUDA tensors, not
     under ``torch.compile`` (nor export), a dispatch mode (fake tensors, ``make_fx``) or a torch
     function mode, which must see the op. Calling the op costs its dispatch (about 20 us on a
     2-core AMD EPYC, against a 25 us decode step at H = 4)."""
     if is_compiling() or current_dispatch_mode() is not None or torch._C._is_torch_function_mode_enabled():
         return False
-    q = tensors[0]
     if not (q.is_cpu or q.is_cuda):
         return False
     tt = torch.Tensor
@@ -427,7 +426,7 @@ def _apply(x: Inputs, cu_seqlens: Any, call: FlaCall):
     if call.static.method != "chunk" and not _needs_grad(inputs):
         # inference: the decode kernel, no autograd node; a V-major state read and written as such
         args = (*inputs, cu_seqlens, call.state_v_first, *call.static)
-        direct = _eager(inputs)
+        direct = _eager(inputs.q, inputs)
         o, final = _recurrent_inference_impl(*args) if direct else torch.ops.kda.recurrent_inference(*args)
         return o, (final if call.output_final_state else None)
     if initial_state is not None and call.state_v_first:
@@ -482,7 +481,7 @@ def _apply_pool(x: Inputs, cu_seqlens: Any, call: FlaCall, kw: dict[str, Any]):
     # in eager inference mode (no version counters) the implementation directly: the op's
     # dispatch costs more than a small step; elsewhere the mutating op, which torch sees (the
     # compile check first: dynamo does not trace is_inference_mode_enabled)
-    direct = _eager((q, k, v, g, beta, pool, indices, accepted)) and torch.is_inference_mode_enabled()
+    direct = _eager(q, (q, k, v, g, beta, pool, indices, accepted)) and torch.is_inference_mode_enabled()
     o = _decode(args) if direct else torch.ops.kda.decode(*args)
     return o, pool
 
@@ -679,7 +678,7 @@ class _ContextParallel(torch.autograd.Function):
                 final = q.new_empty((0,), dtype=cd)
             kept = [_tensor(a, cd, inputs) for a in (own, starts, out.boundaries)]
         ctx.save_for_backward(*inputs, *kept)
-        ctx.cp_ctx, ctx.rank_call, ctx.want_final = cp_ctx, rank[0], want_final
+        ctx.cp_ctx, ctx.rank_call, ctx.want_final = cp_ctx, rank.call, want_final
         if not want_final:
             ctx.mark_non_differentiable(final)
         return o, final
@@ -698,7 +697,7 @@ class _ContextParallel(torch.autograd.Function):
             dfinal = _all_reduce(dfinal.to(starts.dtype).clone(), group)
         with _on_stream(q):
             x = Inputs._make(map(_array, inputs))
-            rank = (ctx.rank_call, x)  # the forward's validated call: nothing checked again
+            rank = _cp.Rank(ctx.rank_call, x)  # the forward's validated call: nothing checked again
             xp, adt = _namespace(x.v), x.v.dtype
             shape = (v.shape[2], q.shape[3], v.shape[3])
             do_ = _array(do)

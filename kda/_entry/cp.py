@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import array_api_compat
 
@@ -43,6 +43,7 @@ from .transition import transition_gradient, transition_map
 
 __all__ = [
     "Partition",
+    "Rank",
     "backward_local",
     "backward_map",
     "end_gradients",
@@ -156,7 +157,14 @@ def _xp(x: Any) -> Any:
     return array_api_compat.array_namespace(x)
 
 
-def open_rank(p: Partition, x: Any, opts: dict[str, Any]) -> tuple[Call, Inputs]:
+class Rank(NamedTuple):
+    """A rank's slice, opened (:func:`open_rank`): its validated call and its arrays."""
+
+    call: Call
+    x: Inputs
+
+
+def open_rank(p: Partition, x: Any, opts: dict[str, Any]) -> Rank:
     """The rank's slice validated, and scanned for NaN / inf, once: its call (packed at the local
     offsets) and its arrays as a record.
 
@@ -172,11 +180,11 @@ def open_rank(p: Partition, x: Any, opts: dict[str, Any]) -> tuple[Call, Inputs]
     choices = Choices(**keywords, cu_seqlens=p.local_offsets)
     call = open_call(q, k, v, g, beta, scale, choices, backend=backend, chunk_size=chunk_size)
     call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta)
-    return call, x
+    return Rank(call, x)
 
 
-def _opened(p: Partition, x: Any, opts: Any) -> tuple[Call, Inputs]:
-    """``opts``: the rank's ``(call, arrays)`` from :func:`open_rank`, or the keywords to open it with."""
+def _opened(p: Partition, x: Any, opts: Any) -> Rank:
+    """``opts``: the rank's :class:`Rank` from :func:`open_rank`, or the keywords to open it with."""
     return open_rank(p, x, opts) if isinstance(opts, dict) else opts
 
 
