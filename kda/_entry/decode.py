@@ -16,11 +16,13 @@ Cost. Validation looks at the small arrays only (the inputs' shapes and dtypes, 
 the inputs' values for the gate and finiteness checks); the pool's shape, dtype and writability
 are read from its header, its contents never. On NumPy the call takes a direct route
 (:func:`_numpy_route`) whenever the problem is one the kernel computes as given (float32 or
-float64, no element-wise option, ``HV == H``, no ``cu_seqlens``; any slot form): the same checks
-written out (the slots by :func:`check_slots` itself, the value checks in one compiled pass of
-the cpu backend, ``decode_screen``) and the same kernel, so the results are bitwise those of the
-general route, which handles everything else (and words every error: a direct-route check that
-fails hands the call to the general route). :func:`decode_states` is the adapters' recurrent
+float64, a plain call by the option table's :func:`~kda._options.table.is_plain`, ``HV == H``;
+any slot form) and the backend screens the inputs (``decode_screen``): the same checks written
+out (the slots by :func:`check_slots` itself, the value checks in the backend's
+``decode_screen``, one compiled pass on the cpu backend) and the same kernel, reached through
+:func:`~kda._backend.get_backend` as the general route reaches it, so the results are bitwise
+those of the general route, which handles everything else (and words every error: a
+direct-route check that fails hands the call to the general route). :func:`decode_states` is the adapters' recurrent
 forward on the same kernel.
 """
 
