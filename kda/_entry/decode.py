@@ -22,8 +22,8 @@ out (the slots by :func:`check_slots` itself, the value checks in the backend's
 ``decode_screen``, one compiled pass on the cpu backend) and the same kernel, reached through
 :func:`~kda._backend.get_backend` as the general route reaches it, so the results are bitwise
 those of the general route, which handles everything else (and words every error: a
-direct-route check that fails hands the call to the general route). :func:`decode_states` is the adapters' recurrent
-forward on the same kernel.
+direct-route check that fails hands the call to the general route). :func:`decode_states` is
+the adapters' recurrent forward on the same kernel.
 """
 
 from __future__ import annotations
