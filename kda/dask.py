@@ -10,7 +10,10 @@ steps (``docs/sequence_parallel.md``):
 2. a scan over the small maps gives every shard its true start state (end-state gradient);
 3. every shard runs the ordinary chunked forward (backward) from it, all shards at once.
 
-The graph holds a fixed number of tasks per block, whatever the number of chunks. Time blocks are
+The graph holds a fixed number of tasks per block, whatever the number of chunks. Each block's
+arrays are validated and scanned for NaN / inf once, by the block's check task; its other tasks
+(map, forward, backward) depend on it and run on calls derived without looking at the values
+again (``kda._entry.call.open_call(..., scan=False)``, ``transition_map``, ``Call.forward``). Time blocks are
 first moved to multiples of ``chunk_size`` (each boundary to the nearest one, by
 :meth:`dask.array.Array.rechunk`), so every shard's chunks are those of the single-process call
 and the shards' boundaries form the single-process ``boundaries``; outputs and gradients come
@@ -24,7 +27,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -40,13 +43,11 @@ import array_api_compat
 import numpy as np
 
 from ._entry import scan as _scan
-from ._entry.api import KdaGradients, KdaOutput
-from ._entry.api import chunk_kda as _chunk_kda
-from ._entry.api import chunk_kda_backward as _chunk_kda_backward
-from ._entry.transition import chunk_kda_transition, chunk_kda_transition_backward
+from ._entry.call import Call, Inputs, KdaGradients, KdaOutput, open_call
+from ._entry.transition import transition_gradient, transition_map
 from ._errors import InvalidInputError, InvalidTypeError
 from ._options.table import LAYOUTS, Array, Choices, takes_options
-from ._options.validation import check_choice, check_chunk_size
+from ._options.validation import STATE_DTYPE_RULE, check_array, check_choice, check_chunk_size
 
 __all__ = ["chunk_kda", "chunk_kda_backward"]
 
@@ -268,21 +269,43 @@ class _Graph:
 
 @dataclass
 class _Inputs:
-    """The rechunked inputs of one call."""
+    """The rechunked inputs of one call, and each block's check.
+
+    A block's arrays are validated and scanned for NaN / inf once, by its check task
+    (:func:`_check_block`: ``q .. dt_bias`` and the caller's arrays that belong to the block,
+    :attr:`extras`); every other task of the block depends on it and opens the block's call
+    without looking at the values again (:func:`_open`).
+    """
 
     graph: _Graph
     arrays: list[Any]  # q, k, v, g, beta
     A_log: Any
     dt_bias: Any
+    options: dict = field(default_factory=dict)  # the blocks' keywords (_block_options)
+    local: list | None = None  # per time block: its cu_seqlens (packed sequences)
+    extras: dict = field(default_factory=dict)  # (ib, ih, it) -> {name: key} checked with the block
+    checks: dict = field(default_factory=dict)  # (ib, ih, it) -> the check task's key
 
-    def args(self, ib: int, ih: int, it: int) -> list[Any]:
+    def blocks(self, ib: int, ih: int, it: int) -> list[Any]:
         """The keys of ``q, k, v, g, beta, A_log, dt_bias`` of one block."""
         g, plan = self.graph, self.graph.plan
         blocks = [g.key(x, *_sequence_index(plan, ib, ih, it, x.ndim)) for x in self.arrays]
         return [*blocks, g.key(self.A_log, ih), g.key(self.dt_bias, ih, 0)]
 
+    def args(self, ib: int, ih: int, it: int) -> list[Any]:
+        """The key of the block's check (made once), then :meth:`blocks`: a task's leading arguments."""
+        index = (ib, ih, it)
+        if index not in self.checks:
+            extras = {n: k for n, k in self.extras.get(index, {}).items() if k is not None}
+            offsets = None if self.local is None else self.local[it]
+            check = partial(_check_block, options=self.options, names=tuple(extras), offsets=offsets)
+            self.checks[index] = self.graph.task(
+                "check", index, check, *self.blocks(*index), *extras.values()
+            )
+        return [self.checks[index], *self.blocks(ib, ih, it)]
 
-def _inputs(graph: _Graph, q, k, v, g, beta, A_log, dt_bias) -> _Inputs:
+
+def _inputs(graph: _Graph, q, k, v, g, beta, A_log, dt_bias, options: dict) -> _Inputs:
     plan = graph.plan
     qk_heads = tuple(h // plan.group for h in plan.heads)
     shapes = (
@@ -298,7 +321,7 @@ def _inputs(graph: _Graph, q, k, v, g, beta, A_log, dt_bias) -> _Inputs:
     if dt_bias is not None:
         dt_bias = _checked("dt_bias", dt_bias, (plan.HV, plan.K), "HV, K")
         dt_bias = graph.add(dt_bias, (plan.heads, (plan.K,)))
-    return _Inputs(graph, arrays, A_log, dt_bias)
+    return _Inputs(graph, arrays, A_log, dt_bias, options=options)
 
 
 def _states(graph: _Graph, x: Any, name: str) -> dict[tuple[int, int], Any]:
@@ -325,32 +348,78 @@ def _boundaries(graph: _Graph, x: Any) -> Any:
 # The tasks: each runs on one block, on the blocks' own array library
 
 
-def _forward_block(q, k, v, g, beta, A_log, dt_bias, state, *, options: dict, save: bool) -> tuple:
-    out = _chunk_kda(
-        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=state, save_boundaries=save, **options
-    )
-    return tuple(out)
+def _open(blocks: tuple, options: dict, offsets: tuple[int, ...] | None, scan: bool) -> tuple[Call, Inputs]:
+    """A block's call (``blocks``: ``q, k, v, g, beta, A_log, dt_bias``; ``offsets``: its
+    cu_seqlens) and its arrays; ``scan=False``: sizes, dtypes and options only (its check task
+    looked at the values)."""
+    q, k, v, g, beta, A_log, dt_bias = blocks
+    keywords = dict(options)
+    scale, chunk_size, backend = keywords.pop("scale"), keywords.pop("chunk_size"), keywords.pop("backend")
+    choices = Choices(**keywords, A_log=A_log, dt_bias=dt_bias, cu_seqlens=offsets)
+    call = open_call(q, k, v, g, beta, scale, choices, backend=backend, chunk_size=chunk_size, scan=scan)
+    return call, Inputs(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias)
 
 
-def _backward_block(*blocks: Any, options: dict) -> tuple:
-    """``blocks``: ``q, k, v, g, beta, A_log, dt_bias``, the start state, the boundaries, the output
-    gradient and the end-state gradient of one block (keys of the graph, in this order)."""
-    q, k, v, g, beta, A_log, dt_bias, state, boundaries, grad_output, dend = blocks
-    grads = _chunk_kda_backward(
-        q, k, v, g, beta, boundaries, grad_output, dend, A_log=A_log, dt_bias=dt_bias, initial_state=state,
-        **options,
-    )  # fmt: skip
-    return tuple(grads)
+_BLOCK = 7  # q, k, v, g, beta, A_log, dt_bias: the leading blocks of every task (_Inputs.blocks)
 
 
-def _transition_block(q, k, v, g, beta, A_log, dt_bias, *, options: dict) -> tuple:
-    return tuple(chunk_kda_transition(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, **options))
+def _check_block(
+    *arrays: Any, options: dict, names: tuple[str, ...], offsets: tuple[int, ...] | None
+) -> None:
+    """A block's one validation and finiteness scan: ``q .. dt_bias``, then the caller's arrays of
+    the block named ``names`` (an initial state, the output gradient, a final state's gradient,
+    boundaries), each checked as the single-process function checks it."""
+    blocks, extras = arrays[:_BLOCK], dict(zip(names, arrays[_BLOCK:]))
+    call, x = _open(blocks, options, offsets, scan=True)
+    call.check_inputs_finite(q=x.q, k=x.k, v=x.v, g=x.g, beta=x.beta)
+    p = call.p
+    for name, a in extras.items():
+        if name == "states":  # the packed call's [N, HV, K, V] states: every shard reads some rows
+            check_array(
+                "initial_state", a, p, tuple(a.shape), "N, HV, K, V", p.compute_dtype, STATE_DTYPE_RULE
+            )
+            call.check_finite(initial_state=a)
+        elif name == "dfinals":
+            check_array(
+                "grad_final_state", a, p, tuple(a.shape), "N, HV, K, V", p.compute_dtype, STATE_DTYPE_RULE
+            )
+            call.check_finite(grad_final_state=a)
+        elif name == "grad_output":
+            call.grad_output(a)
+            call.check_finite(grad_output=a)
+        elif name == "boundaries":
+            call.check_boundaries(a)
+            call.check_finite(boundaries=a)
+        else:  # initial_state, grad_final_state: the block's [B, HV, K, V] rows
+            call.state_or_zeros(name, a)
+            call.check_finite(**{name: a})
 
 
-def _state_gradient_block(q, k, v, g, beta, A_log, dt_bias, grad_output, *, options: dict) -> Any:
-    return chunk_kda_transition_backward(
-        q, k, v, g, beta, grad_output, A_log=A_log, dt_bias=dt_bias, **options
-    )
+def _forward_block(checked: None, *arrays: Any, options: dict, save: bool) -> tuple:
+    """``arrays``: the block's ``q .. dt_bias`` and its start state."""
+    *blocks, state = arrays
+    call, x = _open(blocks, options, None, scan=False)
+    return tuple(call.forward(x, call.state_or_zeros("initial_state", state), save))
+
+
+def _backward_block(checked: None, *arrays: Any, options: dict) -> tuple:
+    """``arrays``: the block's ``q .. dt_bias``, its start state, boundaries, output gradient and
+    end-state gradient."""
+    *blocks, state, boundaries, grad_output, dend = arrays
+    call, x = _open(blocks, options, None, scan=False)
+    state, dend = call.state_or_zeros("initial_state", state), call.state_or_zeros("grad_final_state", dend)
+    return tuple(call.backward(x, state, boundaries, call.grad_output(grad_output, check=False), dend))
+
+
+def _transition_block(checked: None, *blocks: Any, options: dict) -> tuple:
+    call, x = _open(blocks, options, None, scan=False)
+    return tuple(transition_map(call, x))
+
+
+def _state_gradient_block(checked: None, *arrays: Any, options: dict) -> Any:
+    *blocks, grad_output = arrays
+    call, x = _open(blocks, options, None, scan=False)
+    return transition_gradient(call, x, call.grad_output(grad_output, check=False))
 
 
 def _advance(transition: tuple, start: Any) -> Any:
@@ -442,19 +511,25 @@ def _time_slice(x: Any, a: int, b: int, layout: str) -> Any:
     return x[:, :, a:b, ...] if layout == "head_first" else x[:, a:b, ...]
 
 
-def _packed_transition(q, k, v, g, beta, A_log, dt_bias, *, a: int, b: int, options: dict) -> tuple:
+def _packed_transition(checked: None, *blocks: Any, a: int, b: int, shard: _Shard, options: dict) -> tuple:
     """``(A, N)``, ``[HV, K, K]`` and ``[HV, K, V]``, of the steps ``a:b`` of a shard."""
-    x = [_time_slice(t, a, b, options["layout"]) for t in (q, k, v, g, beta)]
-    t = chunk_kda_transition(*x, A_log=A_log, dt_bias=dt_bias, **options)
+    call, x = _open(blocks, options, shard.local, scan=False)
+    t = transition_map(call.segment(a, b), call.steps(x, a, b))
     return t.A[0], t.N[0]
 
 
-def _packed_state_gradient(q, k, v, g, beta, A_log, dt_bias, do, *, a: int, b: int, options: dict) -> tuple:
+def _packed_state_gradient(
+    checked: None, *arrays: Any, a: int, b: int, shard: _Shard, options: dict
+) -> tuple:
     """``(A, D)`` of the steps ``a:b`` of a shard (``dS_start = A^T dS_end + D``)."""
-    x = [_time_slice(t, a, b, options["layout"]) for t in (q, k, v, g, beta, do)]
-    A = chunk_kda_transition(*x[:5], A_log=A_log, dt_bias=dt_bias, **options).A[0]
-    D = chunk_kda_transition_backward(*x, A_log=A_log, dt_bias=dt_bias, **options)[0]
-    return A, D
+    *blocks, do = arrays
+    call, x = _open(blocks, options, shard.local, scan=False)
+    segment, x = call.segment(a, b), call.steps(x, a, b)
+    A = transition_map(segment, x).A[0]
+    D = transition_gradient(
+        segment, x, segment.grad_output(_time_slice(do, a, b, options["layout"]), check=False)
+    )
+    return A, D[0]
 
 
 def _packed_carry(transition: tuple, carried: Any, states: Any, *, n: int, through: bool) -> Any:
@@ -487,41 +562,34 @@ def _local_states(shard: _Shard, carried: Any, states: Any, first: bool, like: A
     return xp.stack(out)
 
 
-def _packed_forward_block(q, k, v, g, beta, A_log, dt_bias, states, carried, *, shard: _Shard, options: dict):
-    shape = (v.shape[1] if options["layout"] == "head_first" else v.shape[2], q.shape[3], v.shape[3])
+def _packed_forward_block(checked: None, *arrays: Any, shard: _Shard, options: dict):
+    """``arrays``: the shard's ``q .. dt_bias``, the initial states and the carried state."""
+    *blocks, states, carried = arrays
+    call, x = _open(blocks, options, shard.local, scan=False)
+    v = x.v
+    shape = (v.shape[1] if options["layout"] == "head_first" else v.shape[2], x.q.shape[3], v.shape[3])
     like = array_api_compat.array_namespace(v).zeros(
         (), dtype=np.float64 if v.dtype == np.float64 else np.float32
     )
     starts = _local_states(shard, carried, states, True, like, shape)
-    out = _chunk_kda(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        initial_state=starts,
-        cu_seqlens=shard.local,
-        **options,
-    )
+    out = call.forward(x, call.state_or_zeros("initial_state", starts), False)
     return out.output, out.final_state
 
 
-def _packed_backward_block(*blocks: Any, shard: _Shard, options: dict) -> tuple:
-    """``blocks``: ``q, k, v, g, beta, A_log, dt_bias``, the initial states, the carried state, the
-    output gradient, the final states' gradient and the carried end-state gradient of one shard."""
-    q, k, v, g, beta, A_log, dt_bias, states, carried, do, dfinal, dcarried = blocks
-    shape = (v.shape[1] if options["layout"] == "head_first" else v.shape[2], q.shape[3], v.shape[3])
+def _packed_backward_block(checked: None, *arrays: Any, shard: _Shard, options: dict) -> tuple:
+    """``arrays``: the shard's ``q .. dt_bias``, the initial states, the carried state, the output
+    gradient, the final states' gradient and the carried end-state gradient."""
+    *blocks, states, carried, do, dfinal, dcarried = arrays
+    call, x = _open(blocks, options, shard.local, scan=False)
+    v = x.v
+    shape = (v.shape[1] if options["layout"] == "head_first" else v.shape[2], x.q.shape[3], v.shape[3])
     xp = array_api_compat.array_namespace(v)
     like = xp.zeros((), dtype=np.float64 if v.dtype == np.float64 else np.float32)
-    starts = _local_states(shard, carried, states, True, like, shape)
-    dends = _local_states(shard, dcarried, dfinal, False, like, shape)
-    grads = _chunk_kda_backward(
-        q, k, v, g, beta, None, do, dends, A_log=A_log, dt_bias=dt_bias, initial_state=starts,
-        cu_seqlens=shard.local, **options,
-    )  # fmt: skip
-    return tuple(grads)
+    starts = call.state_or_zeros("initial_state", _local_states(shard, carried, states, True, like, shape))
+    dends = call.state_or_zeros(
+        "grad_final_state", _local_states(shard, dcarried, dfinal, False, like, shape)
+    )
+    return tuple(call.backward(x, starts, None, call.grad_output(do, check=False), dends))
 
 
 def _packed_collect(states: Any, *results: Any, shards: tuple, N: int, field: int, first: bool, like: tuple):
@@ -549,7 +617,8 @@ def _packed_forward_scan(x: _Inputs, ih: int, shards: list, states: Any, options
             continue
         a = shard.local[-2]
         tmap = g.task(
-            "pmap", (0, ih, it), partial(_packed_transition, a=a, b=shard.local[-1], options=options),
+            "pmap", (0, ih, it),
+            partial(_packed_transition, a=a, b=shard.local[-1], shard=shard, options=options),
             *x.args(0, ih, it),
         )  # fmt: skip
         step = partial(_packed_carry, n=shard.seqs[-1], through=shard.through)
@@ -567,7 +636,8 @@ def _packed_backward_scan(x: _Inputs, ih: int, shards: list, dfinal: Any, do: An
             continue
         do_key = g.key(do, *_sequence_index(plan, 0, ih, it, 4))
         tmap = g.task(
-            "pdmap", (0, ih, it), partial(_packed_state_gradient, a=0, b=shard.local[1], options=options),
+            "pdmap", (0, ih, it),
+            partial(_packed_state_gradient, a=0, b=shard.local[1], shard=shard, options=options),
             *x.args(0, ih, it), do_key,
         )  # fmt: skip
         step = partial(_packed_dcarry, n=shard.seqs[0], through=shard.through)
@@ -621,6 +691,31 @@ def _packed_backward(graph: _Graph, x: _Inputs, initial: dict, dfinal: dict, do:
 # The public functions
 
 
+def _check_with_blocks(
+    x: _Inputs, *, initial: dict, dfinal: dict | None = None, do: Any = None, boundaries: Any = None
+) -> None:
+    """Which of the caller's arrays each block's check task validates and scans (once): the
+    initial state with the first time block (packed: all its rows), the final state's gradient
+    with the last (packed: with the first), the output gradient and the boundaries with every block."""
+    g, plan = x.graph, x.graph.plan
+    last = len(plan.times) - 1
+    packed = plan.offsets is not None
+    if packed:
+        x.local = [shard.local for shard in _shards(plan.offsets, plan.times)]
+    for ib, ih in plan.rows():
+        for it in range(last + 1):
+            extras = {}
+            if it == 0:
+                extras["states" if packed else "initial_state"] = initial[ib, ih]
+            if dfinal is not None and it == (0 if packed else last):
+                extras["dfinals" if packed else "grad_final_state"] = dfinal[ib, ih]
+            if do is not None:
+                extras["grad_output"] = g.key(do, *_sequence_index(plan, ib, ih, it, 4))
+            if boundaries is not None:
+                extras["boundaries"] = g.key(boundaries, it, ib, ih, 0, 0)
+            x.extras[ib, ih, it] = extras
+
+
 def _block_options(scale, chunk_size: int, backend, opts: Choices) -> dict[str, Any]:
     """The keywords every block's call gets (the same for all blocks): the options of the table
     but the per-head arrays (``A_log``, ``dt_bias``: blocks of their own) and ``cu_seqlens``."""
@@ -665,10 +760,11 @@ def chunk_kda(
     options = _block_options(scale, plan.chunk_size, backend, opts)
     A_log, dt_bias = opts.A_log, opts.dt_bias
     graph = _Graph(plan)
-    x = _inputs(graph, q, k, v, g, beta, A_log, dt_bias)
+    x = _inputs(graph, q, k, v, g, beta, A_log, dt_bias, options)
     initial = _states(graph, initial_state, "initial_state")
     save = bool(save_boundaries)
     graph.name("forward", options, save, plan.offsets)
+    _check_with_blocks(x, initial=initial)
     if plan.offsets is not None:
         if save:
             msg = (
@@ -727,7 +823,7 @@ def chunk_kda_backward(
     options = _block_options(scale, plan.chunk_size, backend, opts)
     A_log, dt_bias = opts.A_log, opts.dt_bias
     graph = _Graph(plan)
-    x = _inputs(graph, q, k, v, g, beta, A_log, dt_bias)
+    x = _inputs(graph, q, k, v, g, beta, A_log, dt_bias, options)
     do = graph.add(_as_dask("grad_output", grad_output), plan.sequence_chunks(plan.heads, plan.V))
     initial = _states(graph, initial_state, "initial_state")
     dfinal = _states(graph, grad_final_state, "grad_final_state")
@@ -736,6 +832,7 @@ def chunk_kda_backward(
         raise InvalidInputError(msg)
     boundaries = _boundaries(graph, boundaries)
     graph.name("backward", options, plan.offsets)
+    _check_with_blocks(x, initial=initial, dfinal=dfinal, do=do, boundaries=boundaries)
     if plan.offsets is not None:
         return _packed_backward(graph, x, initial, dfinal, do, options, (q, k, v, g, beta))
     shard = partial(_backward_block, options=options)
@@ -776,7 +873,7 @@ def _gradients(
         parts = {index: (key, None) for index, key in dinitial.items()}
     dinitial = graph.state_array("dinitial-state", parts)
     params = []
-    for field, param, tail in ((6, A_log, ()), (7, dt_bias, (plan.K,))):
+    for slot, param, tail in ((6, A_log, ()), (7, dt_bias, (plan.K,))):
         if param is None:
             params.append(None)
             continue
@@ -784,9 +881,9 @@ def _gradients(
         for ih in range(len(plan.heads)):
             keys = [key for index, key in results.items() if index[1] == ih]
             summed[(ih, *(0 for _ in tail))] = (
-                graph.task(f"sum{field}", (ih,), partial(_total, field=field), *keys),
+                graph.task(f"sum{slot}", (ih,), partial(_total, field=slot), *keys),
                 None,
             )
         chunks = (plan.heads, *((w,) for w in tail))
-        params.append(graph.array(f"dparam{field}", summed, chunks, param.dtype))
+        params.append(graph.array(f"dparam{slot}", summed, chunks, param.dtype))
     return KdaGradients(*grads, dinitial, *params)

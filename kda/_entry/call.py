@@ -111,21 +111,23 @@ class Inputs(NamedTuple):
 
 def open_call(
     q, k, v, g, beta, scale: Any, opts: Choices, *, backend: str | None, chunk_size: Any = None,
-    defer_gate: bool = False,
+    defer_gate: bool = False, scan: bool = True,
 ) -> Call:  # fmt: skip
     """Validate a call's inputs and options and bind them to a core.
 
     ``chunk_size=None`` binds the step recurrence. ``defer_gate``: let a GPU backend check
     ``g <= 0`` on the device, read after the call's work is queued (:meth:`Call.forward` and
     :meth:`Call.backward` read it), and a backend with fused passes screen ``g`` as they load it
-    (checked on the host first where the call runs none).
+    (checked on the host first where the call runs none). ``scan=False``: sizes, dtypes and
+    options only, no look at the values: for a part of a call whose arrays were checked (a Dask
+    block's later tasks, after its check task).
     """
     xp = namespace_of(["q", "k", "v", "g", "beta"], [q, k, v, g, beta])
     ops = get_backend(xp, backend)
     gate_check = ops.launch_gate_check if defer_gate else None
     if defer_gate and getattr(ops, "chunk_forward_heads", None) is not None:
         gate_check = partial(ScreenedGate, xp)  # the fused passes screen g (Call._gate_before)
-    p, options = check_options_call(q, k, v, g, beta, scale, opts, gate_check)
+    p, options = check_options_call(q, k, v, g, beta, scale, opts, gate_check, scan=scan)
     if chunk_size is None:
         core: Core = RecurrentCore(ops=ops, scale=p.scale)
     else:

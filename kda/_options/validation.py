@@ -400,14 +400,17 @@ def validate_options(p: Problem, opts: Choices) -> tuple[Problem, Options]:
 
 
 def check_options_call(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: Any, opts: Choices, gate_check: Any = None
-) -> tuple[Problem, Options]:
+    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: Any, opts: Choices, gate_check: Any = None, *,
+    scan: bool = True,
+) -> tuple[Problem, Options]:  # fmt: skip
     """:func:`validate_problem` then :func:`validate_options`: everything about the inputs.
 
     ``gate_check``: the backend's deferred device gate check, if any (see :func:`validate_problem`).
+    ``scan=False``: no look at the values (``g <= 0``): a part of arrays a call checked already.
     """
     _check_choices(opts)
+    log_gate = opts.gate == "log" and scan
     p = validate_problem(
-        q, k, v, g, beta, scale, layout=opts.layout, log_gate=opts.gate == "log", gate_check=gate_check
+        q, k, v, g, beta, scale, layout=opts.layout, log_gate=log_gate, gate_check=gate_check
     )
     return validate_options(p, opts)

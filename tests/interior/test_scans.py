@@ -100,3 +100,36 @@ def test_packed_transition_scans_once(counted):
     assert D.shape == (3, H, K, V)
     assert validations == [1, 1]
     assert scans == Counter({"q": 2, "k": 2, "v": 2, "beta": 2, "grad_output": 1}), scans
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_dask_blocks_scan_once(counted, packed):
+    """kda.dask: each block's arrays are validated and scanned once (its check task), however many
+    tasks read the block (the shard maps, the forward, the backward)."""
+    dask = pytest.importorskip("dask")
+    da = pytest.importorskip("dask.array")
+    import kda.dask as kdd
+
+    _, scans = counted
+    rng = np.random.default_rng(7)
+    B, H, T, K, V = 1, 2, 64, 4, 3
+    q, k = (rng.standard_normal((B, H, T, K)) for _ in range(2))
+    v, do = (rng.standard_normal((B, H, T, V)) for _ in range(2))
+    g = -np.abs(rng.standard_normal((B, H, T, K)))
+    beta = rng.uniform(size=(B, H, T))
+    cu = np.array([0, 20, 64]) if packed else None  # the second sequence crosses the time blocks
+    N = 2 if packed else B
+    s0, dfinal = (rng.standard_normal((N, H, K, V)) for _ in range(2))
+    blocks = [da.from_array(a, chunks=(1, H, 32, -1)[: a.ndim]) for a in (q, k, v, g, beta, do)]
+    steps, grad = blocks[:5], blocks[5]
+    with dask.config.set(scheduler="synchronous"):
+        out = kdd.chunk_kda(*steps, initial_state=s0, chunk_size=8, cu_seqlens=cu)
+        dask.compute(out.output, out.final_state)
+        assert scans == Counter({"q": 2, "k": 2, "v": 2, "beta": 2, "initial_state": 1}), scans
+        scans.clear()
+        grads = kdd.chunk_kda_backward(
+            *steps, None, grad, dfinal, initial_state=s0, chunk_size=8, cu_seqlens=cu
+        )
+        dask.compute(*grads[:6])
+    want = {"q": 2, "k": 2, "v": 2, "beta": 2, "grad_output": 2, "initial_state": 1, "grad_final_state": 1}
+    assert scans == Counter(want), scans
