@@ -127,7 +127,7 @@ def open_call(
     gate_check = ops.launch_gate_check if defer_gate else None
     if defer_gate and getattr(ops, "chunk_forward_heads", None) is not None:
         gate_check = partial(ScreenedGate, xp)  # the fused passes screen g (Call._gate_before)
-    p, options = check_options_call(q, k, v, g, beta, scale, opts, gate_check, scan=scan)
+    p, options = check_options_call(q, k, v, g, beta, scale, opts, gate_check, scan)
     if chunk_size is None:
         core: Core = RecurrentCore(ops=ops, scale=p.scale)
     else:

@@ -400,7 +400,7 @@ def validate_options(p: Problem, opts: Choices) -> tuple[Problem, Options]:
 
 
 def check_options_call(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: Any, opts: Choices, gate_check: Any = None, *,
+    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: Any, opts: Choices, gate_check: Any = None,
     scan: bool = True,
 ) -> tuple[Problem, Options]:  # fmt: skip
     """:func:`validate_problem` then :func:`validate_options`: everything about the inputs.
