@@ -158,7 +158,9 @@ def chunk_forward(
     if ops.chunk_forward_heads is not None and _writable(o):
         if out is None and keep:
             saved = xp.empty((NT, *state.shape), dtype=state.dtype, device=state.device)
-        final = ops.chunk_forward_heads(q, k, v, g, beta, scale, state, chunk_size, o, saved, screen)
+        final = ops.chunk_forward_heads(
+            q, k, v, g, beta, scale, state, chunk_size, output=o, boundaries=saved, screen=screen
+        )
         if out is None:
             return o, final, saved
         final_buf[...] = final
@@ -202,7 +204,7 @@ def _forward_heads(
         c = _prepare(ops, xp, *(x[:, :, t, ...] for x in (q, k, v, g, beta)), scale, C)
         loc = c.local
         dense = () if out is None else (loc.qg, loc.A)  # the output O = qg S + A U, fused in
-        boundaries, O, state = ops.chunk_state_pass(loc.w, loc.u0, loc.kt, loc.total, state, *dense)
+        boundaries, O, state = ops.chunk_state_pass(loc.w, loc.u0, loc.k_suffix, loc.total, state, *dense)
         if saved is None:
             starts.append(boundaries)
         else:
@@ -300,12 +302,12 @@ def _backward_fused(
         NT = -(-q.shape[2] // C)
         if workspace is None:
             workspace = xp.empty((NT, *state.shape), dtype=state.dtype, device=state.device)
-        ops.chunk_forward_heads(q, k, v, g, beta, scale, state, C, None, workspace)
+        ops.chunk_forward_heads(q, k, v, g, beta, scale, state, C, output=None, boundaries=workspace)
         boundaries = workspace
     if dstate is None:
         dstate = xp.empty(grad_state.shape, dtype=grad_state.dtype, device=grad_state.device)
     ops.chunk_backward_heads(
-        q, k, v, g, beta, scale, boundaries, grad_output, grad_state, C, [*grads, dstate], screen
+        q, k, v, g, beta, scale, boundaries, grad_output, grad_state, C, grads=[*grads, dstate], screen=screen
     )
     return (*grads, dstate)
 
@@ -346,10 +348,10 @@ def _backward_slab(
     loc = c.local
     dO = ops.to_chunks(grad_output, C, padded_chunk_size(C))
     dends, U, dU, dstate = ops.chunk_state_grad_pass(
-        loc.w, loc.u0, loc.kt, loc.total, loc.qg, loc.A, dO, boundaries, dstate
+        loc.w, loc.u0, loc.k_suffix, loc.total, loc.qg, loc.A, dO, boundaries, dstate
     )
     dq, dk, dv, dg, dbeta = ops.chunk_local_backward(
-        c.q, c.k, c.g, c.v, c.beta, scale, loc, boundaries, dends, U, dU, dO
+        c.q, c.k, c.g, c.v, c.beta, scale, loc, boundaries, dends=dends, u=U, du=dU, grad_output=dO
     )
     grads = [ops.from_chunks(x, C, T) for x in (dq, dk, dv, dg)]
     return [*grads, ops.from_chunks(dbeta[..., None], C, T)[..., 0]], dstate
@@ -361,12 +363,14 @@ def chunk_end_state(ops: Any, xp: Any, q, k, v, g, beta, scale: float, start: An
     if T == 0 or B * H == 0:
         return xp.asarray(start, copy=True)
     if ops.chunk_forward_heads is not None:  # the fused forward, neither outputs nor boundaries kept
-        return ops.chunk_forward_heads(q, k, v, g, beta, scale, start, chunk_size, None, None)
+        return ops.chunk_forward_heads(
+            q, k, v, g, beta, scale, start, chunk_size, output=None, boundaries=None
+        )
     state = start
     for n0, n1 in slabs(q.shape, chunk_size, max(K, v.shape[-1]), ops.SLAB_ELEMENTS):
         t = _steps(n0, n1, chunk_size, T)
         loc = _prepare(ops, xp, *(x[:, :, t, ...] for x in (q, k, v, g, beta)), scale, chunk_size).local
-        state = ops.chunk_state_pass(loc.w, loc.u0, loc.kt, loc.total, state)[2]
+        state = ops.chunk_state_pass(loc.w, loc.u0, loc.k_suffix, loc.total, state)[2]
     return state
 
 
@@ -390,6 +394,6 @@ def chunk_state_gradient(
         dO = ops.to_chunks(grad_output[:, :, t, ...], C, Cp)
         zeros = xp.zeros((n1 - n0, *dstate.shape), dtype=dstate.dtype, device=dstate.device)
         dstate = ops.chunk_state_grad_pass(
-            loc.w, loc.u0, loc.kt, loc.total, loc.qg, loc.A, dO, zeros, dstate
+            loc.w, loc.u0, loc.k_suffix, loc.total, loc.qg, loc.A, dO, zeros, dstate
         )[3]
     return dstate

@@ -350,11 +350,11 @@ def _run(
     c = call.core_inputs(*inputs)
     ops = call.core.ops
     if v_first:
-        o = ops.decode_forward(c.q, c.k, c.v, c.g, c.beta, p.scale, pool, slots.start, slots.dest, p.offsets,
-                               final_pool, v_first=True)  # fmt: skip
+        o = ops.decode_forward(c.q, c.k, c.v, c.g, c.beta, p.scale, pool, slots.start, slots.dest,
+                               offsets=p.offsets, final_pool=final_pool, v_first=True)  # fmt: skip
     else:
-        o = ops.decode_forward(c.q, c.k, c.v, c.g, c.beta, p.scale, pool, slots.start, slots.dest, p.offsets,
-                               final_pool)  # fmt: skip
+        o = ops.decode_forward(c.q, c.k, c.v, c.g, c.beta, p.scale, pool, slots.start, slots.dest,
+                               offsets=p.offsets, final_pool=final_pool)  # fmt: skip
     o = head_first(xp, xp.astype(o, p.dtype, copy=False), p.layout)
     if call.check:
         warn_if_diverged(xp, o, stacklevel=4)
@@ -574,11 +574,15 @@ def _numpy_route(q, k, v, g, beta, pool, state_indices, scale, backend, opts, fi
     s = K**-0.5 if scale is None else float(scale)
     start, dest = slots.start, slots.dest
     if head_major:
-        out = ops.decode_forward(q, k, v, g, beta, s, pool, start, dest, None, final_pool, None, v_first)
+        out = ops.decode_forward(
+            q, k, v, g, beta, s, pool, start, dest, final_pool=final_pool, v_first=v_first
+        )
     else:
         qh, kh, vh = q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2)
         gh, bh = g.swapaxes(1, 2), beta.swapaxes(1, 2)
-        out = ops.decode_forward(qh, kh, vh, gh, bh, s, pool, start, dest, None, final_pool, None, v_first)
+        out = ops.decode_forward(
+            qh, kh, vh, gh, bh, s, pool, start, dest, final_pool=final_pool, v_first=v_first
+        )
     # the output's finiteness in one compiled pass (no warning from a sum of large finite values)
     if check and not ops.decode_finite(out):
         warn_if_diverged(np, out, stacklevel=3)
@@ -673,11 +677,11 @@ class DecodePlan:
         buffer = self._buffer
         ops = self.call.core.ops
         if self.v_first:
-            o = ops.decode_forward(*self._views, p.scale, self.pool, slots.start, slots.dest, p.offsets,
-                                   out=buffer, v_first=True)  # fmt: skip
+            o = ops.decode_forward(*self._views, p.scale, self.pool, slots.start, slots.dest,
+                                   offsets=p.offsets, out=buffer, v_first=True)  # fmt: skip
         else:
             o = ops.decode_forward(
-                *self._views, p.scale, self.pool, slots.start, slots.dest, p.offsets, out=buffer
+                *self._views, p.scale, self.pool, slots.start, slots.dest, offsets=p.offsets, out=buffer
             )
         if o is not buffer:
             buffer[...] = o
