@@ -13,7 +13,10 @@ chosen: it generates the README's backend table
 chunked algorithm (:mod:`kda._engine.chunked`), the
 cores (:mod:`kda._engine.core`) and the entry points call backends only through these names.
 Backends import nothing from each other: what they share (the :class:`ChunkLocal` record, the
-generic :func:`to_chunks` / :func:`from_chunks`) lives here. Adding a backend is its folder plus
+generic :func:`to_chunks` / :func:`from_chunks` and :func:`decode_screen` / :func:`decode_finite`)
+lives here. No signature has more than ten positional parameters (the rest are keyword-only);
+``tests/interior/test_protocol.py`` checks every backend's functions against :class:`Backend`'s
+parameters. Adding a backend is its folder plus
 its row in :data:`CAPABILITIES` (and, to be chosen by default, a line in :func:`get_backend`).
 
 Shapes: ``B`` batch rows, ``H`` heads (value heads: the core's q and k are already expanded),
