@@ -10,7 +10,7 @@ Per chunk, with ``S`` the state at its start (see ``docs/design.md``)::
     W  = T diag(beta) kg            U0 = T diag(beta) v             # state-free
     U  = U0 - W S                                                   # state pass
     O  = qg S + A U
-    S' = total * S + kt^T U
+    S' = total * S + k_suffix^T U
 
 Everything but the state pass is done for a whole slab of chunks at once (see :func:`slabs`),
 so the number of primitive calls does not grow with the number of chunks. Independent heads
@@ -59,7 +59,7 @@ class _Chunks:
     g: Any
     v: Any
     beta: Any  # [B, H, NT, Cp]
-    local: Any  # ChunkLocal: qg, kg, kt, total, A, L, Tinv, w, u0
+    local: Any  # ChunkLocal: qg, kg, k_suffix, total, A, L, Minv, w, u0
 
 
 def _prepare(ops: Any, xp: Any, q, k, v, g, beta, scale: float, chunk_size: int) -> _Chunks:
@@ -379,7 +379,7 @@ def chunk_state_gradient(
 ):
     """The start-state gradient when the end-state gradient is zero, by the state-gradient pass alone.
 
-    Per chunk, from the last: ``dU = A^T dO + kt dS`` and ``dS <- total * dS + qg^T dO - W^T dU``;
+    Per chunk, from the last: ``dU = A^T dO + k_suffix dS`` and ``dS <- total * dS + qg^T dO - W^T dU``;
     it depends on neither the states nor ``v``, so the pass runs from zero states.
     """
     B, H, T, K = q.shape
