@@ -111,10 +111,10 @@ def jit(
     :data:`SOURCE_STAMP` (the kernels, which call each other across files); without, Numba's
     own check of the function's file alone (a module that calls no compiled function of another)."""
 
+    njit = numba.njit(cache=CACHING, nogil=True, fastmath=fastmath, error_model=error_model, **options)
+
     def decorate(fn: Callable[..., Any]) -> Any:
-        kernel = numba.njit(cache=CACHING, nogil=True, fastmath=fastmath, error_model=error_model, **options)(
-            fn
-        )
+        kernel = njit(fn)
         index = getattr(getattr(kernel, "_cache", None), "_cache_file", None)
         if stamp and CACHING and index is not None:  # Numba's index of the function's cache entries
             index._source_stamp = (SOURCE_STAMP, index._source_stamp)
