@@ -5,14 +5,18 @@ A backend is a package beside this module (``kda/reference``, ``kda/cpu``, ``kda
 provides every name of :class:`Backend`: it defines its primitives and ends with
 :func:`complete`, which fills in the defaults it does not override (:data:`DEFAULTS`: no fused
 passes, one worker, the gate checked on the host, any chunk length, the step recurrence for
-one-step calls, the generic chunk layout) and its ``__all__``. :data:`CAPABILITIES` is the one
-table of what each backend runs and when it is chosen: it generates the README's backend table
+one-step calls, the generic chunk layout, the decode checks by whole-array reductions) and its
+``__all__``. :data:`CAPABILITIES` is the one table of what each backend runs and when it is
+chosen: it generates the README's backend table
 (:func:`backend_table`), the ``backend`` entry of the entry points' docstrings
 (:func:`backend_doc`) and which backends the tests run here (:func:`installed_backends`). The
 chunked algorithm (:mod:`kda._engine.chunked`), the
 cores (:mod:`kda._engine.core`) and the entry points call backends only through these names.
 Backends import nothing from each other: what they share (the :class:`ChunkLocal` record, the
-generic :func:`to_chunks` / :func:`from_chunks`) lives here. Adding a backend is its folder plus
+generic :func:`to_chunks` / :func:`from_chunks` and :func:`decode_screen` / :func:`decode_finite`)
+lives here. No signature has more than ten positional parameters (the rest are keyword-only);
+``tests/interior/test_protocol.py`` checks every backend's functions against :class:`Backend`'s
+parameters. Adding a backend is its folder plus
 its row in :data:`CAPABILITIES` (and, to be chosen by default, a line in :func:`get_backend`).
 
 Shapes: ``B`` batch rows, ``H`` heads (value heads: the core's q and k are already expanded),
@@ -61,6 +65,8 @@ __all__ = [
     "complete",
     "cpu_available",
     "cuda_problem",
+    "decode_finite",
+    "decode_screen",
     "from_chunks",
     "get_backend",
     "installed_backends",
@@ -78,23 +84,25 @@ class ChunkLocal:
     qg : ``[..., Cp, K]``, ``scale * q * prefix`` (``prefix[i]``: the decay from the chunk start
         through step ``i``).
     kg : ``[..., Cp, K]``, ``k * prefix``.
-    kt : ``[..., Cp, K]``, ``k * suffix`` (``suffix[j]``: the decay after step ``j`` to the end).
+    k_suffix : ``[..., Cp, K]``, ``k * suffix`` (``suffix[j]``: the decay after step ``j`` to the
+        end).
     total : ``[..., K]``, the decay over the whole chunk.
     A : ``[..., Cp, Cp]`` lower triangular, ``A[i, j] = scale sum_d q[i,d] k[j,d] decay(j..i]``.
     L : ``[..., Cp, Cp]`` strictly lower triangular, the same with ``k`` for ``q``.
-    Tinv : ``[..., Cp, Cp]``, ``T = (I + diag(beta) L)^-1``.
-    w : ``[..., Cp, K]``, ``T diag(beta) kg``; u0 : ``[..., Cp, V]``, ``T diag(beta) v``.
+    Minv : ``[..., Cp, Cp]`` unit lower triangular, ``M^-1`` with ``M = I + diag(beta) L`` (the
+        matrix ``docs/design.md`` calls ``T``).
+    w : ``[..., Cp, K]``, ``Minv diag(beta) kg``; u0 : ``[..., Cp, V]``, ``Minv diag(beta) v``.
     private : whatever the backend keeps for its own ``chunk_local_backward``; the algorithm
         never reads it.
     """
 
     qg: Any
     kg: Any
-    kt: Any
+    k_suffix: Any
     total: Any
     A: Any
     L: Any
-    Tinv: Any
+    Minv: Any
     w: Any
     u0: Any
     private: Any = None
@@ -130,54 +138,60 @@ class Backend(Protocol):
         ``beta: [..., Cp]``."""
 
     def chunk_state_pass(
-        self, w: Any, u0: Any, kt: Any, total: Any, state: Any, qg: Any = None, A: Any = None
+        self, w: Any, u0: Any, k_suffix: Any, total: Any, state: Any, qg: Any = None, A: Any = None
     ) -> tuple[Any, Any, Any]:
         """The state recurrence over the chunks of a slab, the output fused in.
 
-        Per chunk from ``S``: ``U = u0 - w S``, ``O = qg S + A U``, ``S <- total * S + kt^T U``.
+        Per chunk from ``S``: ``U = u0 - w S``, ``O = qg S + A U``, ``S <- total * S + k_suffix^T U``.
         ``state: [B, H, K, V]``. Returns ``boundaries [NT, B, H, K, V]`` (the chunk-start
         states), ``O [B, H, NT, Cp, V]`` (None without ``qg`` and ``A``) and the final state.
         """
 
     # --- backward
     def chunk_state_grad_pass(
-        self, w: Any, u0: Any, kt: Any, total: Any, qg: Any, A: Any, grad_output: Any, boundaries: Any,
+        self, w: Any, u0: Any, k_suffix: Any, total: Any, qg: Any, A: Any, grad_output: Any, boundaries: Any,
         dfinal: Any,
     ) -> tuple[Any, Any, Any, Any]:  # fmt: skip
-        """The state-gradient recurrence, last chunk first: ``dU = A^T dO + kt dS`` and
+        """The state-gradient recurrence, last chunk first: ``dU = A^T dO + k_suffix dS`` and
         ``dS <- total * dS + qg^T dO - w^T dU``. Returns ``dends [NT, B, H, K, V]`` (the gradient
         of each chunk's end state), ``U`` and ``dU`` (``[B, H, NT, Cp, V]``) and the gradient of
         the state before the first chunk."""  # fmt: skip
 
     def chunk_local_backward(
-        self, q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float, loc: ChunkLocal, boundaries: Any,
+        self, q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float, loc: ChunkLocal, boundaries: Any, *,
         dends: Any, u: Any, du: Any, grad_output: Any,
     ) -> tuple[Any, Any, Any, Any, Any]:  # fmt: skip
         """Gradients of every chunk's state-free work: ``dq, dk, dg [..., Cp, K]``,
-        ``dv [..., Cp, V]``, ``dbeta [..., Cp]``."""  # fmt: skip
+        ``dv [..., Cp, V]``, ``dbeta [..., Cp]``. ``loc``: :meth:`chunk_local`'s record of the same
+        inputs; ``boundaries``: the chunk-start states; ``dends, u, du``: what
+        :meth:`chunk_state_grad_pass` returns; ``grad_output [..., Cp, V]``."""  # fmt: skip
 
     # --- fused passes (optional: None where the backend leaves the composition to the engine)
+    # ``screen``, where given, is a float64 ``[B * H, 2]`` array that receives per head ``sum(x * 0)``
+    # over the pass's inputs (column 0) and over its results (column 1): 0 where all are finite,
+    # NaN where one is not, read off the chunks as they pass (the call's finiteness checks without
+    # passes of their own); column 0 is NaN too where an element of ``g`` is not ``<= 0`` (the gate
+    # check, likewise). None: no screen (the caller checks the arrays itself).
     def chunk_forward_heads(
-        self, q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any, chunk_size: int,
+        self, q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any, chunk_size: int, *,
         output: Any, boundaries: Any, screen: Any = None,
     ) -> Any:  # fmt: skip
         """The whole chunked forward of ``[B, H, T, *]`` inputs (any strides) from ``state
         [B, H, K, V]``, the chunk primitives above fused per head and chunk; writes ``output
         [B, H, T, V]`` and ``boundaries [NT, B, H, K, V]`` where they are not None and returns the
-        final state. ``screen``, when given (float64 ``[B * H, 2]``), receives per head
-        ``sum(x * 0)`` over ``q, k, v`` and over the output and final state: NaN where one holds a
-        non-finite value (the call's finiteness checks, read off the chunks as they pass); the
-        first is NaN too where an element of ``g`` is not ``<= 0`` (the gate check, likewise). A
-        backend may set it to None: the engine then runs the chunk primitives slab by slab
-        (``kda/_engine/chunked.py``)."""  # fmt: skip
+        final state. ``screen``: the inputs are ``q, k, v`` (and ``g``), the results the output and
+        the final state. A backend may set it to None: the engine then runs the chunk primitives
+        slab by slab (``kda/_engine/chunked.py``)."""  # fmt: skip
 
     def chunk_backward_heads(
         self, q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, boundaries: Any, grad_output: Any,
-        dfinal: Any, chunk_size: int, grads: Any,
+        dfinal: Any, chunk_size: int, *, grads: Any, screen: Any = None,
     ) -> None:  # fmt: skip
-        """The whole chunked backward, last chunk first, from the forward's ``boundaries``;
-        writes ``dq, dk, dv, dg, dbeta, dinitial`` into the six buffers ``grads``. None: composed by
-        the engine, as for :meth:`chunk_forward_heads`."""  # fmt: skip
+        """The whole chunked backward, last chunk first, from the forward's ``boundaries`` and the
+        final state's gradient ``dfinal [B, H, K, V]``; writes ``dq, dk, dv, dg, dbeta, dinitial``
+        into the six buffers ``grads`` (writable arrays of the inputs' shapes). ``screen``: the
+        inputs are ``q, k, v, grad_output`` and the boundaries (and ``g``), the results the six
+        gradients. None: composed by the engine, as for :meth:`chunk_forward_heads`."""  # fmt: skip
 
     # --- the step recurrence (the oracle, T == 1, decoding)
     def recurrent_forward(
@@ -189,10 +203,11 @@ class Backend(Protocol):
         self, q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any, grad_output: Any,
         dfinal: Any,
     ) -> tuple[Any, Any, Any, Any, Any, Any]:  # fmt: skip
-        """Gradients ``(dq, dk, dv, dg, dbeta, dinitial)`` of the recurrence."""  # fmt: skip
+        """Gradients ``(dq, dk, dv, dg, dbeta, dinitial)`` of the recurrence from ``state``, given the
+        output's gradient and the final state's, ``dfinal [B, H, K, V]``."""  # fmt: skip
 
     def decode_forward(
-        self, q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, pool: Any, start: Any, dest: Any,
+        self, q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, pool: Any, start: Any, dest: Any, *,
         offsets: Any = None, final_pool: Any = None, out: Any = None, v_first: bool = False,
     ) -> Any:  # fmt: skip
         """Steps of ``N`` requests from rows of ``pool [P, H, K, V]``; returns ``output [B, H, T, V]``.
@@ -212,6 +227,19 @@ class Backend(Protocol):
         dtype (to nearest even); ``final_pool`` has ``pool``'s dtype and layout. A request may
         name one row at several steps (written in step order).
         """
+
+    def decode_screen(self, q: Any, k: Any, v: Any, g: Any, beta: Any, finite: bool) -> bool:
+        """The checks of a decode step's values at once: True where ``q, k, v, g, beta`` are arrays
+        of one dtype, float32 or float64, laid out C-contiguously (where the namespace has such a
+        notion), every ``g <= 0`` (``-inf`` allowed; NaN fails) and, with ``finite``, every element of
+        ``q, k, v, beta`` finite. False otherwise, including for arrays it does not serve: the
+        caller's own checks then decide (and word the error). The default
+        (:func:`decode_screen`) computes it with the arrays' namespace; a backend may compute it
+        in one pass of its own."""
+
+    def decode_finite(self, output: Any) -> bool:
+        """Whether every element of a decode step's ``output`` is finite (its divergence check).
+        The default (:func:`decode_finite`) asks the arrays' namespace."""
 
     # --- hooks
     def workers(self, xp: Any, heads: int) -> int:
@@ -264,6 +292,37 @@ def _host_gate_check(g: Any) -> None:
     return None
 
 
+def _c_contiguous(x: Any) -> bool:
+    """Whether ``x`` is laid out C-contiguously: NumPy's and CuPy's ``flags``, PyTorch's
+    ``is_contiguous()``; True for a namespace with no such notion."""
+    flags = getattr(x, "flags", None)
+    if flags is not None:
+        return bool(flags.c_contiguous)
+    is_contiguous = getattr(x, "is_contiguous", None)
+    return bool(is_contiguous()) if callable(is_contiguous) else True
+
+
+def decode_screen(q: Any, k: Any, v: Any, g: Any, beta: Any, finite: bool) -> bool:
+    """:meth:`Backend.decode_screen` with the arrays' namespace: one dtype (float32 or float64),
+    C-contiguous, ``g <= 0`` everywhere and, with ``finite``, ``q, k, v, beta`` finite (the
+    results of the cpu backend's compiled pass, by whole-array reductions)."""
+    xp = array_namespace(q, k, v, g, beta)
+    dt = q.dtype
+    if dt not in (xp.float32, xp.float64) or any(x.dtype != dt for x in (k, v, g, beta)):
+        return False
+    if not all(_c_contiguous(x) for x in (q, k, v, g, beta)):
+        return False
+    if not bool(xp.all(g <= 0)):  # a NaN fails
+        return False
+    return not finite or all(bool(xp.all(xp.isfinite(x))) for x in (q, k, v, beta))
+
+
+def decode_finite(output: Any) -> bool:
+    """:meth:`Backend.decode_finite` with the array's namespace."""
+    xp = array_namespace(output)
+    return bool(xp.all(xp.isfinite(output)))
+
+
 # what a backend module has unless it defines its own (the optional part of :class:`Backend`)
 DEFAULTS: dict[str, Any] = {
     "MAX_CHUNK": None,  # any chunk length
@@ -276,6 +335,8 @@ DEFAULTS: dict[str, Any] = {
     "workers": _one_worker,
     "worker_context": _no_worker_context,
     "launch_gate_check": _host_gate_check,
+    "decode_screen": decode_screen,  # the decode fast path's checks, by whole-array reductions
+    "decode_finite": decode_finite,
 }
 
 # every name a backend module provides: the attributes and methods of :class:`Backend`, the record

@@ -10,7 +10,7 @@ Per chunk, with ``S`` the state at its start (see ``docs/design.md``)::
     W  = T diag(beta) kg            U0 = T diag(beta) v             # state-free
     U  = U0 - W S                                                   # state pass
     O  = qg S + A U
-    S' = total * S + kt^T U
+    S' = total * S + k_suffix^T U
 
 Everything but the state pass is done for a whole slab of chunks at once (see :func:`slabs`),
 so the number of primitive calls does not grow with the number of chunks. Independent heads
@@ -59,7 +59,7 @@ class _Chunks:
     g: Any
     v: Any
     beta: Any  # [B, H, NT, Cp]
-    local: Any  # ChunkLocal: qg, kg, kt, total, A, L, Tinv, w, u0
+    local: Any  # ChunkLocal: qg, kg, k_suffix, total, A, L, Minv, w, u0
 
 
 def _prepare(ops: Any, xp: Any, q, k, v, g, beta, scale: float, chunk_size: int) -> _Chunks:
@@ -216,7 +216,7 @@ def _forward_heads(
         c = _prepare(ops, xp, *(x[:, :, t, ...] for x in (q, k, v, g, beta)), scale, C)
         loc = c.local
         dense = () if out is None else (loc.qg, loc.A)  # the output O = qg S + A U, fused in
-        boundaries, O, state = ops.chunk_state_pass(loc.w, loc.u0, loc.kt, loc.total, state, *dense)
+        boundaries, O, state = ops.chunk_state_pass(loc.w, loc.u0, loc.k_suffix, loc.total, state, *dense)
         if boundaries_buf is None:
             parts.append(boundaries)
         else:
@@ -359,7 +359,7 @@ def _backward_slab(
     loc = c.local
     dO = ops.to_chunks(grad_output, C, padded_chunk_size(C))
     dends, U, dU, dstart = ops.chunk_state_grad_pass(
-        loc.w, loc.u0, loc.kt, loc.total, loc.qg, loc.A, dO, boundaries, dfinal
+        loc.w, loc.u0, loc.k_suffix, loc.total, loc.qg, loc.A, dO, boundaries, dfinal
     )
     dq, dk, dv, dg, dbeta = ops.chunk_local_backward(
         c.q, c.k, c.g, c.v, c.beta, scale, loc, boundaries, dends=dends, u=U, du=dU, grad_output=dO
@@ -379,7 +379,7 @@ def chunk_end_state(ops: Any, xp: Any, q, k, v, g, beta, scale: float, start: An
     for n0, n1 in slabs(q.shape, chunk_size, max(K, v.shape[-1]), ops.SLAB_ELEMENTS):
         t = _steps(n0, n1, chunk_size, T)
         loc = _prepare(ops, xp, *(x[:, :, t, ...] for x in (q, k, v, g, beta)), scale, chunk_size).local
-        state = ops.chunk_state_pass(loc.w, loc.u0, loc.kt, loc.total, state)[2]
+        state = ops.chunk_state_pass(loc.w, loc.u0, loc.k_suffix, loc.total, state)[2]
     return state
 
 
@@ -388,7 +388,7 @@ def chunk_state_gradient(
 ):
     """The start-state gradient when the end-state gradient is zero, by the state-gradient pass alone.
 
-    Per chunk, from the last: ``dU = A^T dO + kt dS`` and ``dS <- total * dS + qg^T dO - W^T dU``;
+    Per chunk, from the last: ``dU = A^T dO + k_suffix dS`` and ``dS <- total * dS + qg^T dO - W^T dU``;
     it depends on neither the states nor ``v``, so the pass runs from zero states.
     """
     B, H, T, K = q.shape
@@ -402,5 +402,5 @@ def chunk_state_gradient(
         loc = _prepare(ops, xp, *(x[:, :, t, ...] for x in (q, k, v, g, beta)), scale, C).local
         dO = ops.to_chunks(grad_output[:, :, t, ...], C, Cp)
         zeros = xp.zeros((n1 - n0, *dend.shape), dtype=dend.dtype, device=dend.device)
-        dend = ops.chunk_state_grad_pass(loc.w, loc.u0, loc.kt, loc.total, loc.qg, loc.A, dO, zeros, dend)[3]
+        dend = ops.chunk_state_grad_pass(loc.w, loc.u0, loc.k_suffix, loc.total, loc.qg, loc.A, dO, zeros, dend)[3]
     return dend

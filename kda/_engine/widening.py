@@ -16,7 +16,7 @@ __all__ = ["FLOAT32_MAX_CHUNK", "chunk_compute_dtype"]
 
 # The largest chunk computed in float32, by key size K (the first row whose K bound is >= K).
 # Each chunk's state map, prod_t (diag(exp g_t) - beta_t k_t k_t^T), is formed in the WY form as
-# diag(total) - kt^T W: a sum of C terms of order one. With few key channels and weak decay the
+# diag(total) - k_suffix^T W: a sum of C terms of order one. With few key channels and weak decay the
 # product is tiny (1e-13 for K = 2, C = 128), so its absolute error of about C * eps dominates
 # the initial-state gradient. Measured worst float32 error against the float64 recurrence
 # (zero and weak decay, beta in [0, 2], unit keys, T = max(512, 4 C), 6 seeds; 2 for K >= 32) at

@@ -5,7 +5,7 @@ Over a segment of steps the state map is affine (``docs/design.md``, ``docs/sequ
     S_end   = A S_start + N             A: [K, K] per head, N: [K, V]
     dS_start = A^T dS_end + D           D: [K, V], the start-state gradient when dS_end = 0
 
-``A`` is the product of the chunk maps ``diag(total) - kt^T W``, which do not depend on ``v``;
+``A`` is the product of the chunk maps ``diag(total) - k_suffix^T W``, which do not depend on ``v``;
 ``N`` is the end state from a zero start; ``D`` depends on neither ``S_start`` nor ``v``. Both are
 computed by the ordinary chunked passes: one forward with the value width widened to ``K + V``
 (values ``[0, v]``, start state ``[I, 0]``, so that its end state is ``[A, N]``), and one backward

@@ -68,22 +68,7 @@ SPLIT = 4
 INLINE_ELEMENTS = 1 << 16
 
 _LOCK = threading.Lock()
-_LOADED: list[Any] = []
 _POOL: list[Any] = []  # the thread pool of the kernels (created on first use, reset after fork)
-
-
-def _k(name: str) -> Any:
-    """Kernel ``name`` of :mod:`._kernels` (imports Numba on first use)."""
-    if not _LOADED:
-        with _LOCK:
-            if not _LOADED:
-                import scipy.linalg.cython_blas  # noqa: F401  (the BLAS of Numba's np.dot)
-
-                from . import _kernels
-
-                PIN.rescan()  # pin that BLAS too
-                _LOADED.append(_kernels)
-    return getattr(_LOADED[0], name)
 
 
 def threads() -> int:
@@ -110,35 +95,39 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool)
 
 
-def _run(name: str, items: int, *args: Any, blas: bool = True) -> None:
-    """Kernel ``name`` over ``items`` independent items, in ranges run by one thread per core.
+def _run(kernel: Any, items: int, *inputs: Any, blas: bool = True, **outputs: Any) -> None:
+    """``kernel(*inputs, **outputs, lo=, hi=)`` (a kernel of :mod:`._kernels`) over ``items``
+    independent items, in ranges ``[lo, hi)`` run by one thread per core; ``outputs``: the
+    arrays it writes, by the kernel's names for them.
 
     There are :data:`SPLIT` ranges per thread, taken in turn by whichever thread is free, so a
     core that other processes keep busy does not hold up the call. BLAS is pinned to one thread
     while the kernels run (``blas``): they call it from every thread. Every range runs with
     subnormals flushed to zero (:mod:`._fpenv`), on the pool's threads and the calling one alike.
     """
-    kernel = _k(name)
     workers = min(items, threads())
-    if sum(int(getattr(a, "size", 0)) for a in args) < INLINE_ELEMENTS:
+    size = sum(int(getattr(a, "size", 0)) for a in inputs) + sum(int(a.size) for a in outputs.values())
+    if size < INLINE_ELEMENTS:
         workers = 1
     with PIN.hold() if blas else contextlib.nullcontext():
         if workers <= 1:
-            _fpenv.run(kernel, *args, 0, items)
+            _fpenv.run(kernel, *inputs, **outputs, lo=0, hi=items)
             return
         parts = min(items, workers * SPLIT)
         bounds = [items * i // parts for i in range(parts + 1)]
         pool = _pool(workers)
         run = _on_worker if blas else _fpenv.run
-        futures = [pool.submit(run, kernel, *args, a, b) for a, b in itertools.pairwise(bounds)]
+        futures = [
+            pool.submit(run, kernel, *inputs, **outputs, lo=a, hi=b) for a, b in itertools.pairwise(bounds)
+        ]
         for f in futures:
             f.result()
 
 
-def _on_worker(kernel: Any, *args: Any) -> None:
+def _on_worker(kernel: Any, *args: Any, **kwargs: Any) -> None:
     """A range of a kernel on a pool thread, with that thread's MKL (where loaded) on one thread."""
     with PIN.this_thread():
-        _fpenv.run(kernel, *args)
+        _fpenv.run(kernel, *args, **kwargs)
 
 
 def _c(x: Any, dtype: Any) -> np.ndarray:
@@ -188,27 +177,30 @@ def chunk_local(q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float) -> Chun
     ``q, k, g: [..., Cp, K]``, ``v: [..., Cp, V]``, ``beta: [..., Cp]``; ``private`` is None
     (:func:`chunk_local_backward` recomputes the decay factors from ``g``).
     """
+    from ._kernels import local_forward  # imports Numba on the first call
+
     dt = _dtype(q)
     *lead, Cp, K = q.shape
     V = v.shape[-1]
     N = int(np.prod(lead))
     qc, kc, gc = (_c(x, dt).reshape(N, Cp, K) for x in (q, k, g))
     vc, bc = _c(v, dt).reshape(N, Cp, V), _c(beta, dt).reshape(N, Cp)
-    qg, kg, kt, w = (np.empty((N, Cp, K), dt) for _ in range(4))
-    A, L, Tinv = (np.empty((N, Cp, Cp), dt) for _ in range(3))
+    qg, kg, k_suffix, w = (np.empty((N, Cp, K), dt) for _ in range(4))
+    A, L, Minv = (np.empty((N, Cp, Cp), dt) for _ in range(3))
     total, u0 = np.empty((N, K), dt), np.empty((N, Cp, V), dt)
     if N * Cp * K * V:
-        _run("local_forward", N, qc, kc, gc, vc, bc, _scale(scale, dt), qg, kg, kt, total, A, L, Tinv, w, u0)
+        _run(local_forward, N, qc, kc, gc, vc, bc, _scale(scale, dt),
+             qg=qg, kg=kg, k_suffix=k_suffix, total=total, A=A, L=L, Minv=Minv, w=w, u0=u0)  # fmt: skip
     else:
-        for x in (qg, kg, kt, w, A, L, Tinv, total, u0):
+        for x in (qg, kg, k_suffix, w, A, L, Minv, total, u0):
             x[...] = 0
-        for x in (A, L, Tinv):
-            x[...] = np.eye(Cp, dtype=dt) if x is Tinv else 0
+        for x in (A, L, Minv):
+            x[...] = np.eye(Cp, dtype=dt) if x is Minv else 0
 
     def back(x: np.ndarray) -> np.ndarray:
         return x.reshape(*lead, *x.shape[1:])
 
-    return ChunkLocal(*(back(x) for x in (qg, kg, kt, total, A, L, Tinv, w, u0)), private=None)
+    return ChunkLocal(*(back(x) for x in (qg, kg, k_suffix, total, A, L, Minv, w, u0)), private=None)
 
 
 def _heads(x: Any, dt: Any) -> np.ndarray:
@@ -217,14 +209,16 @@ def _heads(x: Any, dt: Any) -> np.ndarray:
 
 
 def chunk_state_pass(
-    w: Any, u0: Any, kt: Any, total: Any, state: Any, qg: Any = None, A: Any = None
+    w: Any, u0: Any, k_suffix: Any, total: Any, state: Any, qg: Any = None, A: Any = None
 ) -> tuple[Any, Any, Any]:
     """The state recurrence over the chunks, the output fused in (see the interface).
 
-    ``w, kt, qg: [B, H, NT, Cp, K]``, ``u0: [B, H, NT, Cp, V]``, ``total: [B, H, NT, K]``,
+    ``w, k_suffix, qg: [B, H, NT, Cp, K]``, ``u0: [B, H, NT, Cp, V]``, ``total: [B, H, NT, K]``,
     ``A: [B, H, NT, Cp, Cp]`` (lower triangle read), ``state: [B, H, K, V]``. Returns
     ``boundaries [NT, B, H, K, V]``, ``O [B, H, NT, Cp, V]`` (None without ``qg``) and the final state.
     """
+    from ._kernels import state_pass  # imports Numba on the first call
+
     dt = _dtype(w)
     B, H, NT, Cp, K = w.shape
     V = u0.shape[-1]
@@ -235,9 +229,9 @@ def chunk_state_pass(
     out = np.zeros((BH, NT, Cp, V), dt) if with_output else np.zeros((1, 1, 1, 1), dt)
     qgc = _heads(qg, dt) if with_output else np.zeros((1, 1, 1, 1), dt)
     Ac = _heads(A, dt) if with_output else np.zeros((1, 1, 1, 1), dt)
-    args = [_heads(x, dt) for x in (w, u0, kt, total, state)]
+    args = [_heads(x, dt) for x in (w, u0, k_suffix, total, state)]
     if BH * K * V:
-        _run("state_pass", BH, *args, qgc, Ac, with_output, bounds, out, final)
+        _run(state_pass, BH, *args, qgc, Ac, with_output, boundaries=bounds, out=out, final=final)
     else:
         final[...] = args[4]
     boundaries = bounds.reshape(NT, B, H, K, V)
@@ -245,13 +239,23 @@ def chunk_state_pass(
 
 
 def chunk_state_grad_pass(
-    w: Any, u0: Any, kt: Any, total: Any, qg: Any, A: Any, grad_output: Any, boundaries: Any, dstate: Any
+    w: Any,
+    u0: Any,
+    k_suffix: Any,
+    total: Any,
+    qg: Any,
+    A: Any,
+    grad_output: Any,
+    boundaries: Any,
+    dfinal: Any,
 ) -> tuple[Any, Any, Any, Any]:
     """The state-gradient recurrence, last chunk first (see the interface).
 
     Returns ``dends [NT, B, H, K, V]``, ``U`` and ``dU`` (``[B, H, NT, Cp, V]``) and the gradient
     of the state before the first chunk ``[B, H, K, V]``.
     """
+    from ._kernels import state_grad_pass  # imports Numba on the first call
+
     dt = _dtype(w)
     B, H, NT, Cp, K = w.shape
     V = u0.shape[-1]
@@ -259,11 +263,11 @@ def chunk_state_grad_pass(
     ends = np.empty((NT, BH, K, V), dt)
     u, du = np.empty((BH, NT, Cp, V), dt), np.empty((BH, NT, Cp, V), dt)
     dinit = np.empty((BH, K, V), dt)
-    args = [_heads(x, dt) for x in (w, u0, kt, total, qg, A, grad_output)]
+    args = [_heads(x, dt) for x in (w, u0, k_suffix, total, qg, A, grad_output)]
     bounds = _c(boundaries, dt).reshape(NT, BH, K, V)
-    dS = _heads(dstate, dt)
+    dS = _heads(dfinal, dt)
     if BH * K * V:
-        _run("state_grad_pass", BH, *args, bounds, dS, ends, u, du, dinit)
+        _run(state_grad_pass, BH, *args, bounds, dS, ends=ends, u=u, du=du, dinit=dinit)
     else:
         dinit[...] = dS
         u[...] = 0
@@ -289,6 +293,7 @@ def chunk_local_backward(
     scale: float,
     loc: ChunkLocal,
     boundaries: Any,
+    *,
     dends: Any,
     u: Any,
     du: Any,
@@ -298,26 +303,27 @@ def chunk_local_backward(
 
     ``q, k, g: [B, H, NT, Cp, K]``, ``v, u, du, grad_output: [B, H, NT, Cp, V]``,
     ``beta: [B, H, NT, Cp]``, ``boundaries, dends: [NT, B, H, K, V]``; ``loc`` from
-    :func:`chunk_local` (its ``kg, w, u0, L, Tinv`` are read). Returns ``dq, dk [..., Cp, K]``,
+    :func:`chunk_local` (its ``kg, w, u0, L, Minv`` are read). Returns ``dq, dk [..., Cp, K]``,
     ``dv [..., Cp, V]``, ``dg [..., Cp, K]``, ``dbeta [..., Cp]``, in that order.
     """
+    from ._kernels import local_backward  # imports Numba on the first call
+
     dt = _dtype(q)
     B, H, NT, Cp, K = q.shape
     V = v.shape[-1]
     N = B * H * NT
     qc, kc, gc, kg, w = (_c(x, dt).reshape(N, Cp, K) for x in (q, k, g, loc.kg, loc.w))
     vc, u0, uc, duc, dO = (_c(x, dt).reshape(N, Cp, V) for x in (v, loc.u0, u, du, grad_output))
-    L, Tinv = (_c(x, dt).reshape(N, Cp, Cp) for x in (loc.L, loc.Tinv))
+    L, Minv = (_c(x, dt).reshape(N, Cp, Cp) for x in (loc.L, loc.Minv))
     bc = _c(beta, dt).reshape(N, Cp)
     bounds, ends = (_c(x, dt).reshape(NT, B * H, K, V) for x in (boundaries, dends))
     dq, dk, dg = (np.zeros((N, Cp, K), dt) for _ in range(3))
     dv, dbeta = np.zeros((N, Cp, V), dt), np.zeros((N, Cp), dt)
     if N * Cp * K * V:
         _run(
-            "local_backward",
-            N,
-            qc, kc, gc, vc, bc, _scale(scale, dt), kg, w, u0, L, Tinv, bounds, ends, uc, duc, dO,
-            dq, dk, dv, dg, dbeta,
+            local_backward, N,
+            qc, kc, gc, vc, bc, _scale(scale, dt), kg, w, u0, L, Minv, bounds, ends, uc, duc, dO,
+            dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta,
         )  # fmt: skip
     lead = (B, H, NT)
     return (
@@ -340,7 +346,7 @@ def _view(x: Any, dt: Any) -> np.ndarray:
 
 
 def chunk_forward_heads(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any, chunk_size: int, output: Any,
+    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any, chunk_size: int, *, output: Any,
     boundaries: Any, screen: Any = None,
 ) -> np.ndarray:  # fmt: skip
     """The chunked forward, one head per worker from its first chunk to its last.
@@ -352,6 +358,8 @@ def chunk_forward_heads(
     ``q, k, v`` and over the output and final state (0 when finite, NaN when not); the first is
     also NaN where an element of ``g`` is not ``<= 0``.
     """
+    from ._kernels import forward_heads  # imports Numba on the first call
+
     dt = _dtype(q)
     B, H, T, K = q.shape
     V = v.shape[-1]
@@ -363,8 +371,8 @@ def chunk_forward_heads(
     start = _c(state, dt)
     screened = np.zeros((0, 2)) if screen is None else screen
     if B * H * K * V and T:
-        _run("forward_heads", B * H, *ins, _scale(scale, dt), start, chunk_size, with_output, with_bounds,
-             out, bounds, final, screened)  # fmt: skip
+        _run(forward_heads, B * H, *ins, _scale(scale, dt), start, chunk_size, with_output,
+             with_bounds, out=out, boundaries=bounds, final=final, screen=screened)  # fmt: skip
     else:
         final[...] = start
         screened[...] = 0.0
@@ -373,24 +381,29 @@ def chunk_forward_heads(
 
 def chunk_backward_heads(
     q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, boundaries: Any, grad_output: Any,
-    grad_state: Any, chunk_size: int, grads: Any, screen: Any = None,
+    dfinal: Any, chunk_size: int, *, grads: Any, screen: Any = None,
 ) -> None:  # fmt: skip
     """The chunked backward, one head per worker from its last chunk to its first.
 
     Inputs as :func:`chunk_forward_heads`; ``boundaries [NT, B, H, K, V]`` from the forward,
-    ``grad_output [B, H, T, V]``, ``grad_state [B, H, K, V]``. Writes the six gradients into
-    ``grads`` (``dq, dk, dv, dg, dbeta, dstate``: writable arrays of the inputs' shapes).
+    ``grad_output [B, H, T, V]``, ``dfinal [B, H, K, V]`` (the final state's gradient). Writes the
+    six gradients into ``grads`` (``dq, dk, dv, dg, dbeta, dinitial``: writable arrays of the
+    inputs' shapes).
     ``screen``: as for :func:`chunk_forward_heads`, over ``q, k, v, grad_output`` and the
     boundaries (and ``g <= 0``), and over the six gradients.
     """
+    from ._kernels import backward_heads  # imports Numba on the first call
+
     dt = _dtype(q)
     B, H, T, K = q.shape
     V = v.shape[-1]
     ins = [_view(x, dt) for x in (q, k, v, g, beta)]
-    bounds, dO, dS = _view(boundaries, dt), _view(grad_output, dt), _c(grad_state, dt)
+    bounds, dO, dS = _view(boundaries, dt), _view(grad_output, dt), _c(dfinal, dt)
     screened = np.zeros((0, 2)) if screen is None else screen
     if B * H * K * V and T:
-        _run("backward_heads", B * H, *ins, _scale(scale, dt), bounds, dO, dS, chunk_size, *grads, screened)
+        dq, dk, dv, dg, dbeta, dinitial = grads
+        _run(backward_heads, B * H, *ins, _scale(scale, dt), bounds, dO, dS, chunk_size,
+             dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, dinit=dinitial, screen=screened)  # fmt: skip
     else:
         screened[...] = 0.0
         grads[5][...] = dS
@@ -407,6 +420,8 @@ def recurrent_forward(
 ) -> tuple[np.ndarray, np.ndarray]:
     """The recurrence: ``[B, H, T, *]`` inputs from ``state [B, H, K, V]`` ->
     ``(output [B, H, T, V], final [B, H, K, V])``."""  # fmt: skip
+    from ._kernels import recurrent_forward as kernel  # imports Numba on the first call
+
     dt = _dtype(q)
     B, H, T, K = q.shape
     V = v.shape[-1]
@@ -415,43 +430,34 @@ def recurrent_forward(
     args = [_heads(x, dt) for x in (q, k, v, g, beta)]
     S0 = _heads(state, dt)
     if B * H * K * V:
-        _run("recurrent_forward", B * H, *args, _scale(scale, dt), S0, out, final, blas=False)
+        _run(kernel, B * H, *args, _scale(scale, dt), S0, out=out, final=final, blas=False)
     else:
         final[...] = S0
     return out.reshape(B, H, T, V), final.reshape(B, H, K, V)
 
 
 def recurrent_backward(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any, grad_output: Any, grad_state: Any
+    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any, grad_output: Any, dfinal: Any
 ) -> tuple[Any, Any, Any, Any, Any, Any]:
-    """Gradients ``(dq, dk, dv, dg, dbeta, dstate)`` of the recurrence (states kept every
-    ``ceil(sqrt(T))`` steps, the ones between recomputed)."""  # fmt: skip
+    """Gradients ``(dq, dk, dv, dg, dbeta, dinitial)`` of the recurrence given the output's and the
+    final state's (``dfinal``) (states kept every ``ceil(sqrt(T))`` steps, the ones between
+    recomputed)."""  # fmt: skip
+    from ._kernels import recurrent_backward as kernel  # imports Numba on the first call
+
     dt = _dtype(q)
     B, H, T, K = q.shape
     V = v.shape[-1]
     BH = B * H
     args = [_heads(x, dt) for x in (q, k, v, g, beta)]
-    S0, do, dS = _heads(state, dt), _heads(grad_output, dt), _heads(grad_state, dt)
+    S0, do, dS = _heads(state, dt), _heads(grad_output, dt), _heads(dfinal, dt)
     dq, dk, dg = (np.zeros((BH, T, K), dt) for _ in range(3))
     dv, dbeta = np.zeros((BH, T, V), dt), np.zeros((BH, T), dt)
     dinit = np.empty((BH, K, V), dt)
     if BH * K * V:
         _run(
-            "recurrent_backward",
-            BH,
-            *args,
-            _scale(scale, dt),
-            S0,
-            do,
-            dS,
-            dq,
-            dk,
-            dv,
-            dg,
-            dbeta,
-            dinit,
-            blas=False,
-        )
+            kernel, BH, *args, _scale(scale, dt), S0, do, dS,
+            dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, dinit=dinit, blas=False,
+        )  # fmt: skip
     else:
         dinit[...] = dS
     shape = (B, H, T)
@@ -470,4 +476,4 @@ def recurrent_backward(
 # over threads themselves; nothing to set around head groups, each kernel call pins what it needs;
 # the gate checked on the host)
 
-complete(globals(), extras=("decode_finite", "decode_screen"))
+complete(globals())

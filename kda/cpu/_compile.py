@@ -1,17 +1,27 @@
-"""How the CPU backend's kernels are compiled: the Numba decorator every kernel module uses, its
-cache and the block sizes chosen per kind of core (imported on first use: this imports numba).
+"""How the CPU backend's Numba functions are compiled: the one decorator every Numba module of
+:mod:`kda.cpu` uses (:func:`jit`: the chunk kernels, the decode kernel, the MXCSR functions), its
+disk cache, and the block sizes chosen per kind of core (imported on first use: this imports numba).
+
+The cache: whether Numba can write one for this directory is decided once, here, before any
+function is decorated (:data:`CACHING`, asked of Numba's own cache locators: ``NUMBA_CACHE_DIR``,
+the ``__pycache__`` beside the sources, the user-wide cache directory). Where none is writable (a
+read-only install under a user without a writable home) every function compiles per process,
+uncached; nothing raises later.
 
 The kernels live in several modules by phase (:mod:`._products`, :mod:`._pairs`, :mod:`._solve`,
 :mod:`._passes`, :mod:`._fused`) that call each other's compiled functions. Numba's cache checks
 only the source file that defines a kernel, so a kernel would keep running stale compiled copies
 of helpers in another file after they change; every kernel's cache entry is therefore stamped
 with a hash of all of these files (:data:`SOURCE_STAMP`): a change to any of them recompiles all.
+The decode kernels and the MXCSR functions call nothing of another file and are not stamped.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
+from typing import Any
 
 import numba
 
@@ -19,8 +29,6 @@ import numba
 # compiled order is fixed, so results are deterministic.
 _FASTMATH = {"reassoc", "contract"}
 
-
-CACHING = True  # False when no cache directory is writable (a read-only install)
 
 # Key sizes below this form [W, U0] by forward substitution (more accurate there), above by BLAS
 SUBSTITUTE_BELOW = 16
@@ -72,21 +80,43 @@ def source_stamp(directory: str) -> str:
 SOURCE_STAMP = source_stamp(os.path.dirname(os.path.abspath(__file__)))
 
 
-def jit(fastmath=_FASTMATH):
-    """``numba.njit`` (``nogil``, ``fastmath``, NumPy's error model) with caching, its cache entries
-    stamped with :data:`SOURCE_STAMP`; without caching where no cache directory is writable (a
-    read-only install: Numba finds no cache locator), which sets :data:`CACHING` to False."""
+def _probe() -> int:  # pragma: no cover - never called: decorated once to ask Numba for a cache
+    return 0
 
-    def decorate(fn):
-        global CACHING
-        options = {"nogil": True, "fastmath": fastmath, "error_model": "numpy"}
-        try:
-            kernel = numba.njit(cache=True, **options)(fn)
-        except (RuntimeError, OSError):  # numba: "no locator available" for a read-only tree
-            CACHING = False
-            return numba.njit(cache=False, **options)(fn)
+
+def cache_writable() -> bool:
+    """Whether Numba can keep a disk cache of the functions of this directory: one of its cache
+    locators (``NUMBA_CACHE_DIR``, the ``__pycache__`` beside the sources, the user-wide cache
+    directory) finds a directory it can create and write a file in. Numba asks them when a
+    function is decorated with ``cache=True`` and raises where none can; asked here with a probe
+    function of this file (every Numba module of :mod:`kda.cpu` sits in this directory)."""
+    try:
+        numba.njit(cache=True)(_probe)
+    except (RuntimeError, OSError):  # numba: "cannot cache function ...: no locator available"
+        return False
+    return True
+
+
+# decided once, before any function is decorated: False where no cache is writable (a read-only
+# install, no writable home): every function then compiles per process
+CACHING = cache_writable()
+
+
+def jit(
+    fastmath: Any = _FASTMATH, *, error_model: str = "numpy", stamp: bool = True, **options: Any
+) -> Callable[[Callable[..., Any]], Any]:
+    """The decorator of every Numba function of :mod:`kda.cpu`: ``numba.njit`` with ``nogil``,
+    ``fastmath``, ``error_model`` and ``options``, cached on disk where :data:`CACHING` (else
+    compiled per process). With ``stamp``, the function's cache entries are stamped with
+    :data:`SOURCE_STAMP` (the kernels, which call each other across files); without, Numba's
+    own check of the function's file alone (a module that calls no compiled function of another)."""
+
+    njit = numba.njit(cache=CACHING, nogil=True, fastmath=fastmath, error_model=error_model, **options)
+
+    def decorate(fn: Callable[..., Any]) -> Any:
+        kernel = njit(fn)
         index = getattr(getattr(kernel, "_cache", None), "_cache_file", None)
-        if index is not None:  # Numba's index of the function's cache entries
+        if stamp and CACHING and index is not None:  # Numba's index of the function's cache entries
             index._source_stamp = (SOURCE_STAMP, index._source_stamp)
         return kernel
 

@@ -63,13 +63,13 @@ def decode_screen(q: Any, k: Any, v: Any, g: Any, beta: Any, finite: bool) -> bo
     return screen(q.reshape(-1), k.reshape(-1), v.reshape(-1), g.reshape(-1), beta.reshape(-1), finite)
 
 
-def decode_finite(out: Any) -> bool:
-    """Whether every element of the C-contiguous float32 / float64 ``out`` is finite: one compiled,
-    branch-free pass (the decode output's divergence check)."""
-    if not out.flags.c_contiguous or (out.dtype is not _F32 and out.dtype is not _F64):
-        return bool(np.isfinite(out).all())
+def decode_finite(output: Any) -> bool:
+    """Whether every element of ``output`` is finite (the decode output's divergence check): one
+    compiled, branch-free pass where it is C-contiguous float32 / float64, NumPy's otherwise."""
+    if not output.flags.c_contiguous or (output.dtype is not _F32 and output.dtype is not _F64):
+        return bool(np.isfinite(output).all())
     finite = _KERNELS[0]._finite if _KERNELS else _kernels()._finite
-    return bool(finite(out.reshape(-1)))
+    return bool(finite(output.reshape(-1)))
 
 
 _F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
@@ -102,7 +102,7 @@ def pool_bits(pool: np.ndarray) -> np.ndarray:
 
 
 def decode_forward(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, pool: Any, start: Any, dest: Any,
+    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, pool: Any, start: Any, dest: Any, *,
     offsets: Any = None, final_pool: Any = None, out: Any = None, v_first: bool = False,
 ) -> np.ndarray:  # fmt: skip
     """``T`` steps of ``N`` requests from ``pool [P, HV, K, V]`` (see :class:`kda._backend.Backend`).

@@ -35,18 +35,14 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from ._compile import jit
+
 __all__ = ["decode", "load", "screen", "store"]
 
-# No nnan/ninf: -inf gates must stay exact. Reassociation lets the column loops vectorise; the
-# compiled order is fixed, so results are deterministic.
-_OPTIONS = {"nogil": True, "fastmath": {"reassoc", "contract"}, "error_model": "numpy", "boundscheck": False}
-
-try:
-    _jit = numba.njit(cache=True, **_OPTIONS)
-    CACHING = True
-except (RuntimeError, OSError):  # pragma: no cover - numba: no cache locator (read-only install)
-    _jit = numba.njit(cache=False, **_OPTIONS)
-    CACHING = False
+# kda.cpu's one Numba decorator (cached where a cache is writable). No nnan/ninf: -inf gates must
+# stay exact. Reassociation lets the column loops vectorise; the compiled order is fixed, so
+# results are deterministic. No stamp: nothing here calls a compiled function of another file.
+_jit = jit(fastmath={"reassoc", "contract"}, boundscheck=False, stamp=False)
 
 # elements around each of the kernel's private vectors (512 bytes of float32, 1 KiB of float64):
 # more than a vectorised loop's reach (4 x 16 float32 or 4 x 8 float64 lanes, 256 bytes)

@@ -36,14 +36,16 @@ FTZ, DAZ = 1 << 15, 1 << 6
 FLUSH = FTZ | DAZ
 STATUS = 0x3F  # the sticky exception flags; every other bit is control
 
-_COMPILED: list[Any] = []  # the module of Numba functions over MXCSR, once imported
+_COMPILED: list[Any] = []  # the Numba functions over MXCSR (:func:`_compiled`), once made
 
 
 def _compiled() -> Any:
+    """The compiled MXCSR functions for :data:`FLUSH` and :data:`STATUS` (``read``, ``enter``,
+    ``leave``: :class:`kda.cpu._mxcsr.MxcsrFunctions`), made on first use."""
     if not _COMPILED:
-        from . import _mxcsr  # imports numba
+        from ._mxcsr import compile_functions  # imports numba
 
-        _COMPILED.append(_mxcsr)
+        _COMPILED.append(compile_functions(FLUSH, STATUS))
     return _COMPILED[0]
 
 
@@ -57,14 +59,14 @@ def flushing_bits(mxcsr: int) -> int:
     return mxcsr & FLUSH
 
 
-def run(kernel: Callable[..., Any], *args: Any) -> Any:
-    """``kernel(*args)`` with subnormals flushed to zero on this thread, its control bits (and so
-    its floating-point environment) as they were afterwards."""
+def run(kernel: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``kernel(*args, **kwargs)`` with subnormals flushed to zero on this thread, its control bits
+    (and so its floating-point environment) as they were afterwards."""
     if not X86:
-        return kernel(*args)
+        return kernel(*args, **kwargs)
     m = _COMPILED[0] if _COMPILED else _compiled()
     old = m.enter()
     try:
-        return kernel(*args)
+        return kernel(*args, **kwargs)
     finally:
         m.leave(old)

@@ -8,6 +8,8 @@ strides they have (time-major views included).
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import numpy as np
 
 from . import _compile as cfg
@@ -91,20 +93,40 @@ def _load_beta(beta, b, h, t0, m, buf):
         buf[i] = 0.0
 
 
+class ChunkScratch(NamedTuple):
+    """The scratch arrays of one chunk that both fused passes use (:func:`_chunk_scratch`), of the
+    inputs' dtype."""
+
+    q: Any  # [Cp, K]: the chunk's inputs, zero-padded
+    k: Any  # [Cp, K]
+    g: Any  # [Cp, K]
+    v: Any  # [Cp, V]
+    beta: Any  # [Cp]
+    KQ: Any  # [2 Cp, K]: [kg; qg] (one product with the state)
+    k_suffix: Any  # [Cp, K]
+    total: Any  # [K]
+    A: Any  # [Cp, Cp]
+    L: Any  # [Cp, Cp]
+    Minv: Any  # [Cp, Cp]
+    pre: Any  # [Cp, K]: the decay prefixes (:func:`_local_pairs`)
+    suf: Any  # [Cp, K]: the decay suffixes
+    kd: Any  # [K]
+    Td: Any  # [Cp, SOLVE_BLOCK]: the solve's (:func:`_solve_blocks`)
+    Wb: Any  # [SOLVE_BLOCK, V]
+    S: Any  # [K, V]: the state
+
+
 @jit()
 def _chunk_scratch(x, Cp, K, V):
-    """The scratch arrays of one chunk that both fused passes use, of ``x``'s dtype: the chunk's
-    inputs ``qc, kc, gc: [Cp, K]``, ``vc: [Cp, V]``, ``bc: [Cp]``; ``KQ = [kg; qg]: [2 Cp, K]``,
-    ``kt: [Cp, K]``, ``total: [K]``; ``A, L, Tinv: [Cp, Cp]``; ``pre, suf: [Cp, K]``, ``kd: [K]``
-    (:func:`_local_pairs`); the solve's ``Td: [Cp, SOLVE_BLOCK]``, ``Wb: [SOLVE_BLOCK, V]``
-    (:func:`_solve_blocks`) and the state ``S: [K, V]``."""
+    """The :class:`ChunkScratch` of a chunk of ``Cp`` steps, ``K`` key and ``V`` value channels,
+    of ``x``'s dtype (every 2-D array from :func:`empty2`: 64-byte aligned)."""
     dt = x.dtype
     qc, kc, gc = _three(x, Cp, K)
-    A, L, Tinv = _three(x, Cp, Cp)
-    pre, suf, kt = _three(x, Cp, K)
-    return (
-        qc, kc, gc, empty2(Cp, V, dt), np.empty(Cp, dt), empty2(2 * Cp, K, dt), kt,
-        np.empty(K, dt), A, L, Tinv, pre, suf, np.empty(K, dt), empty2(Cp, cfg.SOLVE_BLOCK, dt),
+    A, L, Minv = _three(x, Cp, Cp)
+    pre, suf, k_suffix = _three(x, Cp, K)
+    return ChunkScratch(
+        qc, kc, gc, empty2(Cp, V, dt), np.empty(Cp, dt), empty2(2 * Cp, K, dt), k_suffix,
+        np.empty(K, dt), A, L, Minv, pre, suf, np.empty(K, dt), empty2(Cp, cfg.SOLVE_BLOCK, dt),
         empty2(cfg.SOLVE_BLOCK, V, dt), empty2(K, V, dt),
     )  # fmt: skip
 
@@ -124,8 +146,8 @@ def forward_heads(
 
     Per chunk: its decay factors and pairs (:func:`_local_pairs`), then with the chunk-start
     state ``S``: ``[kg; qg] @ S`` as one product, ``U = (I + diag(beta) L)^-1 (beta (v - kg S))``
-    (the same as ``u0 - w S``, one product with ``Tinv`` fewer), ``O = qg S + A U``,
-    ``S <- total S + kt^T U``.
+    (the same as ``u0 - w S``, one product with ``Minv`` fewer), ``O = qg S + A U``,
+    ``S <- total S + k_suffix^T U``.
 
     ``q, k, g: [B, H, T, K]``, ``v, out: [B, H, T, V]``, ``beta: [B, H, T]`` (any strides),
     ``state, final: [B, H, K, V]``, ``boundaries: [NT, B, H, K, V]`` (the chunk-start states, written
@@ -144,7 +166,10 @@ def forward_heads(
     s = scale[0]
     dt = q.dtype
     by_inverse = K >= cfg.SUBSTITUTE_BELOW
-    qc, kc, gc, vc, bc, KQ, kt, total, A, L, Tinv, pre, suf, kd, Td, Wb, S = _chunk_scratch(q, Cp, K, V)
+    sc = _chunk_scratch(q, Cp, K, V)
+    qc, kc, gc, vc, bc, S = sc.q, sc.k, sc.g, sc.v, sc.beta, sc.S
+    KQ, k_suffix, total, A, L, Minv = sc.KQ, sc.k_suffix, sc.total, sc.A, sc.L, sc.Minv
+    pre, suf, kd, Td, Wb = sc.pre, sc.suf, sc.kd, sc.Td, sc.Wb
     kg, qg = KQ[:Cp], KQ[Cp:]  # [kg; qg]: one product with the state
     R = empty2(2 * Cp, V, dt)  # [kg S; qg S]
     QS = R[Cp:]
@@ -162,7 +187,7 @@ def forward_heads(
             _load(g, b, h, t0, m, gc)
             seen_in += _decays_screen(gc)  # its padding rows are zeros
             _load_beta(beta, b, h, t0, m, bc)
-            _local_pairs(qc, kc, gc, bc, s, qg, kg, kt, total, A, L, Tinv, pre, suf, kd, False)
+            _local_pairs(qc, kc, gc, bc, s, qg, kg, k_suffix, total, A, L, Minv, pre, suf, kd, False)
             if with_boundaries:
                 boundaries[n, b, h] = S
             if n == 0 and _is_zero(S):
@@ -184,7 +209,7 @@ def forward_heads(
                 t = total[d]
                 for c in range(V):
                     S[d, c] *= t
-            _mm(kt, True, U, False, S, 1.0)  # S <- total S + kt^T U
+            _mm(k_suffix, True, U, False, S, 1.0)  # S <- total S + k_suffix^T U
         final[b, h] = S
         if with_screen:
             screen[bh, 0] = seen_in
@@ -199,7 +224,7 @@ def backward_heads(
 
     Per chunk, with its chunk-start state ``S`` (from ``boundaries``) and the gradient ``dS`` of its
     end state: its state-free work again and ``U`` as in :func:`forward_heads`, ``dU = A^T dO +
-    kt dS``, ``dY = Tinv^T dU`` and ``dR = -beta dY`` (the gradient of ``kg S``), the state step
+    k_suffix dS``, ``dY = Minv^T dU`` and ``dR = -beta dY`` (the gradient of ``kg S``), the state step
     ``dS <- total dS + [kg; qg]^T [dR; dO]`` (one product), then the chunk's local gradients
     (:func:`_fused_local_backward`). ``[dR; dO]`` and ``U`` are kept transposed (``ROT``, ``UT``):
     OpenBLAS's small-matrix products of a row-major ``X @ Y.T`` are the slow ones here (128 x 128
@@ -219,7 +244,10 @@ def backward_heads(
     s = scale[0]
     dt = q.dtype
     by_inverse = K >= cfg.SUBSTITUTE_BELOW
-    qc, kc, gc, vc, bc, KQ, kt, total, A, L, Tinv, pre, suf, kd, Td, Wb, S = _chunk_scratch(q, Cp, K, V)
+    sc = _chunk_scratch(q, Cp, K, V)
+    qc, kc, gc, vc, bc, S = sc.q, sc.k, sc.g, sc.v, sc.beta, sc.S
+    KQ, k_suffix, total, A, L, Minv = sc.KQ, sc.k_suffix, sc.total, sc.A, sc.L, sc.Minv
+    pre, suf, kd, Td, Wb = sc.pre, sc.suf, sc.kd, sc.Td, sc.Wb
     kg, qg = KQ[:Cp], KQ[Cp:]  # [kg; qg]
     ROT = empty2(V, 2 * Cp, dt)  # [dR; dO]^T: the gradients of [kg; qg] S, transposed
     dRT, dOT = ROT[:, :Cp], ROT[:, Cp:]
@@ -245,13 +273,15 @@ def backward_heads(
             _load(g, b, h, t0, m, gc)
             seen_in += _decays_screen(gc)  # its padding rows are zeros
             _load_beta(beta, b, h, t0, m, bc)
-            e = _local_pairs(qc, kc, gc, bc, s, qg, kg, kt, total, A, L, Tinv, pre, suf, kd, not by_inverse)
+            e = _local_pairs(
+                qc, kc, gc, bc, s, qg, kg, k_suffix, total, A, L, Minv, pre, suf, kd, not by_inverse
+            )
             S[:, :] = boundaries[n, b, h]
             if with_screen:
                 seen_in += _zeros_of(S)
             dSend[:, :] = dS
             zero_s = n == 0 and _is_zero(S)  # no initial state: kg S and dR S^T are zero
-            zero_ds = n == NT - 1 and _is_zero(dS)  # no final state gradient: kt dS, U dS^T are zero
+            zero_ds = n == NT - 1 and _is_zero(dS)  # no final state gradient: k_suffix dS, U dS^T are zero
             if zero_s:
                 Rk[:, :] = 0.0
             else:
@@ -269,11 +299,11 @@ def backward_heads(
             _transpose(U, UT)
             _mm(A, True, dOT, True, dU, 0.0)
             if not zero_ds:
-                _mm(kt, False, dS, False, dU, 1.0)
+                _mm(k_suffix, False, dS, False, dU, 1.0)
             if by_inverse:
                 _solve_blocks_t(L, bc, Td, dU, dY, dR, Wb)
             else:
-                _mm(Tinv, True, dU, False, dY, 0.0)
+                _mm(Minv, True, dU, False, dY, 0.0)
                 for i in range(Cp):
                     x = -bc[i]
                     for c in range(V):
@@ -318,11 +348,11 @@ def _store(x, out, b, h, t0, m):
 def _fused_local_backward(
     q, k, e, pre, suf, v, beta, s, L, S, dS, ROT, Z, UT, dY, dq, dk, dv, dg, dbeta, zero_s, zero_ds
 ):  # fmt: skip
-    """A chunk's local gradients in :func:`backward_heads` (``U = Tinv beta Z``, ``Z = v - kg S``;
+    """A chunk's local gradients in :func:`backward_heads` (``U = Minv beta Z``, ``Z = v - kg S``;
     ``UT = U^T``).
 
-    Given ``ROT = [dR; dO]^T`` (``dR = -beta dY``, ``dY = Tinv^T dU``) and the gradient ``dS`` of
-    the chunk's end state: ``[dkg; dqg] = RO S^T`` (one product), ``dA = dO U^T``, ``dkt = U dS^T``,
+    Given ``ROT = [dR; dO]^T`` (``dR = -beta dY``, ``dY = Minv^T dU``) and the gradient ``dS`` of
+    the chunk's end state: ``[dkg; dqg] = RO S^T`` (one product), ``dA = dO U^T``, ``dk_suffix = U dS^T``,
     ``dM = -dY U^T`` (``M = I + diag(beta) L``), so ``dL = beta dM`` and ``dbeta = dY . Z + dM .
     L`` by rows; then ``dq, dk, dg`` through the decay factors (:func:`_factor_grads`, shared with
     :func:`_local_backward_core`). ``zero_s`` / ``zero_ds``: ``S`` / ``dS`` is all zeros (the
@@ -338,11 +368,11 @@ def _fused_local_backward(
     dA, dX = empty2(Cp, Cp, q.dtype), empty2(Cp, Cp, q.dtype)
     _mm(ROT[:, Cp:], True, UT, False, dA, 0.0)  # dO U^T, lower triangle read
     _mm(dY, False, UT, False, dX, 0.0)  # dY U^T = -dM
-    dkt = empty2(Cp, K, q.dtype)
+    dk_suffix = empty2(Cp, K, q.dtype)
     if zero_ds:
-        dkt[:, :] = 0.0
+        dk_suffix[:, :] = 0.0
     else:
-        _mm(UT, True, dS, True, dkt, 0.0)
+        _mm(UT, True, dS, True, dk_suffix, 0.0)
     # dX <- dL = beta dM (strictly lower); dbeta; dv = beta dY
     for i in range(Cp):
         acc = _sum_products(Z[i], dY[i])
@@ -353,4 +383,4 @@ def _fused_local_backward(
         for c in range(V):
             dv[i, c] = beta[i] * dY[i, c]
         dbeta[i] = acc
-    _factor_grads(q, k, e, pre, suf, s, S, dS, dA, dX, G[Cp:], G[:Cp], dkt, dq, dk, dg)
+    _factor_grads(q, k, e, pre, suf, s, S, dS, dA, dX, G[Cp:], G[:Cp], dk_suffix, dq, dk, dg)

@@ -1,16 +1,21 @@
-"""Numba functions over x86's MXCSR (imported on first use by :mod:`._fpenv`: this imports numba)."""
+"""Numba functions over x86's MXCSR (imported on first use by :mod:`._fpenv`: this imports numba).
+
+The bits they set and keep are :mod:`._fpenv`'s: it passes them to :func:`compile_functions`
+(this module imports nothing of it).
+"""
 
 from __future__ import annotations
 
-import numba
+from typing import Any, NamedTuple
+
 import numpy as np
 from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from ._fpenv import FLUSH, STATUS
+from ._compile import jit
 
-__all__ = ["enter", "leave", "read"]
+__all__ = ["MxcsrFunctions", "compile_functions"]
 
 
 def _call(builder: ir.IRBuilder, name: str, slot: ir.Value) -> None:
@@ -42,28 +47,39 @@ def _ldmxcsr(typingctx, value):
     return types.void(types.uint32), codegen
 
 
-def _jit(fn):
-    try:
-        return numba.njit(nogil=True, cache=True)(fn)
-    except (RuntimeError, OSError):  # numba: "no locator available" (a read-only install)
-        return numba.njit(nogil=True, cache=False)(fn)
+# kda.cpu's one Numba decorator with numba.njit's own defaults (no fastmath, Python's error model)
+_jit = jit(fastmath=False, error_model="python", stamp=False)
 
 
 @_jit
-def read():
+def _read():
     """This thread's MXCSR."""
     return _stmxcsr()
 
 
-@_jit
-def enter():
-    """Set FTZ and DAZ; return the MXCSR before."""
-    old = _stmxcsr()
-    _ldmxcsr(old | np.uint32(FLUSH))
-    return old
+class MxcsrFunctions(NamedTuple):
+    """The compiled functions over this thread's MXCSR, for one pair of masks."""
+
+    read: Any  # () -> the MXCSR
+    enter: Any  # () -> the MXCSR before; sets the bits of ``flush``
+    leave: Any  # (old) -> None; puts back the bits of ``old`` but those of ``status``
 
 
-@_jit
-def leave(old):
-    """Put back the control bits of ``old``, keeping the status flags raised since."""
-    _ldmxcsr((np.uint32(old) & ~np.uint32(STATUS)) | (_stmxcsr() & np.uint32(STATUS)))
+def compile_functions(flush: int, status: int) -> MxcsrFunctions:
+    """The MXCSR functions that set the bits ``flush`` (:func:`enter`) and put back every bit but
+    the sticky ``status`` flags raised since (:func:`leave`); the masks are compile-time
+    constants (Numba freezes the closure's values; its cache keys on them)."""
+
+    @_jit
+    def enter():
+        """Set the bits of ``flush``; return the MXCSR before."""
+        old = _stmxcsr()
+        _ldmxcsr(old | np.uint32(flush))
+        return old
+
+    @_jit
+    def leave(old):
+        """Put back the control bits of ``old``, keeping the status flags raised since."""
+        _ldmxcsr((np.uint32(old) & ~np.uint32(status)) | (_stmxcsr() & np.uint32(status)))
+
+    return MxcsrFunctions(_read, enter, leave)

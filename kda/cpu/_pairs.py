@@ -202,21 +202,21 @@ def _pairs(q, k, e, s, A, L, kd):
 
 
 @jit()
-def _local_pairs(q, k, g, beta, s, qg, kg, kt, total, A, L, Tinv, pre, suf, kd, with_inverse):
-    """A chunk's decay factors, ``qg, kg, kt, total``, its pairs ``A, L`` and, ``with_inverse``,
-    ``Tinv = (I + diag(beta) L)^-1``; returns ``exp(g)``."""
+def _local_pairs(q, k, g, beta, s, qg, kg, k_suffix, total, A, L, Minv, pre, suf, kd, with_inverse):
+    """A chunk's decay factors, ``qg, kg, k_suffix, total``, its pairs ``A, L`` and, ``with_inverse``,
+    ``Minv = (I + diag(beta) L)^-1``; returns ``exp(g)``."""
     Cp, K = q.shape
     e = _factors(g, pre, suf)
     for i in range(Cp):
         for d in range(K):
             qg[i, d] = s * q[i, d] * pre[i, d]
             kg[i, d] = k[i, d] * pre[i, d]
-            kt[i, d] = k[i, d] * suf[i, d]
+            k_suffix[i, d] = k[i, d] * suf[i, d]
     for d in range(K):
         total[d] = pre[Cp - 1, d]
     _pairs(q, k, e, s, A, L, kd)
     if with_inverse:
-        _inverse(L, beta, Tinv)
+        _inverse(L, beta, Minv)
     return e
 
 
@@ -301,9 +301,9 @@ def _pairs_backward(q, k, e, s, dA, dX, DQ, DK, COL):
 
 
 @jit()
-def _factor_grads(q, k, e, pre, suf, s, S, dS, dA, dL, dqg, dkg, dkt, dq, dk, dg):
+def _factor_grads(q, k, e, pre, suf, s, S, dS, dA, dL, dqg, dkg, dk_suffix, dq, dk, dg):
     """``dq, dk, dg`` of a chunk from the gradients of its pairs (``dA``: of ``A / scale``'s pairs;
-    ``dL``: of ``L``, strictly lower), of ``qg, kg, kt`` and of ``total`` (from the chunk-start
+    ``dL``: of ``L``, strictly lower), of ``qg, kg, k_suffix`` and of ``total`` (from the chunk-start
     state ``S`` and the end state's gradient ``dS``), through the decay factors ``e = exp(g)``,
     ``pre``, ``suf``."""
     Cp, K = q.shape
@@ -331,7 +331,7 @@ def _factor_grads(q, k, e, pre, suf, s, S, dS, dA, dL, dqg, dkg, dkt, dq, dk, dg
     for i in range(Cp):
         for d in range(K):
             dq[i, d] += s * pre[i, d] * dqg[i, d]
-            dk[i, d] += pre[i, d] * dkg[i, d] + suf[i, d] * dkt[i, d]
+            dk[i, d] += pre[i, d] * dkg[i, d] + suf[i, d] * dk_suffix[i, d]
     # dg[l] = sum_{i >= l} (prefix terms + pair rows - pair cols)[i] + sum_{j < l} suffix terms[j]
     #         + total * dtotal
     #         (running sums over rows, a row of channels at a time: the loops vectorise)
@@ -347,4 +347,4 @@ def _factor_grads(q, k, e, pre, suf, s, S, dS, dA, dL, dqg, dkg, dkt, dq, dk, dg
     for i in range(Cp):
         for d in range(K):
             dg[i, d] += acc[d] + pre[Cp - 1, d] * dtotal[d]
-            acc[d] += k[i, d] * suf[i, d] * dkt[i, d]
+            acc[d] += k[i, d] * suf[i, d] * dk_suffix[i, d]

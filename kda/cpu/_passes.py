@@ -15,21 +15,21 @@ from ._pairs import _factor_grads, _factors, _local_pairs, _sum_products
 
 
 @jit()
-def _local_one(q, k, g, v, beta, s, qg, kg, kt, total, A, L, Tinv, w, u0, pre, suf, kd, bk, bv):
+def _local_one(q, k, g, v, beta, s, qg, kg, k_suffix, total, A, L, Minv, w, u0, pre, suf, kd, bk, bv):
     Cp, K = q.shape
     V = v.shape[1]
-    e = _local_pairs(q, k, g, beta, s, qg, kg, kt, total, A, L, Tinv, pre, suf, kd, True)
-    # [w, u0] = T diag(beta) [kg, v]: by BLAS, or by forward substitution for few channels
+    e = _local_pairs(q, k, g, beta, s, qg, kg, k_suffix, total, A, L, Minv, pre, suf, kd, True)
+    # [w, u0] = Minv diag(beta) [kg, v]: by BLAS, or by forward substitution for few channels
     # (w[i] = beta[i] (kg[i] - sum_m L[i, m] w[m]), which does not form T's growth into w)
     if K >= cfg.SUBSTITUTE_BELOW:
         for i in range(Cp):
             for d in range(K):
                 bk[i, d] = beta[i] * kg[i, d]
-        np.dot(Tinv, bk, w)
+        np.dot(Minv, bk, w)
         for i in range(Cp):
             for d in range(V):
                 bv[i, d] = beta[i] * v[i, d]
-        np.dot(Tinv, bv, u0)
+        np.dot(Minv, bv, u0)
     else:
         for i in range(Cp):
             for d in range(K):
@@ -50,7 +50,7 @@ def _local_one(q, k, g, v, beta, s, qg, kg, kt, total, A, L, Tinv, w, u0, pre, s
 
 
 @jit()
-def local_forward(q, k, g, v, beta, scale, qg, kg, kt, total, A, L, Tinv, w, u0, lo, hi):
+def local_forward(q, k, g, v, beta, scale, qg, kg, k_suffix, total, A, L, Minv, w, u0, lo, hi):
     """``chunk_local`` of ``N`` chunks: ``q, k, g: [N, Cp, K]``, ``v: [N, Cp, V]``, ``beta: [N, Cp]``."""
     _N, Cp, K = q.shape
     V = v.shape[2]
@@ -62,7 +62,7 @@ def local_forward(q, k, g, v, beta, scale, qg, kg, kt, total, A, L, Tinv, w, u0,
         bk = np.empty((Cp, K), q.dtype)
         bv = np.empty((Cp, V), q.dtype)
         _local_one(
-            q[n], k[n], g[n], v[n], beta[n], s, qg[n], kg[n], kt[n], total[n], A[n], L[n], Tinv[n],
+            q[n], k[n], g[n], v[n], beta[n], s, qg[n], kg[n], k_suffix[n], total[n], A[n], L[n], Minv[n],
             w[n], u0[n], pre, suf, kd, bk, bv,
         )  # fmt: skip
 
@@ -72,7 +72,7 @@ def local_forward(q, k, g, v, beta, scale, qg, kg, kt, total, A, L, Tinv, w, u0,
 
 
 @jit()
-def state_pass(w, u0, kt, total, state, qg, A, with_output, boundaries, out, final, lo, hi):
+def state_pass(w, u0, k_suffix, total, state, qg, A, with_output, boundaries, out, final, lo, hi):
     """Per head ``bh`` of ``w: [BH, NT, Cp, K]``: the state recurrence; ``boundaries: [NT, BH, K, V]``."""
     _BH, NT, Cp, K = w.shape
     V = u0.shape[3]
@@ -94,7 +94,7 @@ def state_pass(w, u0, kt, total, state, qg, A, with_output, boundaries, out, fin
                 O = out[bh, n]
                 np.dot(qg[bh, n], S, O)
                 O += np.dot(At, U)
-            np.dot(kt[bh, n].T, U, X)
+            np.dot(k_suffix[bh, n].T, U, X)
             for d in range(K):
                 t = total[bh, n, d]
                 for c in range(V):
@@ -103,8 +103,8 @@ def state_pass(w, u0, kt, total, state, qg, A, with_output, boundaries, out, fin
 
 
 @jit()
-def state_grad_pass(w, u0, kt, total, qg, A, dO, boundaries, dfinal, ends, u, du, dinit, lo, hi):
-    """Per head, last chunk first: ``dU = A^T dO + kt dS``, ``dS <- total dS + qg^T dO - w^T dU``."""
+def state_grad_pass(w, u0, k_suffix, total, qg, A, dO, boundaries, dfinal, ends, u, du, dinit, lo, hi):
+    """Per head, last chunk first: ``dU = A^T dO + k_suffix dS``, ``dS <- total dS + qg^T dO - w^T dU``."""
     _BH, NT, Cp, K = w.shape
     V = u0.shape[3]
     for bh in range(lo, hi):
@@ -122,7 +122,7 @@ def state_grad_pass(w, u0, kt, total, qg, A, dO, boundaries, dfinal, ends, u, du
                 for j in range(Cp):
                     At[i, j] = A[bh, n, j, i] if i <= j else 0.0
             dU = du[bh, n]
-            np.dot(kt[bh, n], dS, dU)
+            np.dot(k_suffix[bh, n], dS, dU)
             dU += np.dot(At, dO[bh, n])
             np.dot(qg[bh, n].T, dO[bh, n], X)
             Y = np.dot(w[bh, n].T, dU)
@@ -139,31 +139,31 @@ def state_grad_pass(w, u0, kt, total, qg, A, dO, boundaries, dfinal, ends, u, du
 
 @jit()
 def _local_backward_one(
-    q, k, g, v, beta, s, kg, w, u0, L, Tinv, S, dS, U, dU, dO, dq, dk, dv, dg, dbeta
+    q, k, g, v, beta, s, kg, w, u0, L, Minv, S, dS, U, dU, dO, dq, dk, dv, dg, dbeta
 ):  # fmt: skip
     Cp, K = q.shape
     pre = np.empty((Cp, K), q.dtype)
     suf = np.empty((Cp, K), q.dtype)
     e = _factors(g, pre, suf)
     _local_backward_core(
-        q, k, e, pre, suf, v, beta, s, kg, w, u0, L, Tinv, S, dS, U, dU, dO, dq, dk, dv, dg, dbeta
+        q, k, e, pre, suf, v, beta, s, kg, w, u0, L, Minv, S, dS, U, dU, dO, dq, dk, dv, dg, dbeta
     )
     return e
 
 
 @jit()
 def _local_backward_core(
-    q, k, e, pre, suf, v, beta, s, kg, w, u0, L, Tinv, S, dS, U, dU, dO, dq, dk, dv, dg, dbeta
+    q, k, e, pre, suf, v, beta, s, kg, w, u0, L, Minv, S, dS, U, dU, dO, dq, dk, dv, dg, dbeta
 ):  # fmt: skip
     """Gradients of one chunk's state-free work given its factors ``e = exp(g)``, ``pre``, ``suf``."""
     Cp, K = q.shape
     V = v.shape[1]
-    # O = qg S + A U and S' = total S + kt^T U
+    # O = qg S + A U and S' = total S + k_suffix^T U
     dqg = np.dot(dO, S.T)  # [Cp, K]
     dA = np.dot(dO, U.T)  # [Cp, Cp], lower triangle read
-    dkt = np.dot(U, dS.T)  # [Cp, K]
-    # U = U0 - W S, [W, U0] = T beta [kg, v]
-    TT = Tinv.T
+    dk_suffix = np.dot(U, dS.T)  # [Cp, K]
+    # U = U0 - W S, [W, U0] = Minv beta [kg, v]
+    TT = Minv.T
     dkw = np.dot(TT, np.dot(dU, S.T))
     dkw *= -1.0
     dku = np.dot(TT, dU)
@@ -182,12 +182,12 @@ def _local_backward_core(
     for i in range(Cp):
         for d in range(K):
             dkw[i, d] *= beta[i]  # now the gradient of kg
-    _factor_grads(q, k, e, pre, suf, s, S, dS, dA, dX, dqg, dkw, dkt, dq, dk, dg)
+    _factor_grads(q, k, e, pre, suf, s, S, dS, dA, dX, dqg, dkw, dk_suffix, dq, dk, dg)
 
 
 @jit()
 def local_backward(
-    q, k, g, v, beta, scale, kg, w, u0, L, Tinv, boundaries, ends, u, du, dO, dq, dk, dv, dg, dbeta, lo, hi
+    q, k, g, v, beta, scale, kg, w, u0, L, Minv, boundaries, ends, u, du, dO, dq, dk, dv, dg, dbeta, lo, hi
 ):
     """``chunk_local_backward`` of ``N = BH * NT`` chunks (``boundaries, ends: [NT, BH, K, V]``)."""
     q.shape[0]
@@ -197,7 +197,7 @@ def local_backward(
         bh = n // NT
         t = n - bh * NT
         _local_backward_one(
-            q[n], k[n], g[n], v[n], beta[n], s, kg[n], w[n], u0[n], L[n], Tinv[n], boundaries[t, bh],
+            q[n], k[n], g[n], v[n], beta[n], s, kg[n], w[n], u0[n], L[n], Minv[n], boundaries[t, bh],
             ends[t, bh], u[n], du[n], dO[n], dq[n], dk[n], dv[n], dg[n], dbeta[n],
         )  # fmt: skip
 
@@ -282,7 +282,7 @@ def recurrent_backward(q, k, v, g, beta, scale, state, do, dfinal, dq, dk, dv, d
                 _step(seg[t - start + 1], q[bh, t], k[bh, t], v[bh, t], g[bh, t], beta[bh, t], s, o, pred)
             for t in range(stop - 1, start - 1, -1):
                 P = seg[t - start]
-                qt, kt, vt, gt, dot = q[bh, t], k[bh, t], v[bh, t], g[bh, t], do[bh, t]
+                qt, k_suffix, vt, gt, dot = q[bh, t], k[bh, t], v[bh, t], g[bh, t], do[bh, t]
                 b = beta[bh, t]
                 for d in range(K):
                     e[d] = np.exp(gt[d])
@@ -293,12 +293,12 @@ def recurrent_backward(q, k, v, g, beta, scale, state, do, dfinal, dq, dk, dv, d
                     for c in range(V):
                         x = e[d] * P[d, c]
                         Sd[d, c] = x
-                        r[c] -= kt[d] * x
+                        r[c] -= k_suffix[d] * x
                 # dq = s (Sd + k u^T) do; dS += s q do^T
                 for d in range(K):
                     acc = zero
                     for c in range(V):
-                        acc += (Sd[d, c] + kt[d] * b * r[c]) * dot[c]
+                        acc += (Sd[d, c] + k_suffix[d] * b * r[c]) * dot[c]
                     dq[bh, t, d] = s * acc
                     for c in range(V):
                         dS[d, c] += s * qt[d] * dot[c]
@@ -307,7 +307,7 @@ def recurrent_backward(q, k, v, g, beta, scale, state, do, dfinal, dq, dk, dv, d
                     du[c] = 0.0
                 for d in range(K):
                     for c in range(V):
-                        du[c] += kt[d] * dS[d, c]
+                        du[c] += k_suffix[d] * dS[d, c]
                 db = zero
                 for c in range(V):
                     db += du[c] * r[c]
@@ -318,7 +318,7 @@ def recurrent_backward(q, k, v, g, beta, scale, state, do, dfinal, dq, dk, dv, d
                     acc2 = acc
                     for c in range(V):
                         acc += dS[d, c] * b * r[c] - Sd[d, c] * du[c]
-                        x = dS[d, c] - kt[d] * du[c]  # dSd
+                        x = dS[d, c] - k_suffix[d] * du[c]  # dSd
                         acc2 += x * Sd[d, c]
                         dS[d, c] = e[d] * x
                     dk[bh, t, d] = acc

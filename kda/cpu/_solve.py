@@ -10,25 +10,25 @@ from ._products import _mm
 
 
 @jit()
-def _inverse(L, beta, Tinv):
-    """``Tinv = (I + diag(beta) L)^-1`` row by row: ``T[i, :i] = -beta[i] sum_m L[i, m] T[m, :i]``.
+def _inverse(L, beta, Minv):
+    """``Minv = (I + diag(beta) L)^-1`` row by row: ``Minv[i, :i] = -beta[i] sum_m L[i, m] Minv[m, :i]``.
 
     Each row's sums run over a whole number of 16-column groups (``T[m, j] = 0`` for ``j > m``, so
     the extra terms add zeros): the loop then has no scalar remainder (measured 2x faster).
     """
     Cp = L.shape[0]
-    Tinv[:, :] = 0.0
+    Minv[:, :] = 0.0
     for i in range(Cp):
         n = min(Cp, (i + 15) // 16 * 16)
         for m in range(i):
             c = L[i, m]
             for j in range(n):
-                Tinv[i, j] += c * Tinv[m, j]
+                Minv[i, j] += c * Minv[m, j]
         for j in range(i):
-            Tinv[i, j] = -beta[i] * Tinv[i, j]
+            Minv[i, j] = -beta[i] * Minv[i, j]
         for j in range(i, n):
-            Tinv[i, j] = 0.0
-        Tinv[i, i] = 1.0
+            Minv[i, j] = 0.0
+        Minv[i, i] = 1.0
 
 
 @jit()
@@ -49,8 +49,8 @@ def _substitute(L, beta, Y, U):
 def _solve_blocks(L, beta, Y, U, Td, W):
     """``U = (I + diag(beta) L)^-1 Y`` by blocks of :data:`SOLVE_BLOCK` rows: ``U_I = T_II (Y_I -
     diag(beta_I) L[I, :I] U[:I])``, ``T_II`` the diagonal block's inverse (:func:`_inverse`, kept in
-    ``Td[I]`` for :func:`_solve_blocks_t`), so neither ``Tinv``'s off-diagonal blocks nor a product
-    with them are formed (and, as in forward substitution, no growth of ``Tinv`` enters ``U``).
+    ``Td[I]`` for :func:`_solve_blocks_t`), so neither ``Minv``'s off-diagonal blocks nor a product
+    with them are formed (and, as in forward substitution, no growth of ``Minv`` enters ``U``).
     ``Td: [Cp, c]``, ``W: [c, V]`` scratch (``c = min(SOLVE_BLOCK, Cp)``)."""
     Cp, V = Y.shape
     c = min(cfg.SOLVE_BLOCK, Cp)

@@ -62,7 +62,7 @@ def _forward_factors(dtype: str, index: str) -> tuple:
     at2, at3, _ = offset_functions(index)
 
     @inline
-    def factors(q, k, g, scale, qg, kg, kt, total, n, Cp, K):
+    def factors(q, k, g, scale, qg, kg, k_suffix, total, n, Cp, K):
         """Decay factors as running products of ``exp(g)``, one thread per channel."""
         for d in range(cuda.threadIdx.x, K, cuda.blockDim.x):
             p = one
@@ -75,7 +75,7 @@ def _forward_factors(dtype: str, index: str) -> tuple:
             s = one
             for i in range(Cp - 1, -1, -1):
                 o = at3(n, i, d, Cp, K)
-                kt[o] = k[o] * s
+                k_suffix[o] = k[o] * s
                 s *= math.exp(g[o])
 
     @inline
@@ -193,14 +193,14 @@ def _forward_solve(dtype: str, index: str) -> tuple:
             h *= 2
 
     @inline
-    def outputs(T, bsh, kg, v, Tinv, w, u0, n, Cp, K, V):
+    def outputs(T, bsh, kg, v, Minv, w, u0, n, Cp, K, V):
         """``T`` itself (for the backward), ``W = T diag(beta) kg`` and ``U0 = T diag(beta) v``."""
         tid = cuda.threadIdx.x
         nth = cuda.blockDim.x
         for idx in range(tid, Cp * Cp, nth):
             i = idx // Cp
             j = idx % Cp
-            Tinv[at3(n, i, j, Cp, Cp)] = T[i * (i + 1) // 2 + j] if j <= i else zero
+            Minv[at3(n, i, j, Cp, Cp)] = T[i * (i + 1) // 2 + j] if j <= i else zero
         for idx in range(tid, Cp * K, nth):
             i = idx // K
             d = idx % K
@@ -227,11 +227,11 @@ def _chunk_local_kernel(dtype: str, index: str) -> Callable:
     factors, pairs = _forward_factors(dtype, index)
     inverse, outputs = _forward_solve(dtype, index)
 
-    def chunk_local(q, k, g, v, beta, scale, qg, kg, kt, total, A, L, Tinv, w, u0, dims):
+    def chunk_local(q, k, g, v, beta, scale, qg, kg, k_suffix, total, A, L, Minv, w, u0, dims):
         """One block per chunk ``n``: all of its state-free work, without any factor array.
 
         1. decay factors as running products of ``exp(g)`` (one thread per channel): ``qg``,
-           ``kg``, ``kt`` and ``total``;
+           ``kg``, ``k_suffix`` and ``total``;
         2. ``A`` and ``L`` level by level of the halving, by tiles of ``LOCAL_TILE_K`` channels:
            the tile's row factors (products over each block's second half up to the row) and
            column factors (over its first half after the column) are built in shared memory,
@@ -253,10 +253,10 @@ def _chunk_local_kernel(dtype: str, index: str) -> Callable:
         work = shared[Cp + tri :]
         P = work[: Cp * LOCAL_TILE_ROW]  # column sides (first halves) and q rows (second halves)
         Q = work[Cp * LOCAL_TILE_ROW : 2 * Cp * LOCAL_TILE_ROW]  # k rows (second halves)
-        factors(q, k, g, scale, qg, kg, kt, total, n, Cp, K)
+        factors(q, k, g, scale, qg, kg, k_suffix, total, n, Cp, K)
         pairs(q, k, g, scale, A, L, P, Q, n, Cp, K)
         inverse(L, beta, bsh, T, work, n, Cp)
-        outputs(T, bsh, kg, v, Tinv, w, u0, n, Cp, K, V)
+        outputs(T, bsh, kg, v, Minv, w, u0, n, Cp, K, V)
 
     return chunk_local
 
@@ -335,8 +335,8 @@ def _backward_state_products(dtype: str, index: str) -> Callable:
     stage, _ = _backward_tiles(dtype, index)
 
     @inline
-    def state_products(do, U, dU, S, dS, dqg, dkt, dg, dtot, n, sn, Cp, K, V, F):
-        """``dqg = dO S^T``, ``dkt = U dS^T``, ``dW = -dU S^T`` (into ``dg``) and ``dtotal``, by
+    def state_products(do, U, dU, S, dS, dqg, dk_suffix, dg, dtot, n, sn, Cp, K, V, F):
+        """``dqg = dO S^T``, ``dk_suffix = U dS^T``, ``dW = -dU S^T`` (into ``dg``) and ``dtotal``, by
         output tiles of ``TI`` rows x ``TJ`` channels: ``dO, U, dU [TI, TX]`` and ``S, dS [TJ, TX]``
         (``S[sn], dS[sn]``: ``[K, V]``) staged by coalesced loads at row stride ``TR``."""
         tid = cuda.threadIdx.x
@@ -381,7 +381,7 @@ def _backward_state_products(dtype: str, index: str) -> Callable:
                         if i < Cp:
                             o = at3(n, i, d, Cp, K)
                             dqg[o] = acc_a[m]
-                            dkt[o] = acc_b[m]
+                            dk_suffix[o] = acc_b[m]
                             dg[o] = -acc_e[m]
                     if i0 == 0 and grp == 0:
                         dtot[at2(n, d, K)] = tacc
@@ -396,7 +396,7 @@ def _backward_rows(dtype: str, index: str) -> tuple:
     at2, at3, _ = offset_functions(index)
 
     @inline
-    def transposed(Tinv, dW, dU, dkw, dku, n, Cp, K, V):
+    def transposed(Minv, dW, dU, dkw, dku, n, Cp, K, V):
         """``dkw = T^T dW``, ``dku = T^T dU``."""
         tid = cuda.threadIdx.x
         nth = cuda.blockDim.x
@@ -405,14 +405,14 @@ def _backward_rows(dtype: str, index: str) -> tuple:
             d = idx % K
             a = zero
             for m in range(i, Cp):
-                a += Tinv[at3(n, m, i, Cp, Cp)] * dW[at3(n, m, d, Cp, K)]
+                a += Minv[at3(n, m, i, Cp, Cp)] * dW[at3(n, m, d, Cp, K)]
             dkw[at3(n, i, d, Cp, K)] = a
         for idx in range(tid, Cp * V, nth):
             i = idx // V
             x = idx % V
             a = zero
             for m in range(i, Cp):
-                a += Tinv[at3(n, m, i, Cp, Cp)] * dU[at3(n, m, x, Cp, V)]
+                a += Minv[at3(n, m, i, Cp, Cp)] * dU[at3(n, m, x, Cp, V)]
             dku[at3(n, i, x, Cp, V)] = a
 
     @inline
@@ -507,7 +507,9 @@ def _backward_channels(dtype: str, index: str) -> tuple:
             h *= 2
 
     @inline
-    def factor_gradients(g, beta, scale, qg, kg, kt, total, dqg, dkt, dkw, dtot, dq, dk, dg, d, n, Cp, K):
+    def factor_gradients(
+        g, beta, scale, qg, kg, k_suffix, total, dqg, dk_suffix, dkw, dtot, dq, dk, dg, d, n, Cp, K
+    ):
         """The factor gradients of channel ``d`` (as ``chunk_gate_gradient``): suffix sums down,
         prefix sums up, and the total's term."""
         tterm = total[at2(n, d, K)] * dtot[at2(n, d, K)]
@@ -518,7 +520,7 @@ def _backward_channels(dtype: str, index: str) -> tuple:
             dkg = beta[at2(n, i, Cp)] * dkw[o]
             run += qg[o] * dqg[o] + kg[o] * dkg
             dg[o] += run + tterm
-            dk[o] += s * dkt[o]
+            dk[o] += s * dk_suffix[o]
             s *= math.exp(g[o])
         run = zero
         p = one
@@ -526,7 +528,7 @@ def _backward_channels(dtype: str, index: str) -> tuple:
             o = at3(n, i, d, Cp, K)
             p *= math.exp(g[o])
             dg[o] += run
-            run += kt[o] * dkt[o]
+            run += k_suffix[o] * dk_suffix[o]
             dq[o] += scale * p * dqg[o]
             dk[o] += p * beta[at2(n, i, Cp)] * dkw[o]
 
@@ -543,17 +545,17 @@ def _chunk_local_backward_kernel(dtype: str, index: str) -> Callable:
     pair_gradients, factor_gradients = _backward_channels(dtype, index)
 
     def chunk_local_backward(
-        q, k, g, v, beta, scale, qg, kg, kt, total, L, Tinv, w, u0, S, dS, U, dU, do,
-        dqg, dkt, dkw, dku, dA, dX, dtot, dq, dk, dv, dg, dbeta, dims,
+        q, k, g, v, beta, scale, qg, kg, k_suffix, total, L, Minv, w, u0, S, dS, U, dU, do,
+        dqg, dk_suffix, dkw, dku, dA, dX, dtot, dq, dk, dv, dg, dbeta, dims,
     ):  # fmt: skip
         """One block per chunk: every gradient of its state-free work (see ``chunk_local``).
 
         Block ``n`` is chunk ``n % NT`` of head ``n // NT``; ``S`` and ``dS`` are the states at
         its start and the gradients at its end, ``[NT, BH, K, V]``. Phases, with a barrier
-        between them (the intermediates ``dqg, dkt, dkw, dku, dA, dX, dtot`` go to the
+        between them (the intermediates ``dqg, dk_suffix, dkw, dku, dA, dX, dtot`` go to the
         caller's scratch arrays, which stay in L2):
 
-        1. ``dqg = dO S^T``, ``dkt = U dS^T``, ``dW = -dU S^T`` (in ``dg``), ``dtotal``,
+        1. ``dqg = dO S^T``, ``dk_suffix = U dS^T``, ``dW = -dU S^T`` (in ``dg``), ``dtotal``,
            ``dA = tril(dO U^T)``;
         2. ``dkw = T^T dW``, ``dku = T^T dU``;
         3. ``dX = tril(-(dkw W^T + dku U0^T), -1)``;
@@ -570,9 +572,9 @@ def _chunk_local_backward_kernel(dtype: str, index: str) -> Callable:
         BH, NT, Cp, K, V = dims
         F = cuda.shared.array(0, nbtype)
         sn = at2(n % NT, n // NT, BH)  # the chunk's [K, V] state in S and dS
-        state_products(do, U, dU, S, dS, dqg, dkt, dg, dtot, n, sn, Cp, K, V, F)
+        state_products(do, U, dU, S, dS, dqg, dk_suffix, dg, dtot, n, sn, Cp, K, V, F)
         tril_product(dA, do, U, V, do, U, 0, False, n, Cp, F)
-        transposed(Tinv, dg, dU, dkw, dku, n, Cp, K, V)
+        transposed(Minv, dg, dU, dkw, dku, n, Cp, K, V)
         tril_product(dX, dkw, w, K, dku, u0, V, True, n, Cp, F)
         row_sums(beta, L, kg, v, dX, dkw, dku, dv, dbeta, n, Cp, K, V, F)
         for d in range(cuda.threadIdx.x, K, cuda.blockDim.x):  # 5. dL is in dX now
@@ -583,7 +585,9 @@ def _chunk_local_backward_kernel(dtype: str, index: str) -> Callable:
                 dk[o] = a * q[o]
                 dg[o] = zero
             pair_gradients(q, k, g, scale, dA, dX, dq, dk, dg, d, n, Cp, K, F)
-            factor_gradients(g, beta, scale, qg, kg, kt, total, dqg, dkt, dkw, dtot, dq, dk, dg, d, n, Cp, K)
+            factor_gradients(
+                g, beta, scale, qg, kg, k_suffix, total, dqg, dk_suffix, dkw, dtot, dq, dk, dg, d, n, Cp, K
+            )
 
     return chunk_local_backward
 
@@ -637,24 +641,24 @@ def chunk_local(q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float) -> Chun
         msg = f"{name}: padded chunks of at most {MAX_CHUNK} steps fit a block; got {Cp}"
         raise ValueError(msg)
     N = math.prod(lead)
-    qg, kg, kt, w = (_empty(xp, q, (N, Cp, K)) for _ in range(4))
+    qg, kg, k_suffix, w = (_empty(xp, q, (N, Cp, K)) for _ in range(4))
     total = _empty(xp, q, (N, K))
-    A, L, Tinv = (_empty(xp, q, (N, Cp, Cp)) for _ in range(3))
+    A, L, Minv = (_empty(xp, q, (N, Cp, Cp)) for _ in range(3))
     u0 = _empty(xp, q, (N, Cp, V))
-    args = (q, k, g, v, beta, q.dtype.type(scale), qg, kg, kt, total, A, L, Tinv, w, u0)
+    args = (q, k, g, v, beta, q.dtype.type(scale), qg, kg, k_suffix, total, A, L, Minv, w, u0)
     _launch(name, dtype, N, LOCAL_THREADS, *args, shared=shared, dims=(Cp, K, V))
     return ChunkLocal(
-        *(xp.reshape(x, q.shape) for x in (qg, kg, kt)),
+        *(xp.reshape(x, q.shape) for x in (qg, kg, k_suffix)),
         xp.reshape(total, (*lead, K)),
-        *(xp.reshape(x, (*lead, Cp, Cp)) for x in (A, L, Tinv)),
+        *(xp.reshape(x, (*lead, Cp, Cp)) for x in (A, L, Minv)),
         xp.reshape(w, q.shape),
         xp.reshape(u0, v.shape),
     )
 
 
 def chunk_local_backward(
-    q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float, loc: ChunkLocal, boundaries: Any, dends: Any,
-    u: Any, du: Any, grad_output: Any,
+    q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float, loc: ChunkLocal, boundaries: Any, *,
+    dends: Any, u: Any, du: Any, grad_output: Any,
 ) -> tuple[Any, Any, Any, Any, Any]:  # fmt: skip
     """Gradients of every chunk's state-free work in one kernel, one block per chunk.
 
@@ -677,20 +681,20 @@ def chunk_local_backward(
         ("grad_output", grad_output, v.shape),
     ):
         _check_shape(name, arg, x, shape)
-    fields = (loc.qg, loc.kg, loc.kt, loc.total, loc.L, loc.Tinv, loc.w, loc.u0)
+    fields = (loc.qg, loc.kg, loc.k_suffix, loc.total, loc.L, loc.Minv, loc.w, loc.u0)
     dtype = _dtype_name(name, q, k, g, v, beta, boundaries, dends, u, du, grad_output, *fields)
     shared = _local_backward_shared(Cp, q.dtype.itemsize)
     if Cp > MAX_CHUNK:
         msg = f"{name}: padded chunks of at most {MAX_CHUNK} steps fit a block; got {Cp}"
         raise ValueError(msg)
     N = B * H * NT
-    dqg, dkt, dkw, dq, dk, dg = (_empty(xp, q, (N, Cp, K)) for _ in range(6))
+    dqg, dk_suffix, dkw, dq, dk, dg = (_empty(xp, q, (N, Cp, K)) for _ in range(6))
     dku, dv = (_empty(xp, q, (N, Cp, V)) for _ in range(2))
     dA, dX = (_empty(xp, q, (N, Cp, Cp)) for _ in range(2))
     dtot = _empty(xp, q, (N, K))
     dbeta = _empty(xp, q, (N, Cp))
     args = (q, k, g, v, beta, q.dtype.type(scale), *fields, boundaries, dends, u, du, grad_output)
-    scratch = (dqg, dkt, dkw, dku, dA, dX, dtot)
+    scratch = (dqg, dk_suffix, dkw, dku, dA, dX, dtot)
     outs = (dq, dk, dv, dg, dbeta)
     dims = (B * H, NT, Cp, K, V)
     _launch(name, dtype, N, LOCAL_BACKWARD_THREADS, *args, *scratch, *outs, shared=shared, dims=dims)

@@ -1,7 +1,7 @@
 """The state passes: the sequential recurrence over chunks (output fused in) and its gradient.
 
 Two cuts of each pass, because each serves chunks the other cannot: the "staged" cut (the chunk's
-rows on the lanes; ``w``, ``qg``, ``kt``, ``A`` staged in shared memory) holds padded chunks of at
+rows on the lanes; ``w``, ``qg``, ``k_suffix``, ``A`` staged in shared memory) holds padded chunks of at
 most 128 steps whose tiles fit :data:`SHARED_LIMIT`; the "broadcast" cut (value columns on the
 lanes, tiles read through L1) serves the rest (float64 at ``K = 128``, ``Cp = 64``, for one).
 :data:`STATE_PASS` picks the cut where both fit. Kernels (one builder each, on shared device
@@ -145,8 +145,8 @@ def _staged_steps(dtype: str, index: str) -> tuple:
             Os[at2(i, c0 + cc, TV + 1)] = accp[cc]
 
     @inline
-    def staged_update(S, Us, kt, total, chunk, Cp, K, accu, accp):
-        """``S' = total S + kt^T U`` in ``S`` with the channels on the lanes, two per thread
+    def staged_update(S, Us, k_suffix, total, chunk, Cp, K, accu, accp):
+        """``S' = total S + k_suffix^T U`` in ``S`` with the channels on the lanes, two per thread
         (channels ``kk`` and ``kk + KP`` share every broadcast ``U`` load)."""
         TV = STAGED_TILE_V
         CC = STAGED_COLUMNS
@@ -155,8 +155,8 @@ def _staged_steps(dtype: str, index: str) -> tuple:
         for e in range(t, (K + 1) // 2 * (TV // CC), nth):
             kk, k2, two, row, row2, g0 = pair_begin(e, K, chunk, total, S, accu, accp)
             for r in range(Cp):
-                a = kt[at3(chunk, r, kk, Cp, K)]
-                b = kt[at3(chunk, r, k2, Cp, K)] if two else zero
+                a = k_suffix[at3(chunk, r, kk, Cp, K)]
+                b = k_suffix[at3(chunk, r, k2, Cp, K)] if two else zero
                 urow = at2(r, g0, TV + 1)
                 for cc in range(CC):
                     x = Us[at2(urow, cc, 1)]
@@ -175,9 +175,9 @@ def _grad_staged_steps(dtype: str, index: str) -> tuple:
     _, _, slice_transposed, pair_begin, pair_end = _staging(dtype, index)
 
     @inline
-    def staged_u_du(A, w, kt, S, dS, dOs, Us, Wt, Kt, chunk, Cp, K, accu, accd):
-        """``U = u0 - w S`` (``u0`` in ``Us``) into ``accu`` and ``dU = A^T dO + kt dS`` into
-        ``accd`` for the thread's row and columns: ``w`` and ``kt`` staged transposed into ``Wt``
+    def staged_u_du(A, w, k_suffix, S, dS, dOs, Us, Wt, Kt, chunk, Cp, K, accu, accd):
+        """``U = u0 - w S`` (``u0`` in ``Us``) into ``accu`` and ``dU = A^T dO + k_suffix dS`` into
+        ``accd`` for the thread's row and columns: ``w`` and ``k_suffix`` staged transposed into ``Wt``
         and ``Kt`` by slices of channels; ``A[j, i]`` for consecutive rows read coalesced."""
         TV = STAGED_TILE_V
         CC = STAGED_COLUMNS
@@ -194,7 +194,7 @@ def _grad_staged_steps(dtype: str, index: str) -> tuple:
                 accd[cc] += a * dOs[at2(orow, cc, 1)]
         for k0 in range(0, K, KS):
             slice_transposed(Wt, w, chunk, k0, Cp, K)
-            slice_transposed(Kt, kt, chunk, k0, Cp, K)
+            slice_transposed(Kt, k_suffix, chunk, k0, Cp, K)
             cuda.syncthreads()
             for dk in range(min(KS, K - k0)):
                 wi = at2(dk, i, Cp + 1)
@@ -242,11 +242,11 @@ def _state_pass_kernel(dtype: str, index: str) -> Callable:
     _, nbtype, zero, _ = constants(dtype)
     at2, at3, at4 = offset_functions(index)
 
-    def chunk_state_pass(qg, A, w, u0, kt, total, state, emit, out, boundaries, final, dims):
+    def chunk_state_pass(qg, A, w, u0, k_suffix, total, state, emit, out, boundaries, final, dims):
         """One block per (head, tile of ``blockDim.x`` value columns), looping over every chunk.
 
         ``dims = (BH, NT, Cp, K, V)``; the arrays are flattened ``[BH, NT, Cp, K]`` (``qg, w,
-        kt``), ``[BH, NT, Cp, Cp]`` (``A``), ``[BH, NT, Cp, V]`` (``u0, out``), ``[BH, NT, K]``
+        k_suffix``), ``[BH, NT, Cp, Cp]`` (``A``), ``[BH, NT, Cp, V]`` (``u0, out``), ``[BH, NT, K]``
         (``total``), ``[BH, K, V]`` (``state, final``) and ``[NT, BH, K, V]`` (``boundaries``).
         The block keeps its ``[K, TV]`` tile of the state in shared memory for the whole
         sequence (``TV = blockDim.x``). Per chunk, thread ``(x, y)`` owns value column ``x`` of
@@ -254,9 +254,9 @@ def _state_pass_kernel(dtype: str, index: str) -> Callable:
 
         1. ``U = u0 - w S`` and, when ``emit``, the partial output ``qg S`` (one pass over ``K``:
            each ``S[k, x]`` read from shared memory serves ``ROW_GROUP`` rows of both);
-        2. after a barrier, ``O = qg S + A U`` (written to ``out``) and ``S' = total S + kt^T U``.
+        2. after a barrier, ``O = qg S + A U`` (written to ``out``) and ``S' = total S + k_suffix^T U``.
 
-        ``w``, ``qg``, ``kt`` and ``A`` are read by all lanes of a row at once (one broadcast
+        ``w``, ``qg``, ``k_suffix`` and ``A`` are read by all lanes of a row at once (one broadcast
         load). Dynamic shared memory: ``(K + 2 Cp) * blockDim.x`` elements.
         """
         BH, NT, Cp, K, V = dims
@@ -312,7 +312,7 @@ def _state_pass_kernel(dtype: str, index: str) -> Callable:
             for kk in range(ty, K, ny):
                 s = total[at2(chunk, kk, K)] * S[at2(kk, tx, TV)]
                 for i in range(Cp):
-                    s += kt[at3(chunk, i, kk, Cp, K)] * Us[at2(i, tx, TV)]
+                    s += k_suffix[at3(chunk, i, kk, Cp, K)] * Us[at2(i, tx, TV)]
                 S[at2(kk, tx, TV)] = s
             cuda.syncthreads()
         if active:
@@ -329,7 +329,7 @@ def _state_pass_staged_kernel(dtype: str, index: str) -> Callable:
     tile_in, tile_out, slice_transposed, _, _ = _staging(dtype, index)
     staged_output, staged_update = _staged_steps(dtype, index)
 
-    def chunk_state_pass_staged(qg, A, w, u0, kt, total, state, emit, out, boundaries, final, dims):
+    def chunk_state_pass_staged(qg, A, w, u0, k_suffix, total, state, emit, out, boundaries, final, dims):
         """``chunk_state_pass`` re-cut with the chunk's rows on the lanes (docs/gpu.md, "What is open").
 
         Same arguments and layouts. One block of ``2 * Cp`` threads per (head, tile
@@ -340,7 +340,7 @@ def _state_pass_staged_kernel(dtype: str, index: str) -> Callable:
            transposed, ``STAGED_SLICE`` channels at a time, so that per channel a warp reads
            consecutive rows (one wavefront) and broadcasts ``S[k, c..]``;
         2. ``O = qg S + A U``, with ``A`` staged transposed the same way;
-        3. ``S' = total S + kt^T U`` with the channels on the lanes (``kt`` read coalesced).
+        3. ``S' = total S + k_suffix^T U`` with the channels on the lanes (``k_suffix`` read coalesced).
 
         ``u0`` and ``O`` go through shared memory so that their global accesses are coalesced.
         Dynamic shared memory: ``K TV + 2 Cp (TV + 1) + 2 SLICE (Cp + 1)`` elements.
@@ -401,8 +401,8 @@ def _state_pass_staged_kernel(dtype: str, index: str) -> Callable:
             # 2. O = qg S + A U (lower triangle of A), A staged transposed by slices of rows j
             if emit:
                 staged_output(A, Wt, Us, Os, chunk, Cp, accp)
-            # 3. S' = total S + kt^T U, the channels on the lanes, two per thread
-            staged_update(S, Us, kt, total, chunk, Cp, K, accu, accp)
+            # 3. S' = total S + k_suffix^T U, the channels on the lanes, two per thread
+            staged_update(S, Us, k_suffix, total, chunk, Cp, K, accu, accp)
             cuda.syncthreads()
             if emit:
                 tile_out(out, Os, chunk, Cp, 1, v0, V)
@@ -416,13 +416,15 @@ def _state_grad_pass_kernel(dtype: str, index: str) -> Callable:
     _, nbtype, zero, _ = constants(dtype)
     at2, at3, at4 = offset_functions(index)
 
-    def chunk_state_grad_pass(qg, A, w, u0, kt, total, do, boundaries, dfinal, dends, U, dU, dinitial, dims):
+    def chunk_state_grad_pass(
+        qg, A, w, u0, k_suffix, total, do, boundaries, dfinal, dends, U, dU, dinitial, dims
+    ):
         """The state-gradient recurrence, last chunk first; blocks, threads and layouts as the state pass.
 
         ``do, U, dU`` are ``[BH, NT, Cp, V]``, ``dfinal, dinitial`` ``[BH, K, V]`` and ``dends``
         ``[NT, BH, K, V]``. The block keeps its tile of ``dS`` (the gradient of the state at the
         end of the chunk) in shared memory. Per chunk: stage the chunk-start state ``S`` and
-        ``dO``; then ``U = u0 - w S`` and ``dU = A^T dO + kt dS`` (one pass over ``K`` for both);
+        ``dO``; then ``U = u0 - w S`` and ``dU = A^T dO + k_suffix dS`` (one pass over ``K`` for both);
         after a barrier ``dS_start = total dS + qg^T dO - w^T dU``. Dynamic shared memory:
         ``(2 K + 2 Cp) * blockDim.x`` elements.
         """
@@ -470,7 +472,7 @@ def _state_grad_pass_kernel(dtype: str, index: str) -> Callable:
                         if i < Cp:
                             ik = at3(chunk, i, kk, Cp, K)
                             acc[r] = cuda.fma(-w[ik], s, acc[r])  # a -= b c is not fused
-                            accd[r] += kt[ik] * ds
+                            accd[r] += k_suffix[ik] * ds
                 for r in range(ROW_GROUP):
                     i = i0 + r * ny
                     if i < Cp:
@@ -502,7 +504,7 @@ def _state_grad_pass_staged_kernel(dtype: str, index: str) -> Callable:
     staged_u_du, staged_grad_update = _grad_staged_steps(dtype, index)
 
     def chunk_state_grad_pass_staged(
-        qg, A, w, u0, kt, total, do, boundaries, dfinal, dends, U, dU, dinitial, dims
+        qg, A, w, u0, k_suffix, total, do, boundaries, dfinal, dends, U, dU, dinitial, dims
     ):
         """``chunk_state_grad_pass`` re-cut as ``chunk_state_pass_staged``: rows on the lanes.
 
@@ -510,8 +512,8 @@ def _state_grad_pass_staged_kernel(dtype: str, index: str) -> Callable:
         keeps its tile of ``dS`` in shared memory. Per chunk, last first:
 
         1. stage the chunk-start state ``S`` (from the boundaries), ``dO`` and ``u0``;
-        2. ``U = u0 - w S`` and ``dU = A^T dO + kt dS`` (thread: one row, ``STAGED_COLUMNS``
-           columns): ``w`` and ``kt`` staged transposed by slices of channels as in the state
+        2. ``U = u0 - w S`` and ``dU = A^T dO + k_suffix dS`` (thread: one row, ``STAGED_COLUMNS``
+           columns): ``w`` and ``k_suffix`` staged transposed by slices of channels as in the state
            pass; ``A[j, i]`` for consecutive rows ``i`` is read coalesced from global memory;
         3. ``dS_start = total dS + qg^T dO - w^T dU`` with the channels on the lanes (``qg`` and
            ``w`` read coalesced), ``dO`` and ``dU`` broadcast from shared memory.
@@ -549,8 +551,8 @@ def _state_grad_pass_staged_kernel(dtype: str, index: str) -> Callable:
             tile_in(Us, u0, chunk, Cp, 1, v0, V)
             cuda.syncthreads()
             tile_out(dends, dS, at2(n, bh, BH), K, 0, v0, V)
-            # 2. U = u0 - w S and dU = A^T dO + kt dS
-            staged_u_du(A, w, kt, S, dS, dOs, Us, Wt, Kt, chunk, Cp, K, accu, accd)
+            # 2. U = u0 - w S and dU = A^T dO + k_suffix dS
+            staged_u_du(A, w, k_suffix, S, dS, dOs, Us, Wt, Kt, chunk, Cp, K, accu, accd)
             for cc in range(CC):
                 Us[at2(i, c0 + cc, TV + 1)] = accu[cc]
                 dUs[at2(i, c0 + cc, TV + 1)] = accd[cc]
@@ -620,7 +622,7 @@ def _state_kernel(
 
 
 def chunk_state_pass(
-    w: Any, u0: Any, kt: Any, total: Any, state: Any, qg: Any = None, A: Any = None
+    w: Any, u0: Any, k_suffix: Any, total: Any, state: Any, qg: Any = None, A: Any = None
 ) -> tuple[Any, Any, Any]:
     """The state recurrence over every chunk with the output ``O = qg S + A U``, in one kernel.
 
@@ -628,15 +630,15 @@ def chunk_state_pass(
     ``qg`` and ``A``: the states alone) and the final state.
     """
     name = "chunk_state_pass"
-    xp = array_namespace(w, u0, kt, total, state)
+    xp = array_namespace(w, u0, k_suffix, total, state)
     emit = qg is not None
-    dtype = _dtype_name(name, w, u0, kt, total, state, *((qg, A) if emit else ()))
+    dtype = _dtype_name(name, w, u0, k_suffix, total, state, *((qg, A) if emit else ()))
     _check_ndim(name, "w", w, 5)
     _check_ndim(name, "u0", u0, 5)
     B, H, NT, Cp, K = w.shape
     V = u0.shape[-1]
     _check_shape(name, "u0", u0, (B, H, NT, Cp, V))
-    _check_shape(name, "kt", kt, w.shape)
+    _check_shape(name, "k_suffix", k_suffix, w.shape)
     _check_shape(name, "total", total, (B, H, NT, K))
     _check_shape(name, "state", state, (B, H, K, V))
     if emit:
@@ -654,14 +656,15 @@ def chunk_state_pass(
         dense = (qg, A)
     else:
         dense = (_empty(xp, w, (1, 1, 1, K)), _empty(xp, w, (1, 1, 1, 1)))
-    args = (*dense, w, u0, kt, total, state, np.int32(emit), out, boundaries, final)
+    args = (*dense, w, u0, k_suffix, total, state, np.int32(emit), out, boundaries, final)
     _launch(name, dtype, grid, block, *args, shared=shared, dims=(BH, NT, Cp, K, V))
     output = xp.reshape(out, u0.shape) if emit else None
     return xp.reshape(boundaries, (NT, B, H, K, V)), output, xp.reshape(final, state.shape)
 
 
 def chunk_state_grad_pass(
-    w: Any, u0: Any, kt: Any, total: Any, qg: Any, A: Any, grad_output: Any, boundaries: Any, dfinal: Any,
+    w: Any, u0: Any, k_suffix: Any, total: Any, qg: Any, A: Any, grad_output: Any, boundaries: Any,
+    dfinal: Any,
 ) -> tuple[Any, Any, Any, Any]:  # fmt: skip
     """The state-gradient recurrence over every chunk, last first, in one kernel.
 
@@ -669,7 +672,7 @@ def chunk_state_grad_pass(
     initial-state gradient (see :mod:`kda.reference`).
     """
     name = "chunk_state_grad_pass"
-    arrays = (w, u0, kt, total, qg, A, grad_output, boundaries, dfinal)
+    arrays = (w, u0, k_suffix, total, qg, A, grad_output, boundaries, dfinal)
     xp = array_namespace(*arrays)
     dtype = _dtype_name(name, *arrays)
     _check_ndim(name, "w", w, 5)
@@ -677,7 +680,7 @@ def chunk_state_grad_pass(
     B, H, NT, Cp, K = w.shape
     V = u0.shape[-1]
     _check_shape(name, "u0", u0, (B, H, NT, Cp, V))
-    _check_shape(name, "kt", kt, w.shape)
+    _check_shape(name, "k_suffix", k_suffix, w.shape)
     _check_shape(name, "qg", qg, w.shape)
     _check_shape(name, "total", total, (B, H, NT, K))
     _check_shape(name, "A", A, (B, H, NT, Cp, Cp))
@@ -692,7 +695,7 @@ def chunk_state_grad_pass(
         dinitial = xp.asarray(dfinal, copy=True)
         U, dU = (_zeros(xp, w, (BH, NT, Cp, V)) for _ in range(2))
     name, grid, block, shared = _state_kernel(name, BH, NT, Cp, K, V, w.dtype.itemsize, backward=True)
-    args = (qg, A, w, u0, kt, total, grad_output, boundaries, dfinal, dends, U, dU, dinitial)
+    args = (qg, A, w, u0, k_suffix, total, grad_output, boundaries, dfinal, dends, U, dU, dinitial)
     _launch(name, dtype, grid, block, *args, shared=shared, dims=(BH, NT, Cp, K, V))
     shape = (NT, B, H, K, V)
     return (

@@ -61,7 +61,7 @@ class ChunkFactors:
     total : ``[..., K]``, decay over the whole chunk (``prefix[..., -1, :]``).
     qg : ``[..., Cp, K]``, ``scale * q * prefix``.
     kg : ``[..., Cp, K]``, ``k * prefix``.
-    kt : ``[..., Cp, K]``, ``k * suffix``.
+    k_suffix : ``[..., Cp, K]``, ``k * suffix``.
     private : whatever else the backend keeps for its own :func:`chunk_pairs` and
         :func:`chunk_pairs_backward`; the chunked algorithm never reads it. Here: the factors of
         each halving level, finest first, as ``(rows, cols)`` with one ``[..., nb, h, K]`` array
@@ -75,7 +75,7 @@ class ChunkFactors:
     total: Any
     qg: Any
     kg: Any
-    kt: Any
+    k_suffix: Any
     private: Any = None
 
 
@@ -124,7 +124,7 @@ def chunk_factors(q: Any, k: Any, g: Any, scale: float) -> ChunkFactors:
         total=prefix[..., -1, :],
         qg=scale * q * prefix,
         kg=k * prefix,
-        kt=k * suffix,
+        k_suffix=k * suffix,
         private=(rows, cols),
     )
 
@@ -185,16 +185,16 @@ def chunk_local(q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float) -> Chun
     xp = array_namespace(q, k, g, v, beta)
     f = chunk_factors(q, k, g, scale)
     A, L = chunk_pairs(q, k, f, scale)
-    Tinv = unit_lower_inverse(beta, L)
+    Minv = unit_lower_inverse(beta, L)
     b = beta[..., None]
-    w = xp.matmul(Tinv, b * f.kg)
-    u0 = xp.matmul(Tinv, b * v)
-    return ChunkLocal(f.qg, f.kg, f.kt, f.total, A, L, Tinv, w, u0, private=f)
+    w = xp.matmul(Minv, b * f.kg)
+    u0 = xp.matmul(Minv, b * v)
+    return ChunkLocal(f.qg, f.kg, f.k_suffix, f.total, A, L, Minv, w, u0, private=f)
 
 
 def chunk_local_backward(
-    q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float, loc: ChunkLocal, boundaries: Any, dends: Any,
-    u: Any, du: Any, grad_output: Any,
+    q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float, loc: ChunkLocal, boundaries: Any, *,
+    dends: Any, u: Any, du: Any, grad_output: Any,
 ) -> tuple[Any, Any, Any, Any, Any]:  # fmt: skip
     """Gradients of every chunk's state-free work, given its states and the state pass's gradients.
 
@@ -232,39 +232,39 @@ def local_backward(
     dS = xp.permute_dims(dends, (1, 2, 0, 3, 4))
     b = beta[..., None]
     dO = grad_output
-    # O = qg S + A U and S' = total S + kt^T U
+    # O = qg S + A U and S' = total S + k_suffix^T U
     dqg = xp.matmul(dO, mT(S))
     dA = xp.tril(xp.matmul(dO, mT(u)))
-    dkt = xp.matmul(u, mT(dS))
+    dk_suffix = xp.matmul(u, mT(dS))
     dtotal = xp.sum(S * dS, axis=-1)
-    # U = U0 - W S with W = T beta kg, U0 = T beta v: gradients of beta kg and beta v
-    TinvT = mT(loc.Tinv)
-    dkw = -xp.matmul(TinvT, xp.matmul(du, mT(S)))
-    dku = xp.matmul(TinvT, du)
-    # T = X^-1 with X = I + diag(beta) L, and dT = dW (beta kg)^T + dU0 (beta v)^T:
-    # dX = -T^T dT T^T = -(dkw W^T + dku U0^T)
+    # U = U0 - W S with W = Minv beta kg, U0 = Minv beta v: gradients of beta kg and beta v
+    MinvT = mT(loc.Minv)
+    dkw = -xp.matmul(MinvT, xp.matmul(du, mT(S)))
+    dku = xp.matmul(MinvT, du)
+    # Minv = M^-1 with M = I + diag(beta) L, and dMinv = dW (beta kg)^T + dU0 (beta v)^T:
+    # dM = -Minv^T dMinv Minv^T = -(dkw W^T + dku U0^T)
     dX = xp.tril(-(xp.matmul(dkw, mT(loc.w)) + xp.matmul(dku, mT(loc.u0))), k=-1)
     dbeta = xp.sum(dX * loc.L, axis=-1) + xp.sum(loc.kg * dkw, axis=-1) + xp.sum(v * dku, axis=-1)
     dkg = b * dkw
     f = loc.private if isinstance(loc.private, ChunkFactors) else ops.chunk_factors(q, k, g, scale)
     dq, dk, dg_pairs = ops.chunk_pairs_backward(dA, b * dX, q, k, f, scale)
     dq = dq + scale * f.prefix * dqg
-    dk = dk + f.prefix * dkg + f.suffix * dkt
-    dg = ops.chunk_gate_gradient(f.qg * dqg + f.kg * dkg, f.kt * dkt, f.total * dtotal, dg_pairs)
+    dk = dk + f.prefix * dkg + f.suffix * dk_suffix
+    dg = ops.chunk_gate_gradient(f.qg * dqg + f.kg * dkg, f.k_suffix * dk_suffix, f.total * dtotal, dg_pairs)
     return dq, dk, b * dku, dg, dbeta
 
 
 def chunk_state_pass(
-    w: Any, u0: Any, kt: Any, total: Any, state: Any, qg: Any = None, A: Any = None
+    w: Any, u0: Any, k_suffix: Any, total: Any, state: Any, qg: Any = None, A: Any = None
 ) -> tuple[Any, Any, Any]:
     """The sequential state recurrence over chunks, with the output fused in.
 
     For chunk ``n`` with start state ``S``: ``U = u0 - w S``, the output ``O = qg S + A U`` and
-    the next state ``total[:, None] * S + kt^T U``.
+    the next state ``total[:, None] * S + k_suffix^T U``.
 
     Parameters
     ----------
-    w : ``[B, H, NT, Cp, K]``; u0 : ``[B, H, NT, Cp, V]``; kt : ``[B, H, NT, Cp, K]``;
+    w : ``[B, H, NT, Cp, K]``; u0 : ``[B, H, NT, Cp, V]``; k_suffix : ``[B, H, NT, Cp, K]``;
     total : ``[B, H, NT, K]``; state : ``[B, H, K, V]``, the state before the first chunk.
     qg : ``[B, H, NT, Cp, K]`` and A : ``[B, H, NT, Cp, Cp]`` (lower triangular; only that
         triangle is read), or both ``None`` for the states alone.
@@ -275,14 +275,14 @@ def chunk_state_pass(
     output : ``[B, H, NT, Cp, V]``, ``O`` of each chunk, or ``None`` without ``qg`` and ``A``.
     final_state : ``[B, H, K, V]``.
     """
-    xp = array_namespace(w, u0, kt, total, state)
+    xp = array_namespace(w, u0, k_suffix, total, state)
     starts, us = [], []
     S = state
     for n in range(w.shape[2]):
         starts.append(S)
         U = u0[:, :, n, ...] - xp.matmul(w[:, :, n, ...], S)
         us.append(U)
-        S = total[:, :, n, :, None] * S + xp.matmul(xp.matrix_transpose(kt[:, :, n, ...]), U)
+        S = total[:, :, n, :, None] * S + xp.matmul(xp.matrix_transpose(k_suffix[:, :, n, ...]), U)
     boundaries = _stack_states(xp, starts, state)
     if qg is None:
         return boundaries, None, S
@@ -302,18 +302,19 @@ def _stack_states(xp: Any, states: list[Any], like: Any) -> Any:
 
 
 def chunk_state_grad_pass(
-    w: Any, u0: Any, kt: Any, total: Any, qg: Any, A: Any, grad_output: Any, boundaries: Any, dfinal: Any,
+    w: Any, u0: Any, k_suffix: Any, total: Any, qg: Any, A: Any, grad_output: Any, boundaries: Any,
+    dfinal: Any,
 ) -> tuple[Any, Any, Any, Any]:  # fmt: skip
     """The state-gradient recurrence over chunks, last chunk first, with its local terms fused in.
 
     With ``S`` the state at the start of chunk ``n`` (``boundaries[n]``), ``dO`` its output
     gradient and ``dS`` the gradient of the state at its end: ``U = u0 - w S``,
-    ``dU = A^T dO + kt dS`` and the gradient at its start is
+    ``dU = A^T dO + k_suffix dS`` and the gradient at its start is
     ``total[:, None] * dS + qg^T dO - w^T dU``.
 
     Parameters
     ----------
-    w, kt, qg : ``[B, H, NT, Cp, K]``; u0, grad_output : ``[B, H, NT, Cp, V]``;
+    w, k_suffix, qg : ``[B, H, NT, Cp, K]``; u0, grad_output : ``[B, H, NT, Cp, V]``;
     total : ``[B, H, NT, K]``; A : ``[B, H, NT, Cp, Cp]`` (only its lower triangle is read);
     boundaries : ``[NT, B, H, K, V]``; dfinal : ``[B, H, K, V]``, the gradient of the final state.
 
@@ -324,7 +325,7 @@ def chunk_state_grad_pass(
     du : ``[B, H, NT, Cp, V]``, the gradient of ``U``.
     dinitial : ``[B, H, K, V]``, the gradient of the state before the first chunk.
     """
-    xp = array_namespace(w, u0, kt, total, qg, A, grad_output, boundaries, dfinal)
+    xp = array_namespace(w, u0, k_suffix, total, qg, A, grad_output, boundaries, dfinal)
     mT = xp.matrix_transpose
     NT = w.shape[2]
     if NT == 0:
@@ -338,7 +339,7 @@ def chunk_state_grad_pass(
     dS = dfinal
     for n in reversed(range(NT)):
         ends[n] = dS
-        dU = du_local[:, :, n, ...] + xp.matmul(kt[:, :, n, ...], dS)
+        dU = du_local[:, :, n, ...] + xp.matmul(k_suffix[:, :, n, ...], dS)
         dus[n] = dU
         dS = total[:, :, n, :, None] * dS + ds_local[:, :, n, ...] - xp.matmul(mT(w[:, :, n, ...]), dU)
     return xp.stack(ends, axis=0), u, xp.stack(dus, axis=2), dS

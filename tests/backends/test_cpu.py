@@ -22,6 +22,9 @@ SCALE = 0.6
 # float32 primitives against the float64 reference, relative to the max-abs of the result
 F32_LOCAL = 2e-4
 
+# chunk_local_backward's keyword-only parameters (the state-gradient pass's results, dO)
+GRAD_PASS = ("dends", "u", "du", "grad_output")
+
 
 def _ops(name: str):
     import importlib
@@ -63,25 +66,31 @@ def test_primitives_match_the_reference(regime, Cp, K, V, dtype, seed):
     tol = _tol(dtype)
     want = ref.chunk_local(*inputs64, SCALE)
     got = cpu.chunk_local(*inputs, SCALE)
-    for name in ("qg", "kg", "kt", "total", "A", "L", "w", "u0"):
+    for name in ("qg", "kg", "k_suffix", "total", "A", "L", "w", "u0"):
         assert_close(getattr(got, name), getattr(want, name).astype(dtype), tol=tol, name=name)
     assert np.all(np.triu(got.A, 1) == 0) and np.all(np.triu(got.L) == 0)
     S0 = rng.standard_normal((B, H, K, V))
-    bd, out, fin = ref.chunk_state_pass(want.w, want.u0, want.kt, want.total, S0, want.qg, want.A)
-    c = [x.astype(dtype) for x in (want.w, want.u0, want.kt, want.total, S0, want.qg, want.A)]
+    bd, out, fin = ref.chunk_state_pass(want.w, want.u0, want.k_suffix, want.total, S0, want.qg, want.A)
+    c = [x.astype(dtype) for x in (want.w, want.u0, want.k_suffix, want.total, S0, want.qg, want.A)]
     got_pass = cpu.chunk_state_pass(*c)
     for name, a, b in zip(("boundaries", "output", "final"), got_pass, (bd, out, fin), strict=True):
         assert_close(a, b.astype(dtype), tol=tol, name=name)
     do = rng.standard_normal((*shape, V))
     dS = rng.standard_normal((B, H, K, V))
-    want_g = ref.chunk_state_grad_pass(want.w, want.u0, want.kt, want.total, want.qg, want.A, do, bd, dS)
+    want_g = ref.chunk_state_grad_pass(
+        want.w, want.u0, want.k_suffix, want.total, want.qg, want.A, do, bd, dS
+    )
     more = (x.astype(dtype) for x in (do, bd, dS))
     got_g = cpu.chunk_state_grad_pass(*c[:4], c[5], c[6], *more)
     for name, a, b in zip(("dends", "u", "du", "dinitial"), got_g, want_g, strict=True):
         assert_close(a, b.astype(dtype), tol=tol, name=name)
-    want_b = ref.chunk_local_backward(*inputs64, SCALE, want, bd, *want_g[:3], do)
+    want_b = ref.chunk_local_backward(*inputs64, SCALE, want, bd, **dict(zip(GRAD_PASS, (*want_g[:3], do))))
     got_b = cpu.chunk_local_backward(
-        *inputs, SCALE, got, bd.astype(dtype), *(x.astype(dtype) for x in want_g[:3]), do.astype(dtype)
+        *inputs,
+        SCALE,
+        got,
+        bd.astype(dtype),
+        **{n: x.astype(dtype) for n, x in zip(GRAD_PASS, (*want_g[:3], do))},
     )
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got_b, want_b, strict=True):
         assert_close(a, b.astype(dtype), tol=tol * (10 if regime in ("strong", "hard") else 1), name=name)
@@ -176,9 +185,7 @@ def test_a_forward_that_keeps_no_boundaries_writes_none():
 def test_exp_of_decays_is_exact_at_the_ends_and_within_an_ulp(dtype):
     """The kernels' exp(g): exp(0) = 1, exp(-inf) = exp(-1e4) = exp(-800) = 0 exactly; elsewhere within
     1 ulp of the correctly rounded float64 value (correctly rounded in float32)."""
-    from kda.cpu import _k
-
-    _k("state_pass")  # loads the kernels
+    import kda.cpu._kernels  # noqa: F401  (loads the kernels)
     from kda.cpu._pairs import _exp
 
     rng = np.random.default_rng(0)
@@ -200,9 +207,7 @@ def test_block_solves_and_blocked_products_match_numpy(Cp, dtype):
     """The fused passes' building blocks against NumPy in float64: ``U = M^-1 Y`` and ``dY = M^-T
     dU`` by blocks (``M = I + diag(beta) L``), with a zero and a large beta among the rows, and
     ``_mm`` in every transpose case on row-strided views, with and without accumulation."""
-    from kda.cpu import _k
-
-    _k("state_pass")  # loads the kernels
+    import kda.cpu._kernels  # noqa: F401  (loads the kernels)
     from kda.cpu._compile import SOLVE_BLOCK
     from kda.cpu._products import _mm
     from kda.cpu._solve import _solve_blocks, _solve_blocks_t

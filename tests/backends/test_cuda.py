@@ -421,10 +421,14 @@ def test_chunk_local_backward_tiles(Cp, K, V):
     u, du, do = (rng.standard_normal((B, H, NT, Cp, V)) for _ in range(3))
     scale = K**-0.5
     want = ref.chunk_local(q, k, g, v, beta, scale)
-    want_grads = ref.chunk_local_backward(q, k, g, v, beta, scale, want, S, dS, u, du, do)
+    want_grads = ref.chunk_local_backward(
+        q, k, g, v, beta, scale, want, S, dends=dS, u=u, du=du, grad_output=do
+    )
     _, dev = both(np.float64, q, k, g, v, beta, S, dS, u, du, do)
     got = kc.chunk_local(*dev[:5], scale)
-    got_grads = kc.chunk_local_backward(*dev[:5], scale, got, *dev[5:])
+    got_grads = kc.chunk_local_backward(
+        *dev[:5], scale, got, dev[5], **dict(zip(("dends", "u", "du", "grad_output"), dev[6:]))
+    )
     for name, a, w in zip(("dq", "dk", "dv", "dg", "dbeta"), got_grads, want_grads, strict=True):
         check(f"cuda chunk_local_backward.{name} (tiles)", a, w, np.float64, "kimi")
 

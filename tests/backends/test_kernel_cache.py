@@ -17,13 +17,13 @@ pytestmark = pytest.mark.skipif("cpu" not in BACKENDS, reason="numba or scipy no
 _RUN = """
 import numpy as np
 import kda
-from kda.cpu import _k
+from kda.cpu._kernels import forward_heads
 rng = np.random.default_rng(0)
 q, k, v = (rng.standard_normal((1, 1, 20, 4), dtype=np.float32) for _ in range(3))
 g = -rng.uniform(0, 1, (1, 1, 20, 4)).astype(np.float32)
 beta = rng.uniform(0, 1, (1, 1, 20)).astype(np.float32)
 kda.chunk_kda(q, k, v, g, beta, chunk_size=16, backend="cpu")
-stats = _k("forward_heads").stats
+stats = forward_heads.stats
 print("hits", sum(stats.cache_hits.values()), "misses", sum(stats.cache_misses.values()))
 """
 

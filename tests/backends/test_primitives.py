@@ -69,7 +69,7 @@ def test_chunk_factors(regime):
         ("total", f.total, _segment(g, -1, Cp - 1)),
         ("qg", f.qg, SCALE * q * prefix),
         ("kg", f.kg, k * prefix),
-        ("kt", f.kt, k * suffix),
+        ("k_suffix", f.k_suffix, k * suffix),
     ]:
         assert_close(got, want, tol=1e-13, name=name)
 
@@ -98,7 +98,7 @@ def test_chunk_local(ops, regime):
     for name, got, want, tol in [
         ("qg", loc.qg, SCALE * q * prefix, 1e-13),
         ("kg", loc.kg, k * prefix, 1e-13),
-        ("kt", loc.kt, k * suffix, 1e-13),
+        ("k_suffix", loc.k_suffix, k * suffix, 1e-13),
         ("total", loc.total, _segment(g, -1, Cp - 1), 1e-13),
         ("A", loc.A, A, 1e-13),
         ("L", loc.L, L, 1e-13),
@@ -150,7 +150,9 @@ def test_chunk_local_backward(ops):
             grad[idx] = (hi - lo) / 2e-6
         want.append(grad)
     loc = ops.chunk_local(q, k, g, v, beta, SCALE)
-    dq, dk, dv, dg, dbeta = ops.chunk_local_backward(q, k, g, v, beta, SCALE, loc, S, dS, u, du, do)
+    dq, dk, dv, dg, dbeta = ops.chunk_local_backward(
+        q, k, g, v, beta, SCALE, loc, S, dends=dS, u=u, du=du, grad_output=do
+    )
     for name, got, w in zip(("dq", "dk", "dg", "dv", "dbeta"), (dq, dk, dg, dv, dbeta), want, strict=True):
         assert_close(got, w, tol=1e-7, name=name)
 
@@ -316,13 +318,19 @@ def test_chunk_local_and_its_backward_by_dtype(ops, regime, Cp, dtype):
     beta = rng.uniform(0, 1, (B, H, NT, Cp))
     want = REFERENCE.chunk_local(q, k, g, v, beta, SCALE)
     got = ops.chunk_local(*_in(dtype, q, k, g, v, beta), SCALE)
-    for field in ("qg", "kg", "kt", "total", "A", "L", "Tinv", "w", "u0"):
+    for field in ("qg", "kg", "k_suffix", "total", "A", "L", "Minv", "w", "u0"):
         assert_close(getattr(got, field), getattr(want, field), tol=TOL[dtype], dtype=dtype, name=field)
     S, dS = (rng.standard_normal((NT, B, H, K_, V_)) for _ in range(2))
     u, du, do = (rng.standard_normal((B, H, NT, Cp, V_)) for _ in range(3))
-    want_grads = REFERENCE.chunk_local_backward(q, k, g, v, beta, SCALE, want, S, dS, u, du, do)
+    want_grads = REFERENCE.chunk_local_backward(
+        q, k, g, v, beta, SCALE, want, S, dends=dS, u=u, du=du, grad_output=do
+    )
     got_grads = ops.chunk_local_backward(
-        *_in(dtype, q, k, g, v, beta), SCALE, got, *_in(dtype, S, dS, u, du, do)
+        *_in(dtype, q, k, g, v, beta),
+        SCALE,
+        got,
+        _in(dtype, S)[0],
+        **dict(zip(("dends", "u", "du", "grad_output"), _in(dtype, dS, u, du, do))),
     )
     for name, a, w in zip(("dq", "dk", "dv", "dg", "dbeta"), got_grads, want_grads, strict=True):
         assert_close(a, w, tol=TOL[dtype], dtype=dtype, name=name)

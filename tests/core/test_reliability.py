@@ -184,13 +184,12 @@ def test_mkl_is_pinned_on_each_thread_that_runs_kda(monkeypatch):
 
     ranges: list[int] = []
 
-    def probe(*args):  # a kernel: its last two arguments are its range
+    def probe(*args, lo, hi):  # a kernel: lo, hi its range
         ranges.append(lib.MKL_Get_Max_Threads())
 
-    monkeypatch.setattr(kda.cpu, "_k", lambda name: probe)
     monkeypatch.setattr(kda.cpu, "threads", lambda: 2)
     big = np.zeros(kda.cpu.INLINE_ELEMENTS)
-    kda.cpu._run("probe", 8, big)
+    kda.cpu._run(probe, 8, big)
     pool = kda.cpu._pool(2)
     after = [pool.submit(lib.MKL_Get_Max_Threads).result() for _ in range(8)]
     assert ranges == [1] * 8
