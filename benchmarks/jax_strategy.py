@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kda
-from kda._backend import reference
+import kda.reference as reference
 from kda._engine.chunked import chunk_backward, chunk_forward
 
 if __package__ in (None, ""):  # run as a file: the repository root, for benchmarks._common
