@@ -60,7 +60,11 @@ GEMM_REPEATS = 5
 
 
 def draw(
-    name: str, shape: tuple[int, ...], rng: np.random.Generator, dtype: Any = np.float32, regime: str = DEFAULT_REGIME
+    name: str,
+    shape: tuple[int, ...],
+    rng: np.random.Generator,
+    dtype: Any = np.float32,
+    regime: str = DEFAULT_REGIME,
 ) -> np.ndarray:
     """One input array of a KDA call, drawn from ``rng``.
 
@@ -296,7 +300,18 @@ def cpu_model() -> str:
 
 
 # the instruction-set extensions that decide the kernels' speed (the flags /proc/cpuinfo names)
-ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "asimd", "sve")
+ISA_FLAGS = (
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "asimd",
+    "sve",
+)
 
 
 def isa() -> list[str]:

@@ -13,14 +13,16 @@ channel; ``ggml/src/ggml-cpu/ops.cpp``: a step recurrence in C, forward only). T
    maximal difference of the outputs and final states is printed and must stay below 1e-5), and
 5. prints, per shape (and once more at Kimi Linear's gate formula, :mod:`kda.testing`'s ``kimi``
    regime, where decay products go subnormal), ggml's forward, ``kda.chunk_kda``'s forward and
-   forward+backward, ``kda.recurrent_kda``, the float64 forward over the float32 one (the two timed in alternating
-   rounds), the same-run GEMM reference (:func:`benchmarks._common.gemm_rate`), the forward and forward+backward as a percentage of it (the
-   FLOP count of :mod:`benchmarks.chunk`), the ratio to ggml, the backward's time over the
+   forward+backward, ``kda.recurrent_kda``, the float64 forward over the float32 one (the two
+   timed in alternating rounds), the same-run GEMM reference (:func:`benchmarks._common.gemm_rate`),
+   the forward and forward+backward as a percentage of it (the FLOP count of
+   :mod:`benchmarks.chunk`), the ratio to ggml, the backward's time over the
    forward's (``bwd/fwd``: ``chunk_kda_backward`` alone, from saved boundaries into fresh gradients,
    over the plain forward, the two timed in alternating rounds), the peak traced memory
-   (tracemalloc, as :mod:`benchmarks.chunk`) of the chunked forward+backward, and
-   ``os.getloadavg()``; first, the path of the kernels' matrix products and their rates at this
-   run's chunk shapes, one thread, measured in the same run (:mod:`benchmarks.products`).
+   (tracemalloc, as :mod:`benchmarks.chunk`) of the chunked forward+backward, and the machine
+   and load average (:func:`benchmarks._common.describe`); first, the path of the kernels' matrix
+   products and their rates at this run's chunk shapes, one thread, measured in the same run
+   (:mod:`benchmarks.products`).
 
 ``--one-core`` runs everything (ggml on one thread, kda, the GEMM) pinned to one core. Where no
 compiler or cmake is found, or the download or build fails, the ggml columns are skipped with the
