@@ -6,8 +6,9 @@ For each regime and dtype, ``--examples`` random problems (B, H in 1..2, T in 1.
 2..40, chunk size in 1..80, beta in [0, 2], L2-normalised keys, random initial state and
 final-state gradient) plus the fixed problem B=1, H=4, T=256, K=V=64, chunk 64. The error of an
 array is max|chunked - recurrence| / max|recurrence|, the recurrence run in float64 on the same
-(rounded) inputs. The regimes are those of tests/helpers.py (zero, weak, mild, steep, kimi, strong,
-hard, reset); ``--backend reference`` runs the chunked calls on the array-API reference.
+(rounded) inputs. The regimes are kda.testing's LOG_REGIMES, drawn as the tests draw them
+(tests/helpers.py: zero, weak, mild, steep, kimi, strong, hard, reset); ``--backend reference``
+runs the chunked calls on the array-API reference.
 K = 1 is left out here: there the initial-state gradient is ill-conditioned in the chunked form (see
 tests/core/test_chunked.py, DEGENERATE_INITIAL_STATE_TOLERANCE). Small key sizes with large chunks are
 measured separately (kda/_engine/widening.py, FLOAT32_MAX_CHUNK; tests/core/test_accuracy.py holds that

@@ -32,10 +32,7 @@ import datetime as _dt
 import json
 import math
 import os
-import platform
-import statistics
 import sys
-import time
 import tracemalloc
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -44,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks import _common
 from kda.testing import load_fla_naive
 
 __all__ = ["main"]
@@ -204,56 +202,6 @@ class _Progress:
 
 
 # ----------------------------------------------------------------------------------------------
-# Machine description
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _machine() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "cpu_model": _cpu_model(),
-        "logical_cores": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": sys.version.split()[0],
-        "numpy": np.__version__,
-        "env": {
-            k: v
-            for k, v in os.environ.items()
-            if k.startswith(("OPENBLAS_", "OMP_", "MKL_", "BLIS_", "GOTO_", "VECLIB_"))
-        },
-    }
-    if hasattr(os, "sched_getaffinity"):
-        info["usable_cores"] = len(os.sched_getaffinity(0))
-    if hasattr(os, "getloadavg"):
-        info["loadavg_at_start"] = list(os.getloadavg())
-    try:
-        from threadpoolctl import threadpool_info
-
-        info["blas"] = [
-            {k: d.get(k) for k in ("user_api", "internal_api", "version", "num_threads", "architecture")}
-            for d in threadpool_info()
-        ]
-    except ImportError:
-        info["blas"] = "threadpoolctl not installed"
-    try:
-        import kda
-
-        info["kda"] = kda.__version__
-    except (ImportError, AttributeError):
-        pass
-    return info
-
-
-# ----------------------------------------------------------------------------------------------
 # FLOPs and timing
 
 
@@ -268,27 +216,24 @@ def pass_flops(pass_: str, B: int, H: int, T: int, d: int, C: int) -> float:
     return f if pass_ == "fwd" else 3.0 * f
 
 
-def _clock(fn: Callable[[], Any]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def _time(fn: Callable[[], Any], repeats: int, slow: float, warm_up: bool) -> dict[str, Any]:
-    """Warm-up run (unless the method is already warm and slow), then the median of the repeats;
-    an entry whose first run exceeds ``slow`` seconds is timed once."""
-    warmup_s = _clock(fn) if warm_up else None
+    """Warm-up run (unless the method is already warm and slow), then the median of the repeats
+    (:func:`benchmarks._common.rounds`); an entry whose first run exceeds ``slow`` seconds is timed once."""
+    warmup_s = _common.timed(fn)[1] if warm_up else None
     first = warmup_s if warmup_s is not None else math.inf
     n = 1 if first > slow or not warm_up else max(1, repeats)
-    times = [_clock(fn) for _ in range(n)]
-    return {"time_s": statistics.median(times), "times_s": times, "warmup_s": warmup_s, "repeats": n}
+    t = _common.rounds({"fn": fn}, n, warm_up=0)["fn"]
+    return {"time_s": t.median_s, "times_s": t.times_s, "warmup_s": warmup_s, "repeats": n}
 
 
 def _gemm(n: int, batch: int, C: int, K: int, V: int, dtype: Any, rng: np.random.Generator):
-    """This machine's matrix-product rate: ``n^3`` and the chunk's batched shapes."""
-    rows = []
+    """The GEMM reference (:func:`benchmarks._common.gemm_rate`, ``n^3``: the "% of GEMM" columns
+    divide by it), then the matrix-product rates at the chunk's batched shapes (for reading)."""
+    rate = _common.gemm_rate(n, dtype=dtype)
+    flops = 2.0 * n**3
+    rows = [{"name": f"{n}x{n} @ {n}x{n}", "flops": flops, "time_s": flops / rate / 1e9, "gflops": rate,
+             "repeats": _common.GEMM_REPEATS, "reference": "benchmarks._common.gemm_rate"}]  # fmt: skip
     shapes = [
-        (f"{n}x{n} @ {n}x{n}", (n, n), (n, n)),
         (f"[{batch},{C},{K}] @ [{batch},{K},{V}]", (batch, C, K), (batch, K, V)),
         (f"[{batch},{C},{K}] @ [{batch},{K},{C}]", (batch, C, K), (batch, K, C)),
     ]
@@ -296,31 +241,14 @@ def _gemm(n: int, batch: int, C: int, K: int, V: int, dtype: Any, rng: np.random
         a = rng.standard_normal(sa).astype(dtype)
         b = rng.standard_normal(sb).astype(dtype)
         flops = 2.0 * math.prod(sa) * sb[-1]
-        np.matmul(a, b)  # warm-up
         reps = 5
-        t = statistics.median(_clock(lambda a=a, b=b: np.matmul(a, b)) for _ in range(reps))
+        t = _common.rounds({name: lambda a=a, b=b: np.matmul(a, b)}, reps)[name].median_s
         rows.append({"name": name, "flops": flops, "time_s": t, "gflops": flops / t / 1e9, "repeats": reps})
     return rows
 
 
 # ----------------------------------------------------------------------------------------------
 # Inputs and methods
-
-
-def _inputs(B: int, H: int, T: int, K: int, V: int, dtype: Any, seed: int) -> dict[str, np.ndarray]:
-    """KDA-like inputs: L2-normalised q and k, log decays in about [-0.2, 0), beta in (0, 1)."""
-    rng = np.random.default_rng(seed)
-
-    def unit(shape):
-        x = rng.standard_normal(shape, dtype=np.float32)
-        return (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(dtype)
-
-    q, k = unit((B, H, T, K)), unit((B, H, T, K))
-    v = rng.standard_normal((B, H, T, V), dtype=np.float32).astype(dtype)
-    g = (-0.2 * rng.random((B, H, T, K), dtype=np.float32) - 1e-3).astype(dtype)
-    beta = (1.0 / (1.0 + np.exp(-rng.standard_normal((B, H, T), dtype=np.float32)))).astype(dtype)
-    do = rng.standard_normal((B, H, T, V), dtype=np.float32).astype(dtype)
-    return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "do": do}
 
 
 def _fla_version() -> str | None:
@@ -392,7 +320,7 @@ def _verify_fla(fla: Any, K: int, V: int, C: int, seed: int) -> dict[str, Any]:
     import kda
 
     B, H, T = 1, 2, 2 * C
-    x = _inputs(B, H, T, K, V, np.float64, seed + 1)
+    x = _common.inputs(B, H, T, K, V, np.float64, seed + 1)
     q, k, v, g, beta, do = (x[n] for n in ("q", "k", "v", "g", "beta", "do"))
     ref = kda.recurrent_kda(q, k, v, g, beta)
     gref = kda.recurrent_kda_backward(q, k, v, g, beta, do)
@@ -444,7 +372,8 @@ def _memory(B: int, H: int, T: int, K: int, V: int, dtype: Any, C: int, seed: in
 
     tracemalloc.start()
     try:
-        x = _inputs(B, H, T, K, V, dtype, seed)
+        x = _common.inputs(B, H, T, K, V, dtype, seed)
+        del x["state"]  # not used: the call starts from zeros
         q, k, v, g, beta, do = (x[n] for n in ("q", "k", "v", "g", "beta", "do"))
         tracemalloc.reset_peak()
         start, _ = tracemalloc.get_traced_memory()
@@ -642,7 +571,7 @@ class _Sweep:
     def run(self, progress: _Progress) -> None:
         a = self.args
         for T in self.Ts:
-            x = _inputs(a.B, a.H, T, a.K, a.V, np.dtype(a.dtype).type, a.seed)
+            x = _common.inputs(a.B, a.H, T, a.K, a.V, np.dtype(a.dtype).type, a.seed)
             for method in self.methods:
                 cache: dict[str, Any] = {}
 
@@ -696,8 +625,8 @@ def _config(args: argparse.Namespace, Ts: list[int]) -> dict[str, Any]:
             f"{m} {p}": _cap(m, p, args) for m in METHODS for p in PASSES if _cap(m, p, args) is not None
         },
         "seed": args.seed,
-        "inputs": "q, k L2-normalised per step; v, grad_output standard normal; g uniform in "
-        "[-0.201, -0.001]; beta = sigmoid(normal)",
+        "inputs": "benchmarks._common.inputs: q, k L2-normalised per step; v, grad_output standard normal; "
+        f"g kda.testing.gates regime {_common.DEFAULT_REGIME!r}; beta = sigmoid(normal)",
     }
 
 
@@ -812,7 +741,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kda bench: {error}", file=sys.stderr)
         return 2
     inference = [p for p in args.parts if p != "sweep"]
-    machine = _machine()
+    machine = _common.machine()
     progress = _Progress(_progress_total(args, inference), enabled=not args.no_progress)
     report: dict[str, Any] = {"schema": "kda-bench/2", "parts": list(args.parts)}
     lines: list[str] = []

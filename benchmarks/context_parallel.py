@@ -22,26 +22,24 @@ import argparse
 import json
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
+
+if __package__ in (None, ""):  # run as a file: the repository root, for benchmarks._common
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import _common
 
 H, K, V = 16, 128, 128
 
 
-def _inputs(T: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    k = torch.randn(1, T, H, K, generator=gen)
-    return {
-        "q": torch.randn(1, T, H, K, generator=gen),
-        "k": k / k.norm(dim=-1, keepdim=True),
-        "v": torch.randn(1, T, H, V, generator=gen),
-        "g": -0.1 * torch.rand(1, T, H, K, generator=gen),
-        "beta": torch.rand(1, T, H, generator=gen),
-        "initial_state": torch.randn(1, H, K, V, generator=gen),
-        "do": torch.randn(1, T, H, V, generator=gen),
-    }
+def _tensors(T: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """:func:`benchmarks._common.inputs` (``B = 1``, float32) as time-major torch tensors."""
+    x = _common.inputs(1, H, T, K, V, np.float32, seed, layout="time_major")
+    return {("initial_state" if n == "state" else n): torch.from_numpy(a) for n, a in x.items()}
 
 
 def _run(x: dict[str, torch.Tensor], sl: slice, backward: bool, **kw) -> None:
@@ -95,7 +93,7 @@ def _rank(rank: int, world_size: int, port: int, T: int, rounds: int, out: str) 
         return reduce(tensor, op=op, group=group, **kw)
 
     try:
-        x = _inputs(T)
+        x = _tensors(T)
         P = T // world_size
         sl = slice(rank * P, (rank + 1) * P)
         ctx = kt.build_cp_context(torch.tensor([0, T]), group=None)
@@ -120,7 +118,7 @@ def _pinned(rank: int, T: int, rounds: int, out: str) -> None:
     """The single-process call on one core (one thread), for the per-core comparison."""
     os.sched_setaffinity(0, {0})
     torch.set_num_threads(1)
-    x = _inputs(T)
+    x = _tensors(T)
     sl = slice(0, T)
     _run(x, sl, True)
     fwd = _time(lambda: _run(x, sl, False), rounds)
@@ -135,8 +133,8 @@ def main() -> None:
     parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "context_parallel.json"))
     args = parser.parse_args()
 
-    load_before = os.getloadavg()
-    x = _inputs(args.T)
+    load_before = _common.load_average()
+    x = _tensors(args.T)
     sl = slice(0, args.T)
     _run(x, sl, True)  # warm-up
     single = {
@@ -166,9 +164,10 @@ def main() -> None:
     maps = H * K * (K + V) * 4
     result = {
         "problem": {"B": 1, "H": H, "T": args.T, "K": K, "V": V, "dtype": "float32", "chunk_size": 64},
-        "machine": f"{os.cpu_count()} cores; 1 process uses both, each rank pinned to one",
+        "machine": _common.machine(),
+        "placement": "1 process uses every core, each rank pinned to one",
         "rounds": args.rounds,
-        "load_average_before_after": [load_before, os.getloadavg()],
+        "load_average_before_after": [load_before, _common.load_average()],
         "one_process": single,
         "one_process_one_core": one_core,
         "two_ranks_gloo": two,

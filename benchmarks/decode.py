@@ -51,13 +51,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 from typing import Any
 
 import numpy as np
 
 import kda
+
+from . import _common
 
 K = V = 128
 POOL, ROW = 8, 3
@@ -69,14 +69,8 @@ WARM_UP = 50  # calls before the timed ones: a serving loop's steady state, not 
 
 def _times(fn: Any, repeats: int) -> tuple[float, float]:
     """(median, min) seconds of ``fn()`` over ``repeats`` calls, after :data:`WARM_UP` calls."""
-    for _ in range(WARM_UP):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), min(times)
+    t = _common.rounds({"fn": fn}, repeats, warm_up=WARM_UP)["fn"]
+    return t.median_s, t.min_s
 
 
 def _aligned(a: np.ndarray) -> np.ndarray:
@@ -90,10 +84,9 @@ def _aligned(a: np.ndarray) -> np.ndarray:
     return out
 
 
-def _inputs(B: int, H: int, seed: int = 0) -> dict[str, np.ndarray]:
-    from .chunk import _inputs as chunk_inputs
-
-    return chunk_inputs(B, H, 1, K, V, np.float32, seed)
+def _one_step(B: int, H: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """One step of :func:`benchmarks._common.inputs` (float32, ``K = V = 128``)."""
+    return _common.inputs(B, H, 1, K, V, np.float32, seed)
 
 
 def _ggml(x: dict[str, np.ndarray], state: np.ndarray, repeats: int, threads: int) -> tuple[Any, str]:
@@ -110,7 +103,7 @@ def _ggml(x: dict[str, np.ndarray], state: np.ndarray, repeats: int, threads: in
 
 def _one_row(H: int, repeats: int) -> dict[str, Any]:
     """ggml, decode_kda, the plan and kda.torch on one request (row ROW of a pool of POOL)."""
-    x = _inputs(1, H)
+    x = _one_step(1, H)
     rng = np.random.default_rng(1)
     s0 = _aligned(0.1 * rng.standard_normal((1, H, K, V)))
     q, k, v, g, beta = (x[n] for n in ("q", "k", "v", "g", "beta"))
@@ -186,7 +179,7 @@ def _torch(x: dict[str, np.ndarray], s0: np.ndarray, repeats: int) -> tuple[Any,
 
 def _many(H: int, repeats: int) -> dict[str, Any]:
     """MANY requests, distinct rows of a pool of MANY_POOL: decode_kda, the plan, ggml at B = MANY."""
-    x = _inputs(MANY, H, seed=2)
+    x = _one_step(MANY, H, seed=2)
     q, k, v, g, beta = (x[n] for n in ("q", "k", "v", "g", "beta"))
     rng = np.random.default_rng(3)
     pool = _aligned(0.1 * rng.standard_normal((MANY_POOL, H, K, V)))
@@ -224,14 +217,6 @@ COLUMNS = (
     "torch target (1.5 ggml + 60)",
     "|kda - ggml|", "64/256 decode_kda", "64/256 plan", "64/256 decode_kda 1 thread", "ggml B=64",
 )  # fmt: skip
-
-
-def _gemm_rate(n: int = 1024) -> float:
-    a = np.ones((n, n), np.float32)
-    a @ a
-    t0 = time.perf_counter()
-    a @ a
-    return 2 * n**3 / (time.perf_counter() - t0) / 1e9
 
 
 # ----------------------------------------------------------------------------------------------
@@ -273,7 +258,7 @@ def _pools(H: int, N: int, P: int, repeats: int) -> dict[str, Any]:
     """One step of ``N`` requests (distinct rows of a pool of ``P``) for every pool kind:
     ``decode_kda`` and ``kda.torch.fused_recurrent_kda``'s pool call, (median, min) each, timed
     in alternating rounds (:func:`_rounds`)."""
-    x = _inputs(N, H, seed=5)
+    x = _one_step(N, H, seed=5)
     q, k, v, g, beta = (x[n] for n in ("q", "k", "v", "g", "beta"))
     rng = np.random.default_rng(6)
     base = (0.1 * rng.standard_normal((P, H, K, V))).astype(np.float32)
@@ -312,21 +297,8 @@ def _pools(H: int, N: int, P: int, repeats: int) -> dict[str, Any]:
 
 def _rounds(fns: dict[str, Any], repeats: int) -> dict[str, tuple[float, float]]:
     """(median, min) seconds of each of ``fns`` over ``repeats`` rounds, after :data:`WARM_UP`
-    calls of each: a round times every variant once, in an order rotated from round to round,
-    so that a change of load on the machine reaches every variant alike."""
-    for fn in fns.values():
-        for _ in range(WARM_UP):
-            fn()
-    names = list(fns)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        for name in order:
-            fn = fns[name]
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
+    calls of each (:func:`benchmarks._common.rounds`: the order rotates from round to round)."""
+    return {name: (t.median_s, t.min_s) for name, t in _common.rounds(fns, repeats, warm_up=WARM_UP).items()}
 
 
 def _ratio(a: Any, b: Any) -> str:
@@ -336,27 +308,9 @@ def _ratio(a: Any, b: Any) -> str:
     return f"{r:.2f}{'' if r <= 1.2 else ' (>1.2)'}"
 
 
-def _machine() -> str:
-    """``uptime``'s load average and the CPU model, printed with the figures."""
-    import platform
-    import subprocess
-
-    try:
-        up = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
-    except OSError:
-        up = f"load average: {os.getloadavg()}"
-    model = platform.processor() or "?"
-    try:
-        with open("/proc/cpuinfo") as fh:
-            model = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"uptime: {up}\ncpu: {model}, {os.cpu_count()} logical cores"
-
-
 def pools_main(args: Any) -> int:
     """``--pools``: each pool layout and dtype against the float32 K-major pool, NumPy and torch."""
-    print(_machine())
+    print(_common.describe())
     print(f"one step, K=V={K}, float32 inputs; median (min) us of {args.repeats} calls (1 request) and "
           f"{args.many_repeats} ({MANY} requests of a pool of {MANY_POOL}); targets: V-major <= 1.2 K-major, "
           "16-bit <= 1.2 float32 (same layout)")  # fmt: skip
@@ -383,7 +337,7 @@ def pools_main(args: Any) -> int:
                                 worst[target] = (ratio, f"H={H}, {N} requests, {api}, {kinds[a]}")
     for target, (ratio, where) in worst.items():
         print(f"target {target} <= 1.2: {'met' if ratio <= 1.2 else 'MISSED'} (worst {ratio:.2f}: {where})")
-    print(_machine().splitlines()[0])
+    print(f"load average after: {_common.load_average()}")
     return 0
 
 
@@ -400,9 +354,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.pools:
         return pools_main(args)
-    print(_machine())
+    print(_common.describe())
     print(
-        f"load average before: {os.getloadavg()}; same-run GEMM (1024^3 float32): {_gemm_rate():.1f} GFLOP/s"
+        f"same-run GEMM reference (benchmarks._common.gemm_rate, {_common.GEMM_N}^3 float32): "
+        f"{_common.gemm_rate():.1f} GFLOP/s"
     )
     print(f"one token, B=1, K=V={K}, float32; median (min) us of {args.repeats} calls; ggml 2 threads")
     print(" | ".join(COLUMNS))

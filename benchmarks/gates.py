@@ -3,8 +3,8 @@
 Strong decays put many decay products inside a chunk (and, in the step recurrence, many decayed
 state entries) among the subnormal floats, which x86 cores handle about 100 times slower than
 normal ones unless the thread flushes them (``docs/options.md``, "Subnormal floats"). This
-benchmark times, per gate regime and on the same other inputs (:func:`benchmarks.chunk._inputs`:
-unit q and k, beta in (0, 1)):
+benchmark times, per gate regime (:data:`kda.testing.REGIMES`: the draws kda's tests use) and on the
+same other inputs (:func:`benchmarks._common.inputs`: unit q and k, beta in (0, 1)):
 
 - ``kda.chunk_kda`` forward and forward+backward on the ``cpu`` and ``reference`` backends,
 - ``kda.recurrent_kda`` (cpu),
@@ -14,7 +14,8 @@ unit q and k, beta in (0, 1)):
   reason where it cannot be built),
 
 in rounds (every regime once per round, the median over rounds), and prints each time with its
-ratio to the mildest regime's, the CPU model and the load average before and after. ``--one-core``
+ratio to the first regime's (``zero`` by default: no decay), the CPU model and the load average
+before and after. ``--one-core``
 pins the process (and ggml) to one core. ``--unflushed`` adds each kda call once more with the
 flushing switched off (the cpu kernels without FTZ/DAZ, the reference's thresholds at 0), in the
 same rounds: what the flushing buys on this core.
@@ -25,50 +26,31 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import platform
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-__all__ = ["REGIMES", "gates", "main"]
+from kda.testing import LOG_REGIMES, REGIMES
 
-# name -> what g is per step and channel ("U(0,x)": g = -U(0, x))
-REGIMES = {
-    "U(0,0.05)": "mildest",
-    "U(0,1)": "the regime kda's older figures were taken at",
-    "U(0,5)": "median -2.5",
-    "U(0,20)": "",
-    "U(0,85)": "",
-    "kimi": "-exp(A_log) softplus(a), A_log = log U(1, 16) per head, a ~ N(0, 1)",
-    "reset/64": "-inf every 64th step, else -U(0, 0.05)",
-}
+from . import _common
+
+__all__ = ["gates", "main"]
+
 POOL, REQUESTS = 256, 64
 DECODE_STEPS = 8  # decode steps per sample (one step is a few ms, memory-bound: one sample is noisy)
 
 
 def gates(regime: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
-    """float32 log decays ``[B, H, T, K]`` of one of :data:`REGIMES`."""
-    rng = np.random.default_rng(seed)
-    if regime.startswith("U(0,"):
-        return -rng.uniform(0.0, float(regime[4:-1]), shape).astype(np.float32)
-    if regime == "kimi":
-        A = rng.uniform(1.0, 16.0, (*shape[:2], 1, 1))
-        return (-A * np.logaddexp(0.0, rng.standard_normal(shape))).astype(np.float32)
-    if regime == "reset/64":
-        g = -rng.uniform(0.0, 0.05, shape)
-        g[:, :, ::64, :] = -np.inf
-        return g.astype(np.float32)
-    raise SystemExit(f"unknown regime {regime!r}; one of {list(REGIMES)}")
+    """float32 log decays ``[B, H, T, K]`` of one of :data:`kda.testing.REGIMES`
+    (:func:`kda.testing.gates`)."""
+    return _common.draw("g", shape, np.random.default_rng(seed), np.float32, regime)
 
 
 def _once(fn: Callable[[], Any]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    return _common.timed(fn)[1]
 
 
 def _calls(x: dict[str, np.ndarray], g: np.ndarray, args: argparse.Namespace) -> dict[str, Callable[[], Any]]:
@@ -142,9 +124,7 @@ def _ggml_call(q, k, v, g, beta, threads: int) -> Callable[[], Any]:
 
 
 def _measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
-    from .chunk import _inputs
-
-    x = _inputs(args.B, args.H, args.T, args.D, args.D, np.float32, 0)
+    x = _common.inputs(args.B, args.H, args.T, args.D, args.D, np.float32, 0)
     shape = x["q"].shape
     table = {r: _calls(x, gates(r, shape), args) for r in args.regimes}
     if args.calls:
@@ -160,16 +140,6 @@ def _measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                 per = DECODE_STEPS if c.startswith("decode") else 1
                 times[r][c].append(fn() if c == "ggml" else _once(fn) / per)
     return {r: {c: statistics.median(ts) for c, ts in cs.items()} for r, cs in times.items()}
-
-
-def _cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _print(result: dict[str, dict[str, float]]) -> None:
@@ -194,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--H", type=int, default=16)
     p.add_argument("--T", type=int, default=4096)
     p.add_argument("--D", type=int, default=128, help="K = V (default 128)")
-    p.add_argument("--regimes", nargs="+", default=list(REGIMES), choices=list(REGIMES))
+    p.add_argument("--regimes", nargs="+", default=list(LOG_REGIMES), choices=list(REGIMES),
+                   help="kda.testing's gate regimes (default: %(default)s)")  # fmt: skip
     p.add_argument("--backends", nargs="+", default=["cpu", "reference"], choices=["cpu", "reference"])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2, help="ggml's threads (default 2)")
@@ -205,9 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.one_core and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    print(f"{_cpu_model()}, {cores} core(s); B={args.B} H={args.H} T={args.T} K=V={args.D} float32")
-    print(f"load average before: {os.getloadavg()}")
+    print(_common.describe())
+    print(f"B={args.B} H={args.H} T={args.T} K=V={args.D} float32")
     if args.ggml:
         try:
             from .llama_cpp import build
@@ -217,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ggml skipped: {err}")
             args.ggml = False
     _print(_measure(args))
-    print(f"load average after: {os.getloadavg()}")
+    print(f"load average after: {_common.load_average()}")
     return 0
 
 

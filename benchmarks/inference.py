@@ -23,13 +23,13 @@ within a sample so that the timer's resolution does not matter.
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from benchmarks import _common
 
 __all__ = ["InferenceConfig", "compare", "crossover", "plot", "report_lines", "run", "steps"]
 
@@ -55,20 +55,10 @@ class InferenceConfig:
     seed: int = 0
 
 
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
-
-
-def _sample(fn: Callable[[], Any], loops: int, clock: Callable[[], float]) -> float:
-    t0 = clock()
-    for _ in range(loops):
-        fn()
-    return (clock() - t0) / loops
-
-
 def compare(
     fns: dict[str, Callable[[], Any]], repeats: int, min_sample: float, clock: str = "wall"
 ) -> dict[str, dict[str, Any]]:
-    """Seconds per call of each function, sampled in interleaved rounds.
+    """Seconds per call of each function, sampled in interleaved rounds (:func:`benchmarks._common.rounds`).
 
     After one warm-up call each (which also sizes ``loops``, the calls per sample), every round
     takes one sample of each function in turn, so a change of the machine's load hits all of
@@ -77,38 +67,19 @@ def compare(
     ``clock="cpu"`` measures the process's CPU time (all its threads) instead of wall time:
     on an oversubscribed machine wall time mostly measures waiting for a core.
     """
-    tick = CLOCKS[clock]
-    loops = {name: max(1, int(min_sample / max(_sample(fn, 1, tick), 1e-9))) for name, fn in fns.items()}
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(max(1, repeats)):
-        for name, fn in fns.items():
-            times[name].append(_sample(fn, loops[name], tick))
+    times = _common.rounds(fns, repeats, min_sample=min_sample, clock=clock)
     return {
-        name: {"time_s": min(ts), "median_s": statistics.median(ts), "times_s": ts, "loops": loops[name]}
-        for name, ts in times.items()
+        name: {"time_s": t.min_s, "median_s": t.median_s, "times_s": t.times_s, "loops": t.loops}
+        for name, t in times.items()
     }
 
 
 def _problem(B: int, H: int, T: int, K: int, V: int, dtype: Any, seed: int) -> dict[str, np.ndarray]:
-    """Model-like inputs: unit q and k, log decays in [-0.2, 0), beta in (0, 1), small state."""
-    rng = np.random.default_rng(seed)
-
-    def unit(shape):
-        x = rng.standard_normal(shape, dtype=np.float32)
-        return (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(dtype)
-
-    return {
-        "q": unit((B, H, T, K)),
-        "k": unit((B, H, T, K)),
-        "v": rng.standard_normal((B, H, T, V), dtype=np.float32).astype(dtype),
-        "g": (-0.2 * rng.random((B, H, T, K), dtype=np.float32) - 1e-3).astype(dtype),
-        "beta": rng.random((B, H, T), dtype=np.float32).astype(dtype),
-        "do": rng.standard_normal((B, H, T, V), dtype=np.float32).astype(dtype),
-        "state": (0.1 * rng.standard_normal((B, H, K, V), dtype=np.float32)).astype(dtype),
-    }
+    """:func:`benchmarks._common.inputs`: unit q and k, kda.testing's mild gates, small state."""
+    return _common.inputs(B, H, T, K, V, dtype, seed)
 
 
-def _inputs(x: dict[str, np.ndarray]) -> tuple[np.ndarray, ...]:
+def _args(x: dict[str, np.ndarray]) -> tuple[np.ndarray, ...]:
     return tuple(x[n] for n in ("q", "k", "v", "g", "beta"))
 
 
@@ -120,7 +91,7 @@ def _short_fns(x: dict[str, np.ndarray]) -> dict[str, dict[str, Callable[[], Any
     from kda._backend import get_backend
 
     ops = get_backend(np, None)  # the backend kda.chunk_kda runs NumPy arrays on
-    args, s0, do = _inputs(x), x["state"], x["do"]
+    args, s0, do = _args(x), x["state"], x["do"]
 
     def chunk_fwd():
         return kda.chunk_kda(*args, initial_state=s0)
@@ -215,9 +186,9 @@ def run_decode(cfg: InferenceConfig, step: Callable[[str], None]) -> dict[str, A
     dst = np.empty_like(src)
     step("decode")
     fns = {
-        "decode": lambda: kda.decode_kda(*_inputs(x), pool, indices),
+        "decode": lambda: kda.decode_kda(*_args(x), pool, indices),
         "copy": lambda: np.copyto(dst, src),
-        "gathered": lambda: kda.recurrent_kda(*_inputs(x), initial_state=pool[indices]),
+        "gathered": lambda: kda.recurrent_kda(*_args(x), initial_state=pool[indices]),
     }
     times = compare(fns, cfg.repeats, cfg.min_sample, cfg.clock)
     decode, copy, gathered = times["decode"], times["copy"], times["gathered"]
@@ -242,7 +213,7 @@ def run_decode(cfg: InferenceConfig, step: Callable[[str], None]) -> dict[str, A
 def _plan_fns(x: dict[str, np.ndarray]) -> dict[str, Callable[[], Any]]:
     import kda
 
-    args, do = _inputs(x), x["do"]
+    args, do = _args(x), x["do"]
     fwd_plan = kda.prepare_chunk_kda(*args, save_boundaries=True)
     boundaries = fwd_plan.run().boundaries
     bwd_plan = kda.prepare_chunk_kda_backward(*args, boundaries, do)

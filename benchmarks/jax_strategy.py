@@ -17,30 +17,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
+import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import kda
-from kda._backend import reference
+import kda.reference as reference
 from kda._engine.chunked import chunk_backward, chunk_forward
 
-
-def _inputs(B: int, H: int, T: int, K: int, V: int, seed: int = 0) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((B, H, T, K), dtype=np.float32)
-    k = rng.standard_normal((B, H, T, K), dtype=np.float32)
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    v = rng.standard_normal((B, H, T, V), dtype=np.float32)
-    g = np.log(rng.uniform(0.9, 1.0, (B, H, T, K))).astype(np.float32)
-    beta = rng.uniform(0, 1, (B, H, T)).astype(np.float32)
-    return [q, k, v, g, beta]
+if __package__ in (None, ""):  # run as a file: the repository root, for benchmarks._common
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import _common
 
 
 def _callback_fn(C: int):
@@ -116,18 +107,11 @@ def _trace_fn(C: int):
     return f
 
 
-def _timed(fn, *args) -> tuple[Any, float, float]:
-    """``fn(*args)``, its wall time and this process's CPU time (less sensitive to other load)."""
-    w, c = time.perf_counter(), time.process_time()
-    out = fn(*args)
-    return out, time.perf_counter() - w, time.process_time() - c
-
-
 def _measure(fn, args, repeats: int) -> dict[str, float]:
-    lowered, trace_s, trace_cpu = _timed(jax.jit(fn).lower, *args)
-    compiled, compile_s, compile_cpu = _timed(lowered.compile)
+    lowered, trace_s, trace_cpu = _common.timed(jax.jit(fn).lower, *args)
+    compiled, compile_s, compile_cpu = _common.timed(lowered.compile)
     jax.block_until_ready(compiled(*args))  # warm-up
-    runs = [_timed(lambda: jax.block_until_ready(compiled(*args)))[1:] for _ in range(repeats)]
+    runs = [_common.timed(lambda: jax.block_until_ready(compiled(*args)))[1:] for _ in range(repeats)]
     return {
         "trace_s": trace_s,
         "trace_cpu_s": trace_cpu,
@@ -145,8 +129,8 @@ def _numpy_baseline(x: list[np.ndarray], w: np.ndarray, C: int, repeats: int) ->
         out = kda.chunk_kda(*x, chunk_size=C, save_boundaries=True)
         return kda.chunk_kda_backward(*x, out.boundaries, w, chunk_size=C)
 
-    fwd = [_timed(lambda: kda.chunk_kda(*x, chunk_size=C))[1:] for _ in range(repeats)]
-    both = [_timed(fwd_bwd)[1:] for _ in range(repeats)]
+    fwd = [_common.timed(lambda: kda.chunk_kda(*x, chunk_size=C))[1:] for _ in range(repeats)]
+    both = [_common.timed(fwd_bwd)[1:] for _ in range(repeats)]
     return {
         "fwd_run_s": min(r[0] for r in fwd),
         "fwd_run_cpu_s": min(r[1] for r in fwd),
@@ -165,15 +149,16 @@ def main() -> None:
     p.add_argument("--strategies", nargs="+", default=["callback", "trace"])
     p.add_argument("--out", type=Path, default=Path("benchmarks") / "results" / "jax_strategy.json")
     args = p.parse_args()
-    x_np = _inputs(1, args.H, args.T, args.K, args.K)
+    drawn = _common.inputs(1, args.H, args.T, args.K, args.K)
+    x_np = [drawn[n] for n in ("q", "k", "v", "g", "beta")]
     w_np = np.random.default_rng(1).standard_normal(x_np[2].shape, dtype=np.float32)
     x, w = [jnp.asarray(a) for a in x_np], jnp.asarray(w_np)
     report = {
         "shape": {"B": 1, "H": args.H, "T": args.T, "K": args.K, "V": args.K, "chunk_size": args.chunk_size},
         "jax": jax.__version__,
-        "machine": platform.processor() or platform.machine(),
-        "cpus": len(os.sched_getaffinity(0)),
-        "load_average_before": os.getloadavg(),
+        "machine": _common.machine(),
+        "cpus": _common.usable_cores(),
+        "load_average_before": _common.load_average(),
     }
     report["numpy direct"] = r = _numpy_baseline(x_np, w_np, args.chunk_size, args.repeats)
     print(f"numpy direct: fwd {r['fwd_run_s']:.3f} s, fwd+bwd {r['fwd+bwd_run_s']:.3f} s", flush=True)
@@ -192,7 +177,7 @@ def main() -> None:
                 f"(total {time.perf_counter() - t:.1f} s)",
                 flush=True,
             )
-    report["load_average_after"] = os.getloadavg()
+    report["load_average_after"] = _common.load_average()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
 

@@ -11,16 +11,18 @@ channel; ``ggml/src/ggml-cpu/ops.cpp``: a step recurrence in C, forward only). T
    graph of one ``ggml_gated_delta_net`` node) against it,
 4. on the same inputs, checks that ggml and ``kda.chunk_kda`` compute the same function (the
    maximal difference of the outputs and final states is printed and must stay below 1e-5), and
-5. prints, per shape (and once more at Kimi Linear's gate formula, :mod:`benchmarks.gates`,
-   where decay products go subnormal), ggml's forward, ``kda.chunk_kda``'s forward and forward+backward,
-   ``kda.recurrent_kda``, the float64 forward over the float32 one (the two timed in alternating
-   rounds), the same-run GEMM rate, the forward and forward+backward as a percentage of it (the
-   FLOP count of :mod:`benchmarks.chunk`), the ratio to ggml, the backward's time over the
+5. prints, per shape (and once more at Kimi Linear's gate formula, :mod:`kda.testing`'s ``kimi``
+   regime, where decay products go subnormal), ggml's forward, ``kda.chunk_kda``'s forward and
+   forward+backward, ``kda.recurrent_kda``, the float64 forward over the float32 one (the two
+   timed in alternating rounds), the same-run GEMM reference (:func:`benchmarks._common.gemm_rate`),
+   the forward and forward+backward as a percentage of it (the FLOP count of
+   :mod:`benchmarks.chunk`), the ratio to ggml, the backward's time over the
    forward's (``bwd/fwd``: ``chunk_kda_backward`` alone, from saved boundaries into fresh gradients,
    over the plain forward, the two timed in alternating rounds), the peak traced memory
-   (tracemalloc, as :mod:`benchmarks.chunk`) of the chunked forward+backward, and
-   ``os.getloadavg()``; first, the path of the kernels' matrix products and their rates at this
-   run's chunk shapes, one thread, measured in the same run (:mod:`benchmarks.products`).
+   (tracemalloc, as :mod:`benchmarks.chunk`) of the chunked forward+backward, and the machine
+   and load average (:func:`benchmarks._common.describe`); first, the path of the kernels' matrix
+   products and their rates at this run's chunk shapes, one thread, measured in the same run
+   (:mod:`benchmarks.products`).
 
 ``--one-core`` runs everything (ggml on one thread, kda, the GEMM) pinned to one core. Where no
 compiler or cmake is found, or the download or build fails, the ggml columns are skipped with the
@@ -42,11 +44,12 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from . import _common
 
 __all__ = ["GgmlUnavailable", "build", "ggml_forward", "ggml_forward_times", "main"]
 
@@ -174,14 +177,12 @@ def ggml_forward(q, k, v, g, beta, state, threads: int, repeats: int) -> dict[st
 def ggml_forward_times(
     B: int, H: int, T: int, K: int, V: int, threads: int = 2, repeats: int = 5, seed: int = 0
 ) -> dict[str, Any]:
-    """ggml's forward on the inputs of :func:`benchmarks.chunk._inputs` (zero initial state).
+    """ggml's forward on the inputs of :func:`benchmarks._common.inputs` (zero initial state).
 
     Returns what :func:`ggml_forward` returns plus ``inputs`` (the head-first arrays used).
     Raises :class:`GgmlUnavailable` where ggml cannot be built or run.
     """
-    from .chunk import _inputs
-
-    x = _inputs(B, H, T, K, V, np.float32, seed)
+    x = _common.inputs(B, H, T, K, V, np.float32, seed)
     state = np.zeros((B, H, K, V), np.float32)
     result = ggml_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], state, threads, repeats)
     return {**result, "inputs": x}
@@ -192,33 +193,12 @@ def ggml_forward_times(
 
 
 def _times(fn, repeats: int) -> list[float]:
-    fn()  # warm-up (compiles on first use)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times
+    """``repeats`` times of ``fn()`` after one warm-up call (:func:`benchmarks._common.rounds`)."""
+    return _common.rounds({"fn": fn}, repeats)["fn"].times_s
 
 
 def _median(fn, repeats: int) -> float:
     return statistics.median(_times(fn, repeats))
-
-
-def _gemm_rate(n: int = 2048, warm_s: float = 1.5) -> float:
-    """GFLOP/s of an ``n^3`` float32 NumPy matmul on the cores this process may use (BLAS on as
-    many threads as there are such cores), after ``warm_s`` seconds of the same product: on this
-    VM the first products after a pause ran at as little as 66 % of the rate measured a minute later."""
-    import threadpoolctl
-
-    rng = np.random.default_rng(1)
-    a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    with threadpoolctl.threadpool_limits(limits=cores, user_api="blas"):
-        end = time.perf_counter() + warm_s
-        while time.perf_counter() < end:
-            a @ b
-        return 2.0 * n**3 / _median(lambda: a @ b, 5) / 1e9
 
 
 def _crossover_times(q, k, v, g, beta, do, repeats: int) -> tuple[float, float, float, float]:
@@ -240,11 +220,9 @@ def _crossover_times(q, k, v, g, beta, do, repeats: int) -> tuple[float, float, 
 def crossover(H: int, D: int, lengths: tuple[int, ...], repeats: int) -> None:
     """Print ``chunk_kda`` against ``recurrent_kda``, forward and forward+backward, at short lengths
     (where ``kda.cpu.RECURRENT_MAX_T`` comes from)."""
-    from .chunk import _inputs
-
     print("crossover (B=1): T, fwd chunk / recurrent ms, fwd+bwd chunk / recurrent ms")
     for T in lengths:
-        x = _inputs(1, H, T, D, D, np.float32, 0)
+        x = _common.inputs(1, H, T, D, D, np.float32, 0)
         c, r, cb, rb = _crossover_times(*(x[n] for n in ("q", "k", "v", "g", "beta", "do")), repeats)
         print(
             f"T={T:6d}  fwd {c * 1e3:8.2f} / {r * 1e3:8.2f} ({c / r:.2f})   "
@@ -385,7 +363,7 @@ def _set_sub_block(size: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .chunk import _inputs, _memory, pass_flops
+    from .chunk import _memory, pass_flops
 
     args = _parser().parse_args(argv)
     if args.sub_block is not None:
@@ -394,12 +372,15 @@ def main(argv: list[str] | None = None) -> int:
     C, H, D = args.chunk_size, args.H, args.D
     with _one_core(args.one_core):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        gemm = _gemm_rate()
-        print(f"cores {cores}, ggml threads {threads}; same-run GEMM (2048^3 float32): {gemm:.1f} GFLOP/s")
-        print(f"load average before: {os.getloadavg()}")
+        gemm = _common.gemm_rate()
+        print(_common.describe())
+        print(
+            f"cores {cores}, ggml threads {threads}; same-run GEMM reference (benchmarks._common.gemm_rate, "
+            f"{_common.GEMM_N}^3 float32): {gemm:.1f} GFLOP/s"
+        )
         if args.crossover:
             crossover(H, D, (65, 96, 128, 192, 256, 384, 512, 1024), args.repeats)
-            print(f"load average after: {os.getloadavg()}")
+            print(f"load average after: {_common.load_average()}")
             return 0
         from .products import report
 
@@ -419,16 +400,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(" ".join(f"{h:>10}" for h in head) + "  gates, agreement")
         realistic = args.shapes[0] if args.realistic_shape is None else args.realistic_shape
-        rows = [(shape, "mild") for shape in args.shapes]
+        rows = [(shape, _common.DEFAULT_REGIME) for shape in args.shapes]
         if realistic != "none":
             rows.append((realistic, "kimi"))
         for shape, regime in rows:
             B, T = map(int, shape.split("x"))
-            x = _inputs(B, H, T, D, D, np.float32, 0)
-            if regime == "kimi":  # -exp(A_log) softplus(a): benchmarks.gates
-                from .gates import gates
-
-                x["g"] = gates("kimi", x["g"].shape)
+            x = _common.inputs(B, H, T, D, D, np.float32, 0, regime=regime)
             ggml, fwd_time, note = _side_by_side(x, threads, args.repeats, args.rounds, C)
             t = {"chunk_fwd": fwd_time, **_kda_times(x, args.repeats, args.rounds, C)}
             fwd = 100 * pass_flops("fwd", B, H, T, D, C) / t["chunk_fwd"] / 1e9 / gemm
@@ -440,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{t['bwd_over_fwd']:.2f}", f"{t['f64_over_f32']:.2f}",
                 f"{t['recurrent_fwd'] * 1e3:.1f}",
             )  # fmt: skip
-            label = "-U(0.001, 0.201)" if regime == "mild" else "Kimi's formula"
+            label = f"gates {regime!r}" + (" (Kimi's formula)" if regime == "kimi" else "")
             print(" ".join(f"{c:>10}" for c in cells) + f"  {label}, {note}", flush=True)
         if args.memory_shape != "none":
             B, T = map(int, args.memory_shape.split("x"))
@@ -450,8 +427,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{m['ratio']:.3f}x inputs+outputs+boundaries+gradients "
                 f"({m['essential_bytes'] / 2**20:.1f} MiB)"
             )
-        print(f"same-run GEMM again at the end: {_gemm_rate():.1f} GFLOP/s (the % columns use the first)")
-        print(f"load average after: {os.getloadavg()}")
+        again = _common.gemm_rate()
+        print(f"same-run GEMM again at the end: {again:.1f} GFLOP/s (the % columns use the first)")
+        print(f"load average after: {_common.load_average()}")
     return 0
 
 

@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +29,8 @@ from typing import Any
 import numpy as np
 
 import kda
+
+from . import _common
 
 __all__ = ["main"]
 
@@ -63,17 +63,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _block(shape: tuple[int, ...], dtype: str, seed: int, kind: str) -> np.ndarray:
-    """One input array, drawn as kda's default check draws it (unit keys, decays in [log 0.5, 0])."""
-    rng = np.random.default_rng(seed)
-    if kind == "g":
-        x = np.log(rng.uniform(0.5, 1.0, shape))
-    elif kind == "beta":
-        x = rng.uniform(0.0, 1.0, shape)
-    else:
-        x = rng.standard_normal(shape)
-        if kind == "k":
-            x /= np.linalg.norm(x, axis=-1, keepdims=True)
-    return x.astype(dtype)
+    """One input array (or block of one), drawn by :func:`benchmarks._common.draw` from its own seed."""
+    return _common.draw(kind, shape, np.random.default_rng(seed), dtype)
 
 
 def _shapes(a: argparse.Namespace) -> dict[str, tuple[int, ...]]:
@@ -137,9 +128,8 @@ def _best(run: Callable[[], Any], repeats: int) -> dict[str, float]:
     """Wall and CPU seconds of the fastest of ``repeats`` runs."""
     best = None
     for _ in range(repeats):
-        w, c = time.perf_counter(), time.process_time()
-        run()
-        now = {"wall_s": time.perf_counter() - w, "cpu_s": time.process_time() - c}
+        _, wall_s, cpu_s = _common.timed(run)
+        now = {"wall_s": wall_s, "cpu_s": cpu_s}
         best = now if best is None or now["wall_s"] < best["wall_s"] else best
     return best
 
@@ -290,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     x = _numpy_inputs(a) if {"work", "wall"} & set(a.parts) else {}
     report: dict[str, Any] = {
         "command": "python -m benchmarks.sequence_dask " + " ".join(argv or []),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "machine": _common.machine(),
         "problem": {
             k: getattr(a, k) for k in ("B", "H", "T", "K", "V", "dtype", "chunk_size", "shards", "workers")
         },

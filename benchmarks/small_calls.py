@@ -9,14 +9,16 @@ Four ways in, interleaved round by round so that load on a shared machine hits a
 * ``torch fwd`` / ``torch fwd+bwd``: :func:`kda.torch.chunk_kda` on CPU tensors that require
   grad, then ``o.backward(do)`` (the custom ops, autograd, the tensor <-> array exchange).
 
-Only public API: the same script runs on any commit since the adapters exist, so the figures
-before and after a change are comparable (run both on one quiet machine)::
+Only public API (and :mod:`benchmarks._common`, which needs :func:`kda.testing.gates`): the
+script runs on any commit since those exist, so the figures before and after a change are
+comparable (run both on one quiet machine)::
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python -m benchmarks.small_calls [--T 64 256] [--rounds 7]
 
 Prints, per case, the best and the median over rounds of the mean time of ``--calls`` calls
-(microseconds), the commit (``git rev-parse HEAD``), ``os.getloadavg()`` before and after, and
-this run's float32 GEMM rate (a 256^3 ``np.matmul``) as a yardstick for the machine's speed.
+(microseconds), the commit (``git rev-parse HEAD``), the machine and the load average before and
+after, and this run's GEMM reference (:func:`benchmarks._common.gemm_rate`) as a yardstick for the
+machine's speed.
 
 ``--above-engine`` measures kda's layers above the chunked algorithm alone (validation, option
 maps, chain rules, the adapter's glue): ``kda._engine.core.ChunkCore.forward`` and ``.backward``
@@ -27,27 +29,21 @@ once; wall time as without it.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
-import time
 from collections.abc import Callable
 
 import numpy as np
 
 import kda
 
+from . import _common
 
-def _inputs(T: int, H: int, K: int, V: int, seed: int = 0) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((1, T, H, K), dtype=np.float32)
-    k = rng.standard_normal((1, T, H, K), dtype=np.float32)
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    v = rng.standard_normal((1, T, H, V), dtype=np.float32)
-    g = np.log(rng.uniform(0.9, 1.0, (1, T, H, K))).astype(np.float32)
-    beta = rng.uniform(0, 1, (1, T, H)).astype(np.float32)
-    do = rng.standard_normal((1, T, H, V), dtype=np.float32)
-    return [q, k, v, g, beta, do]
+
+def _inputs_list(T: int, H: int, K: int, V: int) -> list[np.ndarray]:
+    """q, k, v, g, beta, do of :func:`benchmarks._common.inputs`, time-major ``[1, T, H, *]``."""
+    x = _common.inputs(1, H, T, K, V, layout="time_major")
+    return [x[n] for n in ("q", "k", "v", "g", "beta", "do")]
 
 
 def _kda_cases(x: list[np.ndarray], chunk_size: int) -> dict[str, Callable[[], object]]:
@@ -101,18 +97,6 @@ def _stub_engine() -> None:
         setattr(core.ChunkCore, name, stub)
 
 
-def _gemm_rate(n: int = 256, repeats: int = 50) -> float:
-    """GFLOP/s of a float32 ``n^3`` matmul, best of ``repeats``."""
-    rng = np.random.default_rng(1)
-    a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        np.matmul(a, b)
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best / 1e9
-
-
 def _commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
@@ -136,29 +120,23 @@ def main() -> None:
         _stub_engine()
 
     print(f"kda {kda.__file__}  commit {_commit()}")
-    print(f"loadavg before {os.getloadavg()}")
-    print(f"float32 GEMM 256^3: {_gemm_rate():.1f} GFLOP/s")
+    print(_common.describe())
+    rate = _common.gemm_rate()
+    print(f"GEMM reference (benchmarks._common.gemm_rate, {_common.GEMM_N}^3 float32): {rate:.1f} GFLOP/s")
     what = "wall, above the engine (stubbed)" if args.above_engine else "wall"
     print(f"times: {what}, mean of {args.calls} calls, best and median of {args.rounds} rounds")
     header = f"{'case':<15} {'T':>5} {'best us':>10} {'median us':>10}"
     print(header)
     print("-" * len(header))
     for T in args.T:
-        x = _inputs(T, args.H, args.K, args.V)
+        x = _inputs_list(T, args.H, args.K, args.V)
         cases = {**_kda_cases(x, args.chunk_size), **_torch_cases(x, args.chunk_size)}
-        for run in cases.values():  # warm up: compiles, caches, first-call imports
-            for _ in range(3):
-                run()
-        times: dict[str, list[float]] = {name: [] for name in cases}
-        for _ in range(args.rounds):
-            for name, run in cases.items():
-                t = time.perf_counter()
-                for _ in range(args.calls):
-                    run()
-                times[name].append((time.perf_counter() - t) / args.calls)
+        # warm up (compiles, caches, first-call imports), then rounds of args.calls calls per case
+        timings = _common.rounds(cases, args.rounds, warm_up=3, loops=args.calls)
+        times = {name: t.times_s for name, t in timings.items()}
         for name, ts in times.items():
             print(f"{name:<15} {T:>5} {min(ts) * 1e6:>10.1f} {statistics.median(ts) * 1e6:>10.1f}")
-    print(f"loadavg after {os.getloadavg()}")
+    print(f"load average after: {_common.load_average()}")
 
 
 if __name__ == "__main__":

@@ -16,8 +16,9 @@ time (all threads; less sensitive to other load on the machine), and writes
 ``benchmarks/results/torch_overhead.json``.
 
 ``--decode`` instead splits one decode step (T = 1, B = 1, K = V = 128, float32, ``--H`` heads;
-inference mode) into the layers it passes, each timed as a whole call, interleaved in blocks
-(median and minimum microseconds of ``--repeats`` calls per block, best block of ``--rounds``)::
+inference mode) into the layers it passes, each timed as a whole call, interleaved in rounds
+(:func:`benchmarks._common.rounds`: median and minimum microseconds over ``--rounds`` rounds of
+``--repeats`` calls each)::
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/torch_overhead.py --decode --H 4
 
@@ -36,9 +37,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import time
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -47,17 +47,15 @@ import torch
 import kda
 import kda.torch as kt
 
+if __package__ in (None, ""):  # run as a file: the repository root, for benchmarks._common
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import _common
 
-def _inputs(B: int, T: int, H: int, K: int, V: int, seed: int = 0) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((B, T, H, K), dtype=np.float32)
-    k = rng.standard_normal((B, T, H, K), dtype=np.float32)
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    v = rng.standard_normal((B, T, H, V), dtype=np.float32)
-    g = np.log(rng.uniform(0.9, 1.0, (B, T, H, K))).astype(np.float32)
-    beta = rng.uniform(0, 1, (B, T, H)).astype(np.float32)
-    do = rng.standard_normal((B, T, H, V), dtype=np.float32)
-    return [q, k, v, g, beta, do]
+
+def _inputs_list(T: int, H: int, K: int) -> list[np.ndarray]:
+    """q, k, v, g, beta, do of :func:`benchmarks._common.inputs` (``B = 1``, ``V = K``), time-major."""
+    x = _common.inputs(1, H, T, K, K, layout="time_major")
+    return [x[n] for n in ("q", "k", "v", "g", "beta", "do")]
 
 
 def _direct(x: list[np.ndarray], layout: str):
@@ -91,7 +89,7 @@ def _decode_layers(H: int, K: int) -> dict[str, object]:
     from kda._entry import host
     from kda._entry.decode import decode_states
 
-    x = _inputs(1, 1, H, K, K)
+    x = _inputs_list(1, H, K)
     rng = np.random.default_rng(1)
     s0 = (0.1 * rng.standard_normal((1, H, K, K))).astype(np.float32)
     q, k, v, g, beta = (torch.from_numpy(a) for a in x[:5])  # time-major [1, 1, H, K]
@@ -132,28 +130,17 @@ BASES = {
 def decode(H: int, K: int, rounds: int, repeats: int) -> None:
     """Print the per-layer table of one decode step (``--decode``)."""
     calls = _decode_layers(H, K)
-    best: dict[str, tuple[float, float]] = {}
-    print(f"load average before: {os.getloadavg()}")
+    print(_common.describe())
     with torch.inference_mode():
-        for _ in range(rounds):
-            for name, fn in calls.items():
-                for _ in range(5):
-                    fn()
-                t = []
-                for _ in range(repeats):
-                    t0 = time.perf_counter()
-                    fn()
-                    t.append(time.perf_counter() - t0)
-                med, low = statistics.median(t), min(t)
-                old = best.get(name, (float("inf"), float("inf")))
-                best[name] = (min(old[0], med), min(old[1], low))
+        timings = _common.rounds(calls, rounds, warm_up=5, repeats=repeats)
+    best = {name: (t.median_s, t.min_s) for name, t in timings.items()}
     print(f"one decode step, B=1, T=1, H={H}, K=V={K}, float32, torch {torch.__version__}, inference mode")
     print("layer | median us | min us | compared with | median difference us")
     for name, (med, low) in best.items():
         base = BASES.get(name)
         step = "-" if base is None else f"{base} | {(med - best[base][0]) * 1e6:+.1f}"
         print(f"{name} | {med * 1e6:.1f} | {low * 1e6:.1f} | {step}")
-    print(f"load average after: {os.getloadavg()}")
+    print(f"load average after: {_common.load_average()}")
 
 
 def main() -> None:
@@ -169,7 +156,7 @@ def main() -> None:
     if args.decode:
         decode(args.H, args.K, args.rounds, args.repeats)
         return
-    x = _inputs(1, args.T, args.H, args.K, args.K)
+    x = _inputs_list(args.T, args.H, args.K)
     head_first = [np.ascontiguousarray(np.swapaxes(a, 1, 2)) for a in x]
     methods = {
         "kda direct": _direct(x, "time_major"),
@@ -184,15 +171,15 @@ def main() -> None:
     cpu: dict[str, list[float]] = {name: [] for name in methods}
     for _ in range(args.rounds):
         for name, run in methods.items():
-            t, c = time.perf_counter(), time.process_time()
-            run()
-            times[name].append(time.perf_counter() - t)
-            cpu[name].append(time.process_time() - c)
+            _, wall_s, cpu_s = _common.timed(run)
+            times[name].append(wall_s)
+            cpu[name].append(cpu_s)
     report = {
         "shape": {"B": 1, "T": args.T, "H": args.H, "K": args.K, "V": args.K, "dtype": "float32"},
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
-        "load_average": os.getloadavg(),
+        "load_average": _common.load_average(),
+        "machine": _common.machine(),
         "rounds": args.rounds,
         "seconds": _summary(times),
         "cpu_seconds": _summary(cpu),

@@ -28,7 +28,7 @@ import argparse
 import json
 import os
 import platform
-import time
+import sys
 from pathlib import Path
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -37,6 +37,10 @@ import torch
 import transformers
 
 import kda.transformers as kt
+
+if __package__ in (None, ""):  # run as a file: the repository root, for benchmarks._common
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import _common
 
 
 def tiny_model(seed: int = 0) -> transformers.KimiLinearForCausalLM:
@@ -72,10 +76,10 @@ def tiny_model(seed: int = 0) -> transformers.KimiLinearForCausalLM:
     return transformers.KimiLinearForCausalLM(config).float()
 
 
-def _timed(fn) -> tuple[float, object]:
-    t0 = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t0, out
+def _wall(fn) -> tuple[float, object]:
+    """``(wall seconds, fn())`` (:func:`benchmarks._common.timed`)."""
+    out, wall_s, _ = _common.timed(fn)
+    return wall_s, out
 
 
 def _round(model, opt, ids: torch.Tensor, new_tokens: int) -> dict[str, tuple[float, object]]:
@@ -99,7 +103,7 @@ def _round(model, opt, ids: torch.Tensor, new_tokens: int) -> dict[str, tuple[fl
         with torch.no_grad():
             return model(input_ids=ids, use_cache=True).logits
 
-    return {"prefill": _timed(prefill), "generate": _timed(generate), "train_step": _timed(train_step)}
+    return {"prefill": _wall(prefill), "generate": _wall(generate), "train_step": _wall(train_step)}
 
 
 def main() -> None:
@@ -168,9 +172,10 @@ def main() -> None:
             "torch": torch.__version__,
             "python": platform.python_version(),
         },
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}",
+        "machine": _common.machine(),
+        "torch_threads": torch.get_num_threads(),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-        "load_average_at_end": os.getloadavg(),
+        "load_average_at_end": _common.load_average(),
         "results": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -6,9 +6,10 @@ first:
 
 1. ``accuracy``: ``chunk_kda`` / ``chunk_kda_backward`` with the cuda backend in float32 at
    B=2, H=16, T=4096, K=V=128 against the array-API reference recurrence run in float64 on the
-   same device, in four gate regimes (mild; mixed: strong decays and hard resets; strong:
-   ``g ~ -U(0, 5)``; kimi: Kimi Linear's ``-exp(A_log) softplus(a + dt_bias)``); relative error =
-   max-abs error / max-abs of the reference, per output and gradient.
+   same device, in four of :data:`kda.testing.REGIMES` (the draws kda's tests use, :func:`kda.testing.gates`:
+   mild ``g ~ -U(0, 1)``; mixed: each element from weak, strong, hard, reset or raw; strong:
+   ``-1e-3 .. -1e3``; kimi: Kimi Linear's ``-exp(A_log) softplus(a)``); relative error = max-abs error
+   / max-abs of the reference, per output and gradient.
 2. ``timings``: at B=1, H=16, T=4096, K=V=128, chunk 64, float32, head-first: forward, and forward +
    backward, of the cuda backend with ``check_finite=False`` (no host synchronisation inside the
    timed window), both state-pass cuts interleaved, and the step recurrence. Median of CUDA-event
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import time
 import traceback
@@ -106,19 +106,10 @@ def sizes(simulate: bool, what: str) -> dict:
 
 
 def gates(rng: np.random.Generator, shape: tuple, regime: str) -> np.ndarray:
-    """Log decays of a regime (see the module docstring)."""
-    if regime == "strong":
-        return -rng.uniform(0.0, 5.0, shape)
-    if regime == "kimi":  # Kimi Linear's gate: A_log = log U(1, 16) per channel, a ~ N(0, 1)
-        a_log = np.log(rng.uniform(1.0, 16.0, shape[-1]))
-        dt_bias = rng.standard_normal(shape[-1]) * 0.1
-        return -np.exp(a_log) * np.logaddexp(0.0, rng.standard_normal(shape) + dt_bias)
-    g = -np.exp(rng.uniform(math.log(1e-3), 0.0, shape))
-    if regime == "mixed":
-        u = rng.uniform(size=shape)
-        g = np.where(u < 0.05, -rng.uniform(1.0, 1e3, shape), g)
-        g = np.where(u > 0.999, -np.inf, g)
-    return g
+    """Log decays of one of :data:`kda.testing.REGIMES` (:func:`kda.testing.gates`)."""
+    import kda.testing
+
+    return kda.testing.gates(rng, shape, regime)
 
 
 def problem(dev: Device, size: dict, regime: str, seed: int = 0) -> list:

@@ -14,7 +14,7 @@ import kda.testing as kt
 # the repository root (tests are grouped in folders below tests/)
 ROOT = Path(__file__).resolve().parents[1]
 
-# The log-gate regimes of kda.testing (zero, weak, mild, strong, hard, reset)
+# The log-gate regimes of kda.testing, all eight (zero, weak, mild, steep, kimi, strong, hard, reset)
 REGIMES = kt.LOG_REGIMES
 
 
@@ -49,12 +49,16 @@ TOLERANCE = {np.dtype(np.float64): 1e-10, np.dtype(np.float32): 1e-5}
 to_numpy = kt.to_numpy
 
 
-def assert_close(actual: Any, expected: Any, *, tol: float, dtype: Any = None, name: str = "") -> float:
+def assert_close(
+    actual: Any, expected: Any, *, tol: float, dtype: Any = None, name: str = "", floor: float = 0.0
+) -> float:
     """Check shape, then dtype, then kda.testing's comparison with tolerance ``tol``
     (``max|actual - expected| <= tol * max|expected|``, actual finite where expected is).
 
     ``dtype`` is the dtype ``actual`` must have (default: that of ``expected``; ``"any"``: not
-    checked). Returns the relative error.
+    checked). ``floor``: an absolute error up to it passes whatever ``max|expected|`` is (e.g.
+    float32's smallest normal, where results below it are flushed to zero). Returns the relative
+    error (over ``max(max|expected|, floor / tol)``).
     """
     a, e = to_numpy(actual), to_numpy(expected)
     label = f"{name}: " if name else ""
@@ -62,7 +66,8 @@ def assert_close(actual: Any, expected: Any, *, tol: float, dtype: Any = None, n
     if not (isinstance(dtype, str) and dtype == "any"):
         want = np.dtype(dtype) if dtype is not None else e.dtype
         assert a.dtype == want, f"{label}dtype {a.dtype} != expected {want}"
-    return kt.compare(a, e, dtype="float64", tol=tol, name=name) * tol
+    scale = np.asarray(floor / tol) if floor > 0 else None
+    return kt.compare(a, e, dtype="float64", tol=tol, name=name, scale=scale) * tol
 
 
 @dataclass

@@ -30,7 +30,7 @@ def _require(module: str):
     except ImportError as e:
         if os.environ.get("KDA_REQUIRE_TRANSFORMERS") == "1":
             pytest.fail(f"KDA_REQUIRE_TRANSFORMERS=1 but {module} is not installed: {e}")
-        pytest.skip(f"{module} is not installed (pip install 'kda[transformers]')")
+        pytest.skip(f"{module} is not installed (pip install 'kda[transformers]')", allow_module_level=True)
 
 
 transformers = _require("transformers")

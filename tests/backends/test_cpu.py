@@ -19,8 +19,20 @@ import kda
 pytestmark = pytest.mark.skipif("cpu" not in BACKENDS, reason="numba or scipy not installed")
 
 SCALE = 0.6
-# float32 primitives against the float64 reference, relative to the max-abs of the result
-F32_LOCAL = 2e-4
+# float32 primitives (fed the float64 masters cast to float32) against the float64 reference on the
+# masters, relative to the max-abs of each result: a measured bound, not the contract's (which is for
+# whole calls). Measured worst over every (regime, Cp, K, V) test_primitives_match_the_reference
+# draws, 12 seeds each (36 000 draws per dtype): 7.5e-6 (chunk_local_backward's dg, zero gates; the
+# other quantities <= 4.5e-6), under the two rules below; float64: 2.4e-14 (the contract's 1e-10).
+F32_LOCAL = 3e-5
+# Rule 1: kda flushes float32 subnormals (FTZ/DAZ, docs/options.md "Subnormal floats"): a result whose
+# float64 value is below float32's smallest normal (strong gates' decays, e.g. a chunk's total of
+# 1.4e-39: relative error 0.12 against its own max-abs) may come out 0, an error up to that floor.
+F32_FLUSHED = float(np.finfo(np.float32).tiny)
+# Rule 2: chunk_state_grad_pass's dinitial is total * dS + qg^T dO - w^T dU, terms of the size of the
+# gradients it carries (dends) that can cancel: with K = V = 1, kimi gates, Cp = 4 the result is
+# 4.2e-6 against terms of 1.5e-2, and float32's rounding of the terms (1.7e-9) is 4.0e-4 of the
+# result. It is judged against max|dends| as well (measured worst then 2.5e-6).
 
 # chunk_local_backward's keyword-only parameters (the state-gradient pass's results, dO)
 GRAD_PASS = ("dends", "u", "du", "grad_output")
@@ -64,17 +76,18 @@ def test_primitives_match_the_reference(regime, Cp, K, V, dtype, seed):
     inputs64 = _chunk_inputs(rng, shape, K, V, regime)
     inputs = [x.astype(dtype) for x in inputs64]
     tol = _tol(dtype)
+    floor = F32_FLUSHED if dtype == np.float32 else 0.0
     want = ref.chunk_local(*inputs64, SCALE)
     got = cpu.chunk_local(*inputs, SCALE)
     for name in ("qg", "kg", "k_suffix", "total", "A", "L", "w", "u0"):
-        assert_close(getattr(got, name), getattr(want, name).astype(dtype), tol=tol, name=name)
+        assert_close(getattr(got, name), getattr(want, name).astype(dtype), tol=tol, name=name, floor=floor)
     assert np.all(np.triu(got.A, 1) == 0) and np.all(np.triu(got.L) == 0)
     S0 = rng.standard_normal((B, H, K, V))
     bd, out, fin = ref.chunk_state_pass(want.w, want.u0, want.k_suffix, want.total, S0, want.qg, want.A)
     c = [x.astype(dtype) for x in (want.w, want.u0, want.k_suffix, want.total, S0, want.qg, want.A)]
     got_pass = cpu.chunk_state_pass(*c)
     for name, a, b in zip(("boundaries", "output", "final"), got_pass, (bd, out, fin), strict=True):
-        assert_close(a, b.astype(dtype), tol=tol, name=name)
+        assert_close(a, b.astype(dtype), tol=tol, name=name, floor=floor)
     do = rng.standard_normal((*shape, V))
     dS = rng.standard_normal((B, H, K, V))
     want_g = ref.chunk_state_grad_pass(
@@ -82,8 +95,10 @@ def test_primitives_match_the_reference(regime, Cp, K, V, dtype, seed):
     )
     more = (x.astype(dtype) for x in (do, bd, dS))
     got_g = cpu.chunk_state_grad_pass(*c[:4], c[5], c[6], *more)
+    carried = tol * float(np.max(np.abs(want_g[0]), initial=0.0))  # rule 2: the size of dinitial's terms
     for name, a, b in zip(("dends", "u", "du", "dinitial"), got_g, want_g, strict=True):
-        assert_close(a, b.astype(dtype), tol=tol, name=name)
+        at_least = max(floor, carried) if name == "dinitial" else floor
+        assert_close(a, b.astype(dtype), tol=tol, name=name, floor=at_least)
     want_b = ref.chunk_local_backward(*inputs64, SCALE, want, bd, **dict(zip(GRAD_PASS, (*want_g[:3], do))))
     got_b = cpu.chunk_local_backward(
         *inputs,
@@ -93,7 +108,7 @@ def test_primitives_match_the_reference(regime, Cp, K, V, dtype, seed):
         **{n: x.astype(dtype) for n, x in zip(GRAD_PASS, (*want_g[:3], do))},
     )
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got_b, want_b, strict=True):
-        assert_close(a, b.astype(dtype), tol=tol * (10 if regime in ("strong", "hard") else 1), name=name)
+        assert_close(a, b.astype(dtype), tol=tol, name=name, floor=floor)
 
 
 @pytest.mark.parametrize("regime", REGIMES)
@@ -156,7 +171,8 @@ def test_fused_passes_read_strided_inputs_in_place_and_match_the_reference(regim
         assert np.array_equal(a, b)
     p64 = p.astype(np.float64)
     want = run(ref, [*p64.inputs, p64.grad_output], p64.initial_state, p64.grad_final_state)
-    tol = TOLERANCE[np.dtype(dtype)] * (10 if regime in ("strong", "hard") else 1)
+    # the contract's tolerance; measured worst over 40 seeds, every regime: float32 8.5e-7, float64 2.1e-15
+    tol = TOLERANCE[np.dtype(dtype)]
     names = ("output", "final", "boundaries", "dq", "dk", "dv", "dg", "dbeta", "dstate")
     for name, a, b in zip(names, contiguous, want, strict=True):
         assert_close(a, b, tol=tol, dtype="any", name=name)
@@ -432,7 +448,7 @@ for regime in REGIMES:
                             backend="cpu")
         grads = kda.chunk_kda_backward(*p32.inputs, out.boundaries, p32.grad_output, p32.grad_final_state,
                                        initial_state=p32.initial_state, chunk_size=C, backend="cpu")
-        tol = TOLERANCE[np.dtype(np.float32)] * (10 if regime in ("strong", "hard") else 1)
+        tol = TOLERANCE[np.dtype(np.float32)]  # the contract's; measured worst (seeds 5-8): 1.3e-6
         assert_close(out.output, ref.output, tol=tol, dtype="any", name=f"output {{regime}} {{C}}")
         assert_close(out.final_state, ref.final_state, tol=tol, dtype="any", name=f"final {{regime}} {{C}}")
         for name, a, b in zip(("q", "k", "v", "g", "beta", "state"), grads[:6], ref_g[:6], strict=True):

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 import kda
 import kda.reference as ref
+import kda.testing as kt
 
 kc = pytest.importorskip("kda.cuda")
 from kda.cuda._launch import COPIES, LAUNCHES  # noqa: E402
@@ -40,7 +41,7 @@ pytestmark = [
 ]
 
 TOL = {np.float32: 1e-5, np.float64: 1e-10}
-REGIMES = ("zero", "mild", "strong", "extreme", "reset", "decay5", "kimi")
+REGIMES = kt.LOG_REGIMES  # kda.testing's gate regimes, drawn by kt.gates
 # worst relative error seen per (check, regime, dtype), printed at the end of the module
 WORST: dict = {}
 
@@ -86,26 +87,8 @@ def check(name, got, want, dtype, regime="-"):
 
 
 def gates(rng, shape, regime):
-    """Log decays: zero, mild (-1e-3..-1), strong (some -1e3), extreme (some -1e4), reset (some -inf);
-    decay5: ``-U(0, 5)`` per step and channel; kimi: Kimi Linear's gate
-    ``-exp(A_log) softplus(a + dt_bias)``, ``A_log = log U(1, 16)`` per channel, ``a ~ N(0, 1)``."""
-    if regime == "zero":
-        return np.zeros(shape)
-    if regime == "decay5":
-        return -rng.uniform(0.0, 5.0, shape)
-    if regime == "kimi":
-        a_log = np.log(rng.uniform(1.0, 16.0, shape[-1]))
-        dt_bias = 0.1 * rng.standard_normal(shape[-1])
-        return -np.exp(a_log) * np.logaddexp(0.0, rng.standard_normal(shape) + dt_bias)
-    g = -np.exp(rng.uniform(np.log(1e-3), 0.0, shape))
-    hit = rng.uniform(size=shape) < 0.25
-    if regime == "strong":
-        g = np.where(hit, -rng.uniform(1.0, 1e3, shape), g)
-    elif regime == "extreme":
-        g = np.where(hit, -1e4, g)
-    elif regime == "reset":
-        g = np.where(hit, -np.inf, g)
-    return g
+    """Log decays of one of kda.testing's regimes (:func:`kda.testing.gates`)."""
+    return kt.gates(rng, shape, regime)
 
 
 def problem(rng, B, H, T, K, V, regime):

@@ -27,11 +27,7 @@ def _inputs(regime: str, seed: int = 0):
     q = rng.standard_normal((*SHAPE, K))
     k = rng.standard_normal((*SHAPE, K))
     k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    g = -rng.uniform(0.0, 1.0, (*SHAPE, K))
-    if regime == "reset":
-        g = np.where(rng.uniform(size=g.shape) < 0.2, -np.inf, g)
-    if regime == "strong":
-        g = -(10.0 ** rng.uniform(-3, 3, g.shape))
+    g = gates(rng, (*SHAPE, K), regime)
     return q, k, g, rng
 
 
@@ -53,7 +49,7 @@ def oracle_pairs(q, k, g):
     return A, L
 
 
-REGIMES = ["mild", "strong", "reset"]
+REGIMES = ["mild", "strong", "reset"]  # of kda.testing's (helpers.REGIMES): the oracles' loops are slow
 
 
 @pytest.mark.parametrize("regime", REGIMES)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 
 import pytest
+from helpers import ROOT
 
 from benchmarks import chunk as _bench
 from kda.testing import load_fla_naive
@@ -180,3 +182,108 @@ def test_crossover():
     assert crossover(rows([(1, False), (2, False), (4, True), (8, True)]), "fwd") == 4
     assert crossover(rows([(1, False), (2, True), (4, False), (8, True)]), "fwd") == 8  # wins from 8 on only
     assert crossover(rows([(1, False), (2, False)]), "fwd") is None
+
+
+# ------------------------------------------------------------------------------------------------
+# benchmarks/ as a whole: one definition of what they share, no import cycle
+
+BENCHMARKS = ROOT / "benchmarks"
+# what benchmarks/_common.py defines once (inputs, GEMM reference, timer, machine description):
+# no other benchmark module may define its own
+SHARED = {"_inputs", "_gemm_rate", "_timed", "_machine", "_cpu_model"}
+# benchmarks/vllm_kda.py is the vLLM helper's (it still defines its own ``_timed``; moving it onto
+# benchmarks._common.rounds is that file's owner's change)
+NOT_YET = {"vllm_kda": {"_timed"}}
+
+
+def _modules() -> dict[str, ast.Module]:
+    return {p.stem: ast.parse(p.read_text(), str(p)) for p in sorted(BENCHMARKS.glob("*.py"))}
+
+
+def _imports(name: str, tree: ast.Module, modules: set[str]) -> set[str]:
+    """The benchmarks modules ``name`` imports anywhere (top level or inside functions)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "benchmarks" and len(parts) > 1:
+                    out.add(parts[1])
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level == 1 or module == "benchmarks" or module.startswith("benchmarks."):
+                base = (module if node.level else module.removeprefix("benchmarks")).lstrip(".")
+                if base:
+                    out.add(base.split(".")[0])
+                else:  # from . import x / from benchmarks import x
+                    out.update(a.name for a in node.names)
+    return (out & modules) - {name}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (as a path that returns to its start), or None."""
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        path.append(n)
+        for m in sorted(graph[n]):
+            if state.get(m) == 1:
+                return [*path[path.index(m) :], m]
+            if m not in state and (found := visit(m)):
+                return found
+        path.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state and (found := visit(n)):
+            return found
+    return None
+
+
+def test_benchmarks_share_one_definition_of_inputs_gemm_timer_and_machine():
+    trees = _modules()
+    assert "_common" in trees
+    common = {n.name for n in trees["_common"].body if isinstance(n, ast.FunctionDef)}
+    assert {"inputs", "draw", "gemm_rate", "rounds", "timed", "machine", "describe"} <= common
+    for name, tree in trees.items():
+        defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.ClassDef)}
+        own = (defined & SHARED) - NOT_YET.get(name, set())
+        assert not own, f"benchmarks/{name}.py defines its own {sorted(own)}: use benchmarks._common"
+        # gate regimes come from kda.testing: no private table of them
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "REGIMES" for t in node.targets):
+                raise AssertionError(f"benchmarks/{name}.py defines REGIMES: use kda.testing.LOG_REGIMES")
+
+
+def test_the_benchmarks_import_graph_is_acyclic():
+    trees = _modules()
+    graph = {name: _imports(name, tree, set(trees)) for name, tree in trees.items()}
+    assert graph["llama_cpp"] and graph["gates"], "the import scan finds nothing: it is broken"
+    assert _cycle(graph) is None, f"import cycle among benchmarks: {' -> '.join(_cycle(graph))}"
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_common_inputs_draw_kda_testings_gates():
+    """The benchmarks' gates are kda.testing's draws (the tests' regimes), in both layouts."""
+    import numpy as np
+
+    import kda.testing as kt
+    from benchmarks import _common
+
+    for regime in kt.LOG_REGIMES:
+        x = _common.inputs(1, 2, 5, 4, 3, np.float64, 7, regime=regime)
+        rng = np.random.default_rng(7)
+        for name in ("q", "k", "v"):
+            _common.draw(name, x[name].shape, rng, np.float64)
+        assert np.array_equal(x["g"], kt.gates(rng, (1, 2, 5, 4), regime), equal_nan=True)
+        tm = _common.inputs(1, 2, 5, 4, 3, np.float64, 7, regime=regime, layout="time_major")
+        assert np.array_equal(tm["g"], np.swapaxes(x["g"], 1, 2)) and tm["g"].flags.c_contiguous
+    assert set(x) == set(_common.INPUT_NAMES)
+    assert np.allclose(np.linalg.norm(x["k"], axis=-1), 1.0)
