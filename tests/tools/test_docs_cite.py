@@ -20,7 +20,8 @@ The documents are ``docs/*.md``, ``README.md`` and ``benchmarks/README.md``. Eac
   builtin, or a word of the shell scripts or the C source. Not checked: identifiers of one or two
   letters with a digit or a subscript at most (``S``, ``kg``, ``U0``, ``T_n``: the documents'
   mathematical notation), dotted names under a root of :data:`EXTERNAL_ROOTS` (another library's
-  API), and the few spans of :data:`OTHER_NAMES` (another project's code);
+  API; but ``torch.ops.kda.NAME``, kda's own op, must be registered as ``"kda::NAME"``), and the few spans
+  of :data:`OTHER_NAMES` (another project's code);
 - anything else (an expression, a shape, a value with spaces or operators) is prose, not checked.
 
 Markdown links to relative targets must exist too. The sources are every ``*.py`` file of
@@ -63,8 +64,7 @@ GENERATED: dict[str, tuple[str, str]] = {
 ELSEWHERE: dict[str, str] = {
     "tests/ops/test_kda.py": "flash-linear-attention's KDA tests (benchmarks/run_fla_tests.py runs them)",
     "fla/ops/kda/": "flash-linear-attention's KDA package (kda.testing loads its naive reference)",
-    "vllm/model_executor/": "vLLM's source tree (docs/vllm.md)",
-    "vllm/models/": "vLLM's source tree (docs/vllm.md)",
+    "vllm/": "vLLM's source tree (docs/vllm.md; kda's own plugin is kda/vllm/)",
     "config.json": "a Hugging Face checkpoint's configuration (docs/vllm.md)",
     "model.safetensors": "a Hugging Face checkpoint's weights (docs/vllm.md)",
 }
@@ -163,6 +163,7 @@ def links(path: Path) -> list[Citation]:
 class Sources(NamedTuple):
     names: frozenset[str]  # every name defined anywhere
     strings: frozenset[str]  # identifier-like string constants
+    torch_ops: frozenset[str]  # kda's torch ops: NAME of every "kda::NAME" string
     spelled: frozenset[str]  # every flag (--x) and word of every source and script
     shell_words: frozenset[str]  # the words of the shell scripts, the C source, .ci/run, pyproject.toml
     modules: dict[str, frozenset[str]]  # dotted module -> its top-level names
@@ -218,6 +219,7 @@ def sources() -> Sources:
     stems: dict[str, list[str]] = {}
     classes: dict[str, set[str]] = {}
     aliases: dict[str, set[str]] = {}
+    torch_ops: set[str] = set()
     bases: dict[str, set[str]] = {}
     here = Path(__file__).resolve()  # this file spells stale names on purpose
     files = [p for d in SOURCE_DIRS for p in sorted((ROOT / d).rglob("*.py")) if p.resolve() != here]
@@ -264,6 +266,7 @@ def sources() -> Sources:
             elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
                 # option values, keys, the words of a schema or a message (not of a docstring)
                 strings.update(re.findall(IDENTIFIER, node.value))
+                torch_ops.update(re.findall(r"^kda::(\w+)$", node.value))
     for name in list(classes):  # inherited members, through the repository's own classes
         seen, todo = set(), list(bases.get(name, ()))
         while todo:
@@ -289,6 +292,7 @@ def sources() -> Sources:
     return Sources(
         frozenset(names),
         frozenset(strings),
+        frozenset(torch_ops),
         frozenset(re.findall(rf"--[\w-]+|{IDENTIFIER}", "\n".join([*texts, shell_text]))),
         frozenset(re.findall(IDENTIFIER, shell_text)),
         modules,
@@ -421,6 +425,8 @@ def problem(citation: Citation) -> str | None:
         if name in PYTHON or name in src.names or name in src.strings or name in src.shell_words:
             return None
         return f"{name} is defined nowhere in the sources"
+    if parts[:3] == ["torch", "ops", "kda"] and len(parts) == 4:  # kda's own torch op: defined by name
+        return None if parts[3] in src.torch_ops else f"no torch op kda::{parts[3]} is defined in the sources"
     if parts[0] in EXTERNAL_ROOTS and parts[0] not in src.stems and parts[0] not in src.classes:
         return None
     if _resolve_dotted(parts, src):
@@ -482,6 +488,7 @@ def test_allowances_are_used():
         "python -m benchmarks.llama_cpp --no-such-flag",
         "python -m benchmarks.no_such_benchmark",
         "KDA_NO_SUCH_VARIABLE=1",
+        "torch.ops.kda.no_such_op",
     ],
 )
 def test_a_stale_citation_is_caught(span):
@@ -500,6 +507,7 @@ def test_a_stale_citation_is_caught(span):
         "B=1 H=16 T=4096",
         "g = -inf",
         "np.dot",
+        "torch.ops.kda.forward",
     ],
 )
 def test_a_real_citation_passes(span):
