@@ -5,6 +5,7 @@ The documents are ``docs/*.md``, ``README.md`` and ``benchmarks/README.md``. Eac
 
 - a **command** (``python -m kda ...``, ``python benchmarks/x.py ...``, ``bash scripts/...``): the
   module or script must exist and every ``--flag`` must occur in the repository's sources;
+- a **flag** (a span that starts with ``--``): every ``--flag`` in it must occur in the sources;
 - an **environment assignment** (``NAME=value``): ``NAME`` must occur in the sources;
 - a **file path** (a span without spaces under one of the repository's top folders, or ending in a
   file suffix): it must exist, relative to the repository root or to the document's folder, or as
@@ -399,6 +400,9 @@ def problem(citation: Citation) -> str | None:
             return None
         missing = [f for f in FLAG.findall(args) if not _spelled(f, src)]
         return f"flags {missing} occur nowhere in the sources" if missing else None
+    if span.startswith("--"):  # a flag cited alone (`--one-core`, `--shapes 1x4096 8x512`)
+        missing = [f for f in FLAG.findall(span) if not _spelled(f, src)]
+        return f"flags {missing} occur nowhere in the sources" if missing else None
     if span.startswith(("http://", "https://")) or " " in span:
         env = ENV_ASSIGNMENT.match(span)
         if env and not _spelled(env.group(1), src):
@@ -489,6 +493,7 @@ def test_allowances_are_used():
         "python -m benchmarks.no_such_benchmark",
         "KDA_NO_SUCH_VARIABLE=1",
         "torch.ops.kda.no_such_op",
+        "--no-such-flag N",
     ],
 )
 def test_a_stale_citation_is_caught(span):
