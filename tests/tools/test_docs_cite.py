@@ -40,6 +40,7 @@ import functools
 import glob
 import keyword
 import re
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -227,7 +228,9 @@ def sources() -> Sources:
     for path in files:
         text = path.read_text()
         texts.append(text)
-        tree = ast.parse(text, str(path))
+        with warnings.catch_warnings():  # a source's own warnings (an invalid escape) are ruff's to report
+            warnings.simplefilter("ignore")
+            tree = ast.parse(text, str(path))
         module = _module_name(path)
         modules[module] = frozenset(_top_level(tree))
         stems.setdefault(module.rsplit(".", 1)[-1], []).append(module)
