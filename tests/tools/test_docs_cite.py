@@ -110,13 +110,11 @@ SUFFIXES = (".py", ".md", ".json", ".txt", ".sh", ".c", ".toml", ".patch", ".png
 IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
 # the documents' mathematical notation, not code names: a symbol of one or two letters, a digit and
 # a subscript at most (S, kg, Cp, U0, T_n, S_start)
-NOTATION = re.compile(r"[A-Za-z]{1,2}[0-9]?(?:_[A-Za-z0-9]+)?")  # S, kg, Cp, U0, T_n, S_start
+NOTATION = re.compile(r"[A-Za-z]{1,2}[0-9]?(?:_[A-Za-z0-9]+)?")
 CODE_NAME = re.compile(rf"{IDENTIFIER}(?:\.{IDENTIFIER})*")
 ENV_ASSIGNMENT = re.compile(r"([A-Z][A-Z0-9_]*)=\S*")
 COMMAND = re.compile(r"(?:env(?: -u \S+)* )?(python|bash|pip|pytest)\b(.*)")
 FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
-
-
 PYTHON = frozenset(keyword.kwlist) | frozenset(dir(builtins))
 
 
