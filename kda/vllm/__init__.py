@@ -116,6 +116,9 @@ def register() -> None:
     check_vllm_version()
     _patch_override_scan()
     _install_ops()
+    from . import completions
+
+    completions.install()
     _registered = True
 
 
