@@ -38,6 +38,7 @@ or issue each one stands in for.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 from .._errors import InvalidInputError
@@ -47,8 +48,16 @@ __all__ = ["KIMI_LINEAR", "install"]
 KIMI_LINEAR = "KimiLinearForCausalLM"
 _MLA_LAYER = "vllm.models.kimi_k3.nvidia.mla"
 _MLA_OPS = "vllm.models.kimi_k3.nvidia.ops.fused_mla_key_concat_kv_cache"
-_NOPE_OPS = ("fused_mla_key_concat_kv_cache_insert", "fused_mla_kv_concat", "fused_mla_decode_q_concat_kv_cache_insert")
-_FP8_OPS = ("fused_mla_key_concat_ds_mla_insert", "fused_mla_qkv_quant_kv_cache_fp8_insert", "fused_mla_kv_concat_quant_fp8")
+_NOPE_OPS = (
+    "fused_mla_key_concat_kv_cache_insert",
+    "fused_mla_kv_concat",
+    "fused_mla_decode_q_concat_kv_cache_insert",
+)
+_FP8_OPS = (
+    "fused_mla_key_concat_ds_mla_insert",
+    "fused_mla_qkv_quant_kv_cache_fp8_insert",
+    "fused_mla_kv_concat_quant_fp8",
+)
 _CUDA_OP = "fused_kimi_k3_mla_key_concat_kv_cache_insert"  # present in _C where vLLM has its kernels
 _UNQUANTIZED_CACHES = ("auto", "float32", "bfloat16", "float16", "half")
 
@@ -62,22 +71,51 @@ def _has_op(namespace: str, name: str) -> bool:
         return False
 
 
+#: the completions by name, in the order of the module docstring; ``KDA_VLLM_SKIP`` (comma-separated
+#: names) leaves the named ones out: to reproduce what each stands in for (``docs/vllm.md``)
+NAMES = ("kv_b_proj", "mla_ops", "block_size", "zero_blocks", "prefix_caching", "context_out")
+
+
+def skipped() -> frozenset[str]:
+    """The completions ``KDA_VLLM_SKIP`` names; :class:`kda.KdaError` for an unknown name."""
+    names = frozenset(n.strip() for n in os.environ.get("KDA_VLLM_SKIP", "").split(",") if n.strip())
+    unknown = sorted(names - set(NAMES))
+    if unknown:
+        raise InvalidInputError(f"KDA_VLLM_SKIP names {unknown}; the completions are {list(NAMES)}")
+    return names
+
+
 def install() -> None:
-    """Install every completion (idempotent; the caller checked the platform and version): the
-    platform's config step now, the others as their vLLM module is imported (at once if it is), so
-    that a server of another model imports none of them."""
+    """Install every completion (idempotent; the caller checked the platform and version) but those
+    ``KDA_VLLM_SKIP`` names: the platform's config step now, the others as their vLLM module is
+    imported (at once if it is), so that a server of another model imports none of them."""
     from . import when_imported
 
-    _keep_prefix_caching()
-    when_imported(_MLA_LAYER, _install_mla)
-    when_imported("vllm.v1.attention.backends.mla.cpu_mla", _accept_hybrid_block_sizes)
-    when_imported("vllm.v1.worker.cpu_model_runner", _zero_kernel_blocks)
-    when_imported("vllm.v1.attention.backends.mla.prefill.cpu_sdpa", _context_chunk_out)
+    skip = skipped()
+    if "prefix_caching" not in skip:
+        _keep_prefix_caching()
+    hooks = (
+        (_MLA_LAYER, lambda m: _install_mla(m, skip)),
+        (
+            "vllm.v1.attention.backends.mla.cpu_mla",
+            None if "block_size" in skip else _accept_hybrid_block_sizes,
+        ),
+        ("vllm.v1.worker.cpu_model_runner", None if "zero_blocks" in skip else _zero_kernel_blocks),
+        (
+            "vllm.v1.attention.backends.mla.prefill.cpu_sdpa",
+            None if "context_out" in skip else _context_chunk_out,
+        ),
+    )
+    for module, hook in hooks:
+        if hook is not None:
+            when_imported(module, hook)
 
 
-def _install_mla(module: Any) -> None:
-    _install_mla_ops(module)
-    _mark_kv_b_proj(module)
+def _install_mla(module: Any, skip: frozenset[str]) -> None:
+    if "mla_ops" not in skip:
+        _install_mla_ops(module)
+    if "kv_b_proj" not in skip:
+        _mark_kv_b_proj(module)
 
 
 def _install_mla_ops(layer_module: Any) -> None:

@@ -61,7 +61,9 @@ def refuse_fp8(name: str) -> Any:
     return refused
 
 
-def _insert(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor) -> None:
+def _insert(
+    kv_cache: torch.Tensor, slot_mapping: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor
+) -> None:
     """``kv_cache[s // B, s % B] = [latent | rope]`` for each token's slot ``s >= 0``."""
     if kv_cache.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise InvalidInputError(FP8_MSG.format(name="the cache insert", what=str(kv_cache.dtype)))
@@ -253,7 +255,12 @@ def context_chunk_into_out(run: Any) -> Any:
     given and returns ``(out, lse)``, as ``supports_out()`` promises."""
 
     def run_prefill_context_chunk(
-        self: Any, chunk: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None
+        self: Any,
+        chunk: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         result, lse = run(self, chunk, q, k, v)
         if out is None:
