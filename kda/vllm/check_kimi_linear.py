@@ -57,21 +57,25 @@ PHASE_TOKENS = 16  # greedy tokens a request in the multi-request phases
 CHUNK = 64  # max_num_batched_tokens of the chunked-prefill engine
 
 
-def build_model(path: str, moe: bool, seed: int = 0) -> Any:
+def build_model(
+    path: str, moe: bool, seed: int = 0, hidden: int = HIDDEN, kda_heads: int = KDA_HEADS,
+    kda_head_dim: int = KDA_HEAD_DIM, mla_heads: int = MLA_HEADS, experts: int = EXPERTS,
+) -> Any:  # fmt: skip
     """Write a random Kimi Linear (see the module docstring) to ``path`` in Moonshot's checkpoint
     format; return transformers' model (float32). The output head is scaled up for clear greedy
-    margins, the router's correction bias drawn (transformers initialises it to zero)."""
+    margins, the router's correction bias drawn (transformers initialises it to zero). The sizes
+    default to the check's; ``benchmarks/vllm_kda.py`` passes larger ones."""
     import torch
     import transformers
     from safetensors.torch import load_file, save_file
 
     layers = len(LAYER_TYPES)
     cfg = transformers.KimiLinearConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, moe_intermediate_size=HIDDEN // 2,
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
         num_hidden_layers=layers, layer_types=LAYER_TYPES,
         mlp_layer_types=["dense"] + ["sparse" if moe else "dense"] * (layers - 1),
-        num_attention_heads=MLA_HEADS, num_key_value_heads=MLA_HEADS, linear_num_heads=KDA_HEADS,
-        linear_head_dim=KDA_HEAD_DIM, linear_conv_kernel_dim=4, num_local_experts=EXPERTS,
+        num_attention_heads=mla_heads, num_key_value_heads=mla_heads, linear_num_heads=kda_heads,
+        linear_head_dim=kda_head_dim, linear_conv_kernel_dim=4, num_local_experts=experts,
         num_experts_per_tok=TOP_K, n_shared_experts=1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         tie_word_embeddings=False, **MLA,
     )  # fmt: skip
@@ -93,7 +97,7 @@ def build_model(path: str, moe: bool, seed: int = 0) -> Any:
     config["linear_attn_config"] = {
         "kda_layers": [i + 1 for i, t in enumerate(LAYER_TYPES) if t == "linear_attention"],
         "full_attn_layers": [i + 1 for i, t in enumerate(LAYER_TYPES) if t == "full_attention"],
-        "head_dim": KDA_HEAD_DIM, "num_heads": KDA_HEADS, "short_conv_kernel_size": 4,
+        "head_dim": kda_head_dim, "num_heads": kda_heads, "short_conv_kernel_size": 4,
     }  # fmt: skip
     config.update(
         first_k_dense_replace=1 if moe else layers, mla_use_nope=True, moe_router_activation_func="sigmoid"
@@ -170,8 +174,8 @@ def generate(path: str, dtype: str, engine: str, spec: str) -> None:
 
 def _record(o: Any) -> dict[str, Any]:
     seq = list(o.outputs[0].token_ids)
-    return {"tokens": seq, "first_logprob": o.outputs[0].logprobs[0][seq[0]].logprob,
-            "cached": int(o.num_cached_tokens or 0)}  # fmt: skip
+    lps = [o.outputs[0].logprobs[i][t].logprob for i, t in enumerate(seq)]
+    return {"tokens": seq, "first_logprob": lps[0], "logprobs": lps, "cached": int(o.num_cached_tokens or 0)}
 
 
 def _joining(llm: Any, prompts: list[list[int]], sp: Any) -> list[dict[str, Any]]:
@@ -210,7 +214,9 @@ def transformers_tokens(
                            return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
             seq = g.sequences[0, len(ids) :].tolist()
             first = torch.log_softmax(g.logits[0][0].float(), dim=-1)[seq[0]].item()
-            out.append({"tokens": seq, "first_logprob": first})
+            # the log probabilities of every token at each step: a mismatch's margin is reported
+            lps = [torch.log_softmax(x[0].float(), dim=-1) for x in g.logits]
+            out.append({"tokens": seq, "first_logprob": first, "logprobs": [x.tolist() for x in lps]})
     return out
 
 
@@ -227,6 +233,7 @@ class Result:
     dlogprob: float | None = None
     cached: list[int] = field(default_factory=list)
     seconds: float = 0.0
+    diffs: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -240,13 +247,21 @@ class Result:
 def compare(model: str, dtype: str, phase: str, vllm: dict[str, Any], hf: list[dict[str, Any]]) -> Result:
     """A :class:`Result` from the child's record of a phase and transformers' runs of its prompts."""
     equal = total = 0
-    for run in vllm["passes"]:
-        for v, h in zip(run, hf):
+    diffs = []
+    for k, run in enumerate(vllm["passes"]):
+        for i, (v, h) in enumerate(zip(run, hf)):
             equal += sum(a == b for a, b in zip(v["tokens"], h["tokens"]))
             total += len(h["tokens"])
+            t = next((t for t, (a, b) in enumerate(zip(v["tokens"], h["tokens"])) if a != b), None)
+            if t is not None:
+                a, b = v["tokens"][t], h["tokens"][t]
+                lp = h.get("logprobs")
+                gap = f", transformers' logprobs {lp[t][b]:.4f} against {lp[t][a]:.4f}" if lp else ""
+                where = f"{model} {dtype} {phase}: request {i} (pass {k + 1})"
+                diffs.append(f"{where} first differs at token {t}: vLLM {a}, transformers {b}{gap}")
     d = abs(vllm["passes"][0][0]["first_logprob"] - hf[0]["first_logprob"]) if phase == "one" else None
     cached = [r["cached"] for r in vllm["passes"][-1]] if phase == "prefix" else []
-    return Result(model, dtype, phase, equal, total, d, cached, vllm["seconds"])
+    return Result(model, dtype, phase, equal, total, d, cached, vllm["seconds"], diffs)
 
 
 def table(rows: list[Result]) -> str:

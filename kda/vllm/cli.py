@@ -100,6 +100,9 @@ def _check_kimi_linear(dtypes: tuple[str, ...], args: argparse.Namespace) -> int
 
     ok, rows = check_kimi_linear.check(dtypes, args.tokens, args.seed, args.keep)
     print(check_kimi_linear.table(rows))
+    for r in rows:
+        for line in r.diffs:
+            print(line)
     print(f"{'PASS' if ok else 'FAIL'}: float32 tokens all equal to transformers' (first-token logprob "
           f"within {LOGPROB_TOL}, cached tokens on the second pass), bfloat16 >= "
           f"{min(BF16_MIN_EQUAL, args.tokens)}/{args.tokens}")  # fmt: skip
