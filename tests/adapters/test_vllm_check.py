@@ -195,5 +195,26 @@ def test_kimi_linear_pass_rule_and_table():
     bf = ckl.compare("moe", "bfloat16", "one", run([[1, 2, 3], [4, 9, 6]]), hf)
     assert bf.ok is False and bf.total == 6  # 5 of 6 < min(28, 6)
     lines = ckl.table([r, bf]).splitlines()
-    assert len(lines) == 4 and lines[2].startswith("| dense | float32 | concurrent | 5/6 |")
+    assert len(lines) == 4 and lines[2].startswith("| dense | float32 | concurrent | 5/6 | 0 |")
     assert all(ln.endswith("| NO |") for ln in lines[2:])
+    assert r.diffs == [
+        "dense float32 concurrent: request 1 (pass 1) first differs at token 1: vLLM 9, transformers 5"
+    ]
+
+
+def test_kimi_linear_ties():
+    """A float32 mismatch where transformers' log probabilities of the two tokens are closer than
+    ``TIE_LOGPROB`` is a tie: that request's later tokens are not compared and the row passes; one
+    just wider is a mismatch; bfloat16 has no ties (its rule counts tokens)."""
+    ckl = pytest.importorskip("kda.vllm.check_kimi_linear")
+    lp = [[-9.0] * 12 for _ in range(3)]
+    lp[1][5], lp[1][9] = -0.7, -0.7 - 0.5 * ckl.TIE_LOGPROB  # transformers: 5; vLLM: 9, within a tie
+    hf = [{"tokens": [1, 5, 3], "first_logprob": -0.5, "logprobs": lp}]
+    vllm = {"passes": [[{"tokens": [1, 9, 4], "first_logprob": -0.5, "cached": 0}]], "seconds": 1.0}
+    r = ckl.compare("moe", "float32", "joining", vllm, hf)
+    assert (r.equal, r.total, r.ties, r.ok) == (1, 1, 1, True) and "a tie at token 1" in r.diffs[0]
+    lp[1][9] = -0.7 - 2 * ckl.TIE_LOGPROB
+    r = ckl.compare("moe", "float32", "joining", vllm, hf)
+    assert (r.equal, r.total, r.ties, r.ok) == (1, 3, 0, False) and "first differs at token 1" in r.diffs[0]
+    lp[1][9] = -0.7
+    assert ckl.compare("moe", "bfloat16", "one", vllm, hf).ties == 0
