@@ -163,8 +163,10 @@ def generate(path: str, dtype: str, engine: str, spec: str) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: faster to start
     from vllm import LLM, SamplingParams
 
+    from . import completions
+
     llm = LLM(model=path, skip_tokenizer_init=True, dtype=dtype, **engine_args(engine))
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"completions": completions.installed()}
     for ph in (Phase(**p) for p in json.loads(spec)):
         sp = SamplingParams(temperature=0.0, max_tokens=ph.tokens, logprobs=1, ignore_eos=True)
         t0 = time.perf_counter()
@@ -295,9 +297,10 @@ def check(
     keep: str | None = None, models: tuple[str, ...] = ("dense", "moe"),
 ) -> tuple[bool, list[Result]]:  # fmt: skip
     """Build each model, run its engines and transformers, compare; ``(passed, rows)``."""
-    from . import check_vllm_version
+    from . import check_vllm_version, completions
 
     check_vllm_version()
+    skip = completions.skipped()  # KDA_VLLM_SKIP: left out on purpose (docs/vllm.md's reproductions)
     engines = phases(seed, tokens)
     rows: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="kda-vllm-kimi-") as tmp:
@@ -311,6 +314,11 @@ def check(
                     got = run_child(
                         ["_generate_kimi_linear", path, dtype, engine, spec], f"{name} {dtype} {engine}"
                     )
+                    missing = [k for k, v in got["completions"].items() if not v and k not in skip]
+                    if missing:
+                        raise RuntimeError(
+                            f"vLLM run ({name} {dtype} {engine}): completions {missing} not in place"
+                        )
                     for ph in engines[engine]:
                         hf = transformers_tokens(model, ph.prompts, ph.tokens, dtype)
                         rows.append(compare(name, dtype, ph.name, got[ph.name], hf))

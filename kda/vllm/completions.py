@@ -250,3 +250,38 @@ def _context_chunk_out(module: Any) -> None:
     if getattr(run, "_kda_wrapped", None) is not None:
         return
     CPUSDPAMLAPrefillBackend.run_prefill_context_chunk = context_chunk_into_out(run)  # type: ignore[method-assign]
+
+
+def installed() -> dict[str, bool]:
+    """Whether each completion is in place in this process's vLLM modules (those not imported yet
+    count as not in place): what ``check --model kimi-linear``'s engine process reports."""
+    import sys
+
+    def flag(module: str, get: Any) -> bool:
+        m = sys.modules.get(module)
+        try:
+            return m is not None and bool(
+                getattr(get(m), "_kda", False) or getattr(get(m), "_kda_wrapped", None)
+            )
+        except AttributeError:
+            return False
+
+    from . import mla
+
+    layer = sys.modules.get(_MLA_LAYER)
+    return {
+        "kv_b_proj": flag(_MLA_LAYER, lambda m: m.MultiHeadLatentAttention.__init__),
+        "mla_ops": layer is not None
+        and (_has_op("_C", _CUDA_OP) or layer.fused_mla_kv_concat is mla.fused_mla_kv_concat),
+        "block_size": flag(
+            "vllm.v1.attention.backends.mla.cpu_mla", lambda m: m.CPUMLABackend.supports_block_size
+        ),
+        "zero_blocks": flag("vllm.v1.worker.cpu_model_runner", lambda m: m.CPUModelRunner._zero_block_ids),
+        "prefix_caching": flag(
+            "vllm.platforms.cpu", lambda m: m.CpuPlatform.check_and_update_config.__func__
+        ),
+        "context_out": flag(
+            "vllm.v1.attention.backends.mla.prefill.cpu_sdpa",
+            lambda m: m.CPUSDPAMLAPrefillBackend.run_prefill_context_chunk,
+        ),
+    }
