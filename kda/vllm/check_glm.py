@@ -30,7 +30,7 @@ import sys
 import time
 from typing import Any
 
-from .check import BF16_MIN_EQUAL, ENV, LOGPROB_TOL, TOKENS, VOCAB, prompt
+from ._common import BF16_MIN_EQUAL, LOGPROB_TOL, TOKENS, VOCAB, emit, prompt, run_child
 
 LAYERS, HEADS, HEAD_DIM, HIDDEN = 2, 2, 32, 64
 OPS = ("chunk_kda_with_fused_gate", "fused_recurrent_kda", "gather_initial_states", "scatter_states")
@@ -138,21 +138,12 @@ def generate(path: str, dtype: str, ids: list[int], tokens: int) -> None:
         "decode_logprobs": [out.logprobs[i][t].logprob for i, t in enumerate(seq)],
         "forced_logprobs": [r[t].logprob for r, t in zip(rows, seq)],
     }  # fmt: skip
-    print("KDA_VLLM_RESULT " + json.dumps(result), flush=True)
+    emit(result)
 
 
 def run(path: str, dtype: str, ids: list[int], tokens: int, timeout: float = 900) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "kda.vllm", "_generate_glm", path, dtype, json.dumps(ids), str(tokens)]
-    env = {**os.environ, **{k: v for k, v in ENV.items() if k not in os.environ}}
-    env.pop("KDA_VLLM", None)
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("KDA_VLLM_RESULT ")]
-    if p.returncode != 0 or not lines:
-        tail = "\n".join((p.stdout + p.stderr).splitlines()[-40:])
-        raise RuntimeError(
-            f"vLLM run of the GLM-5.3-Flash-style model ({dtype}) failed, exit {p.returncode}:\n{tail}"
-        )
-    return json.loads(lines[-1].split(" ", 1)[1])
+    what = f"the GLM-5.3-Flash-style model, {dtype}"
+    return run_child(["_generate_glm", path, dtype, json.dumps(ids), str(tokens)], what, timeout)
 
 
 def row_ok(dtype: str, r: dict[str, Any]) -> bool:

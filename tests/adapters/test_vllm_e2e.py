@@ -33,8 +33,8 @@ def test_plugin_installs_the_ops():
     """vLLM's own plugin loader finds kda's entry point and routes Kimi Linear's four functions to
     kda.vllm.ops, ``scatter_states`` to kda.vllm.glm, and GLM-5.3-Flash's two ops to kda.vllm.glm
     once GLM's package imports (its import fails on vLLM-CPU without a CPU torchvision: then the
-    hook is pending); vLLM's CPU override scan then runs with Numba imported (it crashed there
-    unpatched)."""
+    hook is pending); the MLA completions (kda.vllm.completions) are in place once their modules
+    import; vLLM's CPU override scan then runs with Numba imported (it crashed there unpatched)."""
     out = _python(
         "import numba, vllm.plugins as p\n"
         "p.load_general_plugins()\n"
@@ -65,6 +65,24 @@ def test_plugin_installs_the_ops():
         "    assert layer.scatter_states is glm.scatter_states\n"
         "    assert layer.gather_initial_states is ops.gather_initial_states\n"
         "print('glm ops', 'pending' if m is None else 'installed')\n"
+        "import kda.vllm.mla as mla\n"
+        "from vllm.models.kimi_k3.nvidia import mla as kimi_mla\n"
+        "from vllm.models.kimi_k3.nvidia.ops import fused_mla_key_concat_kv_cache as epi\n"
+        "from vllm import _custom_ops\n"
+        "for mod in (kimi_mla, epi):\n"
+        "    for name in ('fused_mla_key_concat_kv_cache_insert', 'fused_mla_kv_concat',\n"
+        "                 'fused_mla_decode_q_concat_kv_cache_insert'):\n"
+        "        assert getattr(mod, name) is getattr(mla, name), name\n"
+        "assert _custom_ops.gather_and_maybe_dequant_cache is mla.gather_and_maybe_dequant_cache\n"
+        "assert kimi_mla.MultiHeadLatentAttention.__init__._kda\n"
+        "from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend\n"
+        "assert CPUMLABackend.supports_block_size(128) and not CPUMLABackend.supports_block_size(24)\n"
+        "from vllm.v1.worker.cpu_model_runner import CPUModelRunner\n"
+        "assert CPUModelRunner._zero_block_ids._kda\n"
+        "from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend as S\n"
+        "assert S.run_prefill_context_chunk._kda_wrapped\n"
+        "from vllm.platforms.cpu import CpuPlatform\n"
+        "assert CpuPlatform.check_and_update_config.__func__._kda\n"
         "from vllm.platforms import current_platform\n"
         "current_platform.register_triton_kernel_overrides()\n"
         "d._rebind_kernels([(object(), object())])\n"
@@ -89,7 +107,8 @@ def test_plugin_off():
 
 def test_check_command():
     """``python -m kda.vllm check``: float32 tokens all equal, bfloat16 at least 28 of 32, first-token
-    log probabilities within 0.05; its exit status says so, and the table names both dtypes."""
+    log probabilities within 0.05, a repeated 300-token prompt served partly from the prefix cache
+    (vLLM's default block size); its exit status says so, and the table names both dtypes."""
     p = subprocess.run([sys.executable, "-m", "kda.vllm", "check"], cwd=ROOT, env=ENV, capture_output=True,
                        text=True, timeout=1500)  # fmt: skip
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -97,6 +116,29 @@ def test_check_command():
     assert len(rows) == 2, p.stdout
     assert rows[0].split("|")[2].strip() == "32/32"
     assert int(rows[1].split("|")[2].strip().split("/")[0]) >= 28
+    assert all(int(r.split("|")[8].strip().split("/")[0]) > 0 for r in rows), p.stdout
+    assert "PASS" in p.stdout
+
+
+def test_check_command_kimi_linear():
+    """``python -m kda.vllm check --model kimi-linear``: the released architecture (KDA + MLA, dense
+    and MoE) through vLLM-CPU + kda, float32 tokens all equal to transformers' in every run (one
+    prompt, concurrent prompts, requests joining, prefix caching with 64-token chunks and cached
+    tokens on the second pass), bfloat16 at least 28 of 32."""
+    cmd = [sys.executable, "-m", "kda.vllm", "check", "--model", "kimi-linear"]
+    p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1500)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = [ln.split("|") for ln in p.stdout.splitlines() if ln.startswith(("| dense", "| moe"))]
+    runs = {(r[1].strip(), r[2].strip(), r[3].strip()) for r in rows}
+    for model in ("dense", "moe"):
+        for phase in ("one", "concurrent", "joining", "prefix"):
+            assert (model, "float32", phase) in runs, p.stdout
+        assert (model, "bfloat16", "one") in runs, p.stdout
+    for r in rows:
+        equal, total = map(int, r[4].split("/"))
+        assert equal == total or r[2].strip() == "bfloat16", p.stdout
+        if r[3].strip() == "prefix":
+            assert min(int(c) for c in r[6].split(",")) > 0, p.stdout
     assert "PASS" in p.stdout
 
 

@@ -1,0 +1,53 @@
+"""What the checks of ``python -m kda.vllm check`` share (:mod:`kda.vllm.check`,
+:mod:`kda.vllm.check_glm`, :mod:`kda.vllm.check_kimi_linear`): the pass thresholds, the prompts, the
+vLLM child process's environment and its result line. No vLLM import."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from typing import Any
+
+TOKENS = 32
+BF16_MIN_EQUAL = 28  # of 32
+LOGPROB_TOL = 0.05
+VOCAB = 128
+PROMPT_LEN = 16
+# vLLM-CPU settings: no cutlass GEMM all-reduce; a small KV cache (GiB); the plugin on
+ENV = {"VLLM_KIMI_K3_GEMM_AR": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+RESULT = "KDA_VLLM_RESULT "
+
+
+def prompt(seed: int = 0, length: int = PROMPT_LEN) -> list[int]:
+    """``length`` random token ids in ``[3, VOCAB)`` (0-2 are the special tokens), from ``seed``."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(length)]
+
+
+def child_env() -> dict[str, str]:
+    """This process's environment with :data:`ENV`'s defaults, and the plugin on."""
+    env = dict(os.environ)
+    for k, v in ENV.items():
+        env.setdefault(k, v)
+    env.pop("KDA_VLLM", None)
+    return env
+
+
+def run_child(args: list[str], what: str, timeout: float = 900) -> dict[str, Any]:
+    """Run ``python -m kda.vllm *args`` and return the JSON of its last :data:`RESULT` line;
+    ``RuntimeError`` with the output's tail when it fails or prints none."""
+    cmd = [sys.executable, "-m", "kda.vllm", *args]
+    p = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith(RESULT)]
+    if p.returncode != 0 or not lines:
+        tail = "\n".join((p.stdout + p.stderr).splitlines()[-40:])
+        raise RuntimeError(f"vLLM run ({what}) failed, exit {p.returncode}:\n{tail}")
+    return json.loads(lines[-1][len(RESULT) :])
+
+
+def emit(result: dict[str, Any]) -> None:
+    """The child's result line (read by :func:`run_child`)."""
+    print(RESULT + json.dumps(result), flush=True)
