@@ -402,5 +402,7 @@ def chunk_state_gradient(
         loc = _prepare(ops, xp, *(x[:, :, t, ...] for x in (q, k, v, g, beta)), scale, C).local
         dO = ops.to_chunks(grad_output[:, :, t, ...], C, Cp)
         zeros = xp.zeros((n1 - n0, *dend.shape), dtype=dend.dtype, device=dend.device)
-        dend = ops.chunk_state_grad_pass(loc.w, loc.u0, loc.k_suffix, loc.total, loc.qg, loc.A, dO, zeros, dend)[3]
+        dend = ops.chunk_state_grad_pass(
+            loc.w, loc.u0, loc.k_suffix, loc.total, loc.qg, loc.A, dO, zeros, dend
+        )[3]
     return dend
