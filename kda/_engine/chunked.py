@@ -374,7 +374,9 @@ def chunk_end_state(ops: Any, xp: Any, q, k, v, g, beta, scale: float, start: An
     if T == 0 or B * H == 0:
         return xp.asarray(start, copy=True)
     if ops.chunk_forward_heads is not None:  # the fused forward, neither outputs nor boundaries kept
-        return ops.chunk_forward_heads(q, k, v, g, beta, scale, start, chunk_size, None, None)
+        return ops.chunk_forward_heads(
+            q, k, v, g, beta, scale, start, chunk_size, output=None, boundaries=None
+        )
     state = start
     for n0, n1 in slabs(q.shape, chunk_size, max(K, v.shape[-1]), ops.SLAB_ELEMENTS):
         t = _steps(n0, n1, chunk_size, T)
