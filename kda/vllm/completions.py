@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
 from typing import Any
 
 from .._errors import InvalidInputError
@@ -85,12 +86,11 @@ def skipped() -> frozenset[str]:
     return names
 
 
-def install() -> None:
+def install(when_imported: Callable[[str, Callable[[Any], None]], None]) -> None:
     """Install every completion (idempotent; the caller checked the platform and version) but those
     ``KDA_VLLM_SKIP`` names: the platform's config step now, the others as their vLLM module is
-    imported (at once if it is), so that a server of another model imports none of them."""
-    from . import when_imported
-
+    imported (at once if it is; ``when_imported`` is :func:`kda.vllm.when_imported`), so that a
+    server of another model imports none of them."""
     skip = skipped()
     if "prefix_caching" not in skip:
         _keep_prefix_caching()
