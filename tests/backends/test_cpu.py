@@ -162,7 +162,9 @@ def test_fused_passes_read_strided_inputs_in_place_and_match_the_reference(regim
 
     def run(ops, xs, state=p.initial_state, dS=p.grad_final_state):
         o, fin, bnd = chunk_forward(ops, np, *xs[:5], SCALE, state, 48)
-        grads = chunk_backward(ops, np, *xs[:5], SCALE, state, bnd, xs[5], dS, 48)
+        grads = chunk_backward(
+            ops, np, *xs[:5], SCALE, state, bnd, grad_output=xs[5], dfinal=dS, chunk_size=48
+        )
         return [o, fin, bnd, *grads]
 
     strided = run(cpu, views)
