@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -43,23 +42,16 @@ from typing import Any
 
 import torch
 
+from benchmarks import _common
+
 RESULTS = Path(__file__).resolve().parent / "results" / "vllm_kda.json"
 
 
-def _timed(fns: dict[str, Callable[[], Any]], repeats: int, rounds: int) -> dict[str, float]:
-    """Median microseconds of ``repeats`` calls, best of ``rounds``; the functions interleaved."""
-    best = {name: float("inf") for name in fns}
-    for fn in fns.values():
-        fn()  # compile / warm
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            best[name] = min(best[name], 1e6 * statistics.median(times))
-    return best
+def _median_us(fns: dict[str, Callable[[], Any]], repeats: int, rounds: int) -> dict[str, float]:
+    """Median microseconds per call of each function: :func:`benchmarks._common.rounds` (one call
+    per sample, ``repeats`` samples a round, the functions alternating over ``rounds`` rounds)."""
+    timings = _common.rounds(fns, rounds, warm_up=1, loops=1, repeats=repeats)
+    return {name: 1e6 * t.median_s for name, t in timings.items()}
 
 
 def _pool(args: argparse.Namespace, gen: torch.Generator) -> torch.Tensor:
@@ -188,10 +180,10 @@ def ops_part(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for name, fns in calls:
         reps = max(1, args.repeats // 20) if "prefill" in name else args.repeats
-        rows.append({"op": name, **_timed(fns, reps, args.rounds)})
+        rows.append({"op": name, **_median_us(fns, reps, args.rounds)})
     H, D = args.heads, args.head_dim
     print(f"\nadapters against kda.torch (H={H}, K=V={D}, float32; pool slot stride padded as vLLM-CPU's; "
-          f"median us, best of {args.rounds})\n")  # fmt: skip
+          f"median us over {args.rounds} rounds)\n")  # fmt: skip
     print("| op | kda.torch us | adapter us | added us | added % | target (20 % or 30 us) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:

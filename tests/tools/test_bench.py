@@ -191,9 +191,6 @@ BENCHMARKS = ROOT / "benchmarks"
 # what benchmarks/_common.py defines once (inputs, GEMM reference, timer, machine description):
 # no other benchmark module may define its own
 SHARED = {"_inputs", "_gemm_rate", "_timed", "_machine", "_cpu_model"}
-# benchmarks/vllm_kda.py is the vLLM helper's (it still defines its own ``_timed``; moving it onto
-# benchmarks._common.rounds is that file's owner's change)
-NOT_YET = {"vllm_kda": {"_timed"}}
 
 
 def _modules() -> dict[str, ast.Module]:
@@ -250,7 +247,7 @@ def test_benchmarks_share_one_definition_of_inputs_gemm_timer_and_machine():
     assert {"inputs", "draw", "gemm_rate", "rounds", "timed", "machine", "describe"} <= common
     for name, tree in trees.items():
         defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.ClassDef)}
-        own = (defined & SHARED) - NOT_YET.get(name, set())
+        own = defined & SHARED
         assert not own, f"benchmarks/{name}.py defines its own {sorted(own)}: use benchmarks._common"
         # gate regimes come from kda.testing: no private table of them
         for node in ast.walk(tree):
