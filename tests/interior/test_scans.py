@@ -58,8 +58,7 @@ def _torch_inputs(B: int, T: int, H: int, K: int, V: int, N: int):
 def test_torch_backward_with_boundaries_in_the_loss_scans_once(counted, packed):
     """``kda.torch.chunk_kda`` whose chunk-start states reach the loss: one validation (the
     forward's), each input scanned once (the forward), each cotangent once (the backward)."""
-    import torch
-
+    torch = pytest.importorskip("torch")
     import kda.torch as kt
 
     validations, scans = counted
