@@ -34,6 +34,8 @@ to one thread for the duration of a call through the process-wide, reference-cou
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import itertools
 import os
 import threading
@@ -105,23 +107,39 @@ def _run(kernel: Any, items: int, *inputs: Any, blas: bool = True, **outputs: An
     while the kernels run (``blas``): they call it from every thread. Every range runs with
     subnormals flushed to zero (:mod:`._fpenv`), on the pool's threads and the calling one alike.
     """
+    # the kernel called positionally (outputs in its own parameter order): a Numba dispatcher binds
+    # keyword arguments in Python, on every range of every call
+    inputs = (*inputs, *(outputs.pop(name) for name in _outputs(kernel, len(inputs))))
+    if outputs:
+        raise TypeError(f"{kernel.__name__} has no outputs {sorted(outputs)}")  # a misnamed output
     workers = min(items, threads())
-    size = sum(int(getattr(a, "size", 0)) for a in inputs) + sum(int(a.size) for a in outputs.values())
+    size = sum(int(getattr(a, "size", 0)) for a in inputs)
     if size < INLINE_ELEMENTS:
         workers = 1
     with PIN.hold() if blas else contextlib.nullcontext():
         if workers <= 1:
-            _fpenv.run(kernel, *inputs, **outputs, lo=0, hi=items)
+            _fpenv.run(kernel, *inputs, 0, items)
             return
         parts = min(items, workers * SPLIT)
         bounds = [items * i // parts for i in range(parts + 1)]
         pool = _pool(workers)
         run = _on_worker if blas else _fpenv.run
-        futures = [
-            pool.submit(run, kernel, *inputs, **outputs, lo=a, hi=b) for a, b in itertools.pairwise(bounds)
-        ]
+        futures = [pool.submit(run, kernel, *inputs, a, b) for a, b in itertools.pairwise(bounds)]
         for f in futures:
             f.result()
+
+
+@functools.cache
+def _outputs(kernel: Any, n_inputs: int) -> tuple[str, ...]:
+    """The names of ``kernel``'s parameters after its first ``n_inputs``, but ``lo, hi`` (its last
+    two: the range): its outputs, in order."""
+    parameters = inspect.signature(getattr(kernel, "py_func", kernel)).parameters.values()
+    if any(p.kind is p.VAR_POSITIONAL for p in parameters):  # takes everything positionally
+        return ()
+    names = tuple(p.name for p in parameters)
+    if names[-2:] != ("lo", "hi"):
+        raise TypeError(f"{kernel.__name__}'s last parameters must be lo, hi; got {names[-2:]}")
+    return names[n_inputs:-2]
 
 
 def _on_worker(kernel: Any, *args: Any, **kwargs: Any) -> None:

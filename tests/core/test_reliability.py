@@ -184,7 +184,7 @@ def test_mkl_is_pinned_on_each_thread_that_runs_kda(monkeypatch):
 
     ranges: list[int] = []
 
-    def probe(*args, lo, hi):  # a kernel: lo, hi its range
+    def probe(*args):  # a kernel: its last two arguments are its range lo, hi
         ranges.append(lib.MKL_Get_Max_Threads())
 
     monkeypatch.setattr(kda.cpu, "threads", lambda: 2)
