@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers import BACKENDS
-from test_decode_pools import POOL_DTYPES, _bits, _check, _inputs, _pool
+from test_decode_pools import POOL_DTYPES, _bits, _check, _inputs, _pool, ml_dtypes
 
 import kda
 
@@ -181,6 +181,8 @@ def test_torch_bfloat16_pool_view_follows_the_tensor():
     (``set_``) or a new shape is read anew, and the view goes with the tensor."""
     if "cpu" not in BACKENDS:
         pytest.skip("no cpu backend")
+    if ml_dtypes is None:
+        pytest.skip("needs ml_dtypes (a bfloat16 pool's NumPy view)")
     import kda.torch as kt
 
     rng = np.random.default_rng(25)
