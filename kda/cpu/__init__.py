@@ -98,9 +98,9 @@ if hasattr(os, "register_at_fork"):
 
 
 def _run(kernel: Any, items: int, *inputs: Any, blas: bool = True, **outputs: Any) -> None:
-    """``kernel(*inputs, **outputs, lo=, hi=)`` (a kernel of :mod:`._kernels`) over ``items``
+    """``kernel(*inputs, *outputs, lo, hi)`` (a kernel of :mod:`._kernels`) over ``items``
     independent items, in ranges ``[lo, hi)`` run by one thread per core; ``outputs``: the
-    arrays it writes, by the kernel's names for them.
+    arrays it writes, named as the kernel names them (passed in its parameter order).
 
     There are :data:`SPLIT` ranges per thread, taken in turn by whichever thread is free, so a
     core that other processes keep busy does not hold up the call. BLAS is pinned to one thread
@@ -142,10 +142,10 @@ def _outputs(kernel: Any, n_inputs: int) -> tuple[str, ...]:
     return names[n_inputs:-2]
 
 
-def _on_worker(kernel: Any, *args: Any, **kwargs: Any) -> None:
+def _on_worker(kernel: Any, *args: Any) -> None:
     """A range of a kernel on a pool thread, with that thread's MKL (where loaded) on one thread."""
     with PIN.this_thread():
-        _fpenv.run(kernel, *args, **kwargs)
+        _fpenv.run(kernel, *args)
 
 
 def _c(x: Any, dtype: Any) -> np.ndarray:

@@ -59,14 +59,14 @@ def flushing_bits(mxcsr: int) -> int:
     return mxcsr & FLUSH
 
 
-def run(kernel: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``kernel(*args, **kwargs)`` with subnormals flushed to zero on this thread, its control bits
-    (and so its floating-point environment) as they were afterwards."""
+def run(kernel: Callable[..., Any], *args: Any) -> Any:
+    """``kernel(*args)`` with subnormals flushed to zero on this thread, its control bits (and so
+    its floating-point environment) as they were afterwards."""
     if not X86:
-        return kernel(*args, **kwargs)
+        return kernel(*args)
     m = _COMPILED[0] if _COMPILED else _compiled()
     old = m.enter()
     try:
-        return kernel(*args, **kwargs)
+        return kernel(*args)
     finally:
         m.leave(old)
