@@ -1,5 +1,9 @@
 """``python -m kda``: check the chunked KDA against the recurrence on every available backend.
 
+``python -m kda warmup`` compiles every kernel of the CPU backend ahead of time (float32 and
+float64) into its cache, and prints how long that took: for images and servers, so that no
+process pays the compilation at its first call.
+
 The benchmarks live outside the library, in the repository's ``benchmarks/`` folder
 (``python -m benchmarks.chunk --help`` from the repository root).
 """
@@ -190,8 +194,120 @@ def check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _warm_calls(dtype: str) -> None:
+    """Small calls of every NumPy entry point on the cpu backend, in ``dtype``: each layout and
+    kind of state the kernels take (head-first and time-major inputs, states ``[K, V]`` and
+    ``[V, K]``, packed sequences), the chunked route and the recurrent one (short sequences), and
+    decoding from every kind of pool (16-bit pools for float32)."""
+    for layout in ("head_first", "time_major"):
+        x, options = make_inputs(1, 2, 80, 16, 16, dtype, layout=layout)  # 80 steps: the chunked route
+        inputs = [x[n] for n in INPUTS]
+        for v_first in (False, True):
+            state = np.swapaxes(x["initial_state"], -1, -2) if v_first else x["initial_state"]
+            grad_final = np.swapaxes(x["grad_final_state"], -1, -2) if v_first else x["grad_final_state"]
+            call = {"backend": "cpu", "initial_state": state, "state_v_first": v_first, **options}
+            out = kda.chunk_kda(*inputs, save_boundaries=True, **call)
+            kda.chunk_kda_backward(*inputs, out.boundaries, x["grad_output"], grad_final, **call)
+        out = kda.chunk_kda(*inputs, save_boundaries=True, backend="cpu", **options)  # no state
+        kda.chunk_kda_backward(*inputs, out.boundaries, x["grad_output"], None, backend="cpu", **options)
+        kda.chunk_kda_transition(*inputs, backend="cpu", **options)
+        kda.chunk_kda_transition_backward(*inputs, x["grad_output"], backend="cpu", **options)
+        short = {n: a[:, :, :8] if layout == "head_first" else a[:, :8] for n, a in x.items() if a.ndim >= 3}
+        s = [short[n] for n in INPUTS]
+        for route in ({"initial_state": x["initial_state"]}, {}):  # 8 steps: the recurrent route
+            kda.chunk_kda(*s, save_boundaries=True, backend="cpu", **route, **options)
+            kda.recurrent_kda(*s, backend="cpu", **route, **options)
+            kda.recurrent_kda_backward(*s, short["grad_output"], None, backend="cpu", **route, **options)
+        _warm_decode(dtype, layout)
+    x, options = make_inputs(1, 2, 80, 16, 16, dtype, varlen=3)
+    inputs = [x[n] for n in INPUTS]
+    out = kda.chunk_kda(
+        *inputs, initial_state=x["initial_state"], save_boundaries=True, backend="cpu", **options
+    )
+    kda.chunk_kda_backward(
+        *inputs, out.boundaries, x["grad_output"], x["grad_final_state"], initial_state=x["initial_state"],
+        backend="cpu", **options,
+    )  # fmt: skip
+
+
+def _warm_decode(dtype: str, layout: str) -> None:
+    """Decode steps (one and two tokens a request) from each kind of pool the cpu backend keeps."""
+    pools = [dtype] if dtype == "float64" else [dtype, "float16"]
+    try:
+        import ml_dtypes
+    except ImportError:
+        pass
+    else:
+        if dtype == "float32":
+            pools.append(ml_dtypes.bfloat16)
+    N, P, H, K, V = 2, 3, 2, 16, 16
+    rng = np.random.default_rng(0)
+    for T in (1, 2):
+        x, options = make_inputs(N, H, T, K, V, dtype, layout=layout)
+        inputs = [x[n] for n in INPUTS]
+        slots = np.array([2, 0], np.int64)
+        for pool_dtype in pools:
+            for v_first in (False, True):
+                pool = rng.standard_normal((P, H, K, V)).astype(pool_dtype)
+                call = {"backend": "cpu", "state_v_first": v_first, **options}
+                kda.decode_kda(*inputs, pool, slots, **call)
+                kda.prepare_decode_kda(*inputs, pool, slots, **call).run()
+
+
+def warmup(args: argparse.Namespace) -> int:
+    """Compile every kernel of the CPU backend for ``args.dtype`` (both by default) into its cache;
+    prints the time taken and how many entry points were compiled or loaded from the cache."""
+    from ._backend import cpu_available
+
+    if not cpu_available():
+        print("kda: the cpu backend is not available here (it needs numba and scipy); nothing to compile")
+        return 1
+    from numba.core import event
+
+    from .cpu import _compile
+
+    compiled: list[str] = []
+
+    class Count(event.Listener):
+        def __init__(self) -> None:
+            self.depth = 0
+
+        def on_start(self, ev: event.Event) -> None:
+            self.depth += 1
+
+        def on_end(self, ev: event.Event) -> None:
+            self.depth -= 1
+            if self.depth == 0:
+                compiled.append(getattr(ev.data["dispatcher"], "__qualname__", "?"))
+
+    started, cpu = time.perf_counter(), time.process_time()
+    with event.install_listener("numba:compile", Count()):
+        for dtype in args.dtype:
+            _warm_calls(dtype)
+    where = {None: "none (every process compiles)", "numba": "Numba's cache directory"}
+    cache = where.get(_compile.CACHE, _compile.CACHE)
+    print(
+        f"kda {kda.__version__}: cpu kernels ready for {' and '.join(args.dtype)} in "
+        f"{time.perf_counter() - started:.1f} s ({time.process_time() - cpu:.1f} s of CPU time; "
+        f"{len(compiled)} entry points compiled, the rest loaded); cache: {cache}"
+    )
+    return 0
+
+
+def _warmup_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m kda warmup", description="Compile every kernel of the CPU backend ahead of time."
+    )
+    parser.add_argument("--dtype", nargs="+", choices=sorted(TOLERANCE), default=sorted(TOLERANCE))
+    return parser
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m kda", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m kda",
+        description=__doc__.splitlines()[0],
+        epilog="python -m kda warmup: compile the CPU kernels ahead of time (see its --help)",
+    )
     for name, value in DEFAULTS.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
     parser.add_argument("--dtype", choices=sorted(TOLERANCE), default="float32")
@@ -204,6 +320,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["warmup"]:
+        return warmup(_warmup_parser().parse_args(argv[1:]))
     return check(_parser().parse_args(argv))
 
 

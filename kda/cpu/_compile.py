@@ -1,12 +1,17 @@
 """How the CPU backend's Numba functions are compiled: the one decorator every Numba module of
 :mod:`kda.cpu` uses (:func:`jit`: the chunk kernels, the decode kernel, the MXCSR functions), its
-disk cache, and the block sizes chosen per kind of core (imported on first use: this imports numba).
+disk cache, the notice of the first compilation, and the block sizes chosen per kind of core
+(imported on first use: this imports numba).
 
-The cache: whether Numba can write one for this directory is decided once, here, before any
-function is decorated (:data:`CACHING`, asked of Numba's own cache locators: ``NUMBA_CACHE_DIR``,
-the ``__pycache__`` beside the sources, the user-wide cache directory). Where none is writable (a
-read-only install under a user without a writable home) every function compiles per process,
-uncached; nothing raises later.
+The cache: where it is written is decided once, here, before any function is decorated
+(:data:`CACHE`). First Numba's own cache locators (``NUMBA_CACHE_DIR``, the ``__pycache__`` beside
+the sources, the user-wide ``$XDG_CACHE_HOME/numba`` or ``~/.cache/numba``); where none is
+writable (a read-only install under a user without a writable home), kda's own per-user
+directory in the temporary directory (:func:`fallback_dir`: ``kda-numba-<uid>``, mode ``0700``,
+used only where it is this user's and no other user can write it: a cache entry is a pickle).
+Only where that fails too does every function compile per process, uncached; nothing raises
+later. Cache files are written whole and renamed into place (Numba's own writing), so processes
+that compile at once leave a readable cache; the last to write an entry wins.
 
 The kernels live in several modules by phase (:mod:`._products`, :mod:`._pairs`, :mod:`._solve`,
 :mod:`._passes`, :mod:`._fused`) that call each other's compiled functions. Numba's cache checks
@@ -14,16 +19,26 @@ only the source file that defines a kernel, so a kernel would keep running stale
 of helpers in another file after they change; every kernel's cache entry is therefore stamped
 with a hash of all of these files (:data:`SOURCE_STAMP`): a change to any of them recompiles all.
 The decode kernels and the MXCSR functions call nothing of another file and are not stamped.
+
+The first compilation of a kda function in a process is announced once, on the ``kda.cpu``
+logger at level ``WARNING`` (shown by Python's default handler; silenced with
+``logging.getLogger("kda.cpu").setLevel(logging.ERROR)``); each compiled entry point's time follows
+at level ``INFO``. ``python -m kda warmup`` compiles every kernel ahead of time.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import stat
+import tempfile
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import numba
+from numba.core import caching, event
 
 # No nnan/ninf: -inf gates must stay exact. Reassociation lets channel loops vectorise; the
 # compiled order is fixed, so results are deterministic.
@@ -85,11 +100,11 @@ def _probe() -> int:  # pragma: no cover - never called: decorated once to ask N
 
 
 def cache_writable() -> bool:
-    """Whether Numba can keep a disk cache of the functions of this directory: one of its cache
-    locators (``NUMBA_CACHE_DIR``, the ``__pycache__`` beside the sources, the user-wide cache
-    directory) finds a directory it can create and write a file in. Numba asks them when a
-    function is decorated with ``cache=True`` and raises where none can; asked here with a probe
-    function of this file (every Numba module of :mod:`kda.cpu` sits in this directory)."""
+    """Whether Numba's own cache locators (``NUMBA_CACHE_DIR``, the ``__pycache__`` beside the
+    sources, the user-wide cache directory) find a directory they can create and write a file in.
+    Numba asks them when a function is decorated with ``cache=True`` and raises where none can;
+    asked here with a probe function of this file (every Numba module of :mod:`kda.cpu` sits in
+    this directory)."""
     try:
         numba.njit(cache=True)(_probe)
     except (RuntimeError, OSError):  # numba: "cannot cache function ...: no locator available"
@@ -97,24 +112,127 @@ def cache_writable() -> bool:
     return True
 
 
-# decided once, before any function is decorated: False where no cache is writable (a read-only
-# install, no writable home): every function then compiles per process
-CACHING = cache_writable()
+def fallback_dir(base: str | None = None) -> str | None:
+    """kda's own cache directory where Numba finds none: ``kda-numba-<uid>`` in ``base`` (default:
+    the temporary directory, :func:`tempfile.gettempdir`), created with mode ``0700``; None where it
+    cannot be created or written, or is not safe to load from: not a directory of this user's (a
+    link, another user's) or writable by others (Numba's cache index is a pickle: an entry written
+    by another user could run code here)."""
+    base = tempfile.gettempdir() if base is None else base
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    path = os.path.join(base, f"kda-numba-{uid if uid is not None else 'user'}")
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode) or (uid is not None and st.st_uid != uid):
+            return None
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return None
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError:
+        return None
+    return path
+
+
+class _FallbackLocator(caching._SourceFileBackedLocatorMixin, caching._CacheLocator):
+    """Numba cache locator of :func:`fallback_dir` (a subdirectory per source directory, as
+    Numba's ``NUMBA_CACHE_DIR`` locator lays it out)."""
+
+    root = ""
+
+    def __init__(self, py_func: Any, py_file: str) -> None:
+        self._py_file = py_file
+        self._lineno = py_func.__code__.co_firstlineno
+        self._cache_path = os.path.join(self.root, self.get_suitable_cache_subpath(py_file))
+
+    def get_cache_path(self) -> str:
+        return self._cache_path
+
+
+class _FallbackImpl(caching.CompileResultCacheImpl):
+    _locator_classes: ClassVar[list[type]] = [_FallbackLocator]
+
+
+class _FallbackCache(caching.FunctionCache):
+    """Numba's function cache, located in :func:`fallback_dir` only."""
+
+    _impl_class = _FallbackImpl
+
+
+def _choose_cache() -> str | None:
+    """``"numba"`` where Numba's own locators find a writable directory, else kda's
+    :func:`fallback_dir`, else None (no cache: every function compiles per process)."""
+    if cache_writable():
+        return "numba"
+    _FallbackLocator.root = fallback_dir() or ""
+    return _FallbackLocator.root or None
+
+
+# decided once, before any function is decorated: "numba" (Numba's own cache directories), kda's
+# fallback directory, or None where no cache is writable (every function then compiles per process)
+CACHE = _choose_cache()
+CACHING = CACHE is not None
+
+LOG = logging.getLogger("kda.cpu")
+
+
+class _CompileNotice(event.Listener):
+    """Announces the first compilation of a kda function in the process (``WARNING``, once) and
+    logs each compiled entry point's time (``INFO``): Numba's ``numba:compile`` events, which
+    fire only where a function is compiled (not where it is loaded from the cache)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.started = 0.0
+        self.told = False
+
+    def on_start(self, ev: event.Event) -> None:
+        self.depth += 1
+        if self.depth != 1 or not _ours(ev.data["dispatcher"]):
+            return
+        self.started = time.perf_counter()
+        if not self.told:
+            self.told = True
+            where = "nowhere: no cache directory is writable" if CACHE is None else "in a cache"
+            LOG.warning(
+                "kda: compiling the CPU kernels for their first use (tens of seconds; kept %s). "
+                "`python -m kda warmup` compiles them all ahead of time.",
+                where,
+            )
+
+    def on_end(self, ev: event.Event) -> None:
+        self.depth -= 1
+        if self.depth == 0 and _ours(ev.data["dispatcher"]):
+            name = ev.data["dispatcher"].py_func.__name__
+            args = ", ".join(str(a) for a in ev.data["args"])
+            LOG.info("kda.cpu compiled %s in %.1f s (%s)", name, time.perf_counter() - self.started, args)
+
+
+def _ours(dispatcher: Any) -> bool:
+    module = getattr(getattr(dispatcher, "py_func", None), "__module__", "") or ""
+    return module.startswith("kda.")
+
+
+event.register("numba:compile", _CompileNotice())
 
 
 def jit(
     fastmath: Any = _FASTMATH, *, error_model: str = "numpy", stamp: bool = True, **options: Any
 ) -> Callable[[Callable[..., Any]], Any]:
     """The decorator of every Numba function of :mod:`kda.cpu`: ``numba.njit`` with ``nogil``,
-    ``fastmath``, ``error_model`` and ``options``, cached on disk where :data:`CACHING` (else
-    compiled per process). With ``stamp``, the function's cache entries are stamped with
+    ``fastmath``, ``error_model`` and ``options``, cached on disk where :data:`CACHING` (in kda's
+    :func:`fallback_dir` where Numba's own directories are not writable), else compiled per
+    process. With ``stamp``, the function's cache entries are stamped with
     :data:`SOURCE_STAMP` (the kernels, which call each other across files); without, Numba's
     own check of the function's file alone (a module that calls no compiled function of another)."""
 
-    njit = numba.njit(cache=CACHING, nogil=True, fastmath=fastmath, error_model=error_model, **options)
+    options = {"nogil": True, "fastmath": fastmath, "error_model": error_model, **options}
+    njit = numba.njit(cache=CACHE == "numba", **options)
 
     def decorate(fn: Callable[..., Any]) -> Any:
         kernel = njit(fn)
+        if CACHE is not None and CACHE != "numba":
+            kernel._cache = _FallbackCache(kernel.py_func)  # what Dispatcher.enable_caching does
         index = getattr(getattr(kernel, "_cache", None), "_cache_file", None)
         if stamp and CACHING and index is not None:  # Numba's index of the function's cache entries
             index._source_stamp = (SOURCE_STAMP, index._source_stamp)

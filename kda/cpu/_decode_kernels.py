@@ -582,7 +582,8 @@ def decode(q, k, v, g, beta, scale, src, src_slot, dst, dst_slot, start, dest, o
                 _keep(_state(dst, slot * dst_slot + h * KV, rows, cols), scratch)
         if steps == 0 and W == 1 and dest[n, 0] >= 0:
             to = dest[n, 0] * dst_slot + h * KV  # no steps: the final state is the start state
-            dst[to : to + KV] = src[at : at + KV]
+            for i in range(KV):  # element by element: a slice assignment compiles Numba's shape-error text
+                dst[to + i] = src[at + i]
 
 
 @_jit

@@ -15,7 +15,7 @@ import numpy as np
 from . import _compile as cfg
 from ._compile import jit
 from ._pairs import _factor_grads, _local_pairs, _sum_products
-from ._products import _mm, empty2
+from ._products import _mm, copy2, empty2
 from ._solve import _solve_blocks, _solve_blocks_t, _substitute
 
 
@@ -178,7 +178,7 @@ def forward_heads(
     for bh in range(lo, hi):
         b = bh // H
         h = bh - b * H
-        S[:, :] = state[b, h]
+        copy2(state[b, h], S)
         seen_in = seen_out = 0.0
         for n in range(NT):
             t0 = n * C
@@ -187,9 +187,11 @@ def forward_heads(
             _load(g, b, h, t0, m, gc)
             seen_in += _decays_screen(gc)  # its padding rows are zeros
             _load_beta(beta, b, h, t0, m, bc)
-            _local_pairs(qc, kc, gc, bc, s, qg, kg, k_suffix, total, A, L, Minv, pre, suf, kd, False)
+            # bool(False): a run-time bool; a literal False would compile _local_pairs once more
+            no_inverse = bool(False)  # noqa: UP018
+            _local_pairs(qc, kc, gc, bc, s, qg, kg, k_suffix, total, A, L, Minv, pre, suf, kd, no_inverse)
             if with_boundaries:
-                boundaries[n, b, h] = S
+                copy2(S, boundaries[n, b, h])
             if n == 0 and _is_zero(S):
                 R[:, :] = 0.0  # no initial state: [kg; qg] S is zero, skip the product
             else:
@@ -210,7 +212,7 @@ def forward_heads(
                 for c in range(V):
                     S[d, c] *= t
             _mm(k_suffix, True, U, False, S, 1.0)  # S <- total S + k_suffix^T U
-        final[b, h] = S
+        copy2(S, final[b, h])
         if with_screen:
             screen[bh, 0] = seen_in
             screen[bh, 1] = seen_out + _zeros_of(S)
@@ -262,7 +264,7 @@ def backward_heads(
     for bh in range(lo, hi):
         b = bh // H
         h = bh - b * H
-        dS[:, :] = dfinal[b, h]
+        copy2(dfinal[b, h], dS)
         seen_in = seen_out = 0.0
         for n in range(NT - 1, -1, -1):
             t0 = n * C
@@ -276,10 +278,10 @@ def backward_heads(
             e = _local_pairs(
                 qc, kc, gc, bc, s, qg, kg, k_suffix, total, A, L, Minv, pre, suf, kd, not by_inverse
             )
-            S[:, :] = boundaries[n, b, h]
+            copy2(boundaries[n, b, h], S)
             if with_screen:
                 seen_in += _zeros_of(S)
-            dSend[:, :] = dS
+            copy2(dS, dSend)
             zero_s = n == 0 and _is_zero(S)  # no initial state: kg S and dR S^T are zero
             zero_ds = n == NT - 1 and _is_zero(dS)  # no final state gradient: k_suffix dS, U dS^T are zero
             if zero_s:
@@ -323,7 +325,7 @@ def backward_heads(
             for i in range(m):
                 dbeta[b, h, t0 + i] = gb[i]
                 seen_out += gb[i] * 0.0
-        dinit[b, h] = dS
+        copy2(dS, dinit[b, h])
         if with_screen:
             screen[bh, 0] = seen_in
             screen[bh, 1] = seen_out + _zeros_of(dS)

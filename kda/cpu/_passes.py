@@ -12,13 +12,15 @@ import numpy as np
 from . import _compile as cfg
 from ._compile import jit
 from ._pairs import _factor_grads, _factors, _local_pairs, _sum_products
+from ._products import copy2
 
 
 @jit()
 def _local_one(q, k, g, v, beta, s, qg, kg, k_suffix, total, A, L, Minv, w, u0, pre, suf, kd, bk, bv):
     Cp, K = q.shape
     V = v.shape[1]
-    e = _local_pairs(q, k, g, beta, s, qg, kg, k_suffix, total, A, L, Minv, pre, suf, kd, True)
+    inverse = bool(True)  # noqa: UP018  (a run-time bool: one compiled _local_pairs for every caller)
+    e = _local_pairs(q, k, g, beta, s, qg, kg, k_suffix, total, A, L, Minv, pre, suf, kd, inverse)
     # [w, u0] = Minv diag(beta) [kg, v]: by BLAS, or by forward substitution for few channels
     # (w[i] = beta[i] (kg[i] - sum_m L[i, m] w[m]), which does not form T's growth into w)
     if K >= cfg.SUBSTITUTE_BELOW:
@@ -82,7 +84,7 @@ def state_pass(w, u0, k_suffix, total, state, qg, A, with_output, boundaries, ou
         X = np.empty((K, V), w.dtype)
         At = np.empty((Cp, Cp), w.dtype)
         for n in range(NT):
-            boundaries[n, bh] = S
+            copy2(S, boundaries[n, bh])
             np.dot(w[bh, n], S, U)
             for i in range(Cp):
                 for c in range(V):
@@ -99,7 +101,7 @@ def state_pass(w, u0, k_suffix, total, state, qg, A, with_output, boundaries, ou
                 t = total[bh, n, d]
                 for c in range(V):
                     S[d, c] = t * S[d, c] + X[d, c]
-        final[bh] = S
+        copy2(S, final[bh])
 
 
 @jit()
@@ -112,7 +114,7 @@ def state_grad_pass(w, u0, k_suffix, total, qg, A, dO, boundaries, dfinal, ends,
         X = np.empty((K, V), w.dtype)
         At = np.empty((Cp, Cp), w.dtype)
         for n in range(NT - 1, -1, -1):
-            ends[n, bh] = dS
+            copy2(dS, ends[n, bh])
             U = u[bh, n]
             np.dot(w[bh, n], boundaries[n, bh], U)
             for i in range(Cp):
@@ -130,7 +132,7 @@ def state_grad_pass(w, u0, k_suffix, total, qg, A, dO, boundaries, dfinal, ends,
                 t = total[bh, n, d]
                 for c in range(V):
                     dS[d, c] = (t * dS[d, c] + X[d, c]) - Y[d, c]
-        dinit[bh] = dS
+        copy2(dS, dinit[bh])
 
 
 # --------------------------------------------------------------------------------------------
@@ -241,7 +243,7 @@ def recurrent_forward(q, k, v, g, beta, scale, state, out, final, lo, hi):
     s = scale[0]
     for bh in range(lo, hi):
         S = final[bh]
-        S[:, :] = state[bh]
+        copy2(state[bh], S)
         pred = np.empty(V, q.dtype)
         for t in range(T):
             _step(S, q[bh, t], k[bh, t], v[bh, t], g[bh, t], beta[bh, t], s, out[bh, t], pred)
@@ -266,7 +268,7 @@ def recurrent_backward(q, k, v, g, beta, scale, state, do, dfinal, dq, dk, dv, d
         pred = np.empty(V, q.dtype)
         for t in range(T):
             if t % stride == 0:
-                chk[t // stride] = S
+                copy2(S, chk[t // stride])
             _step(S, q[bh, t], k[bh, t], v[bh, t], g[bh, t], beta[bh, t], s, o, pred)
         dS = dfinal[bh].copy()
         Sd = np.empty((K, V), q.dtype)
@@ -276,9 +278,9 @@ def recurrent_backward(q, k, v, g, beta, scale, state, do, dfinal, dq, dk, dv, d
         for c0 in range(nchk - 1, -1, -1):
             start = c0 * stride
             stop = min(start + stride, T)
-            seg[0] = chk[c0]
+            copy2(chk[c0], seg[0])
             for t in range(start, stop - 1):
-                seg[t - start + 1] = seg[t - start]
+                copy2(seg[t - start], seg[t - start + 1])
                 _step(seg[t - start + 1], q[bh, t], k[bh, t], v[bh, t], g[bh, t], beta[bh, t], s, o, pred)
             for t in range(stop - 1, start - 1, -1):
                 P = seg[t - start]
@@ -325,4 +327,4 @@ def recurrent_backward(q, k, v, g, beta, scale, state, do, dfinal, dq, dk, dv, d
                     dg[bh, t, d] = acc2
                 for c in range(V):
                     dv[bh, t, c] = du[c]
-        dinit[bh] = dS
+        copy2(dS, dinit[bh])

@@ -214,6 +214,16 @@ def empty2(rows, cols, dt):
 
 
 @jit()
+def copy2(src, dst):
+    """``dst[:, :] = src`` (2-D arrays of one shape), element by element. The kernels copy arrays
+    so rather than by slice assignment: Numba compiles, with every slice assignment from an array,
+    the formatting of its shape-mismatch message (``str``, ``join``: seconds of compile time)."""
+    for i in range(dst.shape[0]):
+        for j in range(dst.shape[1]):
+            dst[i, j] = src[i, j]
+
+
+@jit()
 def _mm(A, ta, B, tb, C, beta):
     """``C = op(A) @ op(B) + beta C`` (row-major; ``op(X) = X.T`` where ``tX``) in blocks of
     :data:`GEMM_BLOCK` rows and columns of ``C``. Arrays are 2-D with unit inner stride (row

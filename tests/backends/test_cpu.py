@@ -402,12 +402,15 @@ def test_import_kda_does_not_import_numba():
 
 
 def test_read_only_install_compiles_without_a_cache():
-    """Where numba finds no writable cache directory, the kernels compile per process."""
+    """Where neither numba nor kda's fallback (in the temporary directory) finds a writable cache
+    directory, the kernels compile per process."""
     code = """
 import numba.core.dispatcher as d
 def refuse(self):
     raise RuntimeError("cannot cache function: no locator available")
 d.Dispatcher.enable_caching = refuse
+import tempfile
+tempfile.tempdir = "/proc/kda-no-cache"  # not creatable, not even by root
 import numpy as np, kda
 from kda.cpu import _compile
 rng = np.random.default_rng(0)

@@ -65,3 +65,71 @@ def test_a_changed_helper_module_recompiles_the_kernels_that_call_it(tmp_path):
     with open(tmp_path / "kda" / "cpu" / "_products.py", "a") as f:
         f.write("\n# changed\n")
     assert run() == "hits 0 misses 1"
+
+
+def test_fallback_dir_is_private_to_its_user(tmp_path):
+    """kda's cache where Numba finds none: ``kda-numba-<uid>`` in the given directory, created
+    private (``0700``); refused where another user could write it or it is a link (a cache entry is
+    a pickle: loading one written by someone else would run their code)."""
+    from kda.cpu import _compile
+
+    path = _compile.fallback_dir(str(tmp_path))
+    assert path == str(tmp_path / f"kda-numba-{os.getuid()}")
+    assert os.stat(path).st_mode & 0o777 == 0o700
+    assert _compile.fallback_dir(str(tmp_path)) == path  # found again
+    os.chmod(path, 0o777)
+    assert _compile.fallback_dir(str(tmp_path)) is None  # writable by others
+    os.chmod(path, 0o700)
+    other = tmp_path / "other"
+    other.mkdir()
+    link = other / f"kda-numba-{os.getuid()}"
+    link.symlink_to(path)
+    assert _compile.fallback_dir(str(other)) is None  # a link, not a directory
+    assert _compile.fallback_dir("/proc/kda-no-cache") is None  # not creatable
+
+
+_FALLBACK = """
+import sys, tempfile
+import numba.core.dispatcher as d
+def refuse(self):
+    raise RuntimeError("cannot cache function: no locator available")
+d.Dispatcher.enable_caching = refuse  # Numba finds no cache directory of its own
+tempfile.tempdir = sys.argv[1]
+from numba.core import event
+compiled = []
+class Count(event.Listener):
+    def on_start(self, ev):
+        pass
+    def on_end(self, ev):
+        compiled.append(ev.data["dispatcher"].py_func.__module__)
+event.register("numba:compile", Count())
+import numpy as np, kda
+from kda.cpu import _compile
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal((1, 2, 5, 4)) for _ in range(3))
+g = -rng.uniform(0, 1, (1, 2, 5, 4)); beta = rng.uniform(0, 1, (1, 2, 5))
+out = kda.recurrent_kda(q, k, v, g, beta, backend="cpu").output
+print("cache", _compile.CACHE)
+print("compiled", sum(m.startswith("kda.") for m in compiled), out.tobytes().hex()[:32])
+"""
+
+
+def test_without_a_numba_cache_directory_a_second_process_loads_kdas_fallback_cache(tmp_path):
+    """Numba finds no cache directory (a read-only install, no writable home): the first process
+    compiles into kda's per-user directory in the temporary directory, the second compiles
+    nothing (no ``numba:compile`` event of a kda function) and computes the same bits."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("NUMBA_CACHE_DIR", None)
+
+    def run() -> list[str]:
+        command = [sys.executable, "-c", _FALLBACK, str(tmp_path)]
+        r = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-4000:]
+        return r.stdout.splitlines()[-2:]
+
+    first, second = run(), run()
+    assert first[0] == f"cache {tmp_path / f'kda-numba-{os.getuid()}'}", first
+    assert int(first[1].split()[1]) > 0, first  # compiled there
+    assert second[0] == first[0]
+    assert second[1].split()[1] == "0", second  # loaded: nothing compiled
+    assert second[1].split()[2] == first[1].split()[2]
