@@ -1,0 +1,151 @@
+"""The first call in a fresh process: a cold Numba cache against a warm one.
+
+    python -m benchmarks.first_call [--rounds N] [--T 256] [--top 12]
+
+Each round runs the README's kind of call (``B=1 H=4 K=V=64`` float32, ``T`` steps:
+``kda.chunk_kda(..., save_boundaries=True)`` then ``kda.chunk_kda_backward``) in a fresh process
+with an empty cache (a new ``NUMBA_CACHE_DIR``), then in a second process on that cache. Each
+process reports the forward's and backward's wall time and this process's CPU time (compiling runs
+on one core, so CPU time is the figure that other work on the machine disturbs least) and the
+``numba:compile`` events (Numba's own: one per function compiled, none for one loaded from the
+cache). The first round also lists the compiled functions that took longest, their own time
+without the functions they compiled in turn. Then ``python -m kda warmup`` into an empty cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+CHILD = r"""
+import json, sys, time
+c0, w0 = time.process_time(), time.perf_counter()
+import numpy as np
+from numba.core import event
+
+events, stack = [], []
+
+class Listen(event.Listener):
+    def on_start(self, ev):
+        stack.append((time.process_time(), []))
+
+    def on_end(self, ev):
+        c, children = stack.pop()
+        spent = time.process_time() - c
+        d = ev.data["dispatcher"]
+        name = getattr(getattr(d, "py_func", None), "__qualname__", None) or str(d)
+        events.append({"name": name, "cpu": spent, "own": spent - sum(children), "depth": len(stack)})
+        if stack:
+            stack[-1][1].append(spent)
+
+event.register("numba:compile", Listen())
+import kda
+
+T = int(sys.argv[1])
+rng = np.random.default_rng(0)
+B, H, K, V = 1, 4, 64, 64
+q = rng.standard_normal((B, H, T, K)).astype(np.float32)
+k = rng.standard_normal((B, H, T, K))
+k = (k / np.linalg.norm(k, axis=-1, keepdims=True)).astype(np.float32)
+v = rng.standard_normal((B, H, T, V)).astype(np.float32)
+g = np.log(rng.uniform(0.5, 1.0, (B, H, T, K))).astype(np.float32)
+beta = rng.uniform(0, 1, (B, H, T)).astype(np.float32)
+do = rng.standard_normal((B, H, T, V)).astype(np.float32)
+c1, w1 = time.process_time(), time.perf_counter()
+out = kda.chunk_kda(q, k, v, g, beta, save_boundaries=True)
+c2, w2 = time.process_time(), time.perf_counter()
+kda.chunk_kda_backward(q, k, v, g, beta, out.boundaries, do, None)
+c3, w3 = time.process_time(), time.perf_counter()
+print(json.dumps({
+    "import_wall": w1 - w0, "forward_wall": w2 - w1, "forward_cpu": c2 - c1,
+    "backward_wall": w3 - w2, "backward_cpu": c3 - c2, "compiled": len(events),
+    "compile_cpu": sum(e["cpu"] for e in events if e["depth"] == 0), "events": events,
+}))
+"""
+
+
+def processor() -> str:
+    """The processor's model name, whether it has AVX-512, and the cores this process may use."""
+    name, flags = "unknown processor", ""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name") and name == "unknown processor":
+                    name = line.partition(":")[2].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = line
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{name} ({'AVX-512' if 'avx512f' in flags else 'no AVX-512'}), {cores} cores"
+
+
+def _child(T: int, cache: str) -> dict:
+    env = {**os.environ, "NUMBA_CACHE_DIR": cache}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run(
+        [sys.executable, "-c", CHILD, str(T)], env=env, capture_output=True, text=True, check=True
+    )
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _line(label: str, r: dict) -> str:
+    total_wall = r["forward_wall"] + r["backward_wall"]
+    total_cpu = r["forward_cpu"] + r["backward_cpu"]
+    return (
+        f"{label:<6} forward {r['forward_wall']:6.2f} s ({r['forward_cpu']:6.2f} CPU)  backward "
+        f"{r['backward_wall']:6.2f} s ({r['backward_cpu']:6.2f} CPU)  both {total_wall:6.2f} s "
+        f"({total_cpu:6.2f} CPU)  compiled {r['compiled']:3d} functions  import {r['import_wall']:.2f} s"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.first_call", description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--T", type=int, default=256)
+    p.add_argument("--top", type=int, default=12, help="list this many compiled functions (first round)")
+    p.add_argument("--no-warmup", action="store_true", help="skip timing python -m kda warmup")
+    args = p.parse_args(argv)
+    print(f"# {processor()}; python -m benchmarks.first_call {' '.join(argv or sys.argv[1:])}".rstrip())
+    print(f"# B=1 H=4 T={args.T} K=V=64 float32: chunk_kda(save_boundaries=True) + chunk_kda_backward")
+    for n in range(args.rounds):
+        with tempfile.TemporaryDirectory(prefix="kda-first-call-") as cache:
+            load = os.getloadavg()[0]
+            cold = _child(args.T, cache)
+            warm = _child(args.T, cache)
+        print(f"round {n + 1}, load average before {load:.2f}")
+        print(_line("cold", cold))
+        print(_line("warm", warm))
+        if n == 0:
+            own: dict[str, list[float]] = {}
+            for e in cold["events"]:
+                own.setdefault(e["name"], []).append(e["own"])
+            top = sorted(own.items(), key=lambda kv: -sum(kv[1]))[: args.top]
+            print(
+                f"  compiled functions, own CPU s (without what they compile in turn), of {cold['compiled']}:"
+            )
+            for name, spent in top:
+                print(
+                    f"    {name:<48} {sum(spent):6.2f}"
+                    + (f" ({len(spent)} signatures)" if len(spent) > 1 else "")
+                )
+    if not args.no_warmup:
+        with tempfile.TemporaryDirectory(prefix="kda-first-call-") as cache:
+            env = {**os.environ, "NUMBA_CACHE_DIR": cache}
+            start, load = time.perf_counter(), os.getloadavg()[0]
+            r = subprocess.run(
+                [sys.executable, "-m", "kda", "warmup"], env=env, capture_output=True, text=True
+            )
+            print(f"python -m kda warmup, empty cache, load average before {load:.2f}: "
+                  f"{time.perf_counter() - start:.1f} s; {r.stdout.strip()}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
