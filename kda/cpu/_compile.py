@@ -134,43 +134,48 @@ def fallback_dir(base: str | None = None) -> str | None:
     return path
 
 
-class _FallbackLocator(caching._SourceFileBackedLocatorMixin, caching._CacheLocator):
-    """Numba cache locator of :func:`fallback_dir` (a subdirectory per source directory, as
-    Numba's ``NUMBA_CACHE_DIR`` locator lays it out)."""
+def _fallback_cache(root: str) -> type | None:
+    """Numba's function cache class, located in ``root`` only (a subdirectory per source
+    directory, as Numba's ``NUMBA_CACHE_DIR`` locator lays it out); None where this Numba lacks
+    the classes it is made of (no cache then, rather than no backend)."""
+    try:
+        mixin, base = caching._SourceFileBackedLocatorMixin, caching._CacheLocator
+        impl, cache = caching.CompileResultCacheImpl, caching.FunctionCache
+    except AttributeError:
+        return None
 
-    root = ""
+    class Locator(mixin, base):
+        def __init__(self, py_func: Any, py_file: str) -> None:
+            self._py_file = py_file
+            self._lineno = py_func.__code__.co_firstlineno
+            self._cache_path = os.path.join(root, self.get_suitable_cache_subpath(py_file))
 
-    def __init__(self, py_func: Any, py_file: str) -> None:
-        self._py_file = py_file
-        self._lineno = py_func.__code__.co_firstlineno
-        self._cache_path = os.path.join(self.root, self.get_suitable_cache_subpath(py_file))
+        def get_cache_path(self) -> str:
+            return self._cache_path
 
-    def get_cache_path(self) -> str:
-        return self._cache_path
+    class Impl(impl):
+        _locator_classes: ClassVar[list[type]] = [Locator]
 
+    class Cache(cache):
+        _impl_class = Impl
 
-class _FallbackImpl(caching.CompileResultCacheImpl):
-    _locator_classes: ClassVar[list[type]] = [_FallbackLocator]
-
-
-class _FallbackCache(caching.FunctionCache):
-    """Numba's function cache, located in :func:`fallback_dir` only."""
-
-    _impl_class = _FallbackImpl
+    return Cache
 
 
-def _choose_cache() -> str | None:
-    """``"numba"`` where Numba's own locators find a writable directory, else kda's
-    :func:`fallback_dir`, else None (no cache: every function compiles per process)."""
+def _choose_cache() -> tuple[str | None, type | None]:
+    """Where the functions are cached: ``"numba"`` where Numba's own locators find a writable
+    directory, else kda's :func:`fallback_dir` (with its cache class), else None (no cache: every
+    function compiles per process)."""
     if cache_writable():
-        return "numba"
-    _FallbackLocator.root = fallback_dir() or ""
-    return _FallbackLocator.root or None
+        return "numba", None
+    root = fallback_dir()
+    cache = _fallback_cache(root) if root else None
+    return (root, cache) if cache is not None else (None, None)
 
 
 # decided once, before any function is decorated: "numba" (Numba's own cache directories), kda's
 # fallback directory, or None where no cache is writable (every function then compiles per process)
-CACHE = _choose_cache()
+CACHE, _FALLBACK_CACHE = _choose_cache()
 CACHING = CACHE is not None
 
 LOG = logging.getLogger("kda.cpu")
@@ -231,8 +236,8 @@ def jit(
 
     def decorate(fn: Callable[..., Any]) -> Any:
         kernel = njit(fn)
-        if CACHE is not None and CACHE != "numba":
-            kernel._cache = _FallbackCache(kernel.py_func)  # what Dispatcher.enable_caching does
+        if _FALLBACK_CACHE is not None:
+            kernel._cache = _FALLBACK_CACHE(kernel.py_func)  # as Dispatcher.enable_caching does
         index = getattr(getattr(kernel, "_cache", None), "_cache_file", None)
         if stamp and CACHING and index is not None:  # Numba's index of the function's cache entries
             index._source_stamp = (SOURCE_STAMP, index._source_stamp)
