@@ -289,7 +289,7 @@ def warmup(args: argparse.Namespace) -> int:
     print(
         f"kda {kda.__version__}: cpu kernels ready for {' and '.join(args.dtype)} in "
         f"{time.perf_counter() - started:.1f} s ({time.process_time() - cpu:.1f} s of CPU time; "
-        f"{len(compiled)} entry points compiled, the rest loaded); cache: {cache}"
+        f"{len(compiled)} kernels compiled, the others loaded from the cache); cache: {cache}"
     )
     return 0
 
