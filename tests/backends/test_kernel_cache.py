@@ -109,6 +109,7 @@ rng = np.random.default_rng(0)
 q, k, v = (rng.standard_normal((1, 2, 5, 4)) for _ in range(3))
 g = -rng.uniform(0, 1, (1, 2, 5, 4)); beta = rng.uniform(0, 1, (1, 2, 5))
 out = kda.recurrent_kda(q, k, v, g, beta, backend="cpu").output
+kda.recurrent_kda_backward(q, k, v, g, beta, v, None, backend="cpu")  # another kernel
 print("cache", _compile.CACHE)
 print("compiled", sum(m.startswith("kda.") for m in compiled), out.tobytes().hex()[:32])
 """
@@ -116,18 +117,23 @@ print("compiled", sum(m.startswith("kda.") for m in compiled), out.tobytes().hex
 
 def test_without_a_numba_cache_directory_a_second_process_loads_kdas_fallback_cache(tmp_path):
     """Numba finds no cache directory (a read-only install, no writable home): the first process
-    compiles into kda's per-user directory in the temporary directory, the second compiles
-    nothing (no ``numba:compile`` event of a kda function) and computes the same bits."""
+    compiles into kda's per-user directory in the temporary directory, saying so once on the
+    ``kda.cpu`` logger (two kernels compiled, one notice), the second compiles nothing (no
+    ``numba:compile`` event of a kda function), says nothing and computes the same bits."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("NUMBA_CACHE_DIR", None)
+
+    notices = []
 
     def run() -> list[str]:
         command = [sys.executable, "-c", _FALLBACK, str(tmp_path)]
         r = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-4000:]
+        notices.append(r.stderr.count("kda: compiling the CPU kernels"))
         return r.stdout.splitlines()[-2:]
 
     first, second = run(), run()
+    assert notices == [1, 0], notices  # the first compilation announced once; none, none
     assert first[0] == f"cache {tmp_path / f'kda-numba-{os.getuid()}'}", first
     assert int(first[1].split()[1]) > 0, first  # compiled there
     assert second[0] == first[0]
