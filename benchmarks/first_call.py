@@ -71,18 +71,20 @@ print(json.dumps({
 
 def processor() -> str:
     """The processor's model name, whether it has AVX-512, and the cores this process may use."""
-    name, flags = "unknown processor", ""
+    info: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             for line in f:
-                if line.startswith("model name") and name == "unknown processor":
-                    name = line.partition(":")[2].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = line
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
     except OSError:
         pass
+    name = info.get("model name", "unknown processor")
+    known = "cpu family" in info and "model" in info
+    family = f"family {info['cpu family']} model {info['model']}, " if known else ""
+    vector = "AVX-512" if "avx512f" in info.get("flags", "").split() else "no AVX-512"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{name} ({'AVX-512' if 'avx512f' in flags else 'no AVX-512'}), {cores} cores"
+    return f"{name} ({family}{vector}), {cores} cores"
 
 
 def _child(T: int, cache: str) -> dict:
