@@ -10,8 +10,9 @@ writable (a read-only install under a user without a writable home), kda's own p
 directory in the temporary directory (:func:`fallback_dir`: ``kda-numba-<uid>``, mode ``0700``,
 used only where it is this user's and no other user can write it: a cache entry is a pickle).
 Only where that fails too does every function compile per process, uncached; nothing raises
-later. Cache files are written whole and renamed into place (Numba's own writing), so processes
-that compile at once leave a readable cache; the last to write an entry wins.
+later. Processes share a cache safely: Numba writes each file whole and renames it into place,
+and kda makes each save of an entry (index and data) and each load atomic with a lock file in
+the cache directory (:func:`_lock_entries`).
 
 The kernels live in several modules by phase (:mod:`._products`, :mod:`._pairs`, :mod:`._solve`,
 :mod:`._passes`, :mod:`._fused`) that call each other's compiled functions. Numba's cache checks
@@ -28,13 +29,14 @@ at level ``INFO``. ``python -m kda warmup`` compiles every kernel ahead of time.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import stat
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import numba
@@ -221,6 +223,56 @@ def _ours(dispatcher: Any) -> bool:
 event.register("numba:compile", _CompileNotice())
 
 
+LOCK_FILE = "kda-cache.lock"
+
+
+@contextlib.contextmanager
+def _locked(path: str, exclusive: bool) -> Iterator[None]:
+    """``flock`` of the lock file ``path`` (created where it can be), exclusive or shared; no lock
+    where there is no ``fcntl`` or the file can be neither created nor opened (a read-only cache
+    is only ever read)."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        yield
+        return
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            yield
+            return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _lock_entries(index: Any) -> None:
+    """Numba's index of a function's cache entries (``IndexDataCacheFile``), its ``save`` and
+    ``load`` made atomic among processes: Numba saves an entry by reading the index, choosing a
+    data file name not in it, writing the index, then the data, with no lock, so two processes
+    saving two signatures of one function at once can give both the same data file (one index
+    entry then loads the other signature's code), and a process loading meanwhile can read an
+    entry whose data is not yet written. Saves take the directory's lock file exclusively, loads
+    shared."""
+    path = os.path.join(index._cache_path, LOCK_FILE)
+    save, load = index.save, index.load
+
+    def locked_save(key: Any, data: Any) -> Any:
+        with _locked(path, exclusive=True):
+            return save(key, data)
+
+    def locked_load(key: Any) -> Any:
+        with _locked(path, exclusive=False):
+            return load(key)
+
+    index.save, index.load = locked_save, locked_load
+
+
 def jit(
     fastmath: Any = _FASTMATH, *, error_model: str = "numpy", stamp: bool = True, **options: Any
 ) -> Callable[[Callable[..., Any]], Any]:
@@ -239,8 +291,10 @@ def jit(
         if _FALLBACK_CACHE is not None:
             kernel._cache = _FALLBACK_CACHE(kernel.py_func)  # as Dispatcher.enable_caching does
         index = getattr(getattr(kernel, "_cache", None), "_cache_file", None)
-        if stamp and CACHING and index is not None:  # Numba's index of the function's cache entries
-            index._source_stamp = (SOURCE_STAMP, index._source_stamp)
+        if CACHING and index is not None:  # Numba's index of the function's cache entries
+            if stamp:
+                index._source_stamp = (SOURCE_STAMP, index._source_stamp)
+            _lock_entries(index)
         return kernel
 
     return decorate

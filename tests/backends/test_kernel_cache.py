@@ -139,3 +139,44 @@ def test_without_a_numba_cache_directory_a_second_process_loads_kdas_fallback_ca
     assert second[0] == first[0]
     assert second[1].split()[1] == "0", second  # loaded: nothing compiled
     assert second[1].split()[2] == first[1].split()[2]
+
+
+_LOADS = """
+import numpy as np, kda
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal((1, 2, 5, 4)) for _ in range(3))
+g = -rng.uniform(0, 1, (1, 2, 5, 4)); beta = rng.uniform(0, 1, (1, 2, 5))
+print("imported", flush=True)
+kda.recurrent_kda(q, k, v, g, beta, backend="cpu")
+print("done", flush=True)
+"""
+
+
+def test_a_process_waits_to_load_while_the_cache_is_being_written(tmp_path):
+    """Saves and loads of cache entries are atomic among processes (a lock file in the cache
+    directory): while another process holds the lock as a save does, a process that needs a
+    cached kernel waits for it, then loads it."""
+    import fcntl
+    import glob
+    import time
+
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", _LOADS], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "done" in r.stdout, r.stderr[-4000:]  # compiled and saved
+    locks = glob.glob(str(tmp_path / "cache" / "**" / "kda-cache.lock"), recursive=True)
+    assert locks, "no lock file in the cache"
+    files = [open(path) for path in locks]  # held until released below
+    try:
+        for f in files:
+            fcntl.flock(f, fcntl.LOCK_EX)  # as a process saving an entry holds it
+        child = subprocess.Popen(
+            [sys.executable, "-c", _LOADS], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        assert child.stdout.readline().strip() == "imported"
+        time.sleep(3)
+        assert child.poll() is None, "loaded a cache entry while the cache was locked"
+    finally:
+        for f in files:
+            f.close()  # releases the lock
+    out, err = child.communicate(timeout=600)
+    assert child.returncode == 0 and out.strip() == "done", err[-4000:]
