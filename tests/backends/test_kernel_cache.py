@@ -180,3 +180,46 @@ def test_a_process_waits_to_load_while_the_cache_is_being_written(tmp_path):
             f.close()  # releases the lock
     out, err = child.communicate(timeout=600)
     assert child.returncode == 0 and out.strip() == "done", err[-4000:]
+
+
+_AFTER_WARMUP = """
+from numba.core import event
+compiled = []
+class Count(event.Listener):
+    def on_start(self, ev):
+        pass
+    def on_end(self, ev):
+        compiled.append(ev.data["dispatcher"].py_func.__qualname__)
+event.register("numba:compile", Count())
+import numpy as np, kda
+from kda.__main__ import make_inputs, INPUTS
+for layout in ("head_first", "time_major"):
+    for T, state in ((300, True), (40, False)):  # the chunked route, the recurrent one
+        x, options = make_inputs(2, 3, T, 32, 48, "float32", layout=layout)
+        s0 = x["initial_state"] if state else None
+        out = kda.chunk_kda(*[x[n] for n in INPUTS], initial_state=s0, save_boundaries=True, **options)
+        kda.chunk_kda_backward(*[x[n] for n in INPUTS], out.boundaries, x["grad_output"], None,
+                               initial_state=s0, **options)
+x, options = make_inputs(2, 3, 1, 32, 48, "float32")
+pool = np.zeros((4, 3, 32, 48), np.float32)
+kda.decode_kda(*[x[n] for n in INPUTS], pool, np.array([1, 3]), **options)
+print("compiled", sorted(set(compiled)))
+"""
+
+
+@pytest.mark.slow  # compiles every float32 kernel: a minute or two of one core
+def test_warmup_compiles_what_later_calls_use(tmp_path):
+    """``python -m kda warmup --dtype float32`` into an empty cache compiles the kernels; run again,
+    it compiles none; then calls of other shapes, layouts and routes than its own (chunked and
+    recurrent, head-first and time-major, a decode step) compile nothing either."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
+
+    def run(*args: str) -> str:
+        r = subprocess.run([sys.executable, *args], env=env, cwd=tmp_path, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-4000:]
+        return r.stdout.strip().splitlines()[-1]
+
+    first = run("-m", "kda", "warmup", "--dtype", "float32")
+    assert "cpu kernels ready for float32" in first and " 0 kernels compiled" not in first, first
+    assert " 0 kernels compiled" in run("-m", "kda", "warmup", "--dtype", "float32")
+    assert run("-c", _AFTER_WARMUP) == "compiled []"
