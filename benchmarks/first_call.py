@@ -87,10 +87,9 @@ def processor() -> str:
     return f"{name} ({family}{vector}), {cores} cores"
 
 
-def _child(T: int, cache: str) -> dict:
+def _child(T: int, cache: str, tree: str) -> dict:
     env = {**os.environ, "NUMBA_CACHE_DIR": cache}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = tree + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run(
         [sys.executable, "-c", CHILD, str(T)], env=env, capture_output=True, text=True, check=True
     )
@@ -113,14 +112,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--T", type=int, default=256)
     p.add_argument("--top", type=int, default=12, help="list this many compiled functions (first round)")
     p.add_argument("--no-warmup", action="store_true", help="skip timing python -m kda warmup")
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p.add_argument("--tree", default=here, help="the kda source tree to run (default: this repository)")
     args = p.parse_args(argv)
     print(f"# {processor()}; python -m benchmarks.first_call {' '.join(argv or sys.argv[1:])}".rstrip())
     print(f"# B=1 H=4 T={args.T} K=V=64 float32: chunk_kda(save_boundaries=True) + chunk_kda_backward")
     for n in range(args.rounds):
         with tempfile.TemporaryDirectory(prefix="kda-first-call-") as cache:
             load = os.getloadavg()[0]
-            cold = _child(args.T, cache)
-            warm = _child(args.T, cache)
+            cold = _child(args.T, cache, args.tree)
+            warm = _child(args.T, cache, args.tree)
         print(f"round {n + 1}, load average before {load:.2f}")
         print(_line("cold", cold))
         print(_line("warm", warm))
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
     if not args.no_warmup:
         with tempfile.TemporaryDirectory(prefix="kda-first-call-") as cache:
-            env = {**os.environ, "NUMBA_CACHE_DIR": cache}
+            env = {**os.environ, "NUMBA_CACHE_DIR": cache, "PYTHONPATH": args.tree}
             start, load = time.perf_counter(), os.getloadavg()[0]
             r = subprocess.run(
                 [sys.executable, "-m", "kda", "warmup"], env=env, capture_output=True, text=True
