@@ -90,9 +90,8 @@ def processor() -> str:
 def _child(T: int, cache: str, tree: str) -> dict:
     env = {**os.environ, "NUMBA_CACHE_DIR": cache}
     env["PYTHONPATH"] = tree + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run(
-        [sys.executable, "-c", CHILD, str(T)], env=env, capture_output=True, text=True, check=True
-    )
+    command = [sys.executable, "-c", CHILD, str(T)]
+    r = subprocess.run(command, env=env, cwd=tree, capture_output=True, text=True, check=True)
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -142,9 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="kda-first-call-") as cache:
             env = {**os.environ, "NUMBA_CACHE_DIR": cache, "PYTHONPATH": args.tree}
             start, load = time.perf_counter(), os.getloadavg()[0]
-            r = subprocess.run(
-                [sys.executable, "-m", "kda", "warmup"], env=env, capture_output=True, text=True
-            )
+            command = [sys.executable, "-m", "kda", "warmup"]
+            r = subprocess.run(command, env=env, cwd=args.tree, capture_output=True, text=True)
             print(f"python -m kda warmup, empty cache, load average before {load:.2f}: "
                   f"{time.perf_counter() - start:.1f} s; {r.stdout.strip()}")  # fmt: skip
     return 0
