@@ -198,26 +198,12 @@ def _warm_calls(dtype: str) -> None:
     """Small calls of every NumPy entry point on the cpu backend, in ``dtype``: each layout and
     kind of state the kernels take (head-first and time-major inputs, states ``[K, V]`` and
     ``[V, K]``, packed sequences), the chunked route and the recurrent one (short sequences), and
-    decoding from every kind of pool (16-bit pools for float32)."""
+    decoding from every kind of pool (16-bit pools for float32). Time-major inputs are views that
+    Numba types by their strides: with one batch row ``beta``'s view is Fortran-ordered, with more
+    it is strided, two signatures of each kernel; both are compiled."""
     for layout in ("head_first", "time_major"):
-        x, options = make_inputs(1, 2, 80, 16, 16, dtype, layout=layout)  # 80 steps: the chunked route
-        inputs = [x[n] for n in INPUTS]
-        for v_first in (False, True):
-            state = np.swapaxes(x["initial_state"], -1, -2) if v_first else x["initial_state"]
-            grad_final = np.swapaxes(x["grad_final_state"], -1, -2) if v_first else x["grad_final_state"]
-            call = {"backend": "cpu", "initial_state": state, "state_v_first": v_first, **options}
-            out = kda.chunk_kda(*inputs, save_boundaries=True, **call)
-            kda.chunk_kda_backward(*inputs, out.boundaries, x["grad_output"], grad_final, **call)
-        out = kda.chunk_kda(*inputs, save_boundaries=True, backend="cpu", **options)  # no state
-        kda.chunk_kda_backward(*inputs, out.boundaries, x["grad_output"], None, backend="cpu", **options)
-        kda.chunk_kda_transition(*inputs, backend="cpu", **options)
-        kda.chunk_kda_transition_backward(*inputs, x["grad_output"], backend="cpu", **options)
-        short = {n: a[:, :, :8] if layout == "head_first" else a[:, :8] for n, a in x.items() if a.ndim >= 3}
-        s = [short[n] for n in INPUTS]
-        for route in ({"initial_state": x["initial_state"]}, {}):  # 8 steps: the recurrent route
-            kda.chunk_kda(*s, save_boundaries=True, backend="cpu", **route, **options)
-            kda.recurrent_kda(*s, backend="cpu", **route, **options)
-            kda.recurrent_kda_backward(*s, short["grad_output"], None, backend="cpu", **route, **options)
+        for B in (1, 2):
+            _warm_chunked(dtype, layout, B)
         _warm_decode(dtype, layout)
     x, options = make_inputs(1, 2, 80, 16, 16, dtype, varlen=3)
     inputs = [x[n] for n in INPUTS]
@@ -228,6 +214,29 @@ def _warm_calls(dtype: str) -> None:
         *inputs, out.boundaries, x["grad_output"], x["grad_final_state"], initial_state=x["initial_state"],
         backend="cpu", **options,
     )  # fmt: skip
+
+
+def _warm_chunked(dtype: str, layout: str, B: int) -> None:
+    """The chunked forward and backward (with and without a state, ``[K, V]`` and ``[V, K]``), the
+    transitions, and the recurrent route (8 steps), on ``B`` batch rows."""
+    x, options = make_inputs(B, 2, 80, 16, 16, dtype, layout=layout)  # 80 steps: the chunked route
+    inputs = [x[n] for n in INPUTS]
+    for v_first in (False, True):
+        state = np.swapaxes(x["initial_state"], -1, -2) if v_first else x["initial_state"]
+        grad_final = np.swapaxes(x["grad_final_state"], -1, -2) if v_first else x["grad_final_state"]
+        call = {"backend": "cpu", "initial_state": state, "state_v_first": v_first, **options}
+        out = kda.chunk_kda(*inputs, save_boundaries=True, **call)
+        kda.chunk_kda_backward(*inputs, out.boundaries, x["grad_output"], grad_final, **call)
+    out = kda.chunk_kda(*inputs, save_boundaries=True, backend="cpu", **options)  # no state
+    kda.chunk_kda_backward(*inputs, out.boundaries, x["grad_output"], None, backend="cpu", **options)
+    kda.chunk_kda_transition(*inputs, backend="cpu", **options)
+    kda.chunk_kda_transition_backward(*inputs, x["grad_output"], backend="cpu", **options)
+    short = {n: a[:, :, :8] if layout == "head_first" else a[:, :8] for n, a in x.items() if a.ndim >= 3}
+    s = [short[n] for n in INPUTS]
+    for route in ({"initial_state": x["initial_state"]}, {}):  # 8 steps: the recurrent route
+        kda.chunk_kda(*s, save_boundaries=True, backend="cpu", **route, **options)
+        kda.recurrent_kda(*s, backend="cpu", **route, **options)
+        kda.recurrent_kda_backward(*s, short["grad_output"], None, backend="cpu", **route, **options)
 
 
 def _warm_decode(dtype: str, layout: str) -> None:
