@@ -21,9 +21,9 @@ Runs, each vLLM engine its own process (``python -m kda.vllm _generate_kimi_line
 * ``bfloat16``, default flags: the one prompt, against transformers' own bfloat16 run;
 * the configurations of :data:`CONFIGS` (``float32``): ``tp2`` (``tensor_parallel_size=2``, the
   ranks' threads bound with ``VLLM_CPU_OMP_THREADS_BIND="0|1"``: the one prompt and the concurrent
-  prompts) in the check; ``preempt`` and ``poisoned`` (a small KV budget: preemption; the KDA state
-  pool and the short convolution's state filled with NaN as vLLM allocates them) run by
-  ``tests/adapters/test_vllm_e2e.py`` (``--engines``).
+  prompts) in the check; ``poisoned`` (a small KV budget: preemption; the KDA state pool and the
+  short convolution's state filled with NaN as vLLM allocates them) run by
+  ``tests/adapters/test_vllm_serve.py`` (``--engines``).
 
 Pass: every float32 token equal to transformers' (up to a tie, ``TIE_LOGPROB``: a request's
 tokens after it are not compared), the first token's log probability within ``LOGPROB_TOL``, every
@@ -154,7 +154,12 @@ def phases(seed: int, tokens: int) -> dict[str, list[Phase]]:
     for c in CONFIGS:
         modes = {"joining": "joining", "prefix": "twice"}
         out[c.name] = [
-            Phase(f"{ph} {c.name}", p[ph], tokens if ph == "one" else PHASE_TOKENS, modes.get(ph, "together"))
+            Phase(
+                f"{ph} {c.name}",
+                p[ph],
+                {"one": tokens, "concurrent": c.tokens}.get(ph, PHASE_TOKENS),
+                modes.get(ph, "together"),
+            )
             for ph in c.phases
         ]
     return out
@@ -177,21 +182,25 @@ class Config:
     phases: tuple[str, ...] = ("one", "concurrent")
     poison: bool = False
     default: bool = True
+    tokens: int = PHASE_TOKENS  # greedy tokens a request of its concurrent phase
 
 
-# a small KV budget: 8 blocks (of the hybrid's 128 tokens, a KDA state page each) for five
-# prompts of up to 348 + 16 tokens: vLLM preempts running requests and resumes them later
-SMALL_KV = {"num_gpu_blocks_override": 8, "max_model_len": 512}
+# a small KV budget with prefix caching on (vLLM's default; the KDA state of each block boundary
+# kept, in blocks of its own): 32 blocks of 128 tokens for five prompts of 50-348 tokens
+SMALL_KV = {"num_gpu_blocks_override": 32, "max_model_len": 512, "enable_prefix_caching": True}
+# greedy tokens a concurrent request there: decoding past its prompt's last block (120 -> 184 tokens,
+# 200 -> 264, 348 -> 412) needs a block while the others hold the rest: vLLM preempts a request
+PREEMPT_TOKENS = 64
 #: the extra float32 engines, one row per (model, phase); ``check`` runs those marked ``default``
 CONFIGS: tuple[Config, ...] = (
     Config("tp2", {"tensor_parallel_size": 2}, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}),
-    Config("preempt", SMALL_KV, phases=("concurrent",), default=False),
     Config(
         "poisoned",
-        {**SMALL_KV, "enable_prefix_caching": True},
+        SMALL_KV,
         phases=("concurrent", "joining", "prefix"),
         poison=True,
         default=False,
+        tokens=PREEMPT_TOKENS,
     ),
 )
 
@@ -240,14 +249,13 @@ def generate(path: str, dtype: str, engine: str, spec: str) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: faster to start
     from vllm import LLM, SamplingParams
 
-    from . import completions
-
     extra = config(engine)
     if extra is not None and extra.poison:
         _poison_pools()
     llm = LLM(model=path, skip_tokenizer_init=True, dtype=dtype, **engine_args(engine))
     # where the model runs: the workers (tensor parallel: a process per rank), every one of them
     ranks = llm.collective_rpc(_worker_completions)
+    preempted = _count_preemptions()
     out: dict[str, Any] = {"completions": {k: all(r[k] for r in ranks) for k in ranks[0]}}
     for ph in (Phase(**p) for p in json.loads(spec)):
         sp = SamplingParams(temperature=0.0, max_tokens=ph.tokens, logprobs=1, ignore_eos=True)
@@ -258,8 +266,25 @@ def generate(path: str, dtype: str, engine: str, spec: str) -> None:
             reqs = [{"prompt_token_ids": ids} for ids in ph.prompts]
             passes = 2 if ph.mode == "twice" else 1
             runs = [[_record(o) for o in llm.generate(reqs, sp, use_tqdm=False)] for _ in range(passes)]
-        out[ph.name] = {"passes": runs, "seconds": time.perf_counter() - t0}
+        out[ph.name] = {"passes": runs, "seconds": time.perf_counter() - t0, "preemptions": preempted[0]}
+        preempted[0] = 0
     emit(out)
+
+
+def _count_preemptions() -> list[int]:
+    """A counter of the requests vLLM's scheduler preempts from now on (the engine runs in this
+    process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``); ``[count]``, for the caller to read and reset."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    count = [0]
+    preempt = Scheduler._preempt_request
+
+    def _preempt_request(self: Any, *args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return preempt(self, *args, **kwargs)
+
+    Scheduler._preempt_request = _preempt_request  # type: ignore[method-assign]
+    return count
 
 
 def _worker_completions(worker: Any) -> dict[str, bool]:
@@ -332,6 +357,7 @@ class Result:
     seconds: float = 0.0
     diffs: list[str] = field(default_factory=list)
     ties: int = 0
+    preemptions: int = 0
 
     @property
     def ok(self) -> bool:
@@ -366,7 +392,9 @@ def compare(model: str, dtype: str, phase: str, vllm: dict[str, Any], hf: list[d
     kind = phase.split()[0]  # "one tp2" is a "one" phase
     d = abs(vllm["passes"][0][0]["first_logprob"] - hf[0]["first_logprob"]) if kind == "one" else None
     cached = [r["cached"] for r in vllm["passes"][-1]] if kind == "prefix" else []
-    return Result(model, dtype, phase, equal, total, d, cached, vllm["seconds"], diffs, ties)
+    return Result(
+        model, dtype, phase, equal, total, d, cached, vllm["seconds"], diffs, ties, vllm.get("preemptions", 0)
+    )
 
 
 def table(rows: list[Result]) -> str:
