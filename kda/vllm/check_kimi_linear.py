@@ -18,7 +18,12 @@ Runs, each vLLM engine its own process (``python -m kda.vllm _generate_kimi_line
   prompts of 50-348 tokens; requests joining a running batch (each added while the others decode);
 * ``float32``, prefix caching with 64-token chunked prefill (``max_num_batched_tokens=64``): three
   concurrent prompts sharing a 300-token prefix, twice (the second pass must reuse cached tokens);
-* ``bfloat16``, default flags: the one prompt, against transformers' own bfloat16 run.
+* ``bfloat16``, default flags: the one prompt, against transformers' own bfloat16 run;
+* the configurations of :data:`CONFIGS` (``float32``): ``tp2`` (``tensor_parallel_size=2``, the
+  ranks' threads bound with ``VLLM_CPU_OMP_THREADS_BIND="0|1"``: the one prompt and the concurrent
+  prompts) in the check; ``poisoned`` (a small KV budget: preemption; the KDA state pool and the
+  short convolution's state filled with NaN as vLLM allocates them) run by
+  ``tests/adapters/test_vllm_serve.py`` (``--engines``).
 
 Pass: every float32 token equal to transformers' (up to a tie, ``TIE_LOGPROB``: a request's
 tokens after it are not compared), the first token's log probability within ``LOGPROB_TOL``, every
@@ -38,7 +43,9 @@ from typing import Any
 
 from ._common import BF16_MIN_EQUAL, LOGPROB_TOL, TOKENS, VOCAB, emit, prompt, run_child
 
-__all__ = ["CONCURRENT", "PHASES", "Phase", "build_model", "check", "transformers_tokens"]
+__all__ = [
+    "CONCURRENT", "CONFIGS", "PHASES", "Config", "Phase", "build_model", "check", "transformers_tokens",
+]  # fmt: skip
 
 HIDDEN, KDA_HEADS, KDA_HEAD_DIM, MLA_HEADS = 64, 2, 32, 2
 MLA = {
@@ -138,15 +145,69 @@ def _prompts(seed: int) -> dict[str, list[list[int]]]:
 def phases(seed: int, tokens: int) -> dict[str, list[Phase]]:
     """The engines (``default``, ``chunked``, ``bf16``) and their phases."""
     p = _prompts(seed)
-    return {
+    out = {
         "default": [Phase("one", p["one"], tokens), Phase("concurrent", p["concurrent"], PHASE_TOKENS),
                     Phase("joining", p["joining"], PHASE_TOKENS, "joining")],
         "chunked": [Phase("prefix", p["prefix"], PHASE_TOKENS, "twice")],
         "bf16": [Phase("one", p["one"], tokens)],
     }  # fmt: skip
+    for c in CONFIGS:
+        modes = {"joining": "joining", "prefix": "twice"}
+        out[c.name] = [
+            Phase(
+                f"{ph} {c.name}",
+                p[ph],
+                {"one": tokens, "concurrent": c.tokens}.get(ph, PHASE_TOKENS),
+                modes.get(ph, "together"),
+            )
+            for ph in c.phases
+        ]
+    return out
 
 
 PHASES = ("one", "concurrent", "joining", "prefix")
+
+
+@dataclass(frozen=True)
+class Config:
+    """A float32 engine beyond ``default`` and ``chunked``: its ``LLM`` arguments (over
+    :func:`engine_args`' defaults), its process's environment, its phases (by name, from
+    :func:`phases`' prompts; a row's run is ``"<phase> <name>"``), whether its KDA state pool and
+    convolution state are filled with NaN as vLLM allocates them (:func:`_poison_pools`), and
+    whether ``check`` runs it by default (the others: ``--engines``)."""
+
+    name: str
+    args: dict[str, Any]
+    env: dict[str, str] = field(default_factory=dict)
+    phases: tuple[str, ...] = ("one", "concurrent")
+    poison: bool = False
+    default: bool = True
+    tokens: int = PHASE_TOKENS  # greedy tokens a request of its concurrent phase
+
+
+# a small KV budget with prefix caching on (vLLM's default; the KDA state of each block boundary
+# kept, in blocks of its own): 32 blocks of 128 tokens for five prompts of 50-348 tokens
+SMALL_KV = {"num_gpu_blocks_override": 32, "max_model_len": 512, "enable_prefix_caching": True}
+# greedy tokens a concurrent request there: decoding past its prompt's last block (120 -> 184 tokens,
+# 200 -> 264, 348 -> 412) needs a block while the others hold the rest: vLLM preempts a request
+PREEMPT_TOKENS = 64
+#: the extra float32 engines, one row per (model, phase); ``check`` runs those marked ``default``
+CONFIGS: tuple[Config, ...] = (
+    Config("tp2", {"tensor_parallel_size": 2}, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}),
+    Config(
+        "poisoned",
+        SMALL_KV,
+        phases=("concurrent", "joining", "prefix"),
+        poison=True,
+        default=False,
+        tokens=PREEMPT_TOKENS,
+    ),
+)
+
+
+def config(name: str) -> Config | None:
+    """The :data:`CONFIGS` entry named ``name`` (None for the built-in engines)."""
+    return next((c for c in CONFIGS if c.name == name), None)
 
 
 def engine_args(engine: str) -> dict[str, Any]:
@@ -155,7 +216,32 @@ def engine_args(engine: str) -> dict[str, Any]:
     args: dict[str, Any] = {"enforce_eager": True, "max_model_len": 1024, "seed": 0}
     if engine == "chunked":
         args.update(enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=CHUNK)
+    extra = config(engine)
+    if extra is not None:
+        args.update(extra.args)
     return args
+
+
+def _poison_pools() -> None:
+    """Fill each KDA layer's state pool and short-convolution state with NaN whenever vLLM's CPU
+    runner allocates its KV cache (in this process: the engine's own), so that a read of a slot no
+    request wrote (a stale or zero-assumed slot) turns the request's tokens into NaN logits or a
+    ``kda.KdaError`` (non-finite ``q``) instead of passing on zeroed memory."""
+    import torch
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    init = CPUModelRunner.initialize_kv_cache
+
+    def initialize_kv_cache(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        for layer in self.compilation_config.static_forward_context.values():
+            if type(layer).__name__ != "KimiGatedDeltaNetAttention":
+                continue
+            for state in layer.kv_cache:  # (conv_state, recurrent_state): views into the KV cache
+                if isinstance(state, torch.Tensor) and state.is_floating_point():
+                    state.fill_(float("nan"))
+
+    CPUModelRunner.initialize_kv_cache = initialize_kv_cache  # type: ignore[method-assign]
 
 
 def generate(path: str, dtype: str, engine: str, spec: str) -> None:
@@ -163,10 +249,14 @@ def generate(path: str, dtype: str, engine: str, spec: str) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: faster to start
     from vllm import LLM, SamplingParams
 
-    from . import completions
-
+    extra = config(engine)
+    if extra is not None and extra.poison:
+        _poison_pools()
     llm = LLM(model=path, skip_tokenizer_init=True, dtype=dtype, **engine_args(engine))
-    out: dict[str, Any] = {"completions": completions.installed()}
+    # where the model runs: the workers (tensor parallel: a process per rank), every one of them
+    ranks = llm.collective_rpc(_worker_completions)
+    preempted = _count_preemptions()
+    out: dict[str, Any] = {"completions": {k: all(r[k] for r in ranks) for k in ranks[0]}}
     for ph in (Phase(**p) for p in json.loads(spec)):
         sp = SamplingParams(temperature=0.0, max_tokens=ph.tokens, logprobs=1, ignore_eos=True)
         t0 = time.perf_counter()
@@ -176,8 +266,32 @@ def generate(path: str, dtype: str, engine: str, spec: str) -> None:
             reqs = [{"prompt_token_ids": ids} for ids in ph.prompts]
             passes = 2 if ph.mode == "twice" else 1
             runs = [[_record(o) for o in llm.generate(reqs, sp, use_tqdm=False)] for _ in range(passes)]
-        out[ph.name] = {"passes": runs, "seconds": time.perf_counter() - t0}
+        out[ph.name] = {"passes": runs, "seconds": time.perf_counter() - t0, "preemptions": preempted[0]}
+        preempted[0] = 0
     emit(out)
+
+
+def _count_preemptions() -> list[int]:
+    """A counter of the requests vLLM's scheduler preempts from now on (the engine runs in this
+    process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``); ``[count]``, for the caller to read and reset."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    count = [0]
+    preempt = Scheduler._preempt_request
+
+    def _preempt_request(self: Any, *args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return preempt(self, *args, **kwargs)
+
+    Scheduler._preempt_request = _preempt_request  # type: ignore[method-assign]
+    return count
+
+
+def _worker_completions(worker: Any) -> dict[str, bool]:
+    """:func:`kda.vllm.completions.installed` in a vLLM worker's process (``collective_rpc``)."""
+    from . import completions
+
+    return completions.installed()
 
 
 def _record(o: Any) -> dict[str, Any]:
@@ -243,13 +357,14 @@ class Result:
     seconds: float = 0.0
     diffs: list[str] = field(default_factory=list)
     ties: int = 0
+    preemptions: int = 0
 
     @property
     def ok(self) -> bool:
         if self.dtype == "bfloat16":
             return self.equal >= min(BF16_MIN_EQUAL, self.total)
         close = self.dlogprob is None or self.dlogprob <= LOGPROB_TOL
-        reused = self.phase != "prefix" or (bool(self.cached) and min(self.cached) > 0)
+        reused = self.phase.split()[0] != "prefix" or (bool(self.cached) and min(self.cached) > 0)
         return self.equal == self.total and close and reused
 
 
@@ -274,9 +389,12 @@ def compare(model: str, dtype: str, phase: str, vllm: dict[str, Any], hf: list[d
                 diffs.append(f"{where} {what} at token {t}: vLLM {a}, transformers {b}{gap}")
             equal += sum(a == b for a, b in zip(v["tokens"][:compared], h["tokens"][:compared]))
             total += compared
-    d = abs(vllm["passes"][0][0]["first_logprob"] - hf[0]["first_logprob"]) if phase == "one" else None
-    cached = [r["cached"] for r in vllm["passes"][-1]] if phase == "prefix" else []
-    return Result(model, dtype, phase, equal, total, d, cached, vllm["seconds"], diffs, ties)
+    kind = phase.split()[0]  # "one tp2" is a "one" phase
+    d = abs(vllm["passes"][0][0]["first_logprob"] - hf[0]["first_logprob"]) if kind == "one" else None
+    cached = [r["cached"] for r in vllm["passes"][-1]] if kind == "prefix" else []
+    return Result(
+        model, dtype, phase, equal, total, d, cached, vllm["seconds"], diffs, ties, vllm.get("preemptions", 0)
+    )
 
 
 def table(rows: list[Result]) -> str:
@@ -295,13 +413,21 @@ def table(rows: list[Result]) -> str:
 def check(
     dtypes: tuple[str, ...] = ("float32", "bfloat16"), tokens: int = TOKENS, seed: int = 0,
     keep: str | None = None, models: tuple[str, ...] = ("dense", "moe"),
+    engines: tuple[str, ...] | None = None,
 ) -> tuple[bool, list[Result]]:  # fmt: skip
-    """Build each model, run its engines and transformers, compare; ``(passed, rows)``."""
+    """Build each model, run its engines and transformers, compare; ``(passed, rows)``. ``engines``:
+    the float32 engines to run (``default``, ``chunked`` and :data:`CONFIGS`' names; the bfloat16
+    engine runs with ``bfloat16`` in ``dtypes``); by default the built-in ones and the configurations
+    marked ``default``."""
     from . import check_vllm_version, completions
 
     check_vllm_version()
     skip = completions.skipped()  # KDA_VLLM_SKIP: left out on purpose (docs/vllm.md's reproductions)
-    engines = phases(seed, tokens)
+    runs = phases(seed, tokens)
+    f32 = engines or ("default", "chunked", *(c.name for c in CONFIGS if c.default))
+    unknown = [e for e in f32 if e not in runs or e == "bf16"]
+    if unknown:
+        raise ValueError(f"engines: unknown {unknown}; known: {[e for e in runs if e != 'bf16']}")
     rows: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="kda-vllm-kimi-") as tmp:
         for name in models:
@@ -309,17 +435,20 @@ def check(
             os.makedirs(path, exist_ok=True)
             model = build_model(path, moe=name == "moe", seed=seed)
             for dtype in dtypes:
-                for engine in ("default", "chunked") if dtype == "float32" else ("bf16",):
-                    spec = json.dumps([vars(p) for p in engines[engine]])
+                for engine in f32 if dtype == "float32" else ("bf16",):
+                    spec = json.dumps([vars(p) for p in runs[engine]])
+                    extra = config(engine)
                     got = run_child(
-                        ["_generate_kimi_linear", path, dtype, engine, spec], f"{name} {dtype} {engine}"
+                        ["_generate_kimi_linear", path, dtype, engine, spec],
+                        f"{name} {dtype} {engine}",
+                        env=None if extra is None else extra.env,
                     )
                     missing = [k for k, v in got["completions"].items() if not v and k not in skip]
                     if missing:
                         raise RuntimeError(
                             f"vLLM run ({name} {dtype} {engine}): completions {missing} not in place"
                         )
-                    for ph in engines[engine]:
+                    for ph in runs[engine]:
                         hf = transformers_tokens(model, ph.prompts, ph.tokens, dtype)
                         rows.append(compare(name, dtype, ph.name, got[ph.name], hf))
     return all(r.ok for r in rows), rows

@@ -220,3 +220,37 @@ def test_kimi_linear_ties():
     assert (r.equal, r.total, r.ties, r.ok) == (1, 3, 0, False) and "first differs at token 1" in r.diffs[0]
     lp[1][9] = -0.7
     assert ckl.compare("moe", "bfloat16", "one", vllm, hf).ties == 0
+
+
+def test_kimi_linear_configurations():
+    """The check's extra engines (``CONFIGS``): ``tp2`` runs by default with two ranks bound a core
+    each, its rows named ``"<phase> tp2"`` and judged as their phase (the first token's log
+    probability for ``one tp2``, cached tokens for ``prefix poisoned``); ``poisoned`` has the small
+    KV budget, 64 tokens a concurrent request, and runs only when named."""
+    ckl = pytest.importorskip("kda.vllm.check_kimi_linear")
+    runs = ckl.phases(0, 32)
+    assert [p.name for p in runs["tp2"]] == ["one tp2", "concurrent tp2"]
+    assert runs["tp2"][0].tokens == 32 and runs["tp2"][0].prompts == runs["default"][0].prompts
+    assert [p.tokens for p in runs["poisoned"]] == [64, 16, 16]
+    assert [(p.name, p.mode) for p in runs["poisoned"]] == [
+        ("concurrent poisoned", "together"), ("joining poisoned", "joining"), ("prefix poisoned", "twice"),
+    ]  # fmt: skip
+    assert ckl.engine_args("tp2")["tensor_parallel_size"] == 2
+    assert ckl.config("tp2").env == {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    args = ckl.engine_args("poisoned")
+    assert (args["num_gpu_blocks_override"], args["max_model_len"], args["enable_prefix_caching"]) == (
+        32,
+        512,
+        True,
+    )
+    assert ckl.config("poisoned").poison and not ckl.config("tp2").poison
+    assert [c.name for c in ckl.CONFIGS if c.default] == ["tp2"] and ckl.config("default") is None
+    hf = [{"tokens": [1, 2, 3], "first_logprob": -0.5}]
+
+    def run(lp=-0.5, cached=0):
+        return {"passes": [[{"tokens": [1, 2, 3], "first_logprob": lp, "cached": cached}]], "seconds": 1.0}
+
+    assert ckl.compare("dense", "float32", "one tp2", run(), hf).ok
+    assert not ckl.compare("dense", "float32", "one tp2", run(lp=-0.56), hf).ok  # logprob 0.06 off
+    assert not ckl.compare("moe", "float32", "prefix poisoned", run(cached=0), hf).ok
+    assert ckl.compare("moe", "float32", "prefix poisoned", run(cached=128), hf).ok
