@@ -308,7 +308,7 @@ class Call:
         sums = self._screen_sums(screen)
         raise_for_gates(p)  # a deferred check, read once the work is queued
         if self.check and not self._results_finite(check_inputs, sums):
-            warn_if_diverged(xp, output, final, stacklevel=5)
+            warn_if_diverged(xp, output, final)
         output = xp.astype(head_first(xp, output, p.layout), p.dtype, copy=False)
         result = KdaOutput(output, final, boundaries)
         if out is None:
@@ -358,7 +358,7 @@ class Call:
         raise_for_gates(p)
         finite = self._results_finite(check_inputs, sums)  # of the core's gradients
         if self.check and not (options.is_identity and finite):
-            warn_if_diverged(xp, dq, dk, dv, dg, dbeta, dinitial, stacklevel=5)
+            warn_if_diverged(xp, dq, dk, dv, dg, dbeta, dinitial)
         grads = [xp.astype(head_first(xp, x, p.layout), p.dtype, copy=False) for x in (dq, dk, dv, dg, dbeta)]
         params = [
             None if d is None else xp.astype(d, x.dtype, copy=False)

@@ -350,7 +350,7 @@ def _run(
                                offsets=p.offsets, final_pool=final_pool)  # fmt: skip
     o = head_first(xp, xp.astype(o, p.dtype, copy=False), p.layout)
     if call.check:
-        warn_if_diverged(xp, o, stacklevel=4)
+        warn_if_diverged(xp, o)
     if out is not None:
         out[...] = o
         return out
@@ -583,7 +583,7 @@ def _numpy_route(
     out = ops.decode_forward(q, k, v, g, beta, s, pool, start, dest, final_pool=final_pool, v_first=v_first)
     # the output's finiteness in one pass of the backend (no warning from a sum of large finite values)
     if check and not ops.decode_finite(out):
-        warn_if_diverged(np, out, stacklevel=3)
+        warn_if_diverged(np, out)
     return out if head_major else out.swapaxes(1, 2)
 
 

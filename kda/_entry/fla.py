@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import itertools
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from .._errors import InvalidInputError
+from .._options.checks import warn_at_caller
 from .._options.table import Choices
 from .._options.validation import check_chunk_size, check_scale
 
@@ -322,10 +322,9 @@ def state_layout(kw: dict[str, Any]) -> bool:
     if "transpose_state_layout" in kw:
         if v_first:
             _refuse("pass state_v_first or the deprecated transpose_state_layout, not both")
-        warnings.warn(
+        warn_at_caller(
             "`transpose_state_layout` is deprecated and renamed to `state_v_first` (as in fla 0.6).",
             DeprecationWarning,
-            stacklevel=4,
         )
         v_first = bool(kw["transpose_state_layout"])
     return v_first

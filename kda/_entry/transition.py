@@ -96,7 +96,7 @@ def transition_map(call: Call, x: Inputs) -> KdaTransition:
     c.v = wide_v
     end = call.end_state(c, start)
     if call.check:
-        warn_if_diverged(xp, end, stacklevel=4)
+        warn_if_diverged(xp, end)
     return KdaTransition(end[..., : p.K], end[..., p.K :])
 
 
