@@ -19,6 +19,7 @@ from .._backend import get_backend
 from .._engine.core import ChunkCore, Core, RecurrentCore, run_packed_backward, run_packed_forward
 from .._options.checks import check_finite as _check_finite
 from .._options.checks import floating_point_quiet, warn_if_diverged
+from .._options.gates import PARAMETER_NAMES
 from .._options.maps import (
     CoreInputs,
     Options,
@@ -103,6 +104,12 @@ class Inputs(NamedTuple):
     A_log: Any = None
     dt_bias: Any = None
 
+    @classmethod
+    def of(cls, q: Any, k: Any, v: Any, g: Any, beta: Any, opts: Any, **arrays: Any) -> Inputs:
+        """The step arrays with the gate parameters of ``opts`` (a
+        :class:`~kda._options.table.Choices`, or any record with them as attributes)."""
+        return cls(q, k, v, g, beta, **arrays, **{n: getattr(opts, n) for n in PARAMETER_NAMES})
+
     @property
     def steps(self) -> tuple[Any, Any, Any, Any, Any]:
         """``(q, k, v, g, beta)``: the arrays with a time axis."""
@@ -175,7 +182,7 @@ class Call:
     def check_inputs_finite(self, **arrays: Any) -> None:
         """Refuse NaN / infinite values in ``arrays`` and in the gate's ``A_log``, ``dt_bias``
         (``-inf`` allowed in a log gate), when asked to check."""
-        self.check_finite(**arrays, A_log=self.options.A_log, dt_bias=self.options.dt_bias)
+        self.check_finite(**arrays, **self.options.gate_params())
 
     def check_finite(self, **arrays: Any) -> None:
         """Refuse NaN / infinite values in ``arrays`` (None skipped), when asked to check.
@@ -185,9 +192,9 @@ class Call:
         """
         if not self.check:
             return
-        log_gate = self.options.gate == "log"
+        log_input = self.options.law.log_input
         for name, x in arrays.items():
-            if not (name == "g" and log_gate):
+            if not (name == "g" and log_input):
                 _check_finite(self.p.xp, name, x)
 
     def _check_before(self, arrays: dict | None, screen: Any) -> None:
@@ -351,7 +358,7 @@ class Call:
                     self.core, xp, core_in, state, boundaries, do, dfinal, p.offsets, bufs
                 )
             dq, dk, dv, dlog, dbeta, dinitial = grads
-            dg, dA_log, ddt_bias = gate_backward(xp, dlog, core_in, options)
+            dg, dparams = gate_backward(xp, dlog, core_in, options)
             dq, dk = qk_backward(xp, dq, dk, core_in, options, p.H)
             dbeta = beta_backward(xp, dbeta, core_in, options)
         sums = self._screen_sums(screen)
@@ -360,11 +367,13 @@ class Call:
         if self.check and not (options.is_identity and finite):
             warn_if_diverged(xp, dq, dk, dv, dg, dbeta, dinitial)
         grads = [xp.astype(head_first(xp, x, p.layout), p.dtype, copy=False) for x in (dq, dk, dv, dg, dbeta)]
-        params = [
-            None if d is None else xp.astype(d, x.dtype, copy=False)
-            for d, x in ((dA_log, inputs.A_log), (ddt_bias, inputs.dt_bias))
-        ]
-        result = KdaGradients(*grads, dinitial, *params)
+        params = {
+            name: None
+            if dparams.get(name) is None
+            else xp.astype(dparams[name], getattr(inputs, name).dtype, copy=False)
+            for name in PARAMETER_NAMES
+        }
+        result = KdaGradients(*grads, dinitial, **params)
         if out is None:
             return result
         if not direct:

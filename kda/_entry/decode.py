@@ -41,7 +41,14 @@ from .._errors import InvalidInputError, InvalidTypeError, KdaError
 from .._options.checks import warn_if_diverged
 from .._options.maps import head_first
 from .._options.table import Array, Choices, is_plain, takes_options
-from .._options.validation import Problem, _host_integers, c_contiguous, check_array, check_state
+from .._options.validation import (
+    Problem,
+    _host_integers,
+    c_contiguous,
+    check_array,
+    check_state,
+    recheck_gate,
+)
 from .call import Call, Inputs, KdaOutput, open_call
 from .layout import check_state_v_first
 
@@ -686,12 +693,7 @@ class DecodePlan:
         return self.out
 
     def _recheck_gate(self) -> None:
-        g, xp = self.inputs.g, self.call.p.xp
-        if self.call.options.gate != "log" or array_api_compat.is_cupy_namespace(xp) or g.size == 0:
-            return
-        if not bool((g.max() if hasattr(g, "max") else xp.max(g)) <= 0):
-            msg = "g must hold log decays <= 0 (-inf allowed); the refilled g has a positive or NaN element"
-            raise InvalidInputError(msg)
+        recheck_gate(self.call.options, self.call.p.xp, self.inputs.g)
 
 
 def _is_int64_vector(x: Any, N: int) -> bool:

@@ -79,7 +79,7 @@ def chunk_kda_transition(
     """
     call = open_call(q, k, v, g, beta, scale, opts, backend=backend, chunk_size=chunk_size)
     call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta)
-    return transition_map(call, Inputs(q, k, v, g, beta, A_log=opts.A_log, dt_bias=opts.dt_bias))
+    return transition_map(call, Inputs.of(q, k, v, g, beta, opts))
 
 
 def transition_map(call: Call, x: Inputs) -> KdaTransition:
@@ -145,7 +145,7 @@ def chunk_kda_transition_backward(
     call = open_call(q, k, v, g, beta, scale, opts, backend=backend, chunk_size=chunk_size)
     do = call.grad_output(grad_output)
     call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta, grad_output=grad_output)
-    return transition_gradient(call, Inputs(q, k, v, g, beta, A_log=opts.A_log, dt_bias=opts.dt_bias), do)
+    return transition_gradient(call, Inputs.of(q, k, v, g, beta, opts), do)
 
 
 def transition_gradient(call: Call, x: Inputs, do: Any) -> Any:

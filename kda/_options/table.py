@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any
 
+from . import gates
+
 __all__ = [
     "ANY", "OPTIONS", "Array", "Choices", "Option", "is_plain", "option_names", "options_doc",
     "plain_predicate", "takes_options",
@@ -31,7 +33,7 @@ __all__ = [
 Array = Any  # an array of the caller's array-API namespace (in signatures)
 
 LAYOUTS = ("head_first", "time_major")
-GATES = ("log", "softplus", "lower_bound")
+GATES = gates.LAWS  # the registered gate laws, by name (read live: a registered law is a choice)
 BETA_ACTIVATIONS = (None, "sigmoid", "sigmoid2")
 
 
@@ -74,9 +76,8 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "gate", "log", "str",
-        """The log decay: ``g`` itself; ``-exp(A_log[h]) * softplus(g + dt_bias[h])``; or
-        ``lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias[h]))`` (factor 1 when ``A_log``
-        is None).""",
+        "The gate law (:mod:`kda._options.gates`), the log decay from ``g``: "
+        + "; ".join(f'``"{law.name}"``: {law.doc}' for law in gates.LAWS.values()) + ".",
         GATES, plain=("log",),
     ),
     Option(

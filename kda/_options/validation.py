@@ -15,7 +15,9 @@ from typing import Any
 import array_api_compat
 
 from .._errors import InvalidInputError, InvalidTypeError
+from . import gates
 from .checks import is_real_floating
+from .gates import GateParam
 from .maps import Options
 from .table import OPTIONS, Choices
 
@@ -149,6 +151,17 @@ def check_log_decay(xp: Any, g: Any) -> None:
             "g must hold log decays <= 0 (-inf allowed: a hard reset); "
             f"got {n_pos} positive and {n_nan} NaN elements"
         )
+        raise InvalidInputError(msg)
+
+
+def recheck_gate(options: Options, xp: Any, g: Any) -> None:
+    """A prepared call's refilled ``g``, re-checked with one reduction where its gate law takes
+    log decays, on host arrays: ``max(g) <= 0`` (NaN fails it too). A positive gate would
+    silently overflow ``exp`` otherwise."""
+    if not options.law.log_input or array_api_compat.is_cupy_namespace(xp) or math.prod(_shape(g)) == 0:
+        return
+    if not bool((g.max() if hasattr(g, "max") else xp.max(g)) <= 0):
+        msg = "g must hold log decays <= 0 (-inf allowed); the refilled g has a positive or NaN element"
         raise InvalidInputError(msg)
 
 
@@ -291,49 +304,29 @@ def check_state(name: str, state: Any, p: Problem) -> Any:
     return check_array(name, state, p, shape, f"{rows}, HV, K, V", p.compute_dtype, STATE_DTYPE_RULE)
 
 
-def _check_param(name: str, x: Any, p: Problem, shape: tuple[int, ...], letters: str) -> Any:
-    """``A_log`` / ``dt_bias``: an array of q's library, real floating, of ``shape``; in the compute dtype."""
+def _check_param(param: GateParam, x: Any, p: Problem) -> Any:
+    """A gate parameter: an array of q's library, real floating, of its shape; in the compute dtype."""
+    name = param.name
     if not array_api_compat.is_array_api_obj(x) or array_api_compat.array_namespace(x) is not p.xp:
         msg = f"{name} must be an array of the same library as q ({p.xp.__name__}); got {type(x).__name__}"
         raise InvalidTypeError(msg)
-    check_shape(name, x, shape, letters)
+    check_shape(name, x, param.shape(p.HV, p.K), param.letters)
     if not is_real_floating(p.xp, x.dtype):
         msg = f"{name} must have a real floating dtype; got {dtype_name(x.dtype)}"
         raise InvalidTypeError(msg)
     return p.xp.astype(x, p.compute_dtype, copy=False)
 
 
-def _check_gate(p: Problem, gate: str, A_log: Any, dt_bias: Any, lower_bound: Any) -> tuple[Any, Any, Any]:
-    """The gate's parameters, validated; ``A_log``/``dt_bias`` in the compute dtype."""
-    if gate == "log":
-        given = [
-            n
-            for n, x in (("A_log", A_log), ("dt_bias", dt_bias), ("lower_bound", lower_bound))
-            if x is not None
-        ]
-        if given:
-            msg = f"{', '.join(given)} must be None with gate='log' (g is already the log decay); got a value"
-            raise InvalidInputError(msg)
-        return None, None, None
-    if gate == "softplus" and A_log is None:
-        msg = "A_log (shape [HV]) is required with gate='softplus'; got None"
-        raise InvalidInputError(msg)
-    if gate == "softplus" and lower_bound is not None:
-        msg = f"lower_bound must be None with gate='softplus' (use gate='lower_bound'); got {lower_bound!r}"
-        raise InvalidInputError(msg)
-    if gate == "lower_bound":
-        if isinstance(lower_bound, bool) or not isinstance(lower_bound, numbers.Real):
-            msg = f"lower_bound must be a float < 0 with gate='lower_bound'; got {lower_bound!r}"
-            raise InvalidTypeError(msg)
-        if not (math.isfinite(float(lower_bound)) and lower_bound < 0):
-            msg = f"lower_bound must be a finite float < 0; got {lower_bound!r}"
-            raise InvalidInputError(msg)
-        lower_bound = float(lower_bound)
-    if A_log is not None:
-        A_log = _check_param("A_log", A_log, p, (p.HV,), "HV")
-    if dt_bias is not None:
-        dt_bias = _check_param("dt_bias", dt_bias, p, (p.HV, p.K), "HV, K")
-    return A_log, dt_bias, lower_bound
+def _check_gate(p: Problem, opts: Choices) -> dict[str, Any]:
+    """The gate law's parameters (by name, in the compute dtype; None where not given) and its
+    ``lower_bound``, validated by the law (:meth:`~kda._options.gates.GateLaw.check`)."""
+    gate_law = gates.law(opts.gate)
+    given = {param.name: getattr(opts, param.name) for param in gates.PARAMETERS}
+    checked: dict[str, Any] = {"lower_bound": gate_law.check(given, opts.lower_bound)}
+    for param in gates.PARAMETERS:
+        x = given[param.name]
+        checked[param.name] = None if x is None else _check_param(param, x, p)
+    return checked
 
 
 def _host_integers(name: str, x: Any) -> Any:
@@ -390,11 +383,10 @@ def validate_options(p: Problem, opts: Choices) -> tuple[Problem, Options]:
     if not isinstance(opts.qk_l2norm, bool):
         msg = f"qk_l2norm must be True or False; got {opts.qk_l2norm!r}"
         raise InvalidTypeError(msg)
-    A_log, dt_bias, lower_bound = _check_gate(p, opts.gate, opts.A_log, opts.dt_bias, opts.lower_bound)
+    gate = _check_gate(p, opts)
     offsets = check_cu_seqlens(opts.cu_seqlens, p.B, p.T)
     options = Options(
-        qk_l2norm=opts.qk_l2norm, gate=opts.gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-        beta_activation=opts.beta_activation,
+        qk_l2norm=opts.qk_l2norm, gate=opts.gate, beta_activation=opts.beta_activation, **gate
     )  # fmt: skip
     return replace(p, offsets=offsets), options
 
@@ -409,7 +401,7 @@ def check_options_call(
     ``scan=False``: no look at the values (``g <= 0``): a part of arrays a call checked already.
     """
     _check_choices(opts)
-    log_gate = opts.gate == "log" and scan
+    log_gate = gates.law(opts.gate).log_input and scan
     p = validate_problem(
         q, k, v, g, beta, scale, layout=opts.layout, log_gate=log_gate, gate_check=gate_check
     )
