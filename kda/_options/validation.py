@@ -1,14 +1,15 @@
-"""Checks of user input, shared by every public function.
+"""Validation of a call: the problem (sizes, dtypes, namespace) and the model-level options.
 
-Each check names the argument, what was expected and what was given, and raises
-:class:`~kda.InvalidInputError` (a ``ValueError``) for shapes and values or
-:class:`~kda.InvalidTypeError` (a ``TypeError``) for dtypes and array types.
+The checks of single arguments are :mod:`kda._options.arguments`'; this module combines them
+into a :class:`Problem` and validated :class:`~kda._options.maps.Options`. Each check names the
+argument, what was expected and what was given, and raises :class:`~kda.InvalidInputError` (a
+``ValueError``) for shapes and values or :class:`~kda.InvalidTypeError` (a ``TypeError``) for
+dtypes and array types.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -16,12 +17,30 @@ import array_api_compat
 
 from .._errors import InvalidInputError, InvalidTypeError
 from . import gates
+from .arguments import (
+    STATE_DTYPE_RULE,
+    _shape,
+    c_contiguous,
+    check_array,
+    check_choice,
+    check_chunk_size,
+    check_cu_seqlens,
+    check_dtype,
+    check_log_decay,
+    check_scale,
+    check_shape,
+    dtype_name,
+    namespace_of,
+)
 from .checks import is_real_floating
 from .gates import GateParam
 from .maps import Options
 from .table import OPTIONS, Choices
 
-__all__ = ["Problem", "c_contiguous", "check_options_call", "validate_options", "validate_problem"]
+__all__ = [
+    "STATE_DTYPE_RULE", "Problem", "c_contiguous", "check_array", "check_chunk_size", "check_options_call",
+    "check_scale", "check_state", "namespace_of", "validate_options", "validate_problem",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -63,95 +82,6 @@ class Problem:
     def shape(self, heads: int, last: int | None = None) -> tuple[int, ...]:
         dims = [self.B, heads, self.T] if self.layout == "head_first" else [self.B, self.T, heads]
         return tuple(dims + ([] if last is None else [last]))
-
-
-def _shape(x: Any) -> tuple[int, ...]:
-    return tuple(int(n) for n in x.shape)
-
-
-def namespace_of(names: list[str], arrays: list[Any]) -> Any:
-    """Return the one array namespace that all ``arrays`` share."""
-    for name, x in zip(names, arrays):
-        if not array_api_compat.is_array_api_obj(x):
-            msg = f"{name} must be an array of an array-API library; got {type(x).__name__}"
-            raise InvalidTypeError(msg)
-    try:
-        return array_api_compat.array_namespace(*arrays)
-    except TypeError as err:
-        kinds = ", ".join(f"{n}: {type(x).__module__}.{type(x).__name__}" for n, x in zip(names, arrays))
-        msg = f"all arrays must come from one array library; got {kinds}"
-        raise InvalidTypeError(msg) from err
-
-
-def c_contiguous(x: Any) -> bool:
-    """Whether ``x`` is C-contiguous: NumPy's and CuPy's ``flags``, torch's ``is_contiguous()``;
-    True for a namespace without strides to ask about (JAX)."""
-    flags = getattr(x, "flags", None)
-    if flags is not None and hasattr(flags, "c_contiguous"):
-        return bool(flags.c_contiguous)
-    if hasattr(x, "is_contiguous"):  # torch
-        return bool(x.is_contiguous())
-    return True
-
-
-def check_shape(name: str, x: Any, expected: tuple[int, ...], letters: str) -> None:
-    """Raise unless ``x.shape == expected``; ``letters`` spells the dimensions, e.g. 'B, H, T, K'."""
-    if _shape(x) != tuple(expected):
-        msg = f"{name} must have shape [{letters}] = {tuple(expected)}; got {_shape(x)}"
-        raise InvalidInputError(msg)
-
-
-def dtype_name(dtype: Any) -> str:
-    """``float32`` for NumPy's scalar type, the library's own spelling otherwise."""
-    return getattr(dtype, "__name__", None) or str(dtype)
-
-
-def check_dtype(name: str, x: Any, expected: Any, why: str) -> None:
-    if x.dtype != expected:
-        msg = f"{name} must have dtype {dtype_name(expected)} ({why}); got {dtype_name(x.dtype)}"
-        raise InvalidTypeError(msg)
-
-
-def check_chunk_size(chunk_size: Any) -> int:
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
-        msg = f"chunk_size must be a positive int; got {chunk_size!r} of type {type(chunk_size).__name__}"
-        raise InvalidTypeError(msg)
-    if chunk_size < 1:
-        msg = f"chunk_size must be >= 1; got {chunk_size}"
-        raise InvalidInputError(msg)
-    return int(chunk_size)
-
-
-def check_scale(scale: Any, K: int) -> float:
-    if scale is None:
-        return K**-0.5
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        msg = f"scale must be a real number or None; got {scale!r} of type {type(scale).__name__}"
-        raise InvalidTypeError(msg)
-    if not math.isfinite(float(scale)):
-        msg = f"scale must be finite; got {scale!r}"
-        raise InvalidInputError(msg)
-    return float(scale)
-
-
-def check_log_decay(xp: Any, g: Any) -> None:
-    """``g`` is a log decay: every element must be <= 0 or -inf; NaN and positive values are refused.
-
-    One reduction on the common path: the maximum, through which NaN propagates (the array API
-    standard's ``max``), is ``<= 0`` exactly when every element is. This also rules out NaN and
-    ``+inf``, so a log gate needs no finiteness check of its own (:meth:`Call.check_finite`).
-    """
-    if math.prod(_shape(g)) == 0 or bool(xp.max(g) <= 0):
-        return
-    bad = xp.logical_not(g <= 0)  # True for g > 0 and for NaN
-    if bool(xp.any(bad)):
-        n_nan = int(xp.sum(xp.astype(xp.isnan(g), xp.int64)))
-        n_pos = int(xp.sum(xp.astype(g > 0, xp.int64)))
-        msg = (
-            "g must hold log decays <= 0 (-inf allowed: a hard reset); "
-            f"got {n_pos} positive and {n_nan} NaN elements"
-        )
-        raise InvalidInputError(msg)
 
 
 def recheck_gate(options: Options, xp: Any, g: Any) -> None:
@@ -266,35 +196,6 @@ def raise_for_gates(p: Problem) -> None:
         p.gate_flags.raise_if_bad()
 
 
-def check_choice(name: str, value: Any, allowed: tuple[Any, ...]) -> Any:
-    """Raise unless ``value`` is one of ``allowed``."""
-    if not any(value is a or (isinstance(value, str) and value == a) for a in allowed):
-        msg = f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}"
-        raise InvalidInputError(msg)
-    return value
-
-
-def check_array(
-    name: str, x: Any, p: Problem, shape: tuple[int, ...], letters: str, dtype: Any, why: str
-) -> Any:
-    """Validate an extra array argument (state, boundaries, gradient) against the problem."""
-    if not array_api_compat.is_array_api_obj(x):
-        msg = f"{name} must be an array; got {type(x).__name__}"
-        raise InvalidTypeError(msg)
-    if array_api_compat.array_namespace(x) is not p.xp:
-        msg = (
-            f"{name} must come from the same array library as q ({p.xp.__name__}); "
-            f"got {type(x).__module__}.{type(x).__name__}"
-        )
-        raise InvalidTypeError(msg)
-    check_shape(name, x, shape, letters)
-    check_dtype(name, x, dtype, why)
-    return x
-
-
-STATE_DTYPE_RULE = "states are float64 for float64 inputs, float32 otherwise"
-
-
 def check_state(name: str, state: Any, p: Problem) -> Any:
     """Validate a ``[B, HV, K, V]`` state (``[N, HV, K, V]`` with ``cu_seqlens``); None means zeros."""
     if state is None:
@@ -327,48 +228,6 @@ def _check_gate(p: Problem, opts: Choices) -> dict[str, Any]:
         x = given[param.name]
         checked[param.name] = None if x is None else _check_param(param, x, p)
     return checked
-
-
-def _host_integers(name: str, x: Any) -> Any:
-    """A 1-D integer array (any array library, or a list of ints) as a NumPy array on the host."""
-    import numpy as np
-
-    if isinstance(x, (list, tuple)):
-        host = np.asarray(x)
-    elif array_api_compat.is_array_api_obj(x):
-        if array_api_compat.is_cupy_array(x):
-            x = x.get()
-        try:
-            host = np.asarray(x)
-        except (TypeError, RuntimeError):
-            host = np.from_dlpack(x)
-    else:
-        msg = f"{name} must be a 1-D integer array or None; got {type(x).__name__}"
-        raise InvalidTypeError(msg)
-    if host.ndim != 1 or not (np.issubdtype(host.dtype, np.integer) or host.size == 0):
-        msg = f"{name} must be a 1-D integer array; got shape {host.shape} and dtype {host.dtype}"
-        raise InvalidTypeError(msg)
-    return host.astype(np.int64)
-
-
-def check_cu_seqlens(cu_seqlens: Any, B: int, T: int) -> tuple[int, ...] | None:
-    """``N + 1`` non-decreasing offsets from 0 to ``T`` (with ``B == 1``), as host ints."""
-    if cu_seqlens is None:
-        return None
-    host = _host_integers("cu_seqlens", cu_seqlens)
-    if host.size < 1 or host[0] != 0 or host[-1] != T:
-        ends = f"first {host[0]}, last {host[-1]}" if host.size else "no elements"
-        msg = f"cu_seqlens must start at 0 and end at T={T}; got {ends}"
-        raise InvalidInputError(msg)
-    steps = host[1:] - host[:-1]
-    if (steps < 0).any():
-        i = int((steps < 0).argmax())
-        msg = f"cu_seqlens must be non-decreasing; got {host[i]} then {host[i + 1]} at index {i}"
-        raise InvalidInputError(msg)
-    if B != 1:
-        msg = f"cu_seqlens packs sequences into one row: the batch size B must be 1; got B={B}"
-        raise InvalidInputError(msg)
-    return tuple(int(n) for n in host)
 
 
 def _check_choices(opts: Choices) -> None:
