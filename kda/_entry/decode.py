@@ -342,12 +342,8 @@ def _run(
     p, xp = call.p, call.p.xp
     c = call.core_inputs(inputs)
     ops = call.core.ops
-    if v_first:
-        o = ops.decode_forward(c.q, c.k, c.v, c.g, c.beta, p.scale, pool, slots.start, slots.dest,
-                               offsets=p.offsets, final_pool=final_pool, v_first=True)  # fmt: skip
-    else:
-        o = ops.decode_forward(c.q, c.k, c.v, c.g, c.beta, p.scale, pool, slots.start, slots.dest,
-                               offsets=p.offsets, final_pool=final_pool)  # fmt: skip
+    o = ops.decode_forward(c.q, c.k, c.v, c.g, c.beta, pool, slots.start, slots.dest, scale=p.scale,
+                           offsets=p.offsets, final_pool=final_pool, v_first=v_first)  # fmt: skip
     o = head_first(xp, xp.astype(o, p.dtype, copy=False), p.layout)
     if call.check:
         warn_if_diverged(xp, o, stacklevel=4)
@@ -554,8 +550,7 @@ def _numpy_route(
     if not is_plain(opts):
         return None
     ops = _numpy_backend(backend)
-    screen = getattr(ops, "decode_screen", None)
-    if screen is None:
+    if ops is None:
         return None
     dt, shape, head_major = q.dtype, q.shape, opts.layout == "head_first"
     pool_dt = pool.dtype is dt or (dt.type is np.float32 and is_half_pool(pool.dtype))
@@ -574,13 +569,15 @@ def _numpy_route(
     if slots is None:
         return None
     check = opts.check_finite is True
-    if not screen(q, k, v, g, beta, check):  # dtypes, contiguity, g <= 0, finite
+    if not ops.decode_screen(q, k, v, g, beta, finite=check):  # dtypes, contiguity, g <= 0, finite
         return None
     s = K**-0.5 if scale is None else float(scale)
     start, dest = slots.start, slots.dest
     if not head_major:
         q, k, v, g, beta = (x.swapaxes(1, 2) for x in (q, k, v, g, beta))
-    out = ops.decode_forward(q, k, v, g, beta, s, pool, start, dest, final_pool=final_pool, v_first=v_first)
+    out = ops.decode_forward(
+        q, k, v, g, beta, pool, start, dest, scale=s, final_pool=final_pool, v_first=v_first
+    )
     # the output's finiteness in one pass of the backend (no warning from a sum of large finite values)
     if check and not ops.decode_finite(out):
         warn_if_diverged(np, out, stacklevel=3)
@@ -674,13 +671,8 @@ class DecodePlan:
             return _run(self.call, self.inputs, self.pool, slots, out=self.out, v_first=self.v_first)
         buffer = self._buffer
         ops = self.call.core.ops
-        if self.v_first:
-            o = ops.decode_forward(*self._views, p.scale, self.pool, slots.start, slots.dest,
-                                   offsets=p.offsets, out=buffer, v_first=True)  # fmt: skip
-        else:
-            o = ops.decode_forward(
-                *self._views, p.scale, self.pool, slots.start, slots.dest, offsets=p.offsets, out=buffer
-            )
+        o = ops.decode_forward(*self._views, self.pool, slots.start, slots.dest, scale=p.scale,
+                               offsets=p.offsets, out=buffer, v_first=self.v_first)  # fmt: skip
         if o is not buffer:
             buffer[...] = o
         return self.out

@@ -94,9 +94,10 @@ def _gate_argument(xp: Any, g: Any, o: Options) -> Any:
     return g if o.dt_bias is None else g + o.dt_bias[None, :, None, :]
 
 
-@dataclass
+@dataclass(frozen=True)
 class CoreInputs:
-    """Inputs of the core (head-first, compute dtype, ``HV`` heads) and what the chain rule needs."""
+    """Inputs of the core (head-first, compute dtype, ``HV`` heads) and what the chain rule needs
+    (frozen: a changed input is a new record, ``dataclasses.replace``)."""
 
     q: Any
     k: Any
@@ -190,15 +191,17 @@ def beta_backward(xp: Any, dbeta: Any, c: CoreInputs, o: Options) -> Any:
 
 def prepare_core_inputs(xp: Any, q, k, v, g, beta, o: Options, HV: int) -> CoreInputs:
     """Apply the options to head-first inputs of the compute dtype: the core's inputs."""
-    c = CoreInputs(q, k, v, g, beta)
+    q_unit = k_unit = q_norm = k_norm = None
     if o.qk_l2norm:
-        c.q_unit, c.q_norm = _l2norm(xp, q)
-        c.k_unit, c.k_norm = _l2norm(xp, k)
-        q, k = c.q_unit, c.k_unit
-    c.q, c.k = expand_heads(xp, q, HV), expand_heads(xp, k, HV)
-    c.g, c.gate_arg = _log_decay(xp, g, o)
-    c.beta, c.beta_sig = _activate_beta(xp, beta, o)
-    return c
+        q_unit, q_norm = _l2norm(xp, q)
+        k_unit, k_norm = _l2norm(xp, k)
+        q, k = q_unit, k_unit
+    log_decay, gate_arg = _log_decay(xp, g, o)
+    activated, beta_sig = _activate_beta(xp, beta, o)
+    return CoreInputs(
+        q=expand_heads(xp, q, HV), k=expand_heads(xp, k, HV), v=v, g=log_decay, beta=activated,
+        q_unit=q_unit, k_unit=k_unit, q_norm=q_norm, k_norm=k_norm, gate_arg=gate_arg, beta_sig=beta_sig,
+    )  # fmt: skip
 
 
 def qk_backward(xp: Any, dq: Any, dk: Any, c: CoreInputs, o: Options, H: int) -> tuple[Any, Any]:
