@@ -16,7 +16,15 @@ from functools import partial
 from typing import Any, NamedTuple
 
 from .._backend import get_backend
-from .._engine.core import ChunkCore, Core, RecurrentCore, run_packed_backward, run_packed_forward
+from .._engine.core import (
+    ChunkCore,
+    Core,
+    Forward,
+    Gradients,
+    RecurrentCore,
+    run_packed_backward,
+    run_packed_forward,
+)
 from .._options.checks import check_finite as _check_finite
 from .._options.checks import floating_point_quiet, warn_if_diverged
 from .._options.gates import PARAMETER_NAMES
@@ -43,10 +51,6 @@ from .._options.validation import (
 )
 
 __all__ = ["Call", "Inputs", "KdaGradients", "KdaOutput", "open_call"]
-
-# The raw inputs a backend's fused passes screen for NaN / inf as their chunks pass (the forward
-# reads q, k, v; the backward also grad_output and the boundaries): see Call.forward.
-SCREENED = ("q", "k", "v", "boundaries", "grad_output")
 
 
 class KdaOutput(NamedTuple):
@@ -132,7 +136,7 @@ def open_call(
     xp = namespace_of(["q", "k", "v", "g", "beta"], [q, k, v, g, beta])
     ops = get_backend(xp, backend)
     gate_check = ops.launch_gate_check if defer_gate else None
-    if defer_gate and getattr(ops, "chunk_forward_heads", None) is not None:
+    if defer_gate and ops.chunk_forward_heads is not None:
         gate_check = partial(ScreenedGate, xp)  # the fused passes screen g (Call._gate_before)
     p, options = check_options_call(q, k, v, g, beta, scale, opts, gate_check, scan)
     if chunk_size is None:
@@ -200,7 +204,9 @@ class Call:
     def _check_before(self, arrays: dict | None, screen: Any) -> None:
         """Refuse NaN / inf in ``arrays`` now, but for those a fused pass screens (``screen``)."""
         if arrays is not None:
-            unscreened = {n: x for n, x in arrays.items() if screen is None or n not in SCREENED}
+            unscreened = {
+                n: x for n, x in arrays.items() if screen is None or n not in self.core.ops.FUSED_SCREENS
+            }
             self.check_inputs_finite(**unscreened)
 
     def _gate_before(self, screen: Any) -> None:
@@ -226,7 +232,8 @@ class Call:
             return False
         seen_in, seen_out = sums
         if not math.isfinite(seen_in):
-            self.check_finite(**{n: arrays[n] for n in SCREENED if n in arrays})  # raises, naming it
+            screened = self.core.ops.FUSED_SCREENS
+            self.check_finite(**{n: x for n, x in arrays.items() if n in screened})  # raises, naming it
         return math.isfinite(seen_out)
 
     def _screen(self, q: Any) -> Any:
@@ -284,9 +291,9 @@ class Call:
         compute dtype; ``boundaries`` may be None) that receive the results and are returned.
         ``check_inputs``: the raw arrays to refuse NaN / inf in, by name
         (:meth:`check_inputs_finite`). Where the core screens
-        (:meth:`~kda._engine.core.ChunkCore.screens`), those of :data:`SCREENED` and the results
-        are read off its fused pass instead of passes of their own, and looked at again, for the
-        message, only when it saw a non-finite value.
+        (:meth:`~kda._engine.core.ChunkCore.screens`), those the backend names in ``FUSED_SCREENS``
+        and the results are read off its fused pass instead of passes of their own, and looked at
+        again, for the message, only when it saw a non-finite value.
         """
         p, xp = self.p, self.p.xp
         core_in = self.core_inputs(inputs)
@@ -294,23 +301,19 @@ class Call:
         self._check_before(check_inputs, screen)
         self._gate_before(screen)
         direct = out is not None and p.dtype == p.compute_dtype
-        bufs = (head_first(xp, out.output, p.layout), out.final_state, out.boundaries) if direct else None
+        bufs = None
+        if direct:
+            bufs = Forward(output=head_first(xp, out.output, p.layout), final_state=out.final_state,
+                           boundaries=out.boundaries)  # fmt: skip
         with floating_point_quiet(xp):
             if p.offsets is None:
                 output, final, boundaries = self.core.forward(
-                    core_in.q,
-                    core_in.k,
-                    core_in.v,
-                    core_in.g,
-                    core_in.beta,
-                    state,
-                    keep,
-                    out=bufs,
+                    core_in.q, core_in.k, core_in.v, core_in.g, core_in.beta, state, keep=keep, out=bufs,
                     screen=screen,
-                )
+                )  # fmt: skip
             else:
                 output, final, boundaries = run_packed_forward(
-                    self.core, xp, core_in, state, p.offsets, keep, bufs
+                    self.core, xp, core_in, state, p.offsets, keep=keep, out=bufs
                 )
         sums = self._screen_sums(screen)
         raise_for_gates(p)  # a deferred check, read once the work is queued
@@ -345,8 +348,10 @@ class Call:
         direct = out is not None and p.dtype == p.compute_dtype and options.is_identity and p.H == p.HV
         bufs = None
         if direct:
-            steps = (out.q, out.k, out.v, out.g, out.beta)
-            bufs = (*(head_first(xp, x, p.layout) for x in steps), out.initial_state)
+            dq, dk, dv, dg, dbeta = (
+                head_first(xp, x, p.layout) for x in (out.q, out.k, out.v, out.g, out.beta)
+            )
+            bufs = Gradients(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, dinitial=out.initial_state)
         with floating_point_quiet(xp):
             if p.offsets is None:
                 grads = self.core.backward(
@@ -355,7 +360,7 @@ class Call:
                 )  # fmt: skip
             else:
                 grads = run_packed_backward(
-                    self.core, xp, core_in, state, boundaries, do, dfinal, p.offsets, bufs
+                    self.core, xp, core_in, state, boundaries, do, dfinal, p.offsets, out=bufs
                 )
             dq, dk, dv, dlog, dbeta, dinitial = grads
             dg, dparams = gate_backward(xp, dlog, core_in, options)

@@ -58,12 +58,8 @@ def _run(
     p, xp = call.p, call.p.xp
     c = call.core_inputs(inputs)
     ops = call.core.ops
-    if v_first:
-        o = ops.decode_forward(c.q, c.k, c.v, c.g, c.beta, p.scale, pool, slots.start, slots.dest,
-                               offsets=p.offsets, final_pool=final_pool, v_first=True)  # fmt: skip
-    else:
-        o = ops.decode_forward(c.q, c.k, c.v, c.g, c.beta, p.scale, pool, slots.start, slots.dest,
-                               offsets=p.offsets, final_pool=final_pool)  # fmt: skip
+    o = ops.decode_forward(c.q, c.k, c.v, c.g, c.beta, pool, slots.start, slots.dest, scale=p.scale,
+                           offsets=p.offsets, final_pool=final_pool, v_first=v_first)  # fmt: skip
     o = head_first(xp, xp.astype(o, p.dtype, copy=False), p.layout)
     if call.check:
         warn_if_diverged(xp, o)

@@ -70,8 +70,7 @@ def numpy_route(
     if not is_plain(opts):
         return None
     ops = _numpy_backend(backend)
-    screen = getattr(ops, "decode_screen", None)
-    if screen is None:
+    if ops is None:
         return None
     dt, shape, head_major = q.dtype, q.shape, opts.layout == "head_first"
     pool_dt = pool.dtype is dt or (dt.type is np.float32 and is_half_pool(pool.dtype))
@@ -90,13 +89,15 @@ def numpy_route(
     if slots is None:
         return None
     check = opts.check_finite is True
-    if not screen(q, k, v, g, beta, check):  # dtypes, contiguity, g <= 0, finite
+    if not ops.decode_screen(q, k, v, g, beta, finite=check):  # dtypes, contiguity, g <= 0, finite
         return None
     s = K**-0.5 if scale is None else float(scale)
     start, dest = slots.start, slots.dest
     if not head_major:
         q, k, v, g, beta = (x.swapaxes(1, 2) for x in (q, k, v, g, beta))
-    out = ops.decode_forward(q, k, v, g, beta, s, pool, start, dest, final_pool=final_pool, v_first=v_first)
+    out = ops.decode_forward(
+        q, k, v, g, beta, pool, start, dest, scale=s, final_pool=final_pool, v_first=v_first
+    )
     # the output's finiteness in one pass of the backend (no warning from a sum of large finite values)
     if check and not ops.decode_finite(out):
         warn_if_diverged(np, out)

@@ -85,13 +85,8 @@ class DecodePlan:
             return _run(self.call, self.inputs, self.pool, slots, out=self.out, v_first=self.v_first)
         buffer = self._buffer
         ops = self.call.core.ops
-        if self.v_first:
-            o = ops.decode_forward(*self._views, p.scale, self.pool, slots.start, slots.dest,
-                                   offsets=p.offsets, out=buffer, v_first=True)  # fmt: skip
-        else:
-            o = ops.decode_forward(
-                *self._views, p.scale, self.pool, slots.start, slots.dest, offsets=p.offsets, out=buffer
-            )
+        o = ops.decode_forward(*self._views, self.pool, slots.start, slots.dest, scale=p.scale,
+                               offsets=p.offsets, out=buffer, v_first=self.v_first)  # fmt: skip
         if o is not buffer:
             buffer[...] = o
         return self.out

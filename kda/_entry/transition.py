@@ -14,6 +14,7 @@ from a zero start with ``grad_final_state = 0``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import array_api_compat
@@ -93,8 +94,7 @@ def transition_map(call: Call, x: Inputs) -> KdaTransition:
         return KdaTransition(out.final_state[..., : p.K], out.final_state[..., p.K :])
     c = call.core_inputs(x)
     wide_v, start = _widened(xp, c.v, p.N, p.HV, p.K, p.compute_dtype)
-    c.v = wide_v
-    end = call.end_state(c, start)
+    end = call.end_state(dataclasses.replace(c, v=wide_v), start)
     if call.check:
         warn_if_diverged(xp, end)
     return KdaTransition(end[..., : p.K], end[..., p.K :])

@@ -79,9 +79,10 @@ def head_first(xp: Any, x: Any, layout: str) -> Any:
     return xp.permute_dims(x, (0, 2, 1, *range(3, x.ndim)))
 
 
-@dataclass
+@dataclass(frozen=True)
 class CoreInputs:
-    """Inputs of the core (head-first, compute dtype, ``HV`` heads) and what the chain rule needs."""
+    """Inputs of the core (head-first, compute dtype, ``HV`` heads) and what the chain rule needs
+    (frozen: a changed input is a new record, ``dataclasses.replace``)."""
 
     q: Any
     k: Any
@@ -148,15 +149,17 @@ def beta_backward(xp: Any, dbeta: Any, c: CoreInputs, o: Options) -> Any:
 
 def prepare_core_inputs(xp: Any, q, k, v, g, beta, o: Options, HV: int) -> CoreInputs:
     """Apply the options to head-first inputs of the compute dtype: the core's inputs."""
-    c = CoreInputs(q, k, v, g, beta)
+    q_unit = k_unit = q_norm = k_norm = None
     if o.qk_l2norm:
-        c.q_unit, c.q_norm = _l2norm(xp, q)
-        c.k_unit, c.k_norm = _l2norm(xp, k)
-        q, k = c.q_unit, c.k_unit
-    c.q, c.k = expand_heads(xp, q, HV), expand_heads(xp, k, HV)
-    c.g, c.gate_saved = o.law.log_decay(xp, g, o.gate_params(), o.lower_bound)
-    c.beta, c.beta_sig = _activate_beta(xp, beta, o)
-    return c
+        q_unit, q_norm = _l2norm(xp, q)
+        k_unit, k_norm = _l2norm(xp, k)
+        q, k = q_unit, k_unit
+    log_decay, gate_saved = o.law.log_decay(xp, g, o.gate_params(), o.lower_bound)
+    activated, beta_sig = _activate_beta(xp, beta, o)
+    return CoreInputs(
+        q=expand_heads(xp, q, HV), k=expand_heads(xp, k, HV), v=v, g=log_decay, beta=activated,
+        q_unit=q_unit, k_unit=k_unit, q_norm=q_norm, k_norm=k_norm, gate_saved=gate_saved, beta_sig=beta_sig,
+    )  # fmt: skip
 
 
 def qk_backward(xp: Any, dq: Any, dk: Any, c: CoreInputs, o: Options, H: int) -> tuple[Any, Any]:

@@ -248,7 +248,7 @@ def _needs_scratch(start: Any, dest: Any, offsets: Any, T: int, same: bool) -> b
 
 
 def decode_forward(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, pool: Any, start: Any, dest: Any, *,
+    q: Any, k: Any, v: Any, g: Any, beta: Any, pool: Any, start: Any, dest: Any, *, scale: float,
     offsets: Any = None, final_pool: Any = None, out: Any = None, v_first: bool = False,
 ) -> Any:  # fmt: skip
     """The CUDA backend of :func:`kda.reference.decode_forward`, in one kernel launch.

@@ -56,7 +56,7 @@ def _spans(N: int, T: int, offsets: Any) -> list[tuple[int, int, int]]:
 
 
 def decode_forward(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, pool: Any, start: Any, dest: Any, *,
+    q: Any, k: Any, v: Any, g: Any, beta: Any, pool: Any, start: Any, dest: Any, *, scale: float,
     offsets: Any = None, final_pool: Any = None, out: Any = None, v_first: bool = False,
 ) -> Any:  # fmt: skip
     """Run every request's steps from its start row and write its states to its slots.
