@@ -15,6 +15,8 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, NamedTuple
 
+import array_api_compat
+
 from .._backend import get_backend
 from .._engine.core import (
     ChunkCore,
@@ -25,6 +27,7 @@ from .._engine.core import (
     run_packed_backward,
     run_packed_forward,
 )
+from .._options.arguments import check_choice
 from .._options.checks import check_finite as _check_finite
 from .._options.checks import floating_point_quiet, warn_if_diverged
 from .._options.gates import PARAMETER_NAMES
@@ -37,6 +40,7 @@ from .._options.maps import (
     prepare_core_inputs,
     qk_backward,
 )
+from .._options.spec import METHODS, CallSpec
 from .._options.table import Choices
 from .._options.validation import (
     STATE_DTYPE_RULE,
@@ -50,7 +54,7 @@ from .._options.validation import (
     raise_for_gates,
 )
 
-__all__ = ["Call", "Inputs", "KdaGradients", "KdaOutput", "open_call"]
+__all__ = ["Call", "Inputs", "KdaGradients", "KdaOutput", "bind_call", "build_call", "open_call"]
 
 
 class KdaOutput(NamedTuple):
@@ -124,26 +128,74 @@ def open_call(
     q, k, v, g, beta, scale: Any, opts: Choices, *, backend: str | None, chunk_size: Any = None,
     defer_gate: bool = False, scan: bool = True,
 ) -> Call:  # fmt: skip
-    """Validate a call's inputs and options and bind them to a core.
+    """A public function's call: its arguments and options (the table's ``opts``) as a
+    :class:`~kda._options.spec.CallSpec` and arrays, through :func:`build_call` (validated).
+    ``chunk_size=None``: the step recurrence."""
+    spec = CallSpec.from_choices(
+        opts, method="recurrent" if chunk_size is None else "chunk", scale=scale,
+        chunk_size=64 if chunk_size is None else chunk_size, backend=backend,
+    )  # fmt: skip
+    x = Inputs.of(q, k, v, g, beta, opts)
+    return build_call(spec, x, cu_seqlens=opts.cu_seqlens, defer_gate=defer_gate, scan=scan)
 
-    ``chunk_size=None`` binds the step recurrence. ``defer_gate``: let a GPU backend check
-    ``g <= 0`` on the device, read after the call's work is queued (:meth:`Call.forward` and
-    :meth:`Call.backward` read it), and a backend with fused passes screen ``g`` as they load it
-    (checked on the host first where the call runs none). ``scan=False``: sizes, dtypes and
-    options only, no look at the values: for a part of a call whose arrays were checked (a Dask
-    block's later tasks, after its check task).
+
+def build_call(
+    spec: CallSpec, x: Inputs, *, cu_seqlens: Any = None, defer_gate: bool = False, scan: bool = True
+) -> Call:
+    """The validating door: check the arrays ``x`` (``q .. beta`` and the gate law's parameters,
+    in ``spec.layout``), ``cu_seqlens`` and the ``spec`` and bind them to a core.
+
+    ``defer_gate``: let a GPU backend check ``g <= 0`` on the device, read after the call's work
+    is queued (:meth:`Call.forward` and :meth:`Call.backward` read it), and a backend with fused
+    passes screen ``g`` as they load it (checked on the host first where the call runs none).
+    ``scan=False``: sizes, dtypes and options only, no look at the values: for a part of a call
+    whose arrays were checked (a Dask block's later tasks, after its check task).
     """
-    xp = namespace_of(["q", "k", "v", "g", "beta"], [q, k, v, g, beta])
-    ops = get_backend(xp, backend)
+    check_choice("method", spec.method, METHODS)
+    xp = namespace_of(["q", "k", "v", "g", "beta"], list(x.steps))
+    ops = get_backend(xp, spec.backend)
     gate_check = ops.launch_gate_check if defer_gate else None
     if defer_gate and ops.chunk_forward_heads is not None:
         gate_check = partial(ScreenedGate, xp)  # the fused passes screen g (Call._gate_before)
-    p, options = check_options_call(q, k, v, g, beta, scale, opts, gate_check, scan)
+    params = {name: getattr(x, name) for name in PARAMETER_NAMES}
+    opts = spec.choices(params, cu_seqlens)
+    p, options = check_options_call(*x.steps, spec.scale, opts, gate_check, scan)
+    chunk_size = check_chunk_size(spec.chunk_size) if spec.method == "chunk" else None
+    return _call(p, options, ops, chunk_size, check=bool(spec.check_finite))
+
+
+def bind_call(spec: CallSpec, x: Inputs, offsets: tuple[int, ...] | None) -> Call:
+    """The non-validating door: the call that :func:`build_call` validated, rebuilt without a
+    check from the same ``spec`` and arrays (``x`` in ``spec.layout`` and the compute dtype,
+    the gate parameters as validated) and host ``offsets``: the problem's sizes, the options and
+    the core. ``spec.scale`` must be the resolved scale (a float)."""
+    q, v = x.q, x.v
+    xp = array_api_compat.array_namespace(q)
+    B, H, HV = q.shape[0], q.shape[1], v.shape[1]
+    T = q.shape[2]
+    if spec.layout != "head_first":
+        H, HV, T = q.shape[2], v.shape[2], q.shape[1]
+    problem = Problem(
+        xp=xp, B=B, H=H, HV=HV, T=T, K=q.shape[3], V=v.shape[3], dtype=q.dtype, compute_dtype=q.dtype,
+        scale=spec.scale, layout=spec.layout, offsets=offsets,
+    )  # fmt: skip
+    options = Options(
+        qk_l2norm=spec.qk_l2norm, gate=spec.gate, lower_bound=spec.lower_bound,
+        beta_activation=spec.beta_activation or None, **{n: getattr(x, n) for n in PARAMETER_NAMES},
+    )  # fmt: skip
+    ops = get_backend(xp, spec.backend)
+    chunk_size = spec.chunk_size if spec.method == "chunk" else None
+    return _call(problem, options, ops, chunk_size, check=bool(spec.check_finite))
+
+
+def _call(p: Problem, options: Options, ops: Any, chunk_size: int | None, *, check: bool) -> Call:
+    """The one constructor of a :class:`Call`: the problem, its options, the core (the chunked
+    form, or the step recurrence for ``chunk_size=None``) and whether to check finiteness."""
     if chunk_size is None:
         core: Core = RecurrentCore(ops=ops, scale=p.scale)
     else:
-        core = ChunkCore(ops=ops, scale=p.scale, chunk_size=check_chunk_size(chunk_size))
-    return Call(p=p, options=options, core=core, check=bool(opts.check_finite))
+        core = ChunkCore(ops=ops, scale=p.scale, chunk_size=chunk_size)
+    return Call(p=p, options=options, core=core, check=check)
 
 
 @dataclass(frozen=True)

@@ -69,8 +69,7 @@ def _run(
     return o
 
 
-@takes_options()
-def decode_kda(
+def _decode_kda(
     q: Array, k: Array, v: Array, g: Array, beta: Array, state_pool: Array, state_indices: Array, *,
     num_accepted_tokens: Array | None = None, state_v_first: bool = False, pad_slot_id: int = PADDING,
     scale: float | None = None, backend: str | None = None, opts: Choices,
@@ -170,8 +169,7 @@ def _rows(N: int) -> Slots:
     return slots
 
 
-@takes_options()
-def decode_states(
+def _decode_states(
     q: Array, k: Array, v: Array, g: Array, beta: Array, initial_state: Array | None = None, *,
     state_v_first: bool = False, scale: float | None = None, backend: str | None = None, opts: Choices,
 ) -> KdaOutput:  # fmt: skip
@@ -215,3 +213,9 @@ def decode_states(
         check_state("initial_state", initial_state, p)
     o = _run(call, Inputs(q, k, v, g, beta), initial_state, slots, final_pool=final, v_first=v_first)
     return KdaOutput(o, final, None)
+
+
+# the public entry points; their bodies (which take the options as one Choices) are what the
+# fla-style adapters' host layer calls
+decode_kda = takes_options(name="decode_kda")(_decode_kda)
+decode_states = takes_options(name="decode_states")(_decode_states)
