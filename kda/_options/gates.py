@@ -28,7 +28,8 @@ from typing import Any, ClassVar, NamedTuple
 from .._errors import InvalidInputError, InvalidTypeError
 
 __all__ = [
-    "LAWS", "PARAMETERS", "GateLaw", "GateParam", "law", "register", "sigmoid", "softplus", "unregister",
+    "A_LOG", "DT_BIAS", "LAWS", "PARAMETERS", "GateLaw", "GateParam", "law", "register", "sigmoid",
+    "softplus", "unregister",
 ]  # fmt: skip
 
 
