@@ -16,6 +16,7 @@ from typing import Any
 
 from array_api_compat import array_namespace
 
+from .._options.arguments import c_contiguous
 from .protocol import Backend, ChunkLocal
 
 __all__ = ["DEFAULTS", "INTERFACE", "complete", "decode_finite", "decode_screen", "from_chunks", "to_chunks"]
@@ -61,16 +62,6 @@ def _host_gate_check(g: Any) -> None:
     return None
 
 
-def _c_contiguous(x: Any) -> bool:
-    """Whether ``x`` is laid out C-contiguously: NumPy's and CuPy's ``flags``, PyTorch's
-    ``is_contiguous()``; True for a namespace with no such notion."""
-    flags = getattr(x, "flags", None)
-    if flags is not None:
-        return bool(flags.c_contiguous)
-    is_contiguous = getattr(x, "is_contiguous", None)
-    return bool(is_contiguous()) if callable(is_contiguous) else True
-
-
 def decode_screen(q: Any, k: Any, v: Any, g: Any, beta: Any, *, finite: bool) -> bool:
     """:meth:`Backend.decode_screen` with the arrays' namespace: one dtype (float32 or float64),
     C-contiguous, ``g <= 0`` everywhere and, with ``finite``, ``q, k, v, beta`` finite (the
@@ -79,7 +70,7 @@ def decode_screen(q: Any, k: Any, v: Any, g: Any, beta: Any, *, finite: bool) ->
     dt = q.dtype
     if dt not in (xp.float32, xp.float64) or any(x.dtype != dt for x in (k, v, g, beta)):
         return False
-    if not all(_c_contiguous(x) for x in (q, k, v, g, beta)):
+    if not all(c_contiguous(x) for x in (q, k, v, g, beta)):
         return False
     if not bool(xp.all(g <= 0)):  # a NaN fails
         return False

@@ -233,6 +233,17 @@ class Call:
         )
         return x._replace(**{n: getattr(x, n)[t] for n in ("q", "k", "v", "g", "beta")})
 
+    def plain(self, *, packed: bool = True) -> bool:
+        """The one structural "plain call" test: the core's inputs are the raw inputs as given
+        (no element-wise map of an option, ``HV == H``, the inputs' dtype the compute dtype), so
+        results and buffers can be written straight into the caller's arrays. ``packed=False``:
+        also no packed sequences."""
+        p = self.p
+        return (
+            self.options.is_identity and p.H == p.HV and p.dtype == p.compute_dtype
+            and (packed or p.offsets is None)
+        )  # fmt: skip
+
     # --- checks of the other arguments
 
     def check_inputs_finite(self, **arrays: Any) -> None:
@@ -397,7 +408,7 @@ class Call:
         screen = self._screen(core_in.q) if check_inputs is not None and out is None else None
         self._check_before(check_inputs, screen)
         self._gate_before(screen)
-        direct = out is not None and p.dtype == p.compute_dtype and options.is_identity and p.H == p.HV
+        direct = out is not None and self.plain()
         bufs = None
         if direct:
             dq, dk, dv, dg, dbeta = (

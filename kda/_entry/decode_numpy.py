@@ -18,7 +18,7 @@ from typing import Any
 
 from .._backend import get_backend
 from .._errors import KdaError
-from .._options.arguments import PADDING, SMALL, Slots, check_slots, is_half_pool
+from .._options.arguments import PADDING, SMALL, Slots, c_contiguous, check_slots, is_half_pool
 from .._options.checks import warn_if_diverged
 from .._options.table import is_plain
 
@@ -114,7 +114,7 @@ def _direct_slots(
     if (
         pad == PADDING and num_accepted_tokens is None and type(state_indices) is np.ndarray
         and state_indices.dtype == np.int64 and state_indices.shape == (N,)
-        and state_indices.flags.c_contiguous and 0 < N <= SMALL
+        and c_contiguous(state_indices) and 0 < N <= SMALL
     ):  # fmt: skip
         rows = state_indices.tolist()
         named = [r for r in rows if r >= 0]

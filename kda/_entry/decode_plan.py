@@ -98,7 +98,7 @@ class DecodePlan:
 def _is_int64_vector(x: Any, N: int) -> bool:
     import numpy as np
 
-    return type(x) is np.ndarray and x.dtype == np.int64 and x.shape == (N,) and x.flags.c_contiguous
+    return type(x) is np.ndarray and x.dtype == np.int64 and x.shape == (N,) and c_contiguous(x)
 
 
 @takes_options()
@@ -148,7 +148,7 @@ def prepare_decode_kda(
         if not array_api_compat.is_writeable_array(out) or not c_contiguous(out):
             msg = "out must be a writable C-contiguous array (runs write the output into it)"
             raise InvalidInputError(msg)
-    direct = call.options.is_identity and p.H == p.HV and p.dtype == p.compute_dtype
+    direct = call.plain()
     return DecodePlan(
         call=call, inputs=Inputs(q, k, v, g, beta), pool=state_pool, state_indices=state_indices,
         num_accepted_tokens=num_accepted_tokens, out=out, P=P, direct=direct, v_first=v_first, pad=pad,

@@ -82,11 +82,6 @@ class _Buffers:
         return self.get(name, given, shape, letters, self.p.compute_dtype, STATE_DTYPE_RULE)
 
 
-def _is_plain(p: Problem, o: Options) -> bool:
-    """No element-wise map between the bound arrays and the core: runs write in place."""
-    return o.is_identity and p.offsets is None and p.H == p.HV and p.dtype == p.compute_dtype
-
-
 @dataclass
 class _Runner:
     """What both plans share: the call (the core with its options), the bound arrays and the
@@ -314,7 +309,7 @@ def prepare_chunk_kda_backward(
     bound = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state, **finite}
     _check_bindings({**bound, **{f"out.{n}": x for n, x in zip(KdaGradients._fields, grads)}})
     workspace = None
-    if boundaries is None and _is_plain(p, o):  # recomputed boundaries, written in place
+    if boundaries is None and call.plain(packed=False):  # recomputed boundaries, written in place
         workspace = make.state("boundaries workspace", None, call.boundaries_shape(), "NT, B, HV, K, V")
     runner = _Runner(call=call, inputs=Inputs.of(q, k, v, g, beta, opts), state=state)
     return BackwardPlan(runner, grads, (boundaries, grad_output, dfinal), workspace)
