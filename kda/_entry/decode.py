@@ -357,7 +357,6 @@ def _run(
     return o
 
 
-@takes_options()
 def decode_kda(
     q: Array, k: Array, v: Array, g: Array, beta: Array, state_pool: Array, state_indices: Array, *,
     num_accepted_tokens: Array | None = None, state_v_first: bool = False, pad_slot_id: int = PADDING,
@@ -443,6 +442,10 @@ def decode_kda(
     return _run(call, Inputs(q, k, v, g, beta), state_pool, slots, v_first=v_first)
 
 
+# the body (options as one Choices), which the adapters' host layer calls directly
+decode_kda_body = decode_kda
+decode_kda = takes_options()(decode_kda)
+
 _ROWS: dict[int, Slots] = {}  # N -> request n on row n (arange(N), int64, read-only): decode_states
 
 
@@ -458,7 +461,6 @@ def _rows(N: int) -> Slots:
     return slots
 
 
-@takes_options()
 def decode_states(
     q: Array, k: Array, v: Array, g: Array, beta: Array, initial_state: Array | None = None, *,
     state_v_first: bool = False, scale: float | None = None, backend: str | None = None, opts: Choices,
@@ -503,6 +505,11 @@ def decode_states(
         check_state("initial_state", initial_state, p)
     o = _run(call, Inputs(q, k, v, g, beta), initial_state, slots, final_pool=final, v_first=v_first)
     return KdaOutput(o, final, None)
+
+
+# the body (options as one Choices), which the adapters' host layer calls directly
+decode_states_body = decode_states
+decode_states = takes_options()(decode_states)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -579,7 +586,8 @@ def _numpy_route(
     s = K**-0.5 if scale is None else float(scale)
     start, dest = slots.start, slots.dest
     if not head_major:
-        q, k, v, g, beta = (x.swapaxes(1, 2) for x in (q, k, v, g, beta))
+        q, k, v = q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2)  # (no generator: per-call cost)
+        g, beta = g.swapaxes(1, 2), beta.swapaxes(1, 2)
     out = ops.decode_forward(q, k, v, g, beta, s, pool, start, dest, final_pool=final_pool, v_first=v_first)
     # the output's finiteness in one pass of the backend (no warning from a sum of large finite values)
     if check and not ops.decode_finite(out):

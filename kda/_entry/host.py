@@ -53,9 +53,9 @@ __all__ = [
 
 # the bodies of kda.chunk_kda, kda.decode_kda and the decode kernel's recurrent forward, which
 # take the options as one Choices
-_CHUNK = _api.chunk_kda.__wrapped__
-_DECODE_STATES = _decode.decode_states.__wrapped__
-_DECODE = _decode.decode_kda.__wrapped__
+_CHUNK = _api.chunk_kda_body
+_DECODE_STATES = _decode.decode_states_body
+_DECODE = _decode.decode_kda_body
 
 
 class Route(NamedTuple):
