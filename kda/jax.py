@@ -32,14 +32,8 @@ import numpy as np
 
 from ._entry import host as _host
 from ._entry.call import Inputs
-from ._entry.fla import (
-    CHUNK_DOC,
-    RECURRENT_DOC,
-    FlaCall,
-    OpOptions,
-    fla_function,
-    packed_chunks,
-)
+from ._entry.fla import FlaCall, OpOptions, packed_chunks
+from ._entry.fla_front import CHUNK_DOC, RECURRENT_DOC, fla_function
 from ._errors import InvalidInputError, InvalidTypeError
 
 __all__ = ["chunk_kda", "fused_recurrent_kda"]
@@ -154,7 +148,8 @@ def _apply(x: Inputs, cu: Any, call: FlaCall):
         except jax.errors.TracerArrayConversionError:
             msg = "return_intermediate_states=True with cu_seqlens needs concrete cu_seqlens (not under jit)"
             raise InvalidInputError(msg) from None
-    o, final, boundaries = _kda(call.static, Inputs(q, k, v, g, beta, s0, A_log, dt_bias), cu)
+    x = Inputs(q=q, k=k, v=v, g=g, beta=beta, initial_state=s0, A_log=A_log, dt_bias=dt_bias)
+    o, final, boundaries = _kda(call.static, x, cu)
     o = o.astype(dtype)
     final = (
         (jnp.swapaxes(final, -1, -2) if call.state_v_first else final) if call.output_final_state else None

@@ -94,7 +94,8 @@ def numpy_route(
     s = K**-0.5 if scale is None else float(scale)
     start, dest = slots.start, slots.dest
     if not head_major:
-        q, k, v, g, beta = (x.swapaxes(1, 2) for x in (q, k, v, g, beta))
+        q, k, v = q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2)  # (no generator: per-call cost)
+        g, beta = g.swapaxes(1, 2), beta.swapaxes(1, 2)
     out = ops.decode_forward(
         q, k, v, g, beta, pool, start, dest, scale=s, final_pool=final_pool, v_first=v_first
     )

@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 import kda  # noqa: E402
 import kda.torch as kt  # noqa: E402
 from kda._entry import fla  # noqa: E402
+from kda._torch import convert  # noqa: E402
 
 RECURRENT = "fused_recurrent_kda"
 
@@ -106,7 +107,7 @@ def test_numpy_scalar_options_are_translated_every_time():
 def _general(monkeypatch):
     """The long way round: the general tensor conversion and the general decode route."""
     decline_direct_decode_route(monkeypatch)
-    monkeypatch.setattr(kt, "_VIEWED", ())
+    monkeypatch.setattr(convert, "VIEWED", ())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -150,7 +151,7 @@ def test_a_negative_view_is_resolved():
     conversion resolves it."""
     x = torch.arange(4.0)
     neg = torch._neg_view(x)
-    assert neg.is_neg() and np.array_equal(kt._array(neg), -x.numpy())
+    assert neg.is_neg() and np.array_equal(convert.array(neg), -x.numpy())
 
 
 @pytest.mark.parametrize(

@@ -52,7 +52,7 @@ def test_torch_op_schemas_are_the_records():
     """Every op's arguments are the records' fields, in their order: the host arrays (those with a
     default optional), the offsets, the op's own, then OpOptions' fields with their types."""
     torch = pytest.importorskip("torch")
-    import kda.torch as kt
+    from kda._torch import ops as kt
 
     ops = torch.ops.kda
     options = list(OpOptions._fields)
@@ -70,10 +70,10 @@ def test_torch_op_schemas_are_the_records():
         assert [n for n in Inputs._fields if optional[n]] == list(Inputs._field_defaults)
         assert optional["lower_bound"] and not optional["scale"]
     # the implementations read their arguments through records made from the same schemas
-    assert kt._ForwardArgs._fields == tuple(_schema_names(ops.forward))
-    assert kt._BackwardArgs._fields == tuple(_schema_names(ops.backward))
-    assert kt._DecodeArgs._fields == tuple(_schema_names(ops.decode))
-    assert kt._RecurrentInferenceArgs._fields == tuple(_schema_names(ops.recurrent_inference))
+    assert kt.ForwardArgs._fields == tuple(_schema_names(ops.forward))
+    assert kt.BackwardArgs._fields == tuple(_schema_names(ops.backward))
+    assert kt.DecodeArgs._fields == tuple(_schema_names(ops.decode))
+    assert kt.RecurrentInferenceArgs._fields == tuple(_schema_names(ops.recurrent_inference))
 
 
 def test_torch_op_reads_the_arrays_by_name(monkeypatch):
