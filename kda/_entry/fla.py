@@ -28,16 +28,17 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from .._errors import InvalidInputError
 from .._options.checks import warn_at_caller
+from .._options.spec import CallSpec
 from .._options.table import Choices
 from .._options.validation import check_chunk_size, check_scale
 
 __all__ = [
     "KEYWORD_TABLE", "FlaCall", "OpOptions", "boundary_bound", "check_gate_sizes", "choices",
-    "chunk_keywords", "packed_chunks", "translate",
+    "packed_chunks", "translate",
 ]  # fmt: skip
 
 # keyword -> (class, what kda does with it); the README's table restates it
@@ -68,6 +69,12 @@ KEYWORD_TABLE: dict[str, tuple[str, str]] = {
         "gradient in the shape given",
     ),
     "cu_seqlens": ("honoured", "packed sequences, B == 1; states [N, HV, K, V]"),
+    "gate": (
+        "honoured (kda)",
+        "with use_gate_in_kernel: the gate law by name (kda.chunk_kda's gate option, any law registered "
+        "in kda._options.gates) instead of fla's choice from lower_bound; A_log, dt_bias, lower_bound "
+        "as that law takes them",
+    ),
     "chunk_size": ("honoured", "any positive int (fla: 32 or 64); changes rounding only"),
     "state_v_first": ("honoured", "states read and returned as [N, HV, V, K]"),
     "transpose_state_layout": ("honoured", "deprecated spelling of state_v_first (DeprecationWarning)"),
@@ -136,31 +143,20 @@ RECURRENT_NO_EFFECT = (
     "return_intermediate_states", "cp_context",
 )  # fmt: skip
 RECURRENT_KEYWORDS = frozenset(
-    {*(n for n, _ in RECURRENT_PARAMS), "transpose_state_layout", *RECURRENT_NO_EFFECT, *DECODE_KEYWORDS}
-)
+    {*(n for n, _ in RECURRENT_PARAMS), "transpose_state_layout", "gate", *RECURRENT_NO_EFFECT,
+     *DECODE_KEYWORDS}
+)  # fmt: skip
 SIGNATURES = {
     "chunk_kda": (CHUNK_PARAMS, CHUNK_KEYWORDS),
     "fused_recurrent_kda": (RECURRENT_PARAMS, RECURRENT_KEYWORDS),
 }
 
 
-class OpOptions(NamedTuple):
-    """The options of an fla-style call that are not arrays, checked: a hashable tuple (an op's
-    non-tensor arguments, in this order: :mod:`kda.torch` generates its ops' schemas from these
-    fields and their annotations; or a ``custom_vjp``'s static argument)."""
-
-    method: str  # "chunk" or "recurrent"
-    scale: float
-    chunk_size: int
-    qk_l2norm: bool
-    gate: str
-    lower_bound: float | None
-    beta_activation: str  # "" for none (an op argument cannot be None)
-
-    @classmethod
-    def of(cls, options: tuple[Any, ...]) -> OpOptions:
-        """``options`` (a :class:`OpOptions`, or the plain tuple an op received) as a :class:`OpOptions`."""
-        return options if type(options) is cls else cls._make(options)
+# The options of an fla-style call that are not arrays, checked: the call's CallSpec (time-major,
+# the scale resolved): an op's non-tensor arguments (kda._torch.ops generates its ops' schemas
+# from its fields and annotations) and a custom_vjp's static argument. The name is kept for the
+# adapters that spell it so.
+OpOptions = CallSpec
 
 
 @dataclass(frozen=True)
@@ -181,23 +177,9 @@ class FlaCall:
 
 
 def choices(static: OpOptions, A_log: Any = None, dt_bias: Any = None, offsets: Any = None) -> Choices:
-    """The options of a :class:`OpOptions` as the table's :class:`~kda._options.table.Choices`
-    (time-major), with the gate's arrays and host ``offsets`` (``cu_seqlens``) or None."""
-    static = OpOptions.of(static)
-    return Choices(
-        layout="time_major", qk_l2norm=static.qk_l2norm, gate=static.gate, A_log=A_log, dt_bias=dt_bias,
-        lower_bound=static.lower_bound, beta_activation=static.beta_activation or None, cu_seqlens=offsets,
-    )  # fmt: skip
-
-
-def chunk_keywords(static: OpOptions, A_log: Any = None, dt_bias: Any = None) -> dict[str, Any]:
-    """Keywords of :func:`kda.chunk_kda` (and of the transitions) for a :class:`OpOptions`, without
-    ``cu_seqlens``: for the paths that call the public functions on parts of a call (context
-    parallelism, gradients through the chunk-start states)."""
-    static = OpOptions.of(static)
-    keywords = choices(static, A_log, dt_bias).keywords()
-    del keywords["cu_seqlens"]
-    return {**keywords, "scale": static.scale, "chunk_size": static.chunk_size}
+    """The options of a spec as the table's :class:`~kda._options.table.Choices` (time-major),
+    with the gate's arrays and host ``offsets`` (``cu_seqlens``) or None."""
+    return CallSpec.of(static).choices({"A_log": A_log, "dt_bias": dt_bias}, offsets)
 
 
 def packed_chunks(offsets: Any, chunk_size: int) -> int:
@@ -268,6 +250,11 @@ def _gate(kw: dict[str, Any], has_A_log: bool, has_dt_bias: bool) -> dict[str, A
         if not (math.isfinite(lower_bound) and lower_bound < 0):
             _refuse(f"lower_bound must be a finite float < 0; got {lower_bound!r}")
     safe_gate = bool(kw.get("safe_gate", False))
+    law = kw.get("gate")
+    if law is not None:  # kda's own keyword: a gate law by name (validated with the call's options)
+        if not kw.get("use_gate_in_kernel", False):
+            _refuse(f"gate={law!r} needs use_gate_in_kernel=True (the gate law is applied in the kernel)")
+        return {"gate": law} if lower_bound is None else {"gate": law, "lower_bound": float(lower_bound)}
     if not kw.get("use_gate_in_kernel", False):
         given = [n for n, has in (("A_log", has_A_log), ("dt_bias", has_dt_bias)) if has]
         if given:
@@ -316,7 +303,7 @@ def _check_shapes(q: tuple[int, ...], v: tuple[int, ...], cu_seqlens: bool) -> t
 TRANSLATED = (
     "scale", "chunk_size", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
     "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "safe_gate", "lower_bound", "state_v_first",
-    "return_intermediate_states",
+    "return_intermediate_states", "gate",
 )  # fmt: skip
 
 
@@ -385,14 +372,15 @@ def _translate(
     _check_unsupported(function, kw)
     HV, K = _check_shapes(q_shape, v_shape, has_cu_seqlens)
     gate = _gate(kw, has_A_log, has_dt_bias)
-    static = OpOptions(
+    static = CallSpec(
         method="chunk" if function == "chunk_kda" else "recurrent",
         scale=check_scale(kw.get("scale"), K),
         chunk_size=check_chunk_size(kw.get("chunk_size", 64)),
+        layout="time_major",
         qk_l2norm=bool(kw.get("use_qk_l2norm_in_kernel", False)),
         gate=gate["gate"],
         lower_bound=gate.get("lower_bound"),
-        beta_activation=_beta(kw) or "",
+        beta_activation=_beta(kw),
     )
     return FlaCall(
         static=static,

@@ -150,15 +150,10 @@ def _plain_choices(static: OpOptions) -> Any:
     return spec_of(static).choices()
 
 
-@functools.lru_cache(maxsize=256)
-def spec_of(static: OpOptions) -> CallSpec:
-    """The :class:`~kda._options.spec.CallSpec` of an fla-style call's static options
-    (time-major; the scale resolved; the default backend)."""
-    return CallSpec(
-        method=static.method, scale=static.scale, chunk_size=static.chunk_size, layout="time_major",
-        qk_l2norm=static.qk_l2norm, gate=static.gate, lower_bound=static.lower_bound,
-        beta_activation=static.beta_activation or None,
-    )  # fmt: skip
+def spec_of(static: tuple[Any, ...]) -> CallSpec:
+    """The :class:`~kda._options.spec.CallSpec` of an fla-style call: its static options
+    (:class:`~kda._entry.fla.OpOptions` is the spec), or the plain tuple an op received."""
+    return CallSpec.of(static)
 
 
 def decode(

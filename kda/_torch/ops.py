@@ -31,7 +31,10 @@ __all__ = [
     "recurrent_inference",
 ]  # fmt: skip
 
-_SCHEMA_TYPES = {"str": "str", "float": "float", "int": "int", "bool": "bool", "float | None": "float?"}
+_SCHEMA_TYPES = {
+    "str": "str", "float": "float", "int": "int", "bool": "bool", "float | None": "float?",
+    "str | None": "str?",
+}  # fmt: skip
 
 
 def _input_args() -> str:

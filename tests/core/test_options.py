@@ -552,3 +552,64 @@ def test_an_unregistered_gate_law_is_refused(scaled_sigmoid_gate):
             gates.unregister("log")
     finally:
         gates.register(_ScaledSigmoidGate.make())
+
+
+def _time_major(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(np.swapaxes(x, 1, 2))
+
+
+def test_a_new_gate_law_runs_through_kda_torch(scaled_sigmoid_gate):
+    """The same law through kda.torch's fla-style chunk_kda (kda's ``gate`` keyword with
+    ``use_gate_in_kernel=True``) and its autograd: output and every gradient against the oracle."""
+    torch = pytest.importorskip("torch")
+    import kda.torch as kt
+
+    q, k, v, g, beta, A_log, dt_bias, do = _new_law_problem(np.float32)
+    want_o, want = _new_law_oracle(q, k, v, g, beta, A_log, dt_bias, do)
+    leaf = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+    steps = {n: torch.from_numpy(_time_major(x)).requires_grad_() for n, x in leaf.items()}
+    params = {n: torch.from_numpy(x).requires_grad_() for n, x in (("A_log", A_log), ("dt_bias", dt_bias))}
+    o, _ = kt.chunk_kda(
+        *steps.values(), use_gate_in_kernel=True, gate=scaled_sigmoid_gate, chunk_size=16, **params
+    )
+    assert_close(_time_major(o.detach().numpy()), want_o, tol=1e-5, dtype="any")
+    (o * torch.from_numpy(_time_major(do))).sum().backward()
+    for name, t in steps.items():
+        assert_close(_time_major(t.grad.numpy()), want[name], tol=1e-5, dtype="any", name=name)
+    for name, t in params.items():
+        assert_close(t.grad.numpy(), want[name], tol=1e-5, dtype="any", name=name)
+
+
+def test_a_new_gate_law_runs_through_kda_jax(scaled_sigmoid_gate):
+    """The same law through kda.jax's chunk_kda (its custom_vjp, the law's name in the static
+    options): output and every gradient against the oracle."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import kda.jax as kj
+
+    q, k, v, g, beta, A_log, dt_bias, do = _new_law_problem(np.float32)
+    want_o, want = _new_law_oracle(q, k, v, g, beta, A_log, dt_bias, do)
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
+    arrays = [jnp.asarray(_time_major(x)) for x in (q, k, v, g, beta)] + [
+        jnp.asarray(A_log),
+        jnp.asarray(dt_bias),
+    ]
+
+    def f(q, k, v, g, beta, A_log, dt_bias):
+        return kj.chunk_kda(
+            q, k, v, g, beta, use_gate_in_kernel=True, gate=scaled_sigmoid_gate, chunk_size=16, A_log=A_log,
+            dt_bias=dt_bias,
+        )[0]  # fmt: skip
+
+    o, vjp = jax.vjp(f, *arrays)
+    assert_close(_time_major(np.asarray(o)), want_o, tol=1e-5, dtype="any")
+    for name, got in zip(names, vjp(jnp.asarray(_time_major(do)))):
+        got = np.asarray(got)
+        assert_close(
+            got if name in ("A_log", "dt_bias") else _time_major(got),
+            want[name],
+            tol=1e-5,
+            dtype="any",
+            name=name,
+        )
