@@ -26,7 +26,6 @@ Needs ``pip install 'kda[dask]'``.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
 
 try:
     import dask.array  # noqa: F401  (the message below where Dask is missing)
@@ -40,16 +39,16 @@ from ._dask import tasks as _tasks
 from ._dask.plan import plan as _plan
 from ._entry.call import Inputs, KdaGradients, KdaOutput
 from ._errors import InvalidInputError
+from ._options.spec import CallSpec
 from ._options.table import Array, Choices, takes_options
 
 __all__ = ["chunk_kda", "chunk_kda_backward"]
 
 
-def _block_options(scale, chunk_size: int, backend, opts: Choices) -> dict[str, Any]:
-    """The keywords every block's call gets (the same for all blocks): the options of the table
-    but the per-head arrays (``A_log``, ``dt_bias``: blocks of their own) and ``cu_seqlens``."""
-    blockwise = {n: v for n, v in opts.keywords().items() if n not in ("A_log", "dt_bias", "cu_seqlens")}
-    return {"scale": scale, "chunk_size": chunk_size, "backend": backend, **blockwise}
+def _block_options(scale, chunk_size: int, backend, opts: Choices) -> CallSpec:
+    """The spec every block's call is built from (the same for all blocks): the call's non-array
+    choices; the gate's arrays are blocks of their own, ``cu_seqlens`` each shard's own."""
+    return CallSpec.from_choices(opts, method="chunk", scale=scale, chunk_size=chunk_size, backend=backend)
 
 
 @takes_options()

@@ -10,6 +10,7 @@ from functools import partial
 from typing import Any
 
 from .._entry.call import Inputs, KdaGradients, KdaOutput
+from .._options.spec import CallSpec
 from . import tasks as _tasks
 from .graph import Blocks, Graph, sequence_index
 from .plan import shards as _shards
@@ -19,7 +20,7 @@ __all__ = [
 ]  # fmt: skip
 
 
-def forward_scan(x: Blocks, ib: int, ih: int, start: Any, options: dict) -> tuple[list, list]:
+def forward_scan(x: Blocks, ib: int, ih: int, start: Any, options: CallSpec) -> tuple[list, list]:
     """Steps 1 and 2 of the forward: every shard's map (the last one needs none), then the scan.
 
     Returns the keys of every shard's start state and of the maps of all shards but the last.
@@ -35,7 +36,7 @@ def forward_scan(x: Blocks, ib: int, ih: int, start: Any, options: dict) -> tupl
     return starts, maps
 
 
-def backward_scan(x: Blocks, ib: int, ih: int, dend: Any, maps: list, do: Any, options: dict) -> list:
+def backward_scan(x: Blocks, ib: int, ih: int, dend: Any, maps: list, do: Any, options: CallSpec) -> list:
     """Steps 1 and 2 of the backward: every shard's ``(A, D)`` (the first needs none), then the scan.
 
     ``maps`` are forward maps already in the graph (reused). Returns every shard's end-state gradient.
@@ -79,7 +80,7 @@ def check_with_blocks(
             x.extras[ib, ih, it] = extras
 
 
-def _packed_forward_scan(x: Blocks, ih: int, shards: list, states: Any, options: dict) -> list:
+def _packed_forward_scan(x: Blocks, ih: int, shards: list, states: Any, options: CallSpec) -> list:
     """The state carried into every shard (None where no sequence enters it)."""
     g, carried = x.graph, [None]
     for it, shard in enumerate(shards[:-1]):
@@ -97,7 +98,7 @@ def _packed_forward_scan(x: Blocks, ih: int, shards: list, states: Any, options:
     return carried
 
 
-def _packed_backward_scan(x: Blocks, ih: int, shards: list, dfinal: Any, do: Any, options: dict) -> list:
+def _packed_backward_scan(x: Blocks, ih: int, shards: list, dfinal: Any, do: Any, options: CallSpec) -> list:
     """The end-state gradient carried out of every shard (None where no sequence leaves it)."""
     g, plan = x.graph, x.graph.plan
     dcarried = [None] * len(shards)
@@ -116,7 +117,7 @@ def _packed_backward_scan(x: Blocks, ih: int, shards: list, dfinal: Any, do: Any
     return dcarried
 
 
-def packed_forward(graph: Graph, x: Blocks, initial: dict, options: dict, v: Any) -> KdaOutput:
+def packed_forward(graph: Graph, x: Blocks, initial: dict, options: CallSpec, v: Any) -> KdaOutput:
     """The forward of a packed batch: every shard's carried state, then its forward (``v``: the
     caller's, whose chunks the output takes)."""
     plan = graph.plan
@@ -144,7 +145,7 @@ def packed_forward(graph: Graph, x: Blocks, initial: dict, options: dict, v: Any
 
 
 def packed_backward(
-    graph: Graph, x: Blocks, initial: dict, dfinal: dict, do: Any, options: dict, like: Inputs
+    graph: Graph, x: Blocks, initial: dict, dfinal: dict, do: Any, options: CallSpec, like: Inputs
 ) -> KdaGradients:
     """The backward of a packed batch: every shard's carried state and end-state gradient, then
     its backward (``like``: the caller's arrays, whose chunks the gradients take)."""

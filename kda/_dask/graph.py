@@ -117,7 +117,7 @@ class Blocks:
     arrays: list[Any]  # q, k, v, g, beta (Dask arrays, rechunked)
     A_log: Any
     dt_bias: Any
-    options: dict = field(default_factory=dict)  # the blocks' keywords (kda.dask's _block_options)
+    options: Any = None  # the blocks' CallSpec (kda.dask's _block_options)
     local: list | None = None  # per time block: its cu_seqlens (packed sequences)
     extras: dict = field(default_factory=dict)  # (ib, ih, it) -> {name: key} checked with the block
     checks: dict = field(default_factory=dict)  # (ib, ih, it) -> the check task's key
@@ -142,7 +142,7 @@ class Blocks:
         return [self.checks[index], self.blocks(ib, ih, it)]
 
 
-def inputs(graph: Graph, q, k, v, g, beta, A_log, dt_bias, options: dict) -> Blocks:
+def inputs(graph: Graph, q, k, v, g, beta, A_log, dt_bias, options: Any) -> Blocks:
     """The call's arrays added to ``graph``, rechunked to its plan (``options``: every block's
     keywords)."""
     plan = graph.plan

@@ -18,9 +18,9 @@ import array_api_compat
 import numpy as np
 
 from .._entry import scan as _scan
-from .._entry.call import Call, Inputs, KdaGradients, KdaOutput, open_call
+from .._entry.call import Call, Inputs, KdaGradients, KdaOutput, build_call
 from .._entry.transition import KdaTransition, transition_gradient, transition_map
-from .._options.table import Choices
+from .._options.spec import CallSpec
 from .._options.validation import STATE_DTYPE_RULE, check_array
 from .plan import Shard
 
@@ -49,19 +49,15 @@ def block_inputs(q: Any, k: Any, v: Any, g: Any, beta: Any, A_log: Any, dt_bias:
     return Inputs(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias)
 
 
-def _open(blocks: Inputs, options: dict, offsets: tuple[int, ...] | None, scan: bool) -> Call:
-    """A block's call (``offsets``: its cu_seqlens); ``scan=False``: sizes, dtypes and options
-    only (its check task looked at the values)."""
-    keywords = dict(options)
-    scale, chunk_size, backend = keywords.pop("scale"), keywords.pop("chunk_size"), keywords.pop("backend")
-    choices = Choices(**keywords, A_log=blocks.A_log, dt_bias=blocks.dt_bias, cu_seqlens=offsets)
-    return open_call(
-        *blocks.steps, scale, choices, backend=backend, chunk_size=chunk_size, scan=scan
-    )  # fmt: skip
+def _open(blocks: Inputs, options: CallSpec, offsets: tuple[int, ...] | None, scan: bool) -> Call:
+    """A block's call (``options``: the call's spec; ``offsets``: the block's cu_seqlens), built by
+    the validating door; ``scan=False``: sizes, dtypes and options only (its check task looked at
+    the values)."""
+    return build_call(options, blocks, cu_seqlens=offsets, scan=scan)
 
 
 def check_block(
-    blocks: Inputs, *extras: Any, options: dict, names: tuple[str, ...], offsets: tuple[int, ...] | None
+    blocks: Inputs, *extras: Any, options: CallSpec, names: tuple[str, ...], offsets: tuple[int, ...] | None
 ) -> None:
     """A block's one validation and finiteness scan: its arrays ``blocks``, then the caller's
     arrays of the block named ``names`` (an initial state, the output gradient, a final state's
@@ -92,14 +88,21 @@ def check_block(
             call.check_finite(**{name: a})
 
 
-def forward_block(checked: None, blocks: Inputs, state: Any, *, options: dict, save: bool) -> KdaOutput:
+def forward_block(checked: None, blocks: Inputs, state: Any, *, options: CallSpec, save: bool) -> KdaOutput:
     """The block's forward from its start state ``state``."""
     call = _open(blocks, options, None, scan=False)
     return call.forward(blocks, call.state_or_zeros("initial_state", state), save)
 
 
 def backward_block(
-    checked: None, blocks: Inputs, state: Any, boundaries: Any, grad_output: Any, dend: Any, *, options: dict
+    checked: None,
+    blocks: Inputs,
+    state: Any,
+    boundaries: Any,
+    grad_output: Any,
+    dend: Any,
+    *,
+    options: CallSpec,
 ) -> KdaGradients:
     """The block's backward from its start state (or ``boundaries``), output gradient and
     end-state gradient ``dend``."""
@@ -108,12 +111,12 @@ def backward_block(
     return call.backward(blocks, state, boundaries, call.grad_output(grad_output, check=False), dend)
 
 
-def transition_block(checked: None, blocks: Inputs, *, options: dict) -> KdaTransition:
+def transition_block(checked: None, blocks: Inputs, *, options: CallSpec) -> KdaTransition:
     """The block's forward map."""
     return transition_map(_open(blocks, options, None, scan=False), blocks)
 
 
-def state_gradient_block(checked: None, blocks: Inputs, grad_output: Any, *, options: dict) -> Any:
+def state_gradient_block(checked: None, blocks: Inputs, grad_output: Any, *, options: CallSpec) -> Any:
     """``D``: the block's start-state gradient from its output gradient alone."""
     call = _open(blocks, options, None, scan=False)
     return transition_gradient(call, blocks, call.grad_output(grad_output, check=False))
@@ -145,7 +148,7 @@ def _time_slice(x: Any, a: int, b: int, layout: str) -> Any:
 
 
 def packed_transition(
-    checked: None, blocks: Inputs, *, a: int, b: int, shard: Shard, options: dict
+    checked: None, blocks: Inputs, *, a: int, b: int, shard: Shard, options: CallSpec
 ) -> KdaTransition:
     """The forward map, ``A [HV, K, K]`` and ``N [HV, K, V]``, of the steps ``a:b`` of a shard."""
     call = _open(blocks, options, shard.local, scan=False)
@@ -154,14 +157,14 @@ def packed_transition(
 
 
 def packed_state_gradient(
-    checked: None, blocks: Inputs, do: Any, *, a: int, b: int, shard: Shard, options: dict
+    checked: None, blocks: Inputs, do: Any, *, a: int, b: int, shard: Shard, options: CallSpec
 ) -> Retreat:
     """The backward map ``(A, D)`` of the steps ``a:b`` of a shard (``dS_start = A^T dS_end + D``)."""
     call = _open(blocks, options, shard.local, scan=False)
     segment, x = call.segment(a, b), call.steps(blocks, a, b)
     A = transition_map(segment, x).A[0]
     D = transition_gradient(
-        segment, x, segment.grad_output(_time_slice(do, a, b, options["layout"]), check=False)
+        segment, x, segment.grad_output(_time_slice(do, a, b, options.layout), check=False)
     )
     return Retreat(A=A, D=D[0])
 
@@ -207,24 +210,24 @@ def _state_like(x: Inputs, layout: str) -> tuple[Any, tuple[int, int, int]]:
 
 
 def packed_forward_block(
-    checked: None, blocks: Inputs, states: Any, carried: Any, *, shard: Shard, options: dict
+    checked: None, blocks: Inputs, states: Any, carried: Any, *, shard: Shard, options: CallSpec
 ) -> KdaOutput:
     """The shard's forward from the initial states ``states`` and the carried state."""
     call = _open(blocks, options, shard.local, scan=False)
-    like, shape = _state_like(blocks, options["layout"])
+    like, shape = _state_like(blocks, options.layout)
     starts = _local_states(shard, carried, states, True, like, shape)
     return call.forward(blocks, call.state_or_zeros("initial_state", starts), False)
 
 
 def packed_backward_block(
     checked: None, blocks: Inputs, states: Any, carried: Any, do: Any, dfinal: Any, dcarried: Any, *,
-    shard: Shard, options: dict,
+    shard: Shard, options: CallSpec,
 ) -> KdaGradients:  # fmt: skip
     """The shard's backward: ``states`` the initial states, ``carried`` the carried state, ``do``
     the output gradient, ``dfinal`` the final states' gradient and ``dcarried`` the carried
     end-state gradient."""
     call = _open(blocks, options, shard.local, scan=False)
-    like, shape = _state_like(blocks, options["layout"])
+    like, shape = _state_like(blocks, options.layout)
     starts = call.state_or_zeros("initial_state", _local_states(shard, carried, states, True, like, shape))
     dends = call.state_or_zeros(
         "grad_final_state", _local_states(shard, dcarried, dfinal, False, like, shape)
