@@ -119,6 +119,7 @@ def _run_groups(ops: Any, groups: list[slice], task) -> list[Any]:
 
 
 def _index(axis: int, group: slice) -> tuple[slice, ...]:
+    """The indexing key of a head group ``group`` along ``axis`` (0: B, 1: H)."""
     return (*(slice(None),) * axis, group, ...)
 
 

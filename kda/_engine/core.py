@@ -332,7 +332,7 @@ def _run_packed_forward(
     else:
         output = xp.zeros(c.v.shape, dtype=c.v.dtype, device=c.v.device)
     final = _varlen.scatter_rows(xp, finals, plan, state)
-    if not keep_boundaries or any(b is None for b in group_boundaries[:1]):
+    if not keep_boundaries or any(b is None for b in group_boundaries):  # the step recurrence keeps none
         return Forward(output=output, final_state=final, boundaries=None)
     empty = xp.zeros((0, 1, *state.shape[1:]), dtype=state.dtype, device=state.device)
     boundaries = _varlen.scatter_boundaries(xp, group_boundaries, plan, empty)

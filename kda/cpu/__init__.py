@@ -22,20 +22,20 @@ is writable (a read-only install) they are compiled per process instead.
 
 Threads: the kernels are serial Numba functions that release the GIL; a call splits its
 independent chunks or heads into one range per usable core (:func:`threads`, which honours
-``taskset``) and runs the ranges on the backend's one thread pool (:mod:`._pool`, which the decode
-kernel shares). Each kernel's outputs are a record of :mod:`._outputs`, passed positionally. Numba's own parallel
-layer is not used: its ``workqueue`` layer aborts on concurrent calls, and ``parallel=True``
-kernels took over a minute to compile. So concurrent calls from Python threads are safe, no
-Numba setting is read or changed, and since no sum crosses items the results do not depend on
-the number of threads, bitwise. BLAS (called from inside the kernels on every thread) is pinned
-to one thread for the duration of a call through the process-wide, reference-counted pin of
-:mod:`kda._threads` (restored by the last call to leave).
+``taskset``) and runs the ranges on the backend's one thread pool (:mod:`._pool`, which the
+decode kernel shares). Each kernel's outputs are a record of :mod:`._outputs`, passed
+positionally. Numba's own parallel layer is not used: its ``workqueue`` layer aborts on
+concurrent calls, and ``parallel=True`` kernels took over a minute to compile. So concurrent
+calls from Python threads are safe, no Numba setting is read or changed, and since no sum
+crosses items the results do not depend on the number of threads, bitwise. BLAS (called from
+inside the kernels on every thread) is pinned to one thread for the duration of a call through
+the process-wide, reference-counted pin of :mod:`kda._threads` (restored by the last call to
+leave).
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 from typing import Any
 
 import numpy as np
@@ -108,11 +108,7 @@ def _run(kernel: Any, items: int, *inputs: Any, outputs: tuple, blas: bool = Tru
             return
         parts = min(items, workers * SPLIT)
         bounds = [items * i // parts for i in range(parts + 1)]
-        pool = _pool.pool(workers)
-        run = _on_worker if blas else _fpenv.run
-        futures = [pool.submit(run, kernel, *inputs, a, b) for a, b in itertools.pairwise(bounds)]
-        for f in futures:
-            f.result()
+        _pool.run_ranges(_on_worker if blas else _fpenv.run, kernel, inputs, bounds, threads=workers)
 
 
 def _on_worker(kernel: Any, *args: Any) -> None:

@@ -183,12 +183,7 @@ def _run(kernel: Any, args: tuple, items: int, work: int) -> None:
     if work < SPLIT_WORK or items < 2 or _cores() < 2:
         _fpenv.run(kernel, *args, 0, items)
         return
-    mid = items // 2
-    future = _pool.pool(1).submit(_fpenv.run, kernel, *args, mid, items)
-    try:
-        _fpenv.run(kernel, *args, 0, mid)
-    finally:
-        future.result()
+    _pool.run_ranges(_fpenv.run, kernel, args, (0, items // 2, items), threads=1, on_caller=True)
 
 
 def _cores() -> int:

@@ -8,11 +8,14 @@ forgotten in a forked child (which has none of the parent's threads).
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
-__all__ = ["pool", "threads"]
+__all__ = ["pool", "run_ranges", "threads"]
 
 _LOCK = threading.Lock()
 _POOL: list[ThreadPoolExecutor] = []  # the pool, once made
@@ -32,6 +35,26 @@ def pool(n: int) -> ThreadPoolExecutor:
         if not _POOL or _POOL[0]._max_workers < n:
             _POOL[:] = [ThreadPoolExecutor(max_workers=n, thread_name_prefix="kda-cpu")]
         return _POOL[0]
+
+
+def run_ranges(
+    run: Callable[..., Any], kernel: Any, args: tuple, bounds: Sequence[int], *, threads: int,
+    on_caller: bool = False,
+) -> None:  # fmt: skip
+    """``run(kernel, *args, lo, hi)`` for every range ``[lo, hi)`` between consecutive ``bounds``,
+    on the pool (of at least ``threads`` threads), taken in turn by whichever thread is free;
+    ``on_caller``: the first range on the calling thread while the pool runs the others. Returns
+    when every range has run (the first exception raised, after all have finished)."""
+    ranges = list(itertools.pairwise(bounds))
+    if on_caller:
+        (lo, hi), ranges = ranges[0], ranges[1:]
+    futures = [pool(threads).submit(run, kernel, *args, a, b) for a, b in ranges]
+    try:
+        if on_caller:
+            run(kernel, *args, lo, hi)
+    finally:
+        for f in futures:
+            f.result()
 
 
 def _forget() -> None:

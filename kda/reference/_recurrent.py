@@ -85,7 +85,7 @@ def recurrent_backward(
 
     Parameters
     ----------
-    q, k, v, g, beta, scale, state : as for :func:`recurrent_forward`.
+    q, k, v, g, beta, state, scale : as for :func:`recurrent_forward`.
     grad_output : ``[B, H, T, V]``; dfinal : ``[B, H, K, V]``, gradient of the final state.
 
     Returns

@@ -156,9 +156,9 @@ def test_fused_passes_read_strided_inputs_in_place_and_match_the_reference(regim
     assert not views[0].flags.c_contiguous
 
     def run(ops, xs, state=p.initial_state, dS=p.grad_final_state):
-        o, fin, bnd = chunk_forward(ops, np, *xs[:5], SCALE, state, 48)
+        o, fin, bnd = chunk_forward(ops, np, *xs[:5], state, scale=SCALE, chunk_size=48)
         grads = chunk_backward(
-            ops, np, *xs[:5], SCALE, state, bnd, grad_output=xs[5], dfinal=dS, chunk_size=48
+            ops, np, *xs[:5], state, bnd, grad_output=xs[5], dfinal=dS, scale=SCALE, chunk_size=48
         )
         return [o, fin, bnd, *grads]
 
@@ -184,14 +184,15 @@ def test_a_forward_that_keeps_no_boundaries_writes_none():
 
     cpu = _ops("cpu")
     p = make_problem(4, 1, 4, 512, 32, 32, "mild").astype(np.float32)
-    kept = chunk_forward(cpu, np, *p.inputs, SCALE, p.initial_state, 16)
+    kept = chunk_forward(cpu, np, *p.inputs, p.initial_state, scale=SCALE, chunk_size=16)
     tracemalloc.start()
-    dropped = chunk_forward(cpu, np, *p.inputs, SCALE, p.initial_state, 16, keep=False)
+    dropped = chunk_forward(cpu, np, *p.inputs, p.initial_state, scale=SCALE, chunk_size=16, keep=False)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    assert dropped[2] is None and kept[2].shape == (32, 1, 4, 32, 32)
-    assert np.array_equal(dropped[0], kept[0]) and np.array_equal(dropped[1], kept[1])
-    assert peak < kept[0].nbytes + kept[2].nbytes // 2, peak  # the output, not the boundaries
+    assert dropped.boundaries is None and kept.boundaries.shape == (32, 1, 4, 32, 32)
+    assert np.array_equal(dropped.output, kept.output)
+    assert np.array_equal(dropped.final_state, kept.final_state)
+    assert peak < kept.output.nbytes + kept.boundaries.nbytes // 2, peak  # the output, not the boundaries
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -574,13 +574,13 @@ def test_wrapper_errors():
     v, beta = q[..., :2], q[..., 0]
     with pytest.raises(TypeError, match="float32 or float64"):
         half = to_dev(np.zeros((1, 1, 1, 4, 2), np.float16))
-        kc.chunk_local(half, half, half, half, half[..., 0], 1.0)
+        kc.chunk_local(half, half, half, half, half[..., 0], scale=1.0)
     with pytest.raises(TypeError, match="share one dtype"):
-        kc.chunk_local(q, k, g.astype(np.float64), v, beta, 1.0)
+        kc.chunk_local(q, k, v, g.astype(np.float64), beta, scale=1.0)
     with pytest.raises(ValueError, match="shape"):
-        kc.chunk_local(q, k[..., :1], g, v, beta, 1.0)
+        kc.chunk_local(q, k[..., :1], v, g, beta, scale=1.0)
     with pytest.raises(ValueError, match="power of two"):
-        kc.chunk_local(q[..., :3, :], k[..., :3, :], g[..., :3, :], v[..., :3, :], beta[..., :3], 1.0)
+        kc.chunk_local(q[..., :3, :], k[..., :3, :], v[..., :3, :], g[..., :3, :], beta[..., :3], scale=1.0)
 
 
 # ---------------------------------------------------------------- CuPy arrays on a GPU
