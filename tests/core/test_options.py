@@ -613,3 +613,33 @@ def test_a_new_gate_law_runs_through_kda_jax(scaled_sigmoid_gate):
             dtype="any",
             name=name,
         )
+
+
+def test_divergence_warnings_name_the_callers_line_on_every_path():
+    """The divergence warning is attributed to the caller's line whatever the depth of kda's frames
+    above it (a plain call, a transition map, decode's general route): the
+    first frame outside the kda package, never a fixed stack level."""
+    import warnings
+
+    rng = np.random.default_rng(4)
+    B, H, T, K, V = 1, 1, 96, 3, 4
+    q, k = (3 * rng.standard_normal((B, H, T, K)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((B, H, T, V)).astype(np.float32)
+    g = np.zeros((B, H, T, K), np.float32)
+    beta = np.full((B, H, T), 1.9, np.float32)
+    wide = dict(q=np.repeat(q, 2, axis=1)[:, :1], k=k, v=np.repeat(v, 2, axis=1), g=np.repeat(g, 2, axis=1))
+    pool = np.zeros((1, 2, K, V), np.float32)
+    paths = {
+        "chunk_kda": lambda: kda.chunk_kda(q, k, v, g, beta, chunk_size=8),
+        "transition": lambda: kda.chunk_kda_transition(q, k, v, g, beta, chunk_size=8),
+        "decode, grouped heads": lambda: kda.decode_kda(
+            wide["q"], wide["k"], wide["v"], wide["g"], np.repeat(beta, 2, axis=1), pool, np.array([0])
+        ),
+    }
+    for name, run in paths.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run()
+        kinds = [w.category for w in caught]
+        assert kinds == [kda.KdaWarning], (name, [str(w.message) for w in caught])
+        assert caught[0].filename == __file__, (name, caught[0].filename)
