@@ -627,14 +627,12 @@ def test_divergence_warnings_name_the_callers_line_on_every_path():
     v = rng.standard_normal((B, H, T, V)).astype(np.float32)
     g = np.zeros((B, H, T, K), np.float32)
     beta = np.full((B, H, T), 1.9, np.float32)
-    wide = dict(q=np.repeat(q, 2, axis=1)[:, :1], k=k, v=np.repeat(v, 2, axis=1), g=np.repeat(g, 2, axis=1))
-    pool = np.zeros((1, 2, K, V), np.float32)
+    wide = (q, k, np.repeat(v, 2, axis=1), np.repeat(g, 2, axis=1), np.repeat(beta, 2, axis=1))
+    pool, rows = np.zeros((1, 2, K, V), np.float32), np.array([0])
     paths = {
         "chunk_kda": lambda: kda.chunk_kda(q, k, v, g, beta, chunk_size=8),
         "transition": lambda: kda.chunk_kda_transition(q, k, v, g, beta, chunk_size=8),
-        "decode, grouped heads": lambda: kda.decode_kda(
-            wide["q"], wide["k"], wide["v"], wide["g"], np.repeat(beta, 2, axis=1), pool, np.array([0])
-        ),
+        "decode, grouped heads": lambda: kda.decode_kda(*wide, pool, rows),
     }
     for name, run in paths.items():
         with warnings.catch_warnings(record=True) as caught:
@@ -642,4 +640,5 @@ def test_divergence_warnings_name_the_callers_line_on_every_path():
             run()
         kinds = [w.category for w in caught]
         assert kinds == [kda.KdaWarning], (name, [str(w.message) for w in caught])
-        assert caught[0].filename == __file__, (name, caught[0].filename)
+        where = (caught[0].filename, caught[0].lineno)
+        assert where == (__file__, run.__code__.co_firstlineno), (name, where)  # the lambda's own line
