@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import InvalidInputError
+from .._options.arguments import check_lower_bound
 from .._options.checks import warn_at_caller
 from .._options.spec import CallSpec
 from .._options.table import Choices
@@ -245,10 +246,7 @@ def _gate(kw: dict[str, Any], has_A_log: bool, has_dt_bias: bool) -> dict[str, A
     """``gate``, ``lower_bound`` options from fla's gate keywords (fla's refusals kept)."""
     lower_bound = kw.get("lower_bound")
     if lower_bound is not None:
-        if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
-            _refuse(f"lower_bound must be a negative float or None; got {lower_bound!r}")
-        if not (math.isfinite(lower_bound) and lower_bound < 0):
-            _refuse(f"lower_bound must be a finite float < 0; got {lower_bound!r}")
+        lower_bound = check_lower_bound(lower_bound, " or None")
     safe_gate = bool(kw.get("safe_gate", False))
     law = kw.get("gate")
     if law is not None:  # kda's own keyword: a gate law by name (validated with the call's options)

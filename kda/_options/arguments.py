@@ -22,8 +22,8 @@ from .._errors import InvalidInputError, InvalidTypeError
 __all__ = [
     "PADDING", "POOL_DTYPE_RULE", "STATE_DTYPE_RULE", "Slots", "c_contiguous", "check_array",
     "check_choice", "check_chunk_size", "check_cu_seqlens", "check_dtype", "check_log_decay",
-    "check_pad_slot_id", "check_pool", "check_scale", "check_shape", "check_slots", "dtype_name",
-    "host_integers", "is_half_pool", "namespace_of", "pool_dtype_ok",
+    "check_lower_bound", "check_pad_slot_id", "check_pool", "check_scale", "check_shape", "check_slots",
+    "dtype_name", "host_integers", "is_half_pool", "namespace_of", "pool_dtype_ok",
 ]  # fmt: skip
 
 STATE_DTYPE_RULE = "states are float64 for float64 inputs, float32 otherwise"
@@ -96,6 +96,17 @@ def check_scale(scale: Any, K: int) -> float:
         msg = f"scale must be finite; got {scale!r}"
         raise InvalidInputError(msg)
     return float(scale)
+
+
+def check_lower_bound(lower_bound: Any, why: str = "") -> float:
+    """``lower_bound``: a finite real number < 0 (``why``: the context, for the message); as a float."""
+    if isinstance(lower_bound, bool) or not isinstance(lower_bound, numbers.Real):
+        msg = f"lower_bound must be a float < 0{why}; got {lower_bound!r}"
+        raise InvalidTypeError(msg)
+    if not (math.isfinite(float(lower_bound)) and lower_bound < 0):
+        msg = f"lower_bound must be a finite float < 0; got {lower_bound!r}"
+        raise InvalidInputError(msg)
+    return float(lower_bound)
 
 
 def check_log_decay(xp: Any, g: Any) -> None:

@@ -21,11 +21,10 @@ to rounding for every finite ``x``. No law produces a positive log decay.
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any, ClassVar, NamedTuple
 
-from .._errors import InvalidInputError, InvalidTypeError
+from .._errors import InvalidInputError
+from .arguments import check_lower_bound
 
 __all__ = [
     "A_LOG", "DT_BIAS", "LAWS", "PARAMETERS", "GateLaw", "GateParam", "law", "register", "sigmoid",
@@ -118,13 +117,7 @@ class GateLaw:
             raise InvalidInputError(msg)
         if not self.lower_bound:
             return None
-        if isinstance(lower_bound, bool) or not isinstance(lower_bound, numbers.Real):
-            msg = f"lower_bound must be a float < 0 with gate={self.name!r}; got {lower_bound!r}"
-            raise InvalidTypeError(msg)
-        if not (math.isfinite(float(lower_bound)) and lower_bound < 0):
-            msg = f"lower_bound must be a finite float < 0; got {lower_bound!r}"
-            raise InvalidInputError(msg)
-        return float(lower_bound)
+        return check_lower_bound(lower_bound, f" with gate={self.name!r}")
 
     def log_decay(
         self, xp: Any, g: Any, params: dict[str, Any], lower_bound: float | None
