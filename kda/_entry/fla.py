@@ -33,6 +33,7 @@ from typing import Any
 from .._errors import InvalidInputError
 from .._options.arguments import check_lower_bound
 from .._options.checks import warn_at_caller
+from .._options.gates import PARAMETERS
 from .._options.spec import CallSpec
 from .._options.table import Choices
 from .._options.validation import check_chunk_size, check_scale
@@ -390,18 +391,21 @@ def _translate(
 
 
 def check_gate_sizes(A_log: Any, dt_bias: Any, call: FlaCall) -> None:
-    """fla reads ``A_log`` and ``dt_bias`` by element count: ``HV`` and ``HV * K`` elements of any
-    shape (fla's tests pass ``A_log`` as ``[1, 1, HV, 1]``). :class:`~kda.InvalidInputError`
-    naming the argument otherwise. ``A_log``, ``dt_bias``: anything with a ``shape``, or None."""
+    """fla reads the gate parameters by element count: ``A_log`` ``HV`` and ``dt_bias`` ``HV * K``
+    elements of any shape (fla's tests pass ``A_log`` as ``[1, 1, HV, 1]``; each parameter's
+    count is that of its shape in :data:`~kda._options.gates.PARAMETERS`).
+    :class:`~kda.InvalidInputError` naming the argument otherwise. Each: anything with a
+    ``shape``, or None."""
     HV, K = call.dt_bias_shape
-    for name, x, want, what in (
-        ("A_log", A_log, HV, "HV"),
-        ("dt_bias", dt_bias, HV * K, f"HV * K = {HV} * {K}"),
-    ):
+    sizes = {"HV": HV, "K": K}
+    for param, x in zip(PARAMETERS, (A_log, dt_bias), strict=True):
         if x is None:
             continue
+        want = math.prod(param.shape(HV, K))
         n = math.prod(x.shape)
         if n != want:
-            _refuse(
-                f"{name} must have {what} = {want} elements (any shape, as fla); got shape {tuple(x.shape)}"
-            )
+            what = " * ".join(param.dims)
+            if len(param.dims) > 1:
+                what += " = " + " * ".join(str(sizes[d]) for d in param.dims)
+            got = tuple(x.shape)
+            _refuse(f"{param.name} must have {what} = {want} elements (any shape, as fla); got shape {got}")

@@ -15,6 +15,7 @@ import torch
 
 from .._entry.fla import FlaCall
 from .._errors import InvalidTypeError
+from .._options.gates import PARAMETERS
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -137,6 +138,6 @@ def gate_params(call: FlaCall, A_log: Any, dt_bias: Any, cd: torch.dtype) -> tup
     if A_log is None and dt_bias is None:
         return None, None  # (their element counts: checked by kda._entry.host.route)
     HV, K = call.dt_bias_shape
-    A_log = None if A_log is None else A_log.reshape(HV).to(cd)
-    dt_bias = None if dt_bias is None else dt_bias.reshape(HV, K).to(cd)
+    given = zip(PARAMETERS, (A_log, dt_bias), strict=True)
+    A_log, dt_bias = (None if x is None else x.reshape(p.shape(HV, K)).to(cd) for p, x in given)
     return A_log, dt_bias
