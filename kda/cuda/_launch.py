@@ -21,6 +21,7 @@ import numpy as np
 from array_api_compat import device, is_cupy_array
 from numba import cuda
 
+from .._options.arguments import c_contiguous
 from . import _device
 from ._device import DTYPES, Kernel
 
@@ -70,14 +71,9 @@ def _zeros(xp: Any, like: Any, shape: tuple[int, ...]) -> Any:
     return xp.zeros(shape, dtype=like.dtype, device=device(like))
 
 
-def _is_contiguous(a: Any) -> bool:
-    flags = getattr(a, "flags", None)
-    return flags is None or bool(flags.c_contiguous)
-
-
 def _c(name: str, a: Any) -> Any:
     """``a`` itself when C-contiguous, else a C-contiguous copy (counted in :data:`COPIES`)."""
-    if _is_contiguous(a):
+    if c_contiguous(a):
         return a
     COPIES[name] += 1
     if is_cupy_array(a):
