@@ -33,7 +33,7 @@ __all__ = [
 Array = Any  # an array of the caller's array-API namespace (in signatures)
 
 LAYOUTS = ("head_first", "time_major")
-GATES = gates.LAWS  # the registered gate laws, by name (read live: a registered law is a choice)
+GATES = gates.BUILT_IN  # the built-in gate laws' names (the option's choices: every registered law)
 BETA_ACTIVATIONS = (None, "sigmoid", "sigmoid2")
 
 
@@ -78,7 +78,7 @@ OPTIONS: tuple[Option, ...] = (
         "gate", "log", "str",
         "The gate law (:mod:`kda._options.gates`), the log decay from ``g``: "
         + "; ".join(f'``"{law.name}"``: {law.doc}' for law in gates.LAWS.values()) + ".",
-        GATES, plain=("log",),
+        gates.LAWS, plain=("log",),
     ),
     Option(
         "A_log", None, "Any",
