@@ -86,8 +86,8 @@ def _trace_fn(C: int):
 
     def forward(q, k, v, g, beta):
         state = jnp.zeros((*q.shape[:2], q.shape[-1], v.shape[-1]), q.dtype)
-        o, _, saved = chunk_forward(ops, jnp, q, k, v, g, beta, q.shape[-1] ** -0.5, state, C)
-        return o, saved
+        result = chunk_forward(ops, jnp, q, k, v, g, beta, state, scale=q.shape[-1] ** -0.5, chunk_size=C)
+        return result.output, result.boundaries
 
     @jax.custom_vjp
     def f(q, k, v, g, beta):
@@ -100,8 +100,11 @@ def _trace_fn(C: int):
     def bwd(res, do):
         q, k, v, g, beta, saved = res
         zero = jnp.zeros((*q.shape[:2], q.shape[-1], v.shape[-1]), q.dtype)
-        grads = chunk_backward(ops, jnp, q, k, v, g, beta, q.shape[-1] ** -0.5, zero, saved, do, zero, C)
-        return tuple(grads[:5])
+        grads = chunk_backward(
+            ops, jnp, q, k, v, g, beta, zero, saved, grad_output=do, dfinal=zero, scale=q.shape[-1] ** -0.5,
+            chunk_size=C,
+        )  # fmt: skip
+        return grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta
 
     f.defvjp(fwd, bwd)
     return f

@@ -46,6 +46,7 @@ import torch
 
 import kda
 import kda.torch as kt
+from kda._options.spec import CallSpec
 
 if __package__ in (None, ""):  # run as a file: the repository root, for benchmarks._common
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -100,7 +101,7 @@ def _decode_layers(H: int, K: int) -> dict[str, object]:
     pool[3] = s0[0]
     rows = np.array([3], np.int64)
     tpool, trows = torch.from_numpy(pool.copy()), torch.tensor([3], dtype=torch.int32)
-    static = ("recurrent", K**-0.5, 64, False, "log", None, "")
+    static = CallSpec(method="recurrent", scale=K**-0.5, layout="time_major")
     return {
         "decode_kda": lambda: kda.decode_kda(*head_first, pool, rows),
         "decode_states": lambda: decode_states(*views, s0, layout="time_major"),

@@ -14,7 +14,8 @@ from ._entry.api import (
     recurrent_kda,
     recurrent_kda_backward,
 )
-from ._entry.decode import DecodePlan, decode_kda, prepare_decode_kda
+from ._entry.decode import decode_kda
+from ._entry.decode_plan import DecodePlan, prepare_decode_kda
 from ._entry.plan import prepare_chunk_kda, prepare_chunk_kda_backward
 from ._entry.transition import KdaTransition, chunk_kda_transition, chunk_kda_transition_backward
 from ._errors import InvalidInputError, InvalidTypeError, KdaError, KdaWarning

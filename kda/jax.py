@@ -32,15 +32,10 @@ import numpy as np
 
 from ._entry import host as _host
 from ._entry.call import Inputs
-from ._entry.fla import (
-    CHUNK_DOC,
-    RECURRENT_DOC,
-    FlaCall,
-    OpOptions,
-    fla_function,
-    packed_chunks,
-)
+from ._entry.fla import FlaCall, OpOptions, packed_chunks
+from ._entry.fla_front import CHUNK_DOC, RECURRENT_DOC, fla_function
 from ._errors import InvalidInputError, InvalidTypeError
+from ._options.gates import PARAMETERS
 
 __all__ = ["chunk_kda", "fused_recurrent_kda"]
 
@@ -131,6 +126,16 @@ def _as_array(name: str, x: Any) -> Any:
     return jnp.asarray(x)
 
 
+def _gate_params(call: FlaCall, A_log: Any, dt_bias: Any, cd: Any) -> tuple[Any, Any]:
+    """The gate parameters (each its element count of any shape, fla's ``[1, 1, HV, 1]`` too) in
+    their shapes (:data:`~kda._options.gates.PARAMETERS`) and the compute dtype; grads come back in
+    the shapes given."""
+    HV, K = call.dt_bias_shape
+    given = zip(PARAMETERS, (A_log, dt_bias), strict=True)
+    A_log, dt_bias = (None if x is None else x.reshape(p.shape(HV, K)).astype(cd) for p, x in given)
+    return A_log, dt_bias
+
+
 def _apply(x: Inputs, cu: Any, call: FlaCall):
     q, k, v, g, beta = x.steps
     s0, A_log, dt_bias = x.initial_state, x.A_log, x.dt_bias
@@ -140,11 +145,7 @@ def _apply(x: Inputs, cu: Any, call: FlaCall):
     q, k, v, g, beta = (a.astype(cd) if a.dtype != cd else a for a in (q, k, v, g, beta))
     if s0 is not None:
         s0 = (jnp.swapaxes(s0, -1, -2) if call.state_v_first else s0).astype(cd)
-    HV, K = call.dt_bias_shape
-    if A_log is not None:  # HV elements of any shape (fla's [1, 1, HV, 1]); grad in that shape
-        A_log = A_log.reshape(HV).astype(cd)
-    if dt_bias is not None:
-        dt_bias = dt_bias.reshape(HV, K).astype(cd)
+    A_log, dt_bias = _gate_params(call, A_log, dt_bias, cd)
     if cu is not None:
         cu = cu.astype(jnp.int32) if not jnp.issubdtype(cu.dtype, jnp.integer) else cu
     nt = None
@@ -154,7 +155,8 @@ def _apply(x: Inputs, cu: Any, call: FlaCall):
         except jax.errors.TracerArrayConversionError:
             msg = "return_intermediate_states=True with cu_seqlens needs concrete cu_seqlens (not under jit)"
             raise InvalidInputError(msg) from None
-    o, final, boundaries = _kda(call.static, Inputs(q, k, v, g, beta, s0, A_log, dt_bias), cu)
+    x = Inputs(q=q, k=k, v=v, g=g, beta=beta, initial_state=s0, A_log=A_log, dt_bias=dt_bias)
+    o, final, boundaries = _kda(call.static, x, cu)
     o = o.astype(dtype)
     final = (
         (jnp.swapaxes(final, -1, -2) if call.state_v_first else final) if call.output_final_state else None
@@ -195,9 +197,7 @@ def _apply_pool(x: Inputs, cu: Any, call: FlaCall, kw: dict[str, Any]):
     if indices is None:  # request n continues row n
         N = q.shape[0] if cu is None else cu.shape[0] - 1
         indices = jnp.arange(N, dtype=jnp.int32)
-    HV, K = call.dt_bias_shape
-    A_log = None if A_log is None else A_log.reshape(HV).astype(cd)
-    dt_bias = None if dt_bias is None else dt_bias.reshape(HV, K).astype(cd)
+    A_log, dt_bias = _gate_params(call, A_log, dt_bias, cd)
     q, k, v_, g, beta = (a.astype(cd) if a.dtype != cd else a for a in (q, k, v, g, beta))
     pad = kw.get("pad_slot_id", -1)
     if isinstance(pad, bool) or not isinstance(pad, int):

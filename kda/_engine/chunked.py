@@ -35,6 +35,8 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
+from .._backend import Forward, Gradients
+
 __all__ = [
     "chunk_backward",
     "chunk_end_state",
@@ -50,23 +52,23 @@ def padded_chunk_size(chunk_size: int) -> int:
     return 1 << (chunk_size - 1).bit_length()
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Chunks:
     """The inputs of a slab as chunks, and their state-free work (shared by forward and backward)."""
 
     q: Any
     k: Any
-    g: Any
     v: Any
+    g: Any
     beta: Any  # [B, H, NT, Cp]
     local: Any  # ChunkLocal: qg, kg, k_suffix, total, A, L, Minv, w, u0
 
 
-def _prepare(ops: Any, xp: Any, q, k, v, g, beta, scale: float, chunk_size: int) -> _Chunks:
+def _prepare(ops: Any, xp: Any, q, k, v, g, beta, *, scale: float, chunk_size: int) -> _Chunks:
     C, Cp = chunk_size, padded_chunk_size(chunk_size)
-    qc, kc, gc, vc = (ops.to_chunks(x, C, Cp) for x in (q, k, g, v))
-    bc = ops.to_chunks(beta[..., None], C, Cp)[..., 0]
-    return _Chunks(qc, kc, gc, vc, bc, ops.chunk_local(qc, kc, gc, vc, bc, scale))
+    qc, kc, vc, gc = (ops.to_chunks(x, chunk_size=C, padded_size=Cp) for x in (q, k, v, g))
+    bc = ops.to_chunks(beta[..., None], chunk_size=C, padded_size=Cp)[..., 0]
+    return _Chunks(q=qc, k=kc, v=vc, g=gc, beta=bc, local=ops.chunk_local(qc, kc, vc, gc, bc, scale=scale))
 
 
 def slabs(shape: tuple[int, ...], chunk_size: int, width: int, slab_elements: int) -> list[tuple[int, int]]:
@@ -94,7 +96,7 @@ def _head_groups(ops: Any, xp: Any, shape: tuple[int, ...]) -> tuple[int, list[s
     workers it wants (one on a GPU).
     """
     B, H = shape[:2]
-    workers = ops.workers(xp, B * H)
+    workers = ops.workers(xp=xp, heads=B * H)
     axis, n = (1, H) if H >= workers or H >= B else (0, B)
     workers = min(workers, n)
     if workers <= 1:
@@ -106,7 +108,7 @@ def _head_groups(ops: Any, xp: Any, shape: tuple[int, ...]) -> tuple[int, list[s
 def _run_groups(ops: Any, groups: list[slice], task) -> list[Any]:
     """``task(group)`` for every group, concurrently when there is more than one."""
     if len(groups) == 1:
-        return [task(groups[0])]
+        return [task(group) for group in groups]
     from concurrent.futures import ThreadPoolExecutor
 
     # each group runs in a copy of the caller's context, so context-local settings (NumPy's
@@ -117,6 +119,7 @@ def _run_groups(ops: Any, groups: list[slice], task) -> list[Any]:
 
 
 def _index(axis: int, group: slice) -> tuple[slice, ...]:
+    """The indexing key of a head group ``group`` along ``axis`` (0: B, 1: H)."""
     return (*(slice(None),) * axis, group, ...)
 
 
@@ -127,18 +130,18 @@ def _writable(x: Any) -> bool:
 
 
 def chunk_forward(
-    ops: Any, xp: Any, q, k, v, g, beta, scale: float, state: Any, chunk_size: int, *, out: Any = None,
-    keep: bool = True, screen: Any = None,
-) -> tuple[Any, Any, Any]:  # fmt: skip
+    ops: Any, xp: Any, q, k, v, g, beta, state: Any, *, scale: float, chunk_size: int,
+    out: Forward | None = None, keep: bool = True, screen: Any = None,
+) -> Forward:  # fmt: skip
     """Chunked forward on arrays of the compute dtype.
 
     Returns ``output [B, H, T, V]``, ``final_state [B, H, K, V]`` and
     ``boundaries [NT, B, H, K, V]`` (None from the fused pass with ``keep=False``: a forward
     that keeps no boundaries writes none). ``screen``: a zeroed float64 ``[B * H, 2]`` array that
     the fused pass fills (see the backend's ``chunk_forward_heads``). ``out``, when given, is a
-    triple of caller-owned writable buffers of those shapes (compute dtype) that receive the
-    results in place and are returned: then nothing is allocated whose size grows with ``T``
-    beyond one slab's work.
+    :class:`~kda._backend.Forward` of caller-owned writable buffers of those shapes (compute dtype;
+    ``boundaries`` may be None) that receive the results in place and is returned: then nothing is
+    allocated whose size grows with ``T`` beyond one slab's work.
     """
     B, H, T, _ = q.shape
     V = v.shape[-1]
@@ -148,82 +151,80 @@ def chunk_forward(
         o = fill((B, H, T, V), dtype=v.dtype, device=v.device)
         final_buf = boundaries = None
     else:
-        o, final_buf, boundaries = out
+        o, final_buf, boundaries = out.output, out.final_state, out.boundaries
     if T == 0 or B * H == 0:  # nothing to compute: no steps, or no heads
         if out is None:
             empty = xp.zeros((NT, *state.shape), dtype=state.dtype, device=state.device)
-            return o, xp.asarray(state, copy=True), empty
+            return Forward(output=o, final_state=xp.asarray(state, copy=True), boundaries=empty)
         final_buf[...] = state
         return out
     if ops.chunk_forward_heads is not None and _writable(o):
         if out is None and keep:
             boundaries = xp.empty((NT, *state.shape), dtype=state.dtype, device=state.device)
         final = ops.chunk_forward_heads(
-            q, k, v, g, beta, scale, state, chunk_size, output=o, boundaries=boundaries, screen=screen
-        )
+            q, k, v, g, beta, state, scale=scale, chunk_size=chunk_size, output=o, boundaries=boundaries,
+            screen=screen,
+        )  # fmt: skip
         if out is None:
-            return o, final, boundaries
+            return Forward(output=o, final_state=final, boundaries=boundaries)
         final_buf[...] = final
         return out
     axis, groups = _head_groups(ops, xp, q.shape)
     if not _writable(o):
         axis, groups = 1, [slice(None)]
 
-    def task(group: slice) -> tuple[Any, Any, Any]:
+    def task(group: slice) -> Forward:
         i = _index(axis, group)
         inputs = [x[i] for x in (q, k, v, g, beta)]
         into = None if boundaries is None else boundaries[(slice(None), *i)]
-        result = _forward_heads(ops, xp, *inputs, scale, state[i], chunk_size, out=o[i], boundaries_buf=into)
+        result = _forward_heads(
+            ops, xp, *inputs, state[i], scale=scale, chunk_size=chunk_size, out=o[i], boundaries_buf=into
+        )
         if final_buf is not None:
-            final_buf[i] = result[0]
+            final_buf[i] = result.final_state
         return result
 
     results = _run_groups(ops, groups, task)
     if out is not None:
         return out
     if len(results) == 1:
-        return o if _writable(o) else results[0][2], results[0][0], results[0][1]
-    final = xp.concat([r[0] for r in results], axis=axis)
-    boundaries = xp.concat([r[1] for r in results], axis=axis + 1)
-    return o, final, boundaries
+        (only,) = results
+        return only._replace(output=o) if _writable(o) else only
+    final = xp.concat([r.final_state for r in results], axis=axis)
+    boundaries = xp.concat([r.boundaries for r in results], axis=axis + 1)
+    return Forward(output=o, final_state=final, boundaries=boundaries)
 
 
 def _forward_heads(
-    ops: Any,
-    xp: Any,
-    q,
-    k,
-    v,
-    g,
-    beta,
-    scale: float,
-    state: Any,
-    C: int,
-    *,
-    out: Any,
+    ops: Any, xp: Any, q, k, v, g, beta, state: Any, *, scale: float, chunk_size: int, out: Any,
     boundaries_buf: Any = None,
-) -> tuple[Any, Any, Any]:
+) -> Forward:  # fmt: skip
     """Forward of a group of heads, slab by slab; writes ``out`` where it can.
 
     ``out=None`` asks for the states only (the backward's recomputed boundaries): no output is formed.
     ``boundaries_buf``, when given, is a ``[NT, ...]`` buffer that receives the chunk-start states slab by
     slab (and is returned as the boundaries) instead of concatenating them.
     """
-    T = q.shape[2]
+    T, C = q.shape[2], chunk_size
     parts, outs = [], []  # the slabs' boundaries (without boundaries_buf), outputs
     for n0, n1 in slabs(q.shape, C, max(q.shape[-1], v.shape[-1]), ops.SLAB_ELEMENTS):
         t = _steps(n0, n1, C, T)
-        c = _prepare(ops, xp, *(x[:, :, t, ...] for x in (q, k, v, g, beta)), scale, C)
-        loc = c.local
-        dense = () if out is None else (loc.qg, loc.A)  # the output O = qg S + A U, fused in
-        boundaries, O, state = ops.chunk_state_pass(loc.w, loc.u0, loc.k_suffix, loc.total, state, *dense)
+        loc = _prepare(
+            ops, xp, *(x[:, :, t, ...] for x in (q, k, v, g, beta)), scale=scale, chunk_size=C
+        ).local
+        # the output O = qg S + A U, fused in where one is asked for
+        passed = ops.chunk_state_pass(
+            loc.w, loc.u0, loc.k_suffix, loc.total, state, None if out is None else loc.qg,
+            None if out is None else loc.A,
+        )  # fmt: skip
+        state = passed.final_state
         if boundaries_buf is None:
-            parts.append(boundaries)
+            parts.append(passed.boundaries)
         else:
-            boundaries_buf[n0:n1, ...] = boundaries
+            boundaries_buf[n0:n1, ...] = passed.boundaries
         if out is None:
             continue
-        O = ops.from_chunks(O, C, t.stop - t.start)
+        O = ops.from_chunks(passed.output, chunk_size=C, length=t.stop - t.start)
         if _writable(out):
             out[:, :, t, :] = O
         else:
@@ -231,163 +232,189 @@ def _forward_heads(
     if boundaries_buf is not None:
         boundaries = boundaries_buf
     else:
-        boundaries = parts[0] if len(parts) == 1 else xp.concat(parts, axis=0)
-    return state, boundaries, (xp.concat(outs, axis=2) if outs else out)
+        boundaries = xp.concat(parts, axis=0) if len(parts) > 1 else parts.pop()
+    return Forward(output=xp.concat(outs, axis=2) if outs else out, final_state=state, boundaries=boundaries)
 
 
 def chunk_backward(
-    ops: Any, xp: Any, q, k, v, g, beta, scale: float, state: Any, boundaries: Any | None, *,
-    grad_output: Any, dfinal: Any, chunk_size: int, out: Any = None, screen: Any = None,
-) -> tuple[Any, Any, Any, Any, Any, Any]:  # fmt: skip
+    ops: Any, xp: Any, q, k, v, g, beta, state: Any, boundaries: Any | None, *, grad_output: Any, dfinal: Any,
+    scale: float, chunk_size: int, out: Gradients | None = None, workspace: Any = None, screen: Any = None,
+) -> Gradients:  # fmt: skip
     """Chunked backward on arrays of the compute dtype.
 
     ``boundaries`` are the chunk-start states of the forward, or ``None`` to recompute them
     from ``state``; ``dfinal`` is the final state's gradient. Returns the gradients of
-    ``q, k, v, g, beta`` and of the initial state.
+    ``q, k, v, g, beta`` and of the initial state (:class:`~kda._backend.Gradients`).
     ``screen``: as for :func:`chunk_forward`, filled by the fused backward pass.
-    ``out``, when given, is a tuple of caller-owned writable buffers (compute dtype) for those
-    six gradients, optionally followed by a ``[NT, B, H, K, V]`` workspace that receives the
-    recomputed boundaries when ``boundaries`` is None; the gradients are written in place and
-    the six buffers returned.
+    ``out``, when given, is a :class:`~kda._backend.Gradients` of caller-owned writable buffers
+    (compute dtype) for those six gradients, written in place and returned; ``workspace`` (with
+    ``out`` only) is a ``[NT, B, H, K, V]`` buffer that receives the recomputed boundaries when
+    ``boundaries`` is None.
     """
     T = q.shape[2]
     if out is None:
         fill = xp.empty if ops.chunk_backward_heads is not None else xp.zeros  # fused: every row written
-        grads = [fill(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v, g, beta)]
-        dinitial_buf = workspace = None
+        dq, dk, dv, dg, dbeta = (fill(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v, g, beta))
+        bufs = Gradients(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, dinitial=None)
+        workspace = None
     else:
-        grads, dinitial_buf = list(out[:5]), out[5]
-        workspace = out[6] if len(out) > 6 else None
+        bufs = out
     if T == 0 or q.shape[0] * q.shape[1] == 0:  # nothing to compute: no steps, or no heads
         if out is None:
-            return (*grads, xp.asarray(dfinal, copy=True))
-        dinitial_buf[...] = dfinal
-        return tuple(out[:6])
-    if ops.chunk_backward_heads is not None and _writable(grads[0]):
-        return _backward_fused(ops, xp, q, k, v, g, beta, scale, state, boundaries, grad_output=grad_output,
-                               dfinal=dfinal, chunk_size=chunk_size, grads=grads, dinitial=dinitial_buf,
+            return bufs._replace(dinitial=xp.asarray(dfinal, copy=True))
+        out.dinitial[...] = dfinal
+        return out
+    if ops.chunk_backward_heads is not None and _writable(bufs.dq):
+        return _backward_fused(ops, xp, q, k, v, g, beta, state, boundaries, grad_output=grad_output,
+                               dfinal=dfinal, scale=scale, chunk_size=chunk_size, grads=bufs,
                                workspace=workspace, screen=screen)  # fmt: skip
     axis, groups = _head_groups(ops, xp, q.shape)
-    if not _writable(grads[0]):
+    if not _writable(bufs.dq):
         axis, groups = 1, [slice(None)]
 
-    def task(group: slice) -> tuple[Any, list[Any]]:
+    def task(group: slice) -> Gradients:
         i = _index(axis, group)
         inputs = [x[i] for x in (q, k, v, g, beta)]
         if boundaries is None:
             ws = None if workspace is None else workspace[(slice(None), *i)]
             group_boundaries = _forward_heads(
-                ops, xp, *inputs, scale, state[i], chunk_size, out=None, boundaries_buf=ws
-            )[1]
+                ops, xp, *inputs, state[i], scale=scale, chunk_size=chunk_size, out=None, boundaries_buf=ws
+            ).boundaries
         else:
             group_boundaries = boundaries[(slice(None), *i)]
+        views = Gradients(dq=bufs.dq[i], dk=bufs.dk[i], dv=bufs.dv[i], dg=bufs.dg[i], dbeta=bufs.dbeta[i],
+                          dinitial=None)  # fmt: skip
         result = _backward_heads(
-            ops, xp, *inputs, scale, group_boundaries, grad_output=grad_output[i], dfinal=dfinal[i],
-            chunk_size=chunk_size, grads=[x[i] for x in grads],
+            ops, xp, *inputs, group_boundaries, grad_output=grad_output[i], dfinal=dfinal[i], scale=scale,
+            chunk_size=chunk_size, grads=views,
         )  # fmt: skip
-        if dinitial_buf is not None:
-            dinitial_buf[i] = result[0]
+        if bufs.dinitial is not None:
+            bufs.dinitial[i] = result.dinitial
         return result
 
     results = _run_groups(ops, groups, task)
     if out is not None:
-        return tuple(out[:6])
+        return out
     if len(results) == 1:
-        return (*results[0][1], results[0][0])
-    return (*grads, xp.concat([r[0] for r in results], axis=axis))
+        (only,) = results
+        return only
+    return bufs._replace(dinitial=xp.concat([r.dinitial for r in results], axis=axis))
 
 
 def _backward_fused(
-    ops: Any, xp: Any, q, k, v, g, beta, scale: float, state: Any, boundaries: Any, *, grad_output: Any,
-    dfinal: Any, chunk_size: int, grads: list[Any], dinitial: Any, workspace: Any, screen: Any = None,
-) -> tuple[Any, ...]:  # fmt: skip
+    ops: Any, xp: Any, q, k, v, g, beta, state: Any, boundaries: Any, *, grad_output: Any, dfinal: Any,
+    scale: float, chunk_size: int, grads: Gradients, workspace: Any, screen: Any = None,
+) -> Gradients:  # fmt: skip
     """The backward through the backend's fused passes (boundaries recomputed when None);
-    ``dinitial``: the initial state's gradient's buffer, or None."""
+    ``grads.dinitial``: the initial state's gradient's buffer, or None."""
     C = chunk_size
     if boundaries is None:
         NT = -(-q.shape[2] // C)
         if workspace is None:
             workspace = xp.empty((NT, *state.shape), dtype=state.dtype, device=state.device)
-        ops.chunk_forward_heads(q, k, v, g, beta, scale, state, C, output=None, boundaries=workspace)
+        ops.chunk_forward_heads(
+            q, k, v, g, beta, state, scale=scale, chunk_size=C, output=None, boundaries=workspace
+        )
         boundaries = workspace
-    if dinitial is None:
-        dinitial = xp.empty(dfinal.shape, dtype=dfinal.dtype, device=dfinal.device)
+    if grads.dinitial is None:
+        grads = grads._replace(dinitial=xp.empty(dfinal.shape, dtype=dfinal.dtype, device=dfinal.device))
     ops.chunk_backward_heads(
-        q, k, v, g, beta, scale, boundaries, grad_output, dfinal, C, grads=[*grads, dinitial], screen=screen
+        q,
+        k,
+        v,
+        g,
+        beta,
+        boundaries,
+        grad_output,
+        dfinal,
+        scale=scale,
+        chunk_size=C,
+        grads=grads,
+        screen=screen,
     )
-    return (*grads, dinitial)
+    return grads
 
 
 def _backward_heads(
-    ops: Any, xp: Any, q, k, v, g, beta, scale: float, boundaries, *, grad_output, dfinal, chunk_size: int,
-    grads,
-) -> tuple[Any, list[Any]]:  # fmt: skip
-    """Backward of a group of heads, slab by slab from the last; writes ``grads`` where it can.
-    Returns the initial state's gradient and the gradients."""
+    ops: Any, xp: Any, q, k, v, g, beta, boundaries, *, grad_output, dfinal, scale: float, chunk_size: int,
+    grads: Gradients,
+) -> Gradients:  # fmt: skip
+    """Backward of a group of heads, slab by slab from the last; writes the step arrays' gradients
+    into ``grads`` where it can. Returns them and the initial state's gradient."""
     T, C, dend = q.shape[2], chunk_size, dfinal  # the gradient of the state at a slab's end
+    steps = (grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta)
     collected = []
     for n0, n1 in reversed(slabs(q.shape, C, max(q.shape[-1], v.shape[-1]), ops.SLAB_ELEMENTS)):
         t = _steps(n0, n1, C, T)
         inputs = (x[:, :, t, ...] for x in (q, k, v, g, beta))
-        slab_grads, dend = _backward_slab(
-            ops, xp, *inputs, scale, boundaries[n0:n1, ...], grad_output=grad_output[:, :, t, ...],
-            dfinal=dend, chunk_size=C,
+        slab = _backward_slab(
+            ops, xp, *inputs, boundaries[n0:n1, ...], grad_output=grad_output[:, :, t, ...], dfinal=dend,
+            scale=scale, chunk_size=C,
         )  # fmt: skip
-        if _writable(grads[0]):
-            for acc, x in zip(grads, slab_grads, strict=True):
+        dend = slab.dinitial
+        slab_steps = (slab.dq, slab.dk, slab.dv, slab.dg, slab.dbeta)
+        if _writable(grads.dq):
+            for acc, x in zip(steps, slab_steps, strict=True):
                 acc[:, :, t, ...] = x
         else:
-            collected.append(slab_grads)
+            collected.append(slab_steps)
     if collected:
-        grads = [xp.concat(parts[::-1], axis=2) for parts in zip(*collected, strict=True)]
-    return dend, grads
+        steps = tuple(xp.concat(parts[::-1], axis=2) for parts in zip(*collected, strict=True))
+    dq, dk, dv, dg, dbeta = steps
+    return Gradients(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, dinitial=dend)
 
 
 def _backward_slab(
-    ops: Any, xp: Any, q, k, v, g, beta, scale: float, boundaries: Any, *, grad_output: Any, dfinal: Any,
+    ops: Any, xp: Any, q, k, v, g, beta, boundaries: Any, *, grad_output: Any, dfinal: Any, scale: float,
     chunk_size: int,
-) -> tuple[list[Any], Any]:  # fmt: skip
-    """Gradients of one slab of chunks; ``dfinal`` is the gradient of the state at its end; returns
-    them and the gradient of the state at its start.
+) -> Gradients:  # fmt: skip
+    """Gradients of one slab of chunks; ``dfinal`` is the gradient of the state at its end, and
+    ``dinitial`` of the result the gradient of the state at its start.
 
     Three primitives: the state-free work again, the state-gradient recurrence (which also
     recomputes ``U`` and forms ``A^T dO`` and ``qg^T dO``), and the gradients of the state-free
     work given the states and their gradients.
     """
     T, C = q.shape[2], chunk_size
-    c = _prepare(ops, xp, q, k, v, g, beta, scale, C)
+    c = _prepare(ops, xp, q, k, v, g, beta, scale=scale, chunk_size=C)
     loc = c.local
-    dO = ops.to_chunks(grad_output, C, padded_chunk_size(C))
-    dends, U, dU, dstart = ops.chunk_state_grad_pass(
+    dO = ops.to_chunks(grad_output, chunk_size=C, padded_size=padded_chunk_size(C))
+    passed = ops.chunk_state_grad_pass(
         loc.w, loc.u0, loc.k_suffix, loc.total, loc.qg, loc.A, dO, boundaries, dfinal
     )
-    dq, dk, dv, dg, dbeta = ops.chunk_local_backward(
-        c.q, c.k, c.g, c.v, c.beta, scale, loc, boundaries, dends=dends, u=U, du=dU, grad_output=dO
-    )
-    grads = [ops.from_chunks(x, C, T) for x in (dq, dk, dv, dg)]
-    return [*grads, ops.from_chunks(dbeta[..., None], C, T)[..., 0]], dstart
+    d = ops.chunk_local_backward(
+        c.q, c.k, c.v, c.g, c.beta, boundaries, scale=scale, local=loc, dends=passed.dends, u=passed.u,
+        du=passed.du, grad_output=dO,
+    )  # fmt: skip
+
+    def back(x: Any) -> Any:
+        return ops.from_chunks(x, chunk_size=C, length=T)
+
+    return Gradients(dq=back(d.dq), dk=back(d.dk), dv=back(d.dv), dg=back(d.dg),
+                     dbeta=back(d.dbeta[..., None])[..., 0], dinitial=passed.dstart)  # fmt: skip
 
 
-def chunk_end_state(ops: Any, xp: Any, q, k, v, g, beta, scale: float, start: Any, chunk_size: int) -> Any:
+def chunk_end_state(ops: Any, xp: Any, q, k, v, g, beta, start: Any, *, scale: float, chunk_size: int) -> Any:
     """The state after the inputs from ``start``: the state pass alone, no outputs, no boundaries."""
     B, H, T, K = q.shape
     if T == 0 or B * H == 0:
         return xp.asarray(start, copy=True)
     if ops.chunk_forward_heads is not None:  # the fused forward, neither outputs nor boundaries kept
         return ops.chunk_forward_heads(
-            q, k, v, g, beta, scale, start, chunk_size, output=None, boundaries=None
+            q, k, v, g, beta, start, scale=scale, chunk_size=chunk_size, output=None, boundaries=None
         )
     state = start
     for n0, n1 in slabs(q.shape, chunk_size, max(K, v.shape[-1]), ops.SLAB_ELEMENTS):
         t = _steps(n0, n1, chunk_size, T)
-        loc = _prepare(ops, xp, *(x[:, :, t, ...] for x in (q, k, v, g, beta)), scale, chunk_size).local
-        state = ops.chunk_state_pass(loc.w, loc.u0, loc.k_suffix, loc.total, state)[2]
+        sliced = (x[:, :, t, ...] for x in (q, k, v, g, beta))
+        loc = _prepare(ops, xp, *sliced, scale=scale, chunk_size=chunk_size).local
+        state = ops.chunk_state_pass(loc.w, loc.u0, loc.k_suffix, loc.total, state).final_state
     return state
 
 
 def chunk_state_gradient(
-    ops: Any, xp: Any, q, k, v, g, beta, scale: float, grad_output: Any, chunk_size: int
-):
+    ops: Any, xp: Any, q, k, v, g, beta, grad_output: Any, *, scale: float, chunk_size: int
+) -> Any:
     """The start-state gradient when the end-state gradient is zero, by the state-gradient pass alone.
 
     Per chunk, from the last: ``dU = A^T dO + k_suffix dS`` and ``dS <- total * dS + qg^T dO - W^T dU``;
@@ -401,10 +428,12 @@ def chunk_state_gradient(
     C, Cp = chunk_size, padded_chunk_size(chunk_size)
     for n0, n1 in reversed(slabs(q.shape, C, max(K, V), ops.SLAB_ELEMENTS)):
         t = _steps(n0, n1, C, T)
-        loc = _prepare(ops, xp, *(x[:, :, t, ...] for x in (q, k, v, g, beta)), scale, C).local
-        dO = ops.to_chunks(grad_output[:, :, t, ...], C, Cp)
+        loc = _prepare(
+            ops, xp, *(x[:, :, t, ...] for x in (q, k, v, g, beta)), scale=scale, chunk_size=C
+        ).local
+        dO = ops.to_chunks(grad_output[:, :, t, ...], chunk_size=C, padded_size=Cp)
         zeros = xp.zeros((n1 - n0, *dend.shape), dtype=dend.dtype, device=dend.device)
         dend = ops.chunk_state_grad_pass(
             loc.w, loc.u0, loc.k_suffix, loc.total, loc.qg, loc.A, dO, zeros, dend
-        )[3]
+        ).dstart
     return dend

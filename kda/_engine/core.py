@@ -21,11 +21,11 @@ A core computes KDA on ready inputs ``q, k, g: [B, HV, T, K]``, ``v: [B, HV, T, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import array_api_compat
 
-from .._backend import resolve
+from .._backend import Forward, Gradients, resolve
 from .._errors import InvalidInputError
 from .._options.maps import CoreInputs
 from . import varlen as _varlen
@@ -35,7 +35,10 @@ from .widening import chunk_compute_dtype
 __all__ = [
     "ChunkCore",
     "Core",
+    "Forward",
+    "Gradients",
     "RecurrentCore",
+    "Route",
     "run_packed_backward",
     "run_packed_forward",
 ]
@@ -47,17 +50,22 @@ PAIR_BYTES_LIMIT = 1 << 31
 
 
 class Core(Protocol):
+    """What the entry points call: :class:`ChunkCore` or :class:`RecurrentCore`. Results are
+    :class:`~kda._backend.Forward` and :class:`~kda._backend.Gradients` records; ``out`` buffers
+    are records of the same kinds."""
+
     chunk_size: int
 
     def screens(self, q) -> bool: ...
 
     def forward(
-        self, q, k, v, g, beta, state, keep: bool = True, *, out=None, screen=None
-    ) -> tuple[Any, Any, Any]: ...
+        self, q, k, v, g, beta, state, *, keep: bool = True, out: Forward | None = None, screen=None
+    ) -> Forward: ...
 
     def backward(
-        self, q, k, v, g, beta, state, boundaries, do, dfinal, *, out=None, workspace=None, screen=None
-    ) -> tuple[Any, ...]: ...
+        self, q, k, v, g, beta, state, boundaries, do, dfinal, *, out: Gradients | None = None,
+        workspace=None, screen=None,
+    ) -> Gradients: ...  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -72,15 +80,26 @@ class RecurrentCore:
         return False
 
     def forward(
-        self, q, k, v, g, beta, state, keep: bool = True, *, out=None, screen=None
-    ) -> tuple[Any, Any, Any]:
-        o, final = self.ops.recurrent_forward(q, k, v, g, beta, self.scale, state)
-        return _into(out, (o, final, None))
+        self, q, k, v, g, beta, state, *, keep: bool = True, out: Forward | None = None, screen=None
+    ) -> Forward:
+        o, final = self.ops.recurrent_forward(q, k, v, g, beta, state, scale=self.scale)
+        return _into(out, Forward(output=o, final_state=final, boundaries=None))
 
     def backward(
-        self, q, k, v, g, beta, state, boundaries, do, dfinal, *, out=None, workspace=None, screen=None
-    ) -> tuple[Any, ...]:
-        return _into(out, self.ops.recurrent_backward(q, k, v, g, beta, self.scale, state, do, dfinal))
+        self, q, k, v, g, beta, state, boundaries, do, dfinal, *, out: Gradients | None = None,
+        workspace=None, screen=None,
+    ) -> Gradients:  # fmt: skip
+        return _into(out, self.ops.recurrent_backward(q, k, v, g, beta, state, do, dfinal, scale=self.scale))
+
+
+class Route(NamedTuple):
+    """How :class:`ChunkCore` runs a call's chunks: on ``ops`` (the backend, or the reference
+    where the chunks are longer than it holds), ``chunk_size`` steps per chunk (clamped to the
+    sequence), computing in ``dtype``."""
+
+    ops: Any
+    chunk_size: int
+    dtype: Any
 
 
 def _check_pair_memory(rows: int, C: int, T: int, itemsize: int) -> None:
@@ -112,8 +131,8 @@ class ChunkCore:
     scale: float
     chunk_size: int
 
-    def route(self, q) -> tuple[Any, int, Any] | None:
-        """``(backend, chunk length, dtype to compute in)``, or None for the step recurrence.
+    def route(self, q) -> Route | None:
+        """How the chunks of ``q``'s call run (:class:`Route`), or None for the step recurrence.
 
         The step recurrence runs where the backend measured it faster, up to
         ``ops.RECURRENT_MAX_T`` steps in one chunk (the one boundary is then the initial state),
@@ -125,83 +144,101 @@ class ChunkCore:
             return None
         _check_pair_memory(B * HV, C, T, 8)
         xp = _namespace(q)
-        return resolve(self.ops, padded_chunk_size(C)), C, chunk_compute_dtype(xp, q.shape[-1], C, q.dtype)
+        return Route(
+            ops=resolve(self.ops, padded_chunk_size(C)),
+            chunk_size=C,
+            dtype=chunk_compute_dtype(xp, q.shape[-1], C, q.dtype),
+        )
 
     def screens(self, q) -> bool:
         """Whether :meth:`forward` and :meth:`backward` (without ``out``) read the finiteness of
         their inputs and results off the chunks as they pass: the backend's fused passes, in
         ``q``'s dtype."""
         route = self.route(q) if q.shape[2] else None
-        if route is None or route[2] != q.dtype:
+        if route is None or route.dtype != q.dtype:
             return False
-        return route[0].chunk_forward_heads is not None and route[0].chunk_backward_heads is not None
+        return route.ops.chunk_forward_heads is not None and route.ops.chunk_backward_heads is not None
 
     def forward(
-        self, q, k, v, g, beta, state, keep: bool = True, *, out=None, screen=None
-    ) -> tuple[Any, Any, Any]:
-        """``(output, final_state, boundaries)``; ``keep=False`` may return None boundaries.
+        self, q, k, v, g, beta, state, *, keep: bool = True, out: Forward | None = None, screen=None
+    ) -> Forward:
+        """The output, final state and boundaries; ``keep=False`` may return None boundaries.
 
-        ``out``: ``(output, final_state, boundaries or None)`` buffers, filled and returned.
-        ``screen``: where :meth:`screens`, a zeroed float64 ``[B * H, 2]`` array that receives
-        per head ``sum(x * 0)`` over ``q, k, v`` and over the results (NaN: not finite).
+        ``out``: a :class:`~kda._backend.Forward` of buffers (``boundaries`` may be None), filled
+        and returned. ``screen``: where :meth:`screens`, a zeroed float64 ``[B * H, 2]`` array that
+        receives per head ``sum(x * 0)`` over ``q, k, v`` and over the results (NaN: not finite).
         """
         route = self.route(q)
         if route is None:
-            o, final = self.ops.recurrent_forward(q, k, v, g, beta, self.scale, state)
-            return _into(out, (o, final, _start_boundaries(state, q.shape[2]) if keep else None))
-        ops, C, wide = route
+            o, final = self.ops.recurrent_forward(q, k, v, g, beta, state, scale=self.scale)
+            boundaries = _start_boundaries(state, q.shape[2]) if keep else None
+            return _into(out, Forward(output=o, final_state=final, boundaries=boundaries))
         xp = _namespace(q)
-        if wide == q.dtype:
+        if route.dtype == q.dtype:
             return chunk_forward(
-                ops, xp, q, k, v, g, beta, self.scale, state, C, out=out, keep=keep, screen=screen
-            )
-        args = _cast(xp, wide, q, k, v, g, beta, state)
-        results = chunk_forward(ops, xp, *args[:5], self.scale, args[5], C, keep=keep)
-        return _into(out, _cast(xp, q.dtype, *results))
+                route.ops, xp, q, k, v, g, beta, state, scale=self.scale, chunk_size=route.chunk_size,
+                out=out, keep=keep, screen=screen,
+            )  # fmt: skip
+        wide = _Steps.cast(xp, route.dtype, q, k, v, g, beta)
+        result = chunk_forward(
+            route.ops, xp, *wide, _cast(xp, route.dtype, state), scale=self.scale,
+            chunk_size=route.chunk_size, keep=keep,
+        )  # fmt: skip
+        back = Forward(
+            output=_cast(xp, q.dtype, result.output),
+            final_state=_cast(xp, q.dtype, result.final_state),
+            boundaries=_cast(xp, q.dtype, result.boundaries),
+        )
+        return _into(out, back)
 
     def backward(
-        self, q, k, v, g, beta, state, boundaries, do, dfinal, *, out=None, workspace=None, screen=None
-    ) -> tuple[Any, ...]:
-        """The six gradients. ``out``: six buffers of their shapes that receive them;
-        ``workspace``: a ``[NT, B, HV, K, V]`` buffer for the recomputed boundaries (with
-        ``boundaries=None`` and ``out``); ``screen``: as for :meth:`forward`, over ``q, k, v,
-        do`` and the boundaries, and over the gradients."""
+        self, q, k, v, g, beta, state, boundaries, do, dfinal, *, out: Gradients | None = None,
+        workspace=None, screen=None,
+    ) -> Gradients:  # fmt: skip
+        """The six gradients. ``out``: a :class:`~kda._backend.Gradients` of buffers of their
+        shapes that receive them; ``workspace``: a ``[NT, B, HV, K, V]`` buffer for the recomputed
+        boundaries (with ``boundaries=None`` and ``out``); ``screen``: as for :meth:`forward`, over
+        ``q, k, v, do`` and the boundaries, and over the gradients."""
         route = self.route(q)
         if route is None:  # the one boundary, when given, is the initial state
             state = state if boundaries is None or boundaries.shape[0] == 0 else boundaries[0, ...]
-            return _into(out, self.ops.recurrent_backward(q, k, v, g, beta, self.scale, state, do, dfinal))
-        ops, C, wide = route
+            grads = self.ops.recurrent_backward(q, k, v, g, beta, state, do, dfinal, scale=self.scale)
+            return _into(out, grads)
         xp = _namespace(q)
-        if wide == q.dtype:
-            bufs = None if out is None else (*out, *(() if workspace is None else (workspace,)))
+        if route.dtype == q.dtype:
             return chunk_backward(
-                ops, xp, q, k, v, g, beta, self.scale, state, boundaries, grad_output=do, dfinal=dfinal,
-                chunk_size=C, out=bufs, screen=screen,
+                route.ops, xp, q, k, v, g, beta, state, boundaries, grad_output=do, dfinal=dfinal,
+                scale=self.scale, chunk_size=route.chunk_size, out=out, workspace=workspace, screen=screen,
             )  # fmt: skip
-        args = _cast(xp, wide, q, k, v, g, beta, state, boundaries, do, dfinal)
+        wide = route.dtype
         grads = chunk_backward(
-            ops,
-            xp,
-            *args[:5],
-            self.scale,
-            args[5],
-            args[6],
-            grad_output=args[7],
-            dfinal=args[8],
-            chunk_size=C,
+            route.ops, xp, *_Steps.cast(xp, wide, q, k, v, g, beta), _cast(xp, wide, state),
+            _cast(xp, wide, boundaries), grad_output=_cast(xp, wide, do), dfinal=_cast(xp, wide, dfinal),
+            scale=self.scale, chunk_size=route.chunk_size,
+        )  # fmt: skip
+        back = Gradients(
+            dq=_cast(xp, q.dtype, grads.dq),
+            dk=_cast(xp, q.dtype, grads.dk),
+            dv=_cast(xp, q.dtype, grads.dv),
+            dg=_cast(xp, q.dtype, grads.dg),
+            dbeta=_cast(xp, q.dtype, grads.dbeta),
+            dinitial=_cast(xp, q.dtype, grads.dinitial),
         )
-        return _into(out, _cast(xp, q.dtype, *grads))
+        return _into(out, back)
 
     def end_state(self, q, k, v, g, beta, start) -> Any:
         """The state after the inputs from ``start`` (no outputs formed)."""
         route = self.route(q)
         if route is None:
-            return self.ops.recurrent_forward(q, k, v, g, beta, self.scale, start)[1]
-        ops, C, wide = route
+            _, final = self.ops.recurrent_forward(q, k, v, g, beta, start, scale=self.scale)
+            return final
         xp = _namespace(q)
-        args = _cast(xp, wide, q, k, v, g, beta, start)
-        with ops.worker_context():  # one BLAS thread: small products
-            end = chunk_end_state(ops, xp, *args[:5], self.scale, args[5], C)
+        wide = route.dtype
+        with route.ops.worker_context():  # one BLAS thread: small products
+            end = chunk_end_state(
+                route.ops, xp, *_Steps.cast(xp, wide, q, k, v, g, beta), _cast(xp, wide, start),
+                scale=self.scale, chunk_size=route.chunk_size,
+            )  # fmt: skip
         return xp.astype(end, q.dtype, copy=False)
 
     def state_gradient(self, q, k, v, g, beta, do) -> Any:
@@ -211,27 +248,46 @@ class ChunkCore:
         if route is None:
             B, HV, _, K = q.shape
             zeros = xp.zeros((B, HV, K, v.shape[-1]), dtype=q.dtype, device=q.device)
-            return self.ops.recurrent_backward(q, k, v, g, beta, self.scale, zeros, do, zeros)[5]
-        ops, C, wide = route
-        args = _cast(xp, wide, q, k, v, g, beta, do)
-        with ops.worker_context():
-            D = chunk_state_gradient(ops, xp, *args[:5], self.scale, args[5], C)
+            return self.ops.recurrent_backward(q, k, v, g, beta, zeros, do, zeros, scale=self.scale).dinitial
+        wide = route.dtype
+        with route.ops.worker_context():
+            D = chunk_state_gradient(
+                route.ops, xp, *_Steps.cast(xp, wide, q, k, v, g, beta), _cast(xp, wide, do),
+                scale=self.scale, chunk_size=route.chunk_size,
+            )  # fmt: skip
         return xp.astype(D, q.dtype, copy=False)
 
 
-def _into(out: Any, results: Any) -> tuple[Any, ...]:
-    """``results``, or copied into the buffers ``out`` (returned; a None buffer is skipped)."""
+class _Steps(NamedTuple):
+    """The step arrays of a call, by name (cast together to the compute dtype)."""
+
+    q: Any
+    k: Any
+    v: Any
+    g: Any
+    beta: Any
+
+    @classmethod
+    def cast(cls, xp: Any, dtype: Any, q, k, v, g, beta) -> _Steps:
+        return cls(q=_cast(xp, dtype, q), k=_cast(xp, dtype, k), v=_cast(xp, dtype, v), g=_cast(xp, dtype, g),
+                   beta=_cast(xp, dtype, beta))  # fmt: skip
+
+
+def _into(out: Any, results: Any) -> Any:
+    """``results`` (a :class:`~kda._backend.Forward` or :class:`~kda._backend.Gradients`), or
+    copied into the buffers ``out``, a record of the same kind (returned; a None buffer is
+    skipped)."""
     if out is None:
-        return tuple(results)
+        return results
     for buf, x in zip(out, results, strict=True):
         if buf is not None and x is not None:
             buf[...] = x
-    return tuple(out)
+    return out
 
 
-def _cast(xp: Any, dtype: Any, *arrays: Any) -> list[Any]:
-    """The arrays in ``dtype`` (None stays None; no copy when they have it already)."""
-    return [None if x is None else xp.astype(x, dtype, copy=False) for x in arrays]
+def _cast(xp: Any, dtype: Any, x: Any) -> Any:
+    """``x`` in ``dtype`` (None stays None; no copy when it has it already)."""
+    return None if x is None else xp.astype(x, dtype, copy=False)
 
 
 def _namespace(x: Any) -> Any:
@@ -246,73 +302,98 @@ def _start_boundaries(state: Any, T: int) -> Any:
     return xp.asarray(state[None, ...], copy=True)
 
 
-def run_packed_forward(core: Core, xp: Any, c: CoreInputs, state: Any, offsets, keep: bool, out=None):
-    """``(output, final_state, boundaries)`` of the core on ``c``, per group of packed sequences.
+def run_packed_forward(
+    core: Core, xp: Any, c: CoreInputs, state: Any, offsets, *, keep: bool, out: Forward | None = None
+) -> Forward:
+    """The output, final state and boundaries of the core on ``c``, per group of packed sequences.
 
-    ``boundaries`` is None unless ``keep``. ``out``: buffers (compute dtype, head-first) that
-    receive the results (copied in). Without packed sequences the caller runs ``core.forward``.
+    ``boundaries`` is None unless ``keep``. ``out``: a :class:`~kda._backend.Forward` of buffers
+    (compute dtype, head-first) that receive the results (copied in). Without packed sequences the
+    caller runs ``core.forward``.
     """
     return _into(out, _run_packed_forward(core, xp, c, state, offsets, keep))
 
 
-def _run_packed_forward(core: Core, xp: Any, c: CoreInputs, state: Any, offsets, keep_boundaries: bool):
+def _run_packed_forward(
+    core: Core, xp: Any, c: CoreInputs, state: Any, offsets, keep_boundaries: bool
+) -> Forward:
     plan = _varlen.plan_sequences(offsets, core.chunk_size)
     outs, finals, group_boundaries = [], [], []
     for group in plan.groups:
-        args = [_varlen.gather(xp, x, plan, group) for x in (c.q, c.k, c.v, c.g, c.beta)]
-        o, final, boundaries = core.forward(
-            *args, _varlen.gather_rows(xp, state, plan, group), keep_boundaries
+        q, k, v, g, beta = (_varlen.gather(xp, x, plan, group) for x in (c.q, c.k, c.v, c.g, c.beta))
+        result = core.forward(
+            q, k, v, g, beta, _varlen.gather_rows(xp, state, plan, group), keep=keep_boundaries
         )
-        outs.append(o)
-        finals.append(final)
-        group_boundaries.append(boundaries)
+        outs.append(result.output)
+        finals.append(result.final_state)
+        group_boundaries.append(result.boundaries)
     if outs:
         output = _varlen.scatter(xp, outs, plan)
     else:
         output = xp.zeros(c.v.shape, dtype=c.v.dtype, device=c.v.device)
     final = _varlen.scatter_rows(xp, finals, plan, state)
-    if not keep_boundaries or (group_boundaries and group_boundaries[0] is None):
-        return output, final, None
+    if not keep_boundaries or any(b is None for b in group_boundaries):  # the step recurrence keeps none
+        return Forward(output=output, final_state=final, boundaries=None)
     empty = xp.zeros((0, 1, *state.shape[1:]), dtype=state.dtype, device=state.device)
-    return output, final, _varlen.scatter_boundaries(xp, group_boundaries, plan, empty)
+    boundaries = _varlen.scatter_boundaries(xp, group_boundaries, plan, empty)
+    return Forward(output=output, final_state=final, boundaries=boundaries)
 
 
-def run_packed_backward(core: Core, xp: Any, c: CoreInputs, state, boundaries, do, dfinal, offsets, out=None):
-    """Gradients ``(dq, dk, dv, dg, dbeta, dinitial)`` of the core's inputs, per group of packed
-    sequences (without them the caller runs ``core.backward``).
+def run_packed_backward(
+    core: Core,
+    xp: Any,
+    c: CoreInputs,
+    state,
+    boundaries,
+    do,
+    dfinal,
+    offsets,
+    *,
+    out: Gradients | None = None,
+) -> Gradients:
+    """The gradients of the core's inputs (:class:`~kda._backend.Gradients`), per group of
+    packed sequences (without them the caller runs ``core.backward``).
 
     Where arrays are writable, a group of one sequence writes its gradients straight into views
     of the packed gradients, and other groups are copied in by slices; elsewhere the groups'
-    gradients are concatenated. ``out``: six buffers that receive the gradients.
+    gradients are concatenated. ``out``: a record of six buffers that receive the gradients.
     """
     return _into(out, _run_packed_backward(core, xp, c, state, boundaries, do, dfinal, offsets))
 
 
-def _run_packed_backward(core: Core, xp: Any, c: CoreInputs, state, boundaries, do, dfinal, offsets):
+def _run_packed_backward(
+    core: Core, xp: Any, c: CoreInputs, state, boundaries, do, dfinal, offsets
+) -> Gradients:
     plan = _varlen.plan_sequences(offsets, core.chunk_size)
-    packed = [xp.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (c.q, c.k, c.v, c.g, c.beta)]
-    in_place = bool(array_api_compat.is_writeable_array(packed[0]))
-    parts: list[list[Any]] = [[] for _ in range(5)]
+    steps = (c.q, c.k, c.v, c.g, c.beta)
+    packed = [xp.zeros(x.shape, dtype=x.dtype, device=x.device) for x in steps]
+    in_place = all(array_api_compat.is_writeable_array(x) for x in packed)
+    parts: list[list[Any]] = [[] for _ in steps]
     dinitials = []
     for group in plan.groups:
-        args = [_varlen.gather(xp, x, plan, group) for x in (c.q, c.k, c.v, c.g, c.beta, do)]
-        rows = [_varlen.gather_rows(xp, x, plan, group) for x in (state, dfinal)]
+        q, k, v, g, beta, group_do = (_varlen.gather(xp, x, plan, group) for x in (*steps, do))
+        start, dend = (_varlen.gather_rows(xp, x, plan, group) for x in (state, dfinal))
         group_boundaries = (
             None if boundaries is None else _varlen.gather_boundaries(xp, boundaries, plan, group)
         )
         out = None
         if in_place and len(group.seqs) == 1:
-            a, b = plan.offsets[group.seqs[0]], plan.offsets[group.seqs[0] + 1]
-            out = [x[:, :, a:b, ...] for x in packed] + [
-                xp.zeros(rows[1].shape, dtype=rows[1].dtype, device=rows[1].device)
-            ]
-        *grads, dinitial = core.backward(*args[:5], rows[0], group_boundaries, args[5], rows[1], out=out)
+            (seq,) = group.seqs
+            a, b = plan.offsets[seq], plan.offsets[seq + 1]
+            dq, dk, dv, dg, dbeta = (x[:, :, a:b, ...] for x in packed)
+            dinitial = xp.zeros(dend.shape, dtype=dend.dtype, device=dend.device)
+            out = Gradients(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, dinitial=dinitial)
+        grads = core.backward(q, k, v, g, beta, start, group_boundaries, group_do, dend, out=out)
+        group_steps = (grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta)
         if not in_place:
-            for acc, x in zip(parts, grads, strict=True):
+            for acc, x in zip(parts, group_steps, strict=True):
                 acc.append(x)
         elif out is None:
-            _varlen.scatter_into(packed, grads, plan, group)
-        dinitials.append(dinitial)
+            _varlen.scatter_into(packed, group_steps, plan, group)
+        dinitials.append(grads.dinitial)
     if not in_place and dinitials:
         packed = [_varlen.scatter(xp, acc, plan) for acc in parts]
-    return (*packed, _varlen.scatter_rows(xp, dinitials, plan, dfinal))
+    dq, dk, dv, dg, dbeta = packed
+    return Gradients(
+        dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, dinitial=_varlen.scatter_rows(xp, dinitials, plan, dfinal)
+    )

@@ -64,8 +64,8 @@ def plan_sequences(offsets: tuple[int, ...], chunk_size: int) -> SeqPlan:
         steps = max(offsets[i + 1] - offsets[i] for i in seqs)
         for j, i in enumerate(seqs):
             slots[i] = (len(groups), j)
-        groups.append(Group(tuple(seqs), steps, n))
-    return SeqPlan(tuple(offsets), tuple(groups), chunk_size, tuple(slots))
+        groups.append(Group(seqs=tuple(seqs), steps=steps, chunks=n))
+    return SeqPlan(offsets=tuple(offsets), groups=tuple(groups), chunk_size=chunk_size, slots=tuple(slots))
 
 
 def _time(x: Any, a: int, b: int) -> Any:
@@ -85,17 +85,21 @@ def gather(xp: Any, x: Any, plan: SeqPlan, group: Group) -> Any:
             )
             row = xp.concat([row, pad], axis=2)
         rows.append(row)
-    return rows[0] if len(rows) == 1 else xp.concat(rows, axis=0)
+    return _joined(xp, rows, axis=0)
 
 
 def gather_rows(xp: Any, x: Any, plan: SeqPlan, group: Group) -> Any:
     """Rows ``[N, ...]`` (states) of a group's sequences -> ``[n, ...]``."""
     rows = [x[i : i + 1, ...] for i in group.seqs]
-    return rows[0] if len(rows) == 1 else xp.concat(rows, axis=0)
+    return _joined(xp, rows, axis=0)
 
 
 def _joined(xp: Any, pieces: list[Any], axis: int) -> Any:
-    return pieces[0] if len(pieces) == 1 else xp.concat(pieces, axis=axis)
+    """The pieces concatenated along ``axis``; a single piece itself (no copy)."""
+    if len(pieces) > 1:
+        return xp.concat(pieces, axis=axis)
+    (only,) = pieces
+    return only
 
 
 def scatter(xp: Any, parts: list[Any], plan: SeqPlan) -> Any:

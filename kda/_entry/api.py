@@ -132,7 +132,7 @@ def chunk_kda_backward(
         q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, boundaries=boundaries,
         grad_output=grad_output, grad_final_state=grad_final_state,
     )  # fmt: skip
-    inputs = Inputs(q, k, v, g, beta, A_log=opts.A_log, dt_bias=opts.dt_bias)
+    inputs = Inputs.of(q, k, v, g, beta, opts)
     grads = call.backward(inputs, state, boundaries, do, dfinal, check_inputs=finite)
     return v_major_output(call.p.xp, grads) if v_first else grads
 
@@ -190,7 +190,7 @@ def recurrent_kda_backward(
         q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, grad_output=grad_output,
         grad_final_state=grad_final_state,
     )  # fmt: skip
-    inputs = Inputs(q, k, v, g, beta, A_log=opts.A_log, dt_bias=opts.dt_bias)
+    inputs = Inputs.of(q, k, v, g, beta, opts)
     return call.backward(inputs, state, None, do, dfinal)
 
 

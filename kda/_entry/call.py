@@ -15,10 +15,22 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, NamedTuple
 
+import array_api_compat
+
 from .._backend import get_backend
-from .._engine.core import ChunkCore, Core, RecurrentCore, run_packed_backward, run_packed_forward
+from .._engine.core import (
+    ChunkCore,
+    Core,
+    Forward,
+    Gradients,
+    RecurrentCore,
+    run_packed_backward,
+    run_packed_forward,
+)
+from .._options.arguments import check_choice
 from .._options.checks import check_finite as _check_finite
 from .._options.checks import floating_point_quiet, warn_if_diverged
+from .._options.gates import PARAMETER_NAMES
 from .._options.maps import (
     CoreInputs,
     Options,
@@ -28,6 +40,7 @@ from .._options.maps import (
     prepare_core_inputs,
     qk_backward,
 )
+from .._options.spec import METHODS, CallSpec
 from .._options.table import Choices
 from .._options.validation import (
     STATE_DTYPE_RULE,
@@ -41,11 +54,7 @@ from .._options.validation import (
     raise_for_gates,
 )
 
-__all__ = ["Call", "Inputs", "KdaGradients", "KdaOutput", "open_call"]
-
-# The raw inputs a backend's fused passes screen for NaN / inf as their chunks pass (the forward
-# reads q, k, v; the backward also grad_output and the boundaries): see Call.forward.
-SCREENED = ("q", "k", "v", "boundaries", "grad_output")
+__all__ = ["Call", "Inputs", "KdaGradients", "KdaOutput", "bind_call", "build_call", "open_call"]
 
 
 class KdaOutput(NamedTuple):
@@ -103,6 +112,12 @@ class Inputs(NamedTuple):
     A_log: Any = None
     dt_bias: Any = None
 
+    @classmethod
+    def of(cls, q: Any, k: Any, v: Any, g: Any, beta: Any, opts: Any, **arrays: Any) -> Inputs:
+        """The step arrays with the gate parameters of ``opts`` (a
+        :class:`~kda._options.table.Choices`, or any record with them as attributes)."""
+        return cls(q, k, v, g, beta, **arrays, **{n: getattr(opts, n) for n in PARAMETER_NAMES})
+
     @property
     def steps(self) -> tuple[Any, Any, Any, Any, Any]:
         """``(q, k, v, g, beta)``: the arrays with a time axis."""
@@ -113,26 +128,74 @@ def open_call(
     q, k, v, g, beta, scale: Any, opts: Choices, *, backend: str | None, chunk_size: Any = None,
     defer_gate: bool = False, scan: bool = True,
 ) -> Call:  # fmt: skip
-    """Validate a call's inputs and options and bind them to a core.
+    """A public function's call: its arguments and options (the table's ``opts``) as a
+    :class:`~kda._options.spec.CallSpec` and arrays, through :func:`build_call` (validated).
+    ``chunk_size=None``: the step recurrence."""
+    spec = CallSpec.from_choices(
+        opts, method="recurrent" if chunk_size is None else "chunk", scale=scale,
+        chunk_size=64 if chunk_size is None else chunk_size, backend=backend,
+    )  # fmt: skip
+    x = Inputs.of(q, k, v, g, beta, opts)
+    return build_call(spec, x, cu_seqlens=opts.cu_seqlens, defer_gate=defer_gate, scan=scan)
 
-    ``chunk_size=None`` binds the step recurrence. ``defer_gate``: let a GPU backend check
-    ``g <= 0`` on the device, read after the call's work is queued (:meth:`Call.forward` and
-    :meth:`Call.backward` read it), and a backend with fused passes screen ``g`` as they load it
-    (checked on the host first where the call runs none). ``scan=False``: sizes, dtypes and
-    options only, no look at the values: for a part of a call whose arrays were checked (a Dask
-    block's later tasks, after its check task).
+
+def build_call(
+    spec: CallSpec, x: Inputs, *, cu_seqlens: Any = None, defer_gate: bool = False, scan: bool = True
+) -> Call:
+    """The validating door: check the arrays ``x`` (``q .. beta`` and the gate law's parameters,
+    in ``spec.layout``), ``cu_seqlens`` and the ``spec`` and bind them to a core.
+
+    ``defer_gate``: let a GPU backend check ``g <= 0`` on the device, read after the call's work
+    is queued (:meth:`Call.forward` and :meth:`Call.backward` read it), and a backend with fused
+    passes screen ``g`` as they load it (checked on the host first where the call runs none).
+    ``scan=False``: sizes, dtypes and options only, no look at the values: for a part of a call
+    whose arrays were checked (a Dask block's later tasks, after its check task).
     """
-    xp = namespace_of(["q", "k", "v", "g", "beta"], [q, k, v, g, beta])
-    ops = get_backend(xp, backend)
+    check_choice("method", spec.method, METHODS)
+    xp = namespace_of(["q", "k", "v", "g", "beta"], list(x.steps))
+    ops = get_backend(xp, spec.backend)
     gate_check = ops.launch_gate_check if defer_gate else None
-    if defer_gate and getattr(ops, "chunk_forward_heads", None) is not None:
+    if defer_gate and ops.chunk_forward_heads is not None:
         gate_check = partial(ScreenedGate, xp)  # the fused passes screen g (Call._gate_before)
-    p, options = check_options_call(q, k, v, g, beta, scale, opts, gate_check, scan)
+    params = {name: getattr(x, name) for name in PARAMETER_NAMES}
+    opts = spec.choices(params, cu_seqlens)
+    p, options = check_options_call(*x.steps, spec.scale, opts, gate_check, scan)
+    chunk_size = check_chunk_size(spec.chunk_size) if spec.method == "chunk" else None
+    return _call(p, options, ops, chunk_size, check=bool(spec.check_finite))
+
+
+def bind_call(spec: CallSpec, x: Inputs, offsets: tuple[int, ...] | None) -> Call:
+    """The non-validating door: the call that :func:`build_call` validated, rebuilt without a
+    check from the same ``spec`` and arrays (``x`` in ``spec.layout`` and the compute dtype,
+    the gate parameters as validated) and host ``offsets``: the problem's sizes, the options and
+    the core. ``spec.scale`` must be the resolved scale (a float)."""
+    q, v = x.q, x.v
+    xp = array_api_compat.array_namespace(q)
+    B, H, HV = q.shape[0], q.shape[1], v.shape[1]
+    T = q.shape[2]
+    if spec.layout != "head_first":
+        H, HV, T = q.shape[2], v.shape[2], q.shape[1]
+    problem = Problem(
+        xp=xp, B=B, H=H, HV=HV, T=T, K=q.shape[3], V=v.shape[3], dtype=q.dtype, compute_dtype=q.dtype,
+        scale=spec.scale, layout=spec.layout, offsets=offsets,
+    )  # fmt: skip
+    options = Options(
+        qk_l2norm=spec.qk_l2norm, gate=spec.gate, lower_bound=spec.lower_bound,
+        beta_activation=spec.beta_activation or None, **{n: getattr(x, n) for n in PARAMETER_NAMES},
+    )  # fmt: skip
+    ops = get_backend(xp, spec.backend)
+    chunk_size = spec.chunk_size if spec.method == "chunk" else None
+    return _call(problem, options, ops, chunk_size, check=bool(spec.check_finite))
+
+
+def _call(p: Problem, options: Options, ops: Any, chunk_size: int | None, *, check: bool) -> Call:
+    """The one constructor of a :class:`Call`: the problem, its options, the core (the chunked
+    form, or the step recurrence for ``chunk_size=None``) and whether to check finiteness."""
     if chunk_size is None:
         core: Core = RecurrentCore(ops=ops, scale=p.scale)
     else:
-        core = ChunkCore(ops=ops, scale=p.scale, chunk_size=check_chunk_size(chunk_size))
-    return Call(p=p, options=options, core=core, check=bool(opts.check_finite))
+        core = ChunkCore(ops=ops, scale=p.scale, chunk_size=chunk_size)
+    return Call(p=p, options=options, core=core, check=check)
 
 
 @dataclass(frozen=True)
@@ -170,12 +233,23 @@ class Call:
         )
         return x._replace(**{n: getattr(x, n)[t] for n in ("q", "k", "v", "g", "beta")})
 
+    def plain(self, *, packed: bool = True) -> bool:
+        """The one structural "plain call" test: the core's inputs are the raw inputs as given
+        (no element-wise map of an option, ``HV == H``, the inputs' dtype the compute dtype), so
+        results and buffers can be written straight into the caller's arrays. ``packed=False``:
+        also no packed sequences."""
+        p = self.p
+        return (
+            self.options.is_identity and p.H == p.HV and p.dtype == p.compute_dtype
+            and (packed or p.offsets is None)
+        )  # fmt: skip
+
     # --- checks of the other arguments
 
     def check_inputs_finite(self, **arrays: Any) -> None:
         """Refuse NaN / infinite values in ``arrays`` and in the gate's ``A_log``, ``dt_bias``
         (``-inf`` allowed in a log gate), when asked to check."""
-        self.check_finite(**arrays, A_log=self.options.A_log, dt_bias=self.options.dt_bias)
+        self.check_finite(**arrays, **self.options.gate_params())
 
     def check_finite(self, **arrays: Any) -> None:
         """Refuse NaN / infinite values in ``arrays`` (None skipped), when asked to check.
@@ -185,15 +259,17 @@ class Call:
         """
         if not self.check:
             return
-        log_gate = self.options.gate == "log"
+        log_input = self.options.law.log_input
         for name, x in arrays.items():
-            if not (name == "g" and log_gate):
+            if not (name == "g" and log_input):
                 _check_finite(self.p.xp, name, x)
 
     def _check_before(self, arrays: dict | None, screen: Any) -> None:
         """Refuse NaN / inf in ``arrays`` now, but for those a fused pass screens (``screen``)."""
         if arrays is not None:
-            unscreened = {n: x for n, x in arrays.items() if screen is None or n not in SCREENED}
+            unscreened = {
+                n: x for n, x in arrays.items() if screen is None or n not in self.core.ops.FUSED_SCREENS
+            }
             self.check_inputs_finite(**unscreened)
 
     def _gate_before(self, screen: Any) -> None:
@@ -219,7 +295,8 @@ class Call:
             return False
         seen_in, seen_out = sums
         if not math.isfinite(seen_in):
-            self.check_finite(**{n: arrays[n] for n in SCREENED if n in arrays})  # raises, naming it
+            screened = self.core.ops.FUSED_SCREENS
+            self.check_finite(**{n: x for n, x in arrays.items() if n in screened})  # raises, naming it
         return math.isfinite(seen_out)
 
     def _screen(self, q: Any) -> Any:
@@ -277,9 +354,9 @@ class Call:
         compute dtype; ``boundaries`` may be None) that receive the results and are returned.
         ``check_inputs``: the raw arrays to refuse NaN / inf in, by name
         (:meth:`check_inputs_finite`). Where the core screens
-        (:meth:`~kda._engine.core.ChunkCore.screens`), those of :data:`SCREENED` and the results
-        are read off its fused pass instead of passes of their own, and looked at again, for the
-        message, only when it saw a non-finite value.
+        (:meth:`~kda._engine.core.ChunkCore.screens`), those the backend names in ``FUSED_SCREENS``
+        and the results are read off its fused pass instead of passes of their own, and looked at
+        again, for the message, only when it saw a non-finite value.
         """
         p, xp = self.p, self.p.xp
         core_in = self.core_inputs(inputs)
@@ -287,28 +364,24 @@ class Call:
         self._check_before(check_inputs, screen)
         self._gate_before(screen)
         direct = out is not None and p.dtype == p.compute_dtype
-        bufs = (head_first(xp, out.output, p.layout), out.final_state, out.boundaries) if direct else None
+        bufs = None
+        if direct:
+            bufs = Forward(output=head_first(xp, out.output, p.layout), final_state=out.final_state,
+                           boundaries=out.boundaries)  # fmt: skip
         with floating_point_quiet(xp):
             if p.offsets is None:
                 output, final, boundaries = self.core.forward(
-                    core_in.q,
-                    core_in.k,
-                    core_in.v,
-                    core_in.g,
-                    core_in.beta,
-                    state,
-                    keep,
-                    out=bufs,
+                    core_in.q, core_in.k, core_in.v, core_in.g, core_in.beta, state, keep=keep, out=bufs,
                     screen=screen,
-                )
+                )  # fmt: skip
             else:
                 output, final, boundaries = run_packed_forward(
-                    self.core, xp, core_in, state, p.offsets, keep, bufs
+                    self.core, xp, core_in, state, p.offsets, keep=keep, out=bufs
                 )
         sums = self._screen_sums(screen)
         raise_for_gates(p)  # a deferred check, read once the work is queued
         if self.check and not self._results_finite(check_inputs, sums):
-            warn_if_diverged(xp, output, final, stacklevel=5)
+            warn_if_diverged(xp, output, final)
         output = xp.astype(head_first(xp, output, p.layout), p.dtype, copy=False)
         result = KdaOutput(output, final, boundaries)
         if out is None:
@@ -335,11 +408,13 @@ class Call:
         screen = self._screen(core_in.q) if check_inputs is not None and out is None else None
         self._check_before(check_inputs, screen)
         self._gate_before(screen)
-        direct = out is not None and p.dtype == p.compute_dtype and options.is_identity and p.H == p.HV
+        direct = out is not None and self.plain()
         bufs = None
         if direct:
-            steps = (out.q, out.k, out.v, out.g, out.beta)
-            bufs = (*(head_first(xp, x, p.layout) for x in steps), out.initial_state)
+            dq, dk, dv, dg, dbeta = (
+                head_first(xp, x, p.layout) for x in (out.q, out.k, out.v, out.g, out.beta)
+            )
+            bufs = Gradients(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, dinitial=out.initial_state)
         with floating_point_quiet(xp):
             if p.offsets is None:
                 grads = self.core.backward(
@@ -348,23 +423,25 @@ class Call:
                 )  # fmt: skip
             else:
                 grads = run_packed_backward(
-                    self.core, xp, core_in, state, boundaries, do, dfinal, p.offsets, bufs
+                    self.core, xp, core_in, state, boundaries, do, dfinal, p.offsets, out=bufs
                 )
             dq, dk, dv, dlog, dbeta, dinitial = grads
-            dg, dA_log, ddt_bias = gate_backward(xp, dlog, core_in, options)
+            dg, dparams = gate_backward(xp, dlog, core_in, options)
             dq, dk = qk_backward(xp, dq, dk, core_in, options, p.H)
             dbeta = beta_backward(xp, dbeta, core_in, options)
         sums = self._screen_sums(screen)
         raise_for_gates(p)
         finite = self._results_finite(check_inputs, sums)  # of the core's gradients
         if self.check and not (options.is_identity and finite):
-            warn_if_diverged(xp, dq, dk, dv, dg, dbeta, dinitial, stacklevel=5)
+            warn_if_diverged(xp, dq, dk, dv, dg, dbeta, dinitial)
         grads = [xp.astype(head_first(xp, x, p.layout), p.dtype, copy=False) for x in (dq, dk, dv, dg, dbeta)]
-        params = [
-            None if d is None else xp.astype(d, x.dtype, copy=False)
-            for d, x in ((dA_log, inputs.A_log), (ddt_bias, inputs.dt_bias))
-        ]
-        result = KdaGradients(*grads, dinitial, *params)
+        params = {
+            name: None
+            if dparams.get(name) is None
+            else xp.astype(dparams[name], getattr(inputs, name).dtype, copy=False)
+            for name in PARAMETER_NAMES
+        }
+        result = KdaGradients(*grads, dinitial, **params)
         if out is None:
             return result
         if not direct:

@@ -23,8 +23,9 @@ backward
 The rank's slice is validated and scanned for NaN / inf once (:func:`open_rank`: its packed call
 at the local offsets); every step then runs on that call or calls derived from it (a segment's
 transition maps, :meth:`kda._entry.call.Call.segment`), checking nothing again. The arrays are
-NumPy or CuPy, time-major with ``B == 1``. A step given the keywords of :func:`kda.chunk_kda`
-instead of an opened call opens one itself (the in-process simulation of the tests).
+NumPy or CuPy, time-major with ``B == 1``. A step given the call's
+:class:`~kda._options.spec.CallSpec` instead of an opened call opens one itself (the in-process
+simulation of the tests).
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from typing import Any, NamedTuple
 import array_api_compat
 
 from .._errors import InvalidInputError
-from .._options.table import Choices
-from .call import Call, Inputs, KdaGradients, KdaOutput, open_call
+from .._options.spec import CallSpec
+from .call import Call, Inputs, KdaGradients, KdaOutput, build_call
 from .scan import advance, retreat
 from .transition import transition_gradient, transition_map
 
@@ -150,7 +151,8 @@ def partition(offsets: Any, world_size: int, rank: int) -> Partition:
     lo, hi = rank * part, (rank + 1) * part
     seqs = tuple(n for n, (a, b) in enumerate(itertools.pairwise(offsets)) if b > a and a < hi and b > lo)
     local = (0, *(min(offsets[n + 1], hi) - lo for n in seqs))
-    return Partition(world_size, rank, offsets, part, seqs, local, first, last)
+    return Partition(world_size=world_size, rank=rank, offsets=offsets, part_len=part, local_seqs=seqs,
+                     local_offsets=local, first_rank=first, last_rank=last)  # fmt: skip
 
 
 def _xp(x: Any) -> Any:
@@ -164,28 +166,24 @@ class Rank(NamedTuple):
     x: Inputs
 
 
-def open_rank(p: Partition, x: Any, opts: dict[str, Any]) -> Rank:
+def open_rank(p: Partition, x: Any, spec: CallSpec) -> Rank:
     """The rank's slice validated, and scanned for NaN / inf, once: its call (packed at the local
-    offsets) and its arrays as a record.
+    offsets, built by the validating door :func:`~kda._entry.call.build_call`) and its arrays as
+    a record.
 
-    ``x``: the rank's ``q, k, v, g, beta`` (time-major, ``B == 1``; a tuple or an
-    :class:`~kda._entry.call.Inputs`); ``opts``: the keywords of :func:`kda.chunk_kda` without
-    ``cu_seqlens`` (``scale``, ``chunk_size``, the options, ``A_log`` and ``dt_bias`` included).
+    ``x``: the rank's ``q, k, v, g, beta`` (time-major, ``B == 1``; an
+    :class:`~kda._entry.call.Inputs` with the gate law's parameters, or a tuple of the five);
+    ``spec``: the call's :class:`~kda._options.spec.CallSpec` (time-major).
     """
-    keywords = dict(opts)
-    scale, chunk_size = keywords.pop("scale", None), keywords.pop("chunk_size", 64)
-    backend = keywords.pop("backend", None)
-    q, k, v, g, beta = x.steps if isinstance(x, Inputs) else x
-    x = Inputs(q, k, v, g, beta, A_log=keywords.get("A_log"), dt_bias=keywords.get("dt_bias"))
-    choices = Choices(**keywords, cu_seqlens=p.local_offsets)
-    call = open_call(q, k, v, g, beta, scale, choices, backend=backend, chunk_size=chunk_size)
-    call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta)
+    x = x if isinstance(x, Inputs) else Inputs(*x)
+    call = build_call(spec, x, cu_seqlens=p.local_offsets)
+    call.check_inputs_finite(q=x.q, k=x.k, v=x.v, g=x.g, beta=x.beta)
     return Rank(call, x)
 
 
 def _opened(p: Partition, x: Any, opts: Any) -> Rank:
-    """``opts``: the rank's :class:`Rank` from :func:`open_rank`, or the keywords to open it with."""
-    return open_rank(p, x, opts) if isinstance(opts, dict) else opts
+    """``opts``: the rank's :class:`Rank` from :func:`open_rank`, or the spec to open it with."""
+    return open_rank(p, x, opts) if isinstance(opts, CallSpec) else opts
 
 
 def _segment(call: Call, x: Inputs, a: int, b: int) -> tuple[Call, Inputs]:
@@ -197,7 +195,7 @@ def forward_map(p: Partition, x: Any, opts: Any, dtype: Any) -> Any:
     """Step 1 of the forward: ``[HV, K, K + V]`` = ``[A, N]`` of the last local segment.
 
     ``x`` are the rank's ``q, k, v, g, beta`` (time-major, ``B == 1``); ``opts`` the rank's call
-    (:func:`open_rank`), or the keywords to open it with. Zeros when no later rank continues the
+    (:func:`open_rank`), or the spec to open it with. Zeros when no later rank continues the
     sequence (nobody reads the map).
     """
     call, x = _opened(p, x, opts)

@@ -1,4 +1,5 @@
-"""Decoding from a state pool: ``decode_kda``, speculative verification, and the prepared form.
+"""Decoding from a state pool: ``decode_kda``, speculative verification, and the adapters'
+recurrent forward (:func:`decode_states`), on the general route.
 
 A serving engine keeps the recurrent states of its requests in one pool ``[P, HV, K, V]`` and
 runs a batch of requests, each a few steps long (one for decoding, a few for speculative
@@ -10,324 +11,39 @@ state goes back there (``-1``: a padding request). ``state_indices [N, W]`` (spe
 verification, as flash-linear-attention and vLLM): request ``n`` starts from slot
 ``[n, num_accepted_tokens[n] - 1]`` and its state after step ``t`` goes to slot ``[n, t]``
 (``-1``: not kept). The backends receive the same two int64 arrays in both cases,
-``start [N]`` and ``dest [N, W]`` (:meth:`kda._backend.Backend.decode_forward`).
+``start [N]`` and ``dest [N, W]`` (:meth:`kda._backend.Backend.decode_forward`); the pool and
+the slots are checked by :mod:`kda._options.arguments`.
 
 Cost. Validation looks at the small arrays only (the inputs' shapes and dtypes, the indices, and
 the inputs' values for the gate and finiteness checks); the pool's shape, dtype and writability
-are read from its header, its contents never. On NumPy the call takes a direct route
-(:func:`_numpy_route`) whenever the problem is one the kernel computes as given (float32 or
-float64, a plain call by the option table's :func:`~kda._options.table.is_plain`, ``HV == H``;
-any slot form) and the backend screens the inputs (``decode_screen``): the same checks written
-out (the slots by :func:`check_slots` itself, the value checks in the backend's
-``decode_screen``, one compiled pass on the cpu backend) and the same kernel, reached through
-:func:`~kda._backend.get_backend` as the general route reaches it, so the results are bitwise
-those of the general route, which handles everything else (and words every error: a
-direct-route check that fails hands the call to the general route). :func:`decode_states` is
-the adapters' recurrent forward on the same kernel.
+are read from its header, its contents never. On NumPy a plain call takes the direct route
+(:mod:`kda._entry.decode_numpy`), bitwise the general route's, which handles everything else
+and words every error. The prepared form is :mod:`kda._entry.decode_plan`.
 """
 
 from __future__ import annotations
 
-import itertools
-import math
-import numbers
-from dataclasses import dataclass
 from typing import Any
 
 import array_api_compat
 
-from .._backend import get_backend
-from .._errors import InvalidInputError, InvalidTypeError, KdaError
+from .._options.arguments import (
+    PADDING,
+    Slots,
+    check_array,
+    check_pad_slot_id,
+    check_pool,
+    check_slots,
+)
 from .._options.checks import warn_if_diverged
 from .._options.maps import head_first
-from .._options.table import Array, Choices, is_plain, takes_options
-from .._options.validation import Problem, _host_integers, c_contiguous, check_array, check_state
+from .._options.table import Array, Choices, takes_options
+from .._options.validation import check_state
 from .call import Call, Inputs, KdaOutput, open_call
+from .decode_numpy import numpy_route as _numpy_route
 from .layout import check_state_v_first
 
-__all__ = ["DecodePlan", "Slots", "decode_kda", "decode_states", "prepare_decode_kda"]
-
-PADDING = -1
-# slot arrays up to this size are checked in Python (cheaper than NumPy's calls on tiny arrays)
-SMALL = 64
-
-
-# ----------------------------------------------------------------------------------------------
-# the pool and the slots
-
-
-POOL_DTYPE_RULE = (
-    "a pool holds float32, float16 or bfloat16 states for float32 (and 16-bit) inputs, float64 for "
-    "float64 inputs"
-)
-HALF_POOLS = ("float16", "bfloat16")  # 16-bit pool dtypes: read into float32, rounded on store
-
-
-def _dtype_name(dtype: Any) -> str:
-    """``float16`` for NumPy's and torch's float16, ``bfloat16`` for ``ml_dtypes.bfloat16`` and torch's."""
-    name = getattr(dtype, "name", None)
-    if not isinstance(name, str):
-        name = getattr(dtype, "__name__", None)
-    return name if isinstance(name, str) else str(dtype).rpartition(".")[2]
-
-
-_HALF_SEEN: dict[int, tuple[Any, bool]] = {}  # id(dtype) -> (dtype, whether a 16-bit pool dtype)
-
-
-def is_half_pool(dtype: Any) -> bool:
-    """Whether ``dtype`` is float16 or bfloat16, looked up once per dtype object (a NumPy
-    dtype's name costs microseconds: float16's 4 us)."""
-    seen = _HALF_SEEN.get(id(dtype))
-    if seen is None:
-        seen = _HALF_SEEN[id(dtype)] = (dtype, _dtype_name(dtype) in HALF_POOLS)  # kept alive: ids stay
-    return seen[1]
-
-
-def pool_dtype_ok(dtype: Any, compute_dtype: Any) -> bool:
-    """Whether a pool of ``dtype`` serves a call computing in ``compute_dtype`` (:data:`POOL_DTYPE_RULE`)."""
-    if dtype == compute_dtype:
-        return True
-    return _dtype_name(dtype) in HALF_POOLS and _dtype_name(compute_dtype) == "float32"
-
-
-def check_pool(state_pool: Any, p: Problem, v_first: bool = False) -> int:
-    """Validate the pool ``[P, HV, K, V]`` (``[P, HV, V, K]`` with ``v_first``; float32,
-    float16 or bfloat16 for float32 compute, float64 for float64; writable in place); return ``P``."""
-    if not array_api_compat.is_array_api_obj(state_pool) or state_pool.ndim != 4:
-        shape = getattr(state_pool, "shape", None)
-        letters = "P, HV, V, K" if v_first else "P, HV, K, V"
-        msg = f"state_pool must be a 4-D array [{letters}]; got {type(state_pool).__name__} of shape {shape}"
-        raise InvalidInputError(msg) if shape is not None else InvalidTypeError(msg)
-    P = int(state_pool.shape[0])
-    shape = (P, p.HV, p.V, p.K) if v_first else (P, p.HV, p.K, p.V)
-    got = tuple(int(n) for n in state_pool.shape)
-    check_array("state_pool", state_pool, p, got, "", state_pool.dtype, "")  # the array library
-    if got != shape:
-        other = (P, p.HV, p.K, p.V) if v_first else (P, p.HV, p.V, p.K)
-        letters = "P, HV, V, K" if v_first else "P, HV, K, V"
-        msg = f"state_pool must have shape [{letters}] = {shape} (state_v_first={bool(v_first)}); got {got}"
-        if got == other:
-            msg += f" (the other layout: pass state_v_first={not v_first} for a pool of that layout)"
-        raise InvalidInputError(msg)
-    if not pool_dtype_ok(state_pool.dtype, p.compute_dtype):
-        want = "float64" if _dtype_name(p.compute_dtype) == "float64" else "float32, float16 or bfloat16"
-        msg = (
-            f"state_pool must have dtype {want} ({POOL_DTYPE_RULE}); got {_dtype_name(state_pool.dtype)} "
-            f"with {_dtype_name(p.dtype)} inputs"
-        )
-        raise InvalidTypeError(msg)
-    if not array_api_compat.is_writeable_array(state_pool):
-        msg = (
-            "state_pool must be writable in place (it is updated in place); got a read-only or "
-            f"immutable {type(state_pool).__module__}.{type(state_pool).__name__}"
-        )
-        raise InvalidInputError(msg)
-    return P
-
-
-def check_pad_slot_id(pad_slot_id: Any, P: int) -> int:
-    """``pad_slot_id``: ``-1`` (the default) or a row of ``[0, P)`` that marks padding (vLLM's KDA
-    layers pass 0); returned as an int."""
-    if isinstance(pad_slot_id, bool) or not isinstance(pad_slot_id, numbers.Integral):
-        msg = (
-            f"pad_slot_id must be an int (-1, or a pool row in [0, {P}) reserved for padding); got "
-            f"{pad_slot_id!r} of type {type(pad_slot_id).__name__}"
-        )
-        raise InvalidTypeError(msg)
-    if not PADDING <= int(pad_slot_id) < P:
-        msg = f"pad_slot_id must be -1 or a pool row in [0, {P}) reserved for padding; got {int(pad_slot_id)}"
-        raise InvalidInputError(msg)
-    return int(pad_slot_id)
-
-
-@dataclass(frozen=True)
-class Slots:
-    """Validated slots of one call, as the backends take them.
-
-    Attributes
-    ----------
-    start : int64 NumPy ``[N]``, the row each request starts from (``-1``: padding).
-    dest : int64 NumPy ``[N, W]``: ``W == 1`` the row of the final state, else the row of the
-        state after each step (``-1``: not kept).
-    """
-
-    start: Any
-    dest: Any
-
-
-def _host_slots(state_indices: Any) -> Any:
-    """``state_indices`` as an int64 NumPy array of 1 or 2 dimensions."""
-    import numpy as np
-
-    if isinstance(state_indices, np.ndarray) and state_indices.dtype == np.int64:
-        host = state_indices
-    elif isinstance(state_indices, (list, tuple)) or array_api_compat.is_array_api_obj(state_indices):
-        if array_api_compat.is_cupy_array(state_indices):
-            state_indices = state_indices.get()
-        try:
-            host = np.asarray(state_indices)
-        except (TypeError, RuntimeError, ValueError):
-            try:
-                host = np.from_dlpack(state_indices)
-            except (TypeError, RuntimeError, ValueError, AttributeError):
-                host = None
-    else:
-        host = None
-    if (
-        host is None
-        or host.ndim not in (1, 2)
-        or not (np.issubdtype(host.dtype, np.integer) or host.size == 0)
-    ):
-        what = type(state_indices).__name__
-        if host is not None:
-            what += f" of shape {tuple(host.shape)} and dtype {host.dtype}"
-        msg = (
-            "state_indices must be a 1-D integer array or list of ints ([N]: one row per request), or a "
-            f"2-D one ([N, T]: one slot per step, for speculative verification); got {what}"
-        )
-        raise InvalidTypeError(msg)
-    return np.ascontiguousarray(host, np.int64)
-
-
-def _check_range(name: str, rows: list[int], P: int) -> None:
-    """Every entry ``-1`` or a row of ``[0, P)``."""
-    if rows and (min(rows) < PADDING or max(rows) >= P):
-        bad = [r for r in rows if not PADDING <= r < P]
-        msg = f"{name} must be -1 (padding) or a row in [0, {P}) of state_pool; got {bad[:5]}"
-        raise InvalidInputError(msg)
-
-
-def _shared(row: int, first: int, second: int, why: str) -> InvalidInputError:
-    msg = (
-        f"state_indices must name each pool row at most once across requests ({why}); got [{row}] "
-        f"named by requests {first} and {second}"
-    )
-    return InvalidInputError(msg)
-
-
-def _check_rows(name: str, rows: list[int], P: int, what: str) -> None:
-    """Every entry ``-1`` or a row of ``[0, P)``; non-negative ones distinct (entry ``n``: request ``n``)."""
-    _check_range(name, rows, P)
-    named = [r for r in rows if r >= 0]
-    if len(set(named)) != len(named):
-        owner: dict[int, int] = {}
-        for n, r in enumerate(rows):
-            if r >= 0 and owner.setdefault(r, n) != n:
-                raise _shared(r, owner[r], n, what)
-
-
-def _check_rows_numpy(name: str, rows: Any, P: int, what: str) -> None:
-    """:func:`_check_rows` for a large int64 array (sorting, no Python loop)."""
-    import numpy as np
-
-    if rows.size and (int(rows.min()) < PADDING or int(rows.max()) >= P):
-        _check_range(name, rows.tolist(), P)  # words the error
-    named = np.sort(rows[rows >= 0])
-    if named.size > 1 and bool(np.any(named[1:] == named[:-1])):
-        _check_rows(name, rows.tolist(), P, what)
-
-
-def _lengths(N: int, T: int, offsets: tuple[int, ...] | None) -> list[int]:
-    if offsets is None:
-        return [T] * N
-    return [b - a for a, b in itertools.pairwise(offsets)]
-
-
-def check_slots(
-    state_indices: Any, num_accepted_tokens: Any, N: int, T: int, offsets: tuple[int, ...] | None, P: int,
-    pad_slot_id: int = PADDING,
-) -> Slots:  # fmt: skip
-    """Validate the slots of ``N`` requests of ``T`` steps (per request with ``offsets``).
-
-    Entries equal to ``pad_slot_id`` (checked by the caller: :func:`check_pad_slot_id`) or
-    ``-1`` are padding: the backends receive them as ``-1``. Raises
-    :class:`~kda.InvalidInputError` / :class:`~kda.InvalidTypeError` naming ``state_indices``
-    or ``num_accepted_tokens``; nothing is written before these checks pass.
-    """
-    host = _host_slots(state_indices)
-    if pad_slot_id != PADDING:
-        import numpy as np
-
-        host = np.where(host == pad_slot_id, PADDING, host)  # a new array: the input is not modified
-    if host.ndim == 1:
-        return _one_slot_each(host, num_accepted_tokens, N, P)
-    return _slot_per_step(host, num_accepted_tokens, N, T, offsets, P)
-
-
-def _one_slot_each(host: Any, num_accepted_tokens: Any, N: int, P: int) -> Slots:
-    if host.shape != (N,):
-        msg = f"state_indices must have shape [N] = ({N},), one row per request; got {tuple(host.shape)}"
-        raise InvalidInputError(msg)
-    if num_accepted_tokens is not None:
-        msg = (
-            "num_accepted_tokens needs 2-D state_indices [N, T] (a slot per step); got 1-D state_indices "
-            f"of shape {tuple(host.shape)}"
-        )
-        raise InvalidInputError(msg)
-    what = "two requests cannot share a state"
-    if N <= SMALL:
-        _check_rows("state_indices", host.tolist(), P, what)
-    else:
-        _check_rows_numpy("state_indices", host, P, what)
-    return Slots(host, host.reshape(N, 1))
-
-
-def _accepted(num_accepted_tokens: Any, N: int, lengths: list[int]) -> list[int]:
-    """``num_accepted_tokens [N]`` as host ints, each in ``1..T_n`` (ignored for empty requests)."""
-    if num_accepted_tokens is None:
-        return [1] * N
-    host = _host_integers("num_accepted_tokens", num_accepted_tokens)
-    if host.shape != (N,):
-        msg = (
-            f"num_accepted_tokens must have shape [N] = ({N},), one count per request; "
-            f"got {tuple(host.shape)}"
-        )
-        raise InvalidInputError(msg)
-    counts = host.tolist()
-    bad = [(n, a, t) for n, (a, t) in enumerate(zip(counts, lengths)) if t > 0 and not 1 <= a <= t]
-    if bad:
-        n, a, t = bad[0]
-        msg = (
-            "num_accepted_tokens must be in 1..T for each request (the start slot is "
-            f"state_indices[n, num_accepted_tokens[n] - 1]); got {a} for request {n} of {t} steps"
-            + (f" ({len(bad)} requests out of range)" if len(bad) > 1 else "")
-        )
-        raise InvalidInputError(msg)
-    return counts
-
-
-def _slot_per_step(
-    host: Any, num_accepted_tokens: Any, N: int, T: int, offsets: tuple[int, ...] | None, P: int
-) -> Slots:
-    import numpy as np
-
-    lengths = _lengths(N, T, offsets)
-    longest = max(lengths, default=0)
-    if host.shape[0] != N or host.shape[1] < max(longest, 1):
-        msg = (
-            f"state_indices must have shape [N, T] = ({N}, {max(longest, 1)}) (a slot per step; more "
-            f"columns are ignored); got {tuple(host.shape)}"
-        )
-        raise InvalidInputError(msg)
-    accepted = _accepted(num_accepted_tokens, N, lengths)
-    table = host.tolist()
-    used = [row[:t] for row, t in zip(table, lengths)]
-    start = [row[a - 1] if row else PADDING for row, a in zip(used, accepted)]
-    _check_range("state_indices", [r for row in used for r in row], P)
-    owner: dict[int, int] = {}  # row -> the request that names it (its own slot at any of its steps)
-    for n, row in enumerate(used):
-        for r in row:
-            if r >= 0 and owner.setdefault(r, n) != n:
-                raise _shared(r, owner[r], n, "a request may name its own slot at several steps")
-    idle = [n for n, (s, row) in enumerate(zip(start, used)) if s < 0 and any(r >= 0 for r in row)]
-    if idle:
-        n = idle[0]
-        msg = (
-            f"state_indices[{n}] starts from slot {accepted[n] - 1}, which is -1 (a padding request), but "
-            f"names rows to write ({used[n]}); a padding request must be -1 throughout"
-        )
-        raise InvalidInputError(msg)
-    return Slots(np.asarray(start, np.int64), host)
+__all__ = ["Slots", "decode_kda", "decode_states"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -342,23 +58,18 @@ def _run(
     p, xp = call.p, call.p.xp
     c = call.core_inputs(inputs)
     ops = call.core.ops
-    if v_first:
-        o = ops.decode_forward(c.q, c.k, c.v, c.g, c.beta, p.scale, pool, slots.start, slots.dest,
-                               offsets=p.offsets, final_pool=final_pool, v_first=True)  # fmt: skip
-    else:
-        o = ops.decode_forward(c.q, c.k, c.v, c.g, c.beta, p.scale, pool, slots.start, slots.dest,
-                               offsets=p.offsets, final_pool=final_pool)  # fmt: skip
+    o = ops.decode_forward(c.q, c.k, c.v, c.g, c.beta, pool, slots.start, slots.dest, scale=p.scale,
+                           offsets=p.offsets, final_pool=final_pool, v_first=v_first)  # fmt: skip
     o = head_first(xp, xp.astype(o, p.dtype, copy=False), p.layout)
     if call.check:
-        warn_if_diverged(xp, o, stacklevel=4)
+        warn_if_diverged(xp, o)
     if out is not None:
         out[...] = o
         return out
     return o
 
 
-@takes_options()
-def decode_kda(
+def _decode_kda(
     q: Array, k: Array, v: Array, g: Array, beta: Array, state_pool: Array, state_indices: Array, *,
     num_accepted_tokens: Array | None = None, state_v_first: bool = False, pad_slot_id: int = PADDING,
     scale: float | None = None, backend: str | None = None, opts: Choices,
@@ -458,8 +169,7 @@ def _rows(N: int) -> Slots:
     return slots
 
 
-@takes_options()
-def decode_states(
+def _decode_states(
     q: Array, k: Array, v: Array, g: Array, beta: Array, initial_state: Array | None = None, *,
     state_v_first: bool = False, scale: float | None = None, backend: str | None = None, opts: Choices,
 ) -> KdaOutput:  # fmt: skip
@@ -505,250 +215,7 @@ def decode_states(
     return KdaOutput(o, final, None)
 
 
-# ----------------------------------------------------------------------------------------------
-# the direct NumPy route
-
-
-_NUMPY_BACKENDS: dict[Any, Any] = {}  # backend argument -> the backend module NumPy arrays run on
-
-
-def _numpy_backend(backend: Any) -> Any:
-    """The backend :func:`~kda._backend.get_backend` gives NumPy arrays for ``backend`` (as the
-    general route's :func:`~kda._entry.call.open_call`), looked up once; None where it refuses
-    (the general route words the error)."""
-    ops = _NUMPY_BACKENDS.get(backend)
-    if ops is None and (backend is None or isinstance(backend, str)):
-        import numpy as np
-
-        try:
-            ops = _NUMPY_BACKENDS[backend] = get_backend(np, backend)
-        except KdaError:
-            return None
-    return ops
-
-
-def _numpy_route(
-    q, k, v, g, beta, pool, state_indices, *, scale, backend, opts, final_pool=None, num_accepted_tokens=None,
-    slots=None, v_first=False, pad=PADDING,
-) -> Any:  # fmt: skip
-    """The output of a plain NumPy call, or None to take the general route.
-
-    A plain call (:func:`~kda._options.table.is_plain`: the options leave the inputs as they are)
-    runs the backend's kernel on the arrays as given, through the backend's own screen of them
-    (``decode_screen``: dtypes, contiguity, ``g <= 0`` and finiteness, in one pass on the cpu
-    backend) and of the output (``decode_finite``). Every check of the general route that can
-    fail for such a call is made here too (types, shapes, dtypes, the pool's writability, the
-    slots by :func:`check_slots` itself); any failure returns None before anything is written,
-    and the general route raises its own error. ``final_pool``: the pool that receives the
-    states (checked by the caller), or None (``pool``, in place); ``slots``: the :class:`Slots`
-    of ``state_indices`` where the caller knows them valid (each request its own row:
-    :func:`decode_states`), or None to check them here; ``v_first``: the pools' layout (a
-    bool); ``pad``: ``pad_slot_id``.
-    """
-    import numpy as np
-
-    nd = np.ndarray
-    if not (type(q) is nd and type(k) is nd and type(v) is nd and type(g) is nd and type(beta) is nd
-            and type(pool) is nd):  # fmt: skip
-        return None
-    if not is_plain(opts):
-        return None
-    ops = _numpy_backend(backend)
-    screen = getattr(ops, "decode_screen", None)
-    if screen is None:
-        return None
-    dt, shape, head_major = q.dtype, q.shape, opts.layout == "head_first"
-    pool_dt = pool.dtype is dt or (dt.type is np.float32 and is_half_pool(pool.dtype))
-    if not (pool_dt and k.shape == shape and g.shape == shape and len(shape) == 4 and v.ndim == 4
-            and v.shape[:3] == shape[:3] and beta.shape == shape[:3] and pool.ndim == 4):  # fmt: skip
-        return None
-    N, K, V = shape[0], shape[3], v.shape[3]
-    H, T = (shape[1], shape[2]) if head_major else (shape[2], shape[1])
-    writable = final_pool is not None or pool.flags.writeable  # a separate final_pool: pool is only read
-    if pool.shape[1:] != ((H, V, K) if v_first else (H, K, V)) or not writable or not _plain_scale(scale):
-        return None
-    if type(pad) is not int or not PADDING <= pad < pool.shape[0]:
-        return None
-    if slots is None:
-        slots = _direct_slots(state_indices, num_accepted_tokens, N, T, pool.shape[0], pad)
-    if slots is None:
-        return None
-    check = opts.check_finite is True
-    if not screen(q, k, v, g, beta, check):  # dtypes, contiguity, g <= 0, finite
-        return None
-    s = K**-0.5 if scale is None else float(scale)
-    start, dest = slots.start, slots.dest
-    if not head_major:
-        q, k, v, g, beta = (x.swapaxes(1, 2) for x in (q, k, v, g, beta))
-    out = ops.decode_forward(q, k, v, g, beta, s, pool, start, dest, final_pool=final_pool, v_first=v_first)
-    # the output's finiteness in one pass of the backend (no warning from a sum of large finite values)
-    if check and not ops.decode_finite(out):
-        warn_if_diverged(np, out, stacklevel=3)
-    return out if head_major else out.swapaxes(1, 2)
-
-
-def _direct_slots(
-    state_indices: Any, num_accepted_tokens: Any, N: int, T: int, P: int, pad: int = PADDING
-) -> Slots | None:
-    """:func:`check_slots`' result, or None where it would raise. The common decode call (int64
-    NumPy ``[N]``, a few requests, ``pad_slot_id=-1``) is checked inline, the same checks."""
-    import numpy as np
-
-    if (
-        pad == PADDING and num_accepted_tokens is None and type(state_indices) is np.ndarray
-        and state_indices.dtype == np.int64 and state_indices.shape == (N,)
-        and state_indices.flags.c_contiguous and 0 < N <= SMALL
-    ):  # fmt: skip
-        rows = state_indices.tolist()
-        named = [r for r in rows if r >= 0]
-        if min(rows) < PADDING or max(rows) >= P or len(set(named)) != len(named):
-            return None
-        return Slots(state_indices, state_indices.reshape(N, 1))
-    try:
-        return check_slots(state_indices, num_accepted_tokens, N, T, None, P, pad)
-    except KdaError:
-        return None
-
-
-def _plain_scale(scale: Any) -> bool:
-    if scale is None or type(scale) is float:  # the adapters pass a float: no ABC check
-        return scale is None or math.isfinite(scale)
-    return isinstance(scale, numbers.Real) and not isinstance(scale, bool) and math.isfinite(scale)
-
-
-# ----------------------------------------------------------------------------------------------
-# the prepared form
-
-
-@dataclass
-class DecodePlan:
-    """A validated decode call, to run many times on refilled inputs (:func:`prepare_decode_kda`).
-
-    Attributes
-    ----------
-    out : the output buffer ``[N, HV, T, V]`` (time-major: ``[N, T, HV, V]``) every run writes.
-    """
-
-    call: Call
-    inputs: Inputs  # q .. beta
-    pool: Any
-    state_indices: Any
-    num_accepted_tokens: Any
-    out: Any
-    P: int
-    direct: bool  # the kernel reads the bound arrays as they are (no option maps, no casts)
-    v_first: bool = False  # the pool is [P, HV, V, K]
-    pad: int = PADDING  # pad_slot_id
-
-    def __post_init__(self) -> None:
-        p, xp = self.call.p, self.call.p.xp
-        # what runs read: head-first views of the bound buffers (valid while they are refilled)
-        self._views = tuple(head_first(xp, x, p.layout) for x in self.inputs.steps)
-        self._buffer = head_first(xp, self.out, p.layout)
-        idx = self.state_indices
-        one_d = (
-            _is_int64_vector(idx, p.N) and self.num_accepted_tokens is None and p.offsets is None
-            and self.pad == PADDING
-        )  # fmt: skip
-        self._rows = Slots(idx, idx.reshape(p.N, 1)) if one_d else None
-
-    def run(self) -> Any:
-        """Run from the current contents of the bound arrays; returns :attr:`out`.
-
-        Re-checks what a caller refills between runs: the slots (``state_indices``,
-        ``num_accepted_tokens``: range, repeats, counts; O(N T), the pool is not read) and, for
-        a log gate on host arrays, ``max(g) <= 0``. Shapes, dtypes and options are not re-checked.
-        """
-        p = self.call.p
-        if self._rows is not None and p.N <= SMALL:
-            _check_rows(
-                "state_indices", self._rows.start.tolist(), self.P, "two requests cannot share a state"
-            )
-            slots = self._rows
-        else:
-            slots = check_slots(
-                self.state_indices, self.num_accepted_tokens, p.N, p.T, p.offsets, self.P, self.pad
-            )
-        self._recheck_gate()
-        if not self.direct:
-            return _run(self.call, self.inputs, self.pool, slots, out=self.out, v_first=self.v_first)
-        buffer = self._buffer
-        ops = self.call.core.ops
-        if self.v_first:
-            o = ops.decode_forward(*self._views, p.scale, self.pool, slots.start, slots.dest,
-                                   offsets=p.offsets, out=buffer, v_first=True)  # fmt: skip
-        else:
-            o = ops.decode_forward(
-                *self._views, p.scale, self.pool, slots.start, slots.dest, offsets=p.offsets, out=buffer
-            )
-        if o is not buffer:
-            buffer[...] = o
-        return self.out
-
-    def _recheck_gate(self) -> None:
-        g, xp = self.inputs.g, self.call.p.xp
-        if self.call.options.gate != "log" or array_api_compat.is_cupy_namespace(xp) or g.size == 0:
-            return
-        if not bool((g.max() if hasattr(g, "max") else xp.max(g)) <= 0):
-            msg = "g must hold log decays <= 0 (-inf allowed); the refilled g has a positive or NaN element"
-            raise InvalidInputError(msg)
-
-
-def _is_int64_vector(x: Any, N: int) -> bool:
-    import numpy as np
-
-    return type(x) is np.ndarray and x.dtype == np.int64 and x.shape == (N,) and x.flags.c_contiguous
-
-
-@takes_options()
-def prepare_decode_kda(
-    q: Array, k: Array, v: Array, g: Array, beta: Array, state_pool: Array, state_indices: Array, *,
-    num_accepted_tokens: Array | None = None, state_v_first: bool = False, pad_slot_id: int = PADDING,
-    out: Array | None = None, scale: float | None = None, backend: str | None = None, opts: Choices,
-) -> DecodePlan:  # fmt: skip
-    """Validate a :func:`decode_kda` call once and bind its arrays: ``plan.run()`` runs it again.
-
-    The arguments are those of :func:`decode_kda`, plus ``out``: a writable output buffer
-    ``[N, HV, T, V]`` (``[N, T, HV, V]`` time-major) of the inputs' dtype, or None to allocate
-    one. Every run reads the *current contents* of the bound arrays, ``state_indices`` and
-    ``num_accepted_tokens`` included (refill them in place; their shapes are fixed), and writes
-    :attr:`DecodePlan.out`. On NumPy, a plain problem (float32 / float64, ``gate="log"``, no
-    ``qk_l2norm`` or beta activation, ``HV == H``) allocates nothing in ``run()``: the kernel
-    reads the bound arrays and writes ``out`` and the pool directly.
-
-    Parameters
-    ----------
-    q, k, v, g, beta, state_pool, state_indices, num_accepted_tokens, state_v_first, pad_slot_id, scale
-        As for :func:`decode_kda` (and ``backend``); the inputs must be C-contiguous.
-    out : array, optional
-        The output buffer.
-    {options}
-
-    Returns
-    -------
-    DecodePlan
-    """
-    call = open_call(q, k, v, g, beta, scale, opts, backend=backend)
-    p = call.p
-    v_first = check_state_v_first(state_v_first)
-    P = check_pool(state_pool, p, v_first)
-    pad = check_pad_slot_id(pad_slot_id, P)
-    check_slots(state_indices, num_accepted_tokens, p.N, p.T, p.offsets, P, pad)
-    call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta)
-    for name, x in zip(("q", "k", "v", "g", "beta"), (q, k, v, g, beta)):
-        if not c_contiguous(x):
-            msg = f"prepared decode requires C-contiguous bindings: {name} (shape {tuple(x.shape)}) is not"
-            raise InvalidInputError(msg)
-    shape = p.shape(p.HV, p.V)
-    if out is None:
-        out = p.xp.zeros(shape, dtype=p.dtype, device=array_api_compat.device(q))
-    else:
-        check_array("out", out, p, shape, p.letters("HV", "V"), p.dtype, "the dtype of q")
-        if not array_api_compat.is_writeable_array(out) or not c_contiguous(out):
-            msg = "out must be a writable C-contiguous array (runs write the output into it)"
-            raise InvalidInputError(msg)
-    direct = call.options.is_identity and p.H == p.HV and p.dtype == p.compute_dtype
-    return DecodePlan(
-        call=call, inputs=Inputs(q, k, v, g, beta), pool=state_pool, state_indices=state_indices,
-        num_accepted_tokens=num_accepted_tokens, out=out, P=P, direct=direct, v_first=v_first, pad=pad,
-    )  # fmt: skip
+# the public entry points; their bodies (which take the options as one Choices) are what the
+# fla-style adapters' host layer calls
+decode_kda = takes_options(name="decode_kda")(_decode_kda)
+decode_states = takes_options(name="decode_states")(_decode_states)

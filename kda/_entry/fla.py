@@ -27,17 +27,20 @@ from __future__ import annotations
 
 import itertools
 import math
-import warnings
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from .._errors import InvalidInputError
+from .._options.arguments import check_lower_bound
+from .._options.checks import warn_at_caller
+from .._options.gates import PARAMETERS
+from .._options.spec import CallSpec
 from .._options.table import Choices
 from .._options.validation import check_chunk_size, check_scale
 
 __all__ = [
     "KEYWORD_TABLE", "FlaCall", "OpOptions", "boundary_bound", "check_gate_sizes", "choices",
-    "chunk_keywords", "packed_chunks", "translate",
+    "packed_chunks", "translate",
 ]  # fmt: skip
 
 # keyword -> (class, what kda does with it); the README's table restates it
@@ -68,6 +71,12 @@ KEYWORD_TABLE: dict[str, tuple[str, str]] = {
         "gradient in the shape given",
     ),
     "cu_seqlens": ("honoured", "packed sequences, B == 1; states [N, HV, K, V]"),
+    "gate": (
+        "honoured (kda)",
+        "with use_gate_in_kernel: the gate law by name (kda.chunk_kda's gate option, any law registered "
+        "in kda._options.gates) instead of fla's choice from lower_bound; A_log, dt_bias, lower_bound "
+        "as that law takes them",
+    ),
     "chunk_size": ("honoured", "any positive int (fla: 32 or 64); changes rounding only"),
     "state_v_first": ("honoured", "states read and returned as [N, HV, V, K]"),
     "transpose_state_layout": ("honoured", "deprecated spelling of state_v_first (DeprecationWarning)"),
@@ -113,8 +122,8 @@ KEYWORD_TABLE: dict[str, tuple[str, str]] = {
 DECODE_KEYWORDS = ("ssm_state_indices", "num_accepted_tokens", "inplace_final_state", "pad_slot_id")
 
 # fla 0.6's named parameters after ``q, k, v, g, beta``, in its order, with their defaults; the
-# adapters' signatures are generated from these (:func:`fla_function`). Keywords fla reads from
-# ``**kwargs`` are the rest of KEYWORD_TABLE.
+# adapters' signatures are generated from these (:func:`kda._entry.fla_front.fla_function`).
+# Keywords fla reads from ``**kwargs`` are the rest of KEYWORD_TABLE.
 CHUNK_PARAMS: tuple[tuple[str, Any], ...] = (
     ("scale", None), ("initial_state", None), ("output_final_state", False),
     ("use_qk_l2norm_in_kernel", False), ("use_gate_in_kernel", False), ("use_beta_sigmoid_in_kernel", False),
@@ -136,117 +145,20 @@ RECURRENT_NO_EFFECT = (
     "return_intermediate_states", "cp_context",
 )  # fmt: skip
 RECURRENT_KEYWORDS = frozenset(
-    {*(n for n, _ in RECURRENT_PARAMS), "transpose_state_layout", *RECURRENT_NO_EFFECT, *DECODE_KEYWORDS}
-)
+    {*(n for n, _ in RECURRENT_PARAMS), "transpose_state_layout", "gate", *RECURRENT_NO_EFFECT,
+     *DECODE_KEYWORDS}
+)  # fmt: skip
 SIGNATURES = {
     "chunk_kda": (CHUNK_PARAMS, CHUNK_KEYWORDS),
     "fused_recurrent_kda": (RECURRENT_PARAMS, RECURRENT_KEYWORDS),
 }
 
 
-CHUNK_DOC = """KDA, chunked, differentiable; fla 0.6's ``fla.ops.kda.chunk_kda`` signature and semantics
-({framework}).
-
-    Parameters
-    ----------
-    q, k : {array}, shape ``[B, T, H, K]``
-    v : {array}, shape ``[B, T, HV, V]``
-        ``HV`` a multiple of ``H``: value head ``i`` reads q/k head ``i // (HV // H)``.
-    g : {array}, shape ``[B, T, HV, K]``
-        Log decays (``<= 0``), or the raw gate with ``use_gate_in_kernel=True``.
-    beta : {array}, shape ``[B, T, HV]``
-        Step sizes, or their logits with ``use_beta_sigmoid_in_kernel=True``.
-    scale : float, optional
-        Query scale; ``K ** -0.5`` when None.
-    initial_state : {array}, shape ``[N, HV, K, V]``, optional
-        ``N = B``, or the number of sequences with ``cu_seqlens``; ``[N, HV, V, K]`` with
-        ``state_v_first``.
-    output_final_state : bool
-        Return the final state (same shape as ``initial_state``), else None.
-    use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound
-        The model-level options, as in fla: see :data:`kda._entry.fla.KEYWORD_TABLE`.
-    safe_gate, disable_recompute, cu_seqlens_cpu, use_graph, max_num_seqs
-        Accepted; no effect on the result (they choose among fla's kernels).
-    return_intermediate_states : bool
-        Also return ``h [B, NT, HV, K, V]`` (``[B, NT, HV, V, K]`` with ``state_v_first``), the
-        state at the start of every chunk (``h[:, 0]`` is the initial state; the final state is
-        not in ``h``); with ``cu_seqlens``, ``B == 1`` and ``NT = sum(ceil(len_i / chunk_size))``
-        in packed chunk order, as fla. dtype of ``k`` (as fla; the states are computed in
-        float32). Differentiable (fla's is inference-only); also in inference mode.
-    cp_context : KdaCPContext, optional
-        Context parallelism (:func:`kda.torch.build_cp_context`; PyTorch only): this rank's slice
-        of a packed ``B == 1`` batch; ``cu_seqlens`` is taken from the context.
-    state_v_first : bool
-        States as ``[N, HV, V, K]``.
-    cu_seqlens : {array}, shape ``[N + 1]``, optional
-        Offsets of packed sequences (``B == 1``).
-    **kwargs
-        ``A_log [HV]``, ``dt_bias`` (``HV * K`` elements), ``chunk_size`` (default 64) and the
-        deprecated ``transpose_state_layout``; anything else raises ``TypeError``.
-
-    Returns
-    -------
-    tuple
-        ``(o [B, T, HV, V], final_state or None)``, and ``h`` with
-        ``return_intermediate_states=True``; ``o`` has the dtype of ``q``, the state is float32
-        (float64 for float64 inputs).
-    """
-
-RECURRENT_DOC = """KDA step by step (:func:`kda.recurrent_kda`), differentiable; fla 0.6's
-    ``fla.ops.kda.fused_recurrent_kda`` signature (``A_log``, ``dt_bias`` are positional there).
-
-    The arguments are those of :func:`chunk_kda`. ``**kwargs`` takes the deprecated
-    ``transpose_state_layout`` and the keywords of ``chunk_kda`` that have no effect on a
-    recurrence (``safe_gate, disable_recompute, cu_seqlens_cpu, use_graph, max_num_seqs,
-    chunk_size``, and ``return_intermediate_states=False``, ``cp_context=None``), so that one
-    keyword dict serves both ops; anything else raises ``TypeError``. ``A_log`` and ``dt_bias``
-    are read by element count as in :func:`chunk_kda`. The output has the dtype of ``v`` (as
-    fla's), the final state float32 (float64 for float64 inputs). Unlike fla's, this one has a
-    backward (:func:`kda.recurrent_kda_backward`).
-    """
-
-
-def fla_function(name: str, call: Any, module: str, doc: str) -> Any:
-    """fla's ``name`` (``"chunk_kda"`` or ``"fused_recurrent_kda"``) with its exact signature.
-
-    The function is generated from :data:`CHUNK_PARAMS` / :data:`RECURRENT_PARAMS` as plain
-    Python (``torch.compile`` traces it): it collects the named parameters and the extra
-    keywords, refuses unknown keywords with ``TypeError`` and calls
-    ``call(q, k, v, g, beta, keywords)``.
-    """
-    params, allowed = SIGNATURES[name]
-    named = ", ".join(f"{n}={d!r}" for n, d in params)
-    collected = ", ".join(f"{n!r}: {n}" for n, _ in params)
-    source = (
-        f"def {name}(q, k, v, g, beta, {named}, **kwargs):\n"
-        f"    if kwargs:\n"
-        f"        _check(_name, kwargs, _allowed)\n"
-        f"    return _call(q, k, v, g, beta, {{{collected}, **kwargs}})\n"
-    )
-    namespace = {"_check": check_keywords, "_name": name, "_allowed": allowed, "_call": call}
-    exec(compile(source, f"<kda.fla {name}>", "exec"), namespace)
-    function = namespace[name]
-    function.__module__, function.__qualname__, function.__doc__ = module, name, doc
-    return function
-
-
-class OpOptions(NamedTuple):
-    """The options of an fla-style call that are not arrays, checked: a hashable tuple (an op's
-    non-tensor arguments, in this order: :mod:`kda.torch` generates its ops' schemas from these
-    fields and their annotations; or a ``custom_vjp``'s static argument)."""
-
-    method: str  # "chunk" or "recurrent"
-    scale: float
-    chunk_size: int
-    qk_l2norm: bool
-    gate: str
-    lower_bound: float | None
-    beta_activation: str  # "" for none (an op argument cannot be None)
-
-    @classmethod
-    def of(cls, options: tuple[Any, ...]) -> OpOptions:
-        """``options`` (a :class:`OpOptions`, or the plain tuple an op received) as a :class:`OpOptions`."""
-        return options if type(options) is cls else cls._make(options)
+# The options of an fla-style call that are not arrays, checked: the call's CallSpec (time-major,
+# the scale resolved): an op's non-tensor arguments (kda._torch.ops generates its ops' schemas
+# from its fields and annotations) and a custom_vjp's static argument. The name is kept for the
+# adapters that spell it so.
+OpOptions = CallSpec
 
 
 @dataclass(frozen=True)
@@ -267,23 +179,9 @@ class FlaCall:
 
 
 def choices(static: OpOptions, A_log: Any = None, dt_bias: Any = None, offsets: Any = None) -> Choices:
-    """The options of a :class:`OpOptions` as the table's :class:`~kda._options.table.Choices`
-    (time-major), with the gate's arrays and host ``offsets`` (``cu_seqlens``) or None."""
-    static = OpOptions.of(static)
-    return Choices(
-        layout="time_major", qk_l2norm=static.qk_l2norm, gate=static.gate, A_log=A_log, dt_bias=dt_bias,
-        lower_bound=static.lower_bound, beta_activation=static.beta_activation or None, cu_seqlens=offsets,
-    )  # fmt: skip
-
-
-def chunk_keywords(static: OpOptions, A_log: Any = None, dt_bias: Any = None) -> dict[str, Any]:
-    """Keywords of :func:`kda.chunk_kda` (and of the transitions) for a :class:`OpOptions`, without
-    ``cu_seqlens``: for the paths that call the public functions on parts of a call (context
-    parallelism, gradients through the chunk-start states)."""
-    static = OpOptions.of(static)
-    keywords = choices(static, A_log, dt_bias).keywords()
-    del keywords["cu_seqlens"]
-    return {**keywords, "scale": static.scale, "chunk_size": static.chunk_size}
+    """The options of a spec as the table's :class:`~kda._options.table.Choices` (time-major),
+    with the gate's arrays and host ``offsets`` (``cu_seqlens``) or None."""
+    return CallSpec.of(static).choices({"A_log": A_log, "dt_bias": dt_bias}, offsets)
 
 
 def packed_chunks(offsets: Any, chunk_size: int) -> int:
@@ -322,10 +220,9 @@ def state_layout(kw: dict[str, Any]) -> bool:
     if "transpose_state_layout" in kw:
         if v_first:
             _refuse("pass state_v_first or the deprecated transpose_state_layout, not both")
-        warnings.warn(
+        warn_at_caller(
             "`transpose_state_layout` is deprecated and renamed to `state_v_first` (as in fla 0.6).",
             DeprecationWarning,
-            stacklevel=4,
         )
         v_first = bool(kw["transpose_state_layout"])
     return v_first
@@ -350,11 +247,13 @@ def _gate(kw: dict[str, Any], has_A_log: bool, has_dt_bias: bool) -> dict[str, A
     """``gate``, ``lower_bound`` options from fla's gate keywords (fla's refusals kept)."""
     lower_bound = kw.get("lower_bound")
     if lower_bound is not None:
-        if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
-            _refuse(f"lower_bound must be a negative float or None; got {lower_bound!r}")
-        if not (math.isfinite(lower_bound) and lower_bound < 0):
-            _refuse(f"lower_bound must be a finite float < 0; got {lower_bound!r}")
+        lower_bound = check_lower_bound(lower_bound, " or None")
     safe_gate = bool(kw.get("safe_gate", False))
+    law = kw.get("gate")
+    if law is not None:  # kda's own keyword: a gate law by name (validated with the call's options)
+        if not kw.get("use_gate_in_kernel", False):
+            _refuse(f"gate={law!r} needs use_gate_in_kernel=True (the gate law is applied in the kernel)")
+        return {"gate": law} if lower_bound is None else {"gate": law, "lower_bound": float(lower_bound)}
     if not kw.get("use_gate_in_kernel", False):
         given = [n for n, has in (("A_log", has_A_log), ("dt_bias", has_dt_bias)) if has]
         if given:
@@ -403,7 +302,7 @@ def _check_shapes(q: tuple[int, ...], v: tuple[int, ...], cu_seqlens: bool) -> t
 TRANSLATED = (
     "scale", "chunk_size", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
     "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "safe_gate", "lower_bound", "state_v_first",
-    "return_intermediate_states",
+    "return_intermediate_states", "gate",
 )  # fmt: skip
 
 
@@ -472,14 +371,15 @@ def _translate(
     _check_unsupported(function, kw)
     HV, K = _check_shapes(q_shape, v_shape, has_cu_seqlens)
     gate = _gate(kw, has_A_log, has_dt_bias)
-    static = OpOptions(
+    static = CallSpec(
         method="chunk" if function == "chunk_kda" else "recurrent",
         scale=check_scale(kw.get("scale"), K),
         chunk_size=check_chunk_size(kw.get("chunk_size", 64)),
+        layout="time_major",
         qk_l2norm=bool(kw.get("use_qk_l2norm_in_kernel", False)),
         gate=gate["gate"],
         lower_bound=gate.get("lower_bound"),
-        beta_activation=_beta(kw) or "",
+        beta_activation=_beta(kw),
     )
     return FlaCall(
         static=static,
@@ -491,18 +391,21 @@ def _translate(
 
 
 def check_gate_sizes(A_log: Any, dt_bias: Any, call: FlaCall) -> None:
-    """fla reads ``A_log`` and ``dt_bias`` by element count: ``HV`` and ``HV * K`` elements of any
-    shape (fla's tests pass ``A_log`` as ``[1, 1, HV, 1]``). :class:`~kda.InvalidInputError`
-    naming the argument otherwise. ``A_log``, ``dt_bias``: anything with a ``shape``, or None."""
+    """fla reads the gate parameters by element count: ``A_log`` ``HV`` and ``dt_bias`` ``HV * K``
+    elements of any shape (fla's tests pass ``A_log`` as ``[1, 1, HV, 1]``; each parameter's
+    count is that of its shape in :data:`~kda._options.gates.PARAMETERS`).
+    :class:`~kda.InvalidInputError` naming the argument otherwise. Each: anything with a
+    ``shape``, or None."""
     HV, K = call.dt_bias_shape
-    for name, x, want, what in (
-        ("A_log", A_log, HV, "HV"),
-        ("dt_bias", dt_bias, HV * K, f"HV * K = {HV} * {K}"),
-    ):
+    sizes = {"HV": HV, "K": K}
+    for param, x in zip(PARAMETERS, (A_log, dt_bias), strict=True):
         if x is None:
             continue
+        want = math.prod(param.shape(HV, K))
         n = math.prod(x.shape)
         if n != want:
-            _refuse(
-                f"{name} must have {what} = {want} elements (any shape, as fla); got shape {tuple(x.shape)}"
-            )
+            what = " * ".join(param.dims)
+            if len(param.dims) > 1:
+                what += " = " + " * ".join(str(sizes[d]) for d in param.dims)
+            got = tuple(x.shape)
+            _refuse(f"{param.name} must have {what} = {want} elements (any shape, as fla); got shape {got}")

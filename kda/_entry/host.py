@@ -27,20 +27,16 @@ from typing import Any, NamedTuple
 
 import array_api_compat
 
-from .._backend import get_backend
-from .._engine.core import ChunkCore, RecurrentCore
 from .._errors import InvalidInputError
-from .._options.maps import Options
-from .._options.validation import Problem
-from . import api as _api
+from .._options.gates import PARAMETER_NAMES
+from .._options.spec import CallSpec
 from . import decode as _decode
-from .call import Call, Inputs, KdaGradients
+from .call import Call, Inputs, KdaGradients, bind_call, build_call
 from .fla import (
     FlaCall,
     OpOptions,
     boundary_bound,
     check_gate_sizes,
-    choices,
     packed_chunks,
     translate,
 )
@@ -51,11 +47,10 @@ __all__ = [
     "validated_call",
 ]  # fmt: skip
 
-# the bodies of kda.chunk_kda, kda.decode_kda and the decode kernel's recurrent forward, which
-# take the options as one Choices
-_CHUNK = _api.chunk_kda.__wrapped__
-_DECODE_STATES = _decode.decode_states.__wrapped__
-_DECODE = _decode.decode_kda.__wrapped__
+# the bodies of kda.decode_kda and of the decode kernel's recurrent forward, which take the
+# options as one Choices
+_DECODE_STATES = _decode._decode_states
+_DECODE = _decode._decode_kda
 
 
 class Route(NamedTuple):
@@ -118,24 +113,25 @@ def forward(
 ) -> tuple[Any, Any, Any]:
     """``(output [B, T, HV, V], final_state [N, HV, K, V], boundaries)`` of one fla-style call.
 
-    The body of :func:`kda.chunk_kda` (or :func:`kda.recurrent_kda`) with the options as the
-    table's :class:`~kda._options.table.Choices`: the inputs and options are validated here,
-    once. ``boundaries``: ``[NT, B, HV, K, V]`` (:func:`shapes`; rows past the packed chunks
-    are zeros) for ``chunk_kda``, an empty ``[0]`` array for the recurrence. Arrays in the
-    inputs' namespace. ``v_first`` (the recurrence only): the initial and final states are
-    V-major, ``[N, HV, V, K]``, read and written so by the decode kernel.
+    The call is built by the validating door (:func:`~kda._entry.call.build_call`) from the
+    call's :class:`~kda._options.spec.CallSpec` and run as :func:`kda.chunk_kda` runs it (the
+    recurrence: the decode kernel's, :func:`~kda._entry.decode.decode_states`): the inputs and
+    options are validated here, once. ``boundaries``: ``[NT, B, HV, K, V]`` (:func:`shapes`;
+    rows past the packed chunks are zeros) for ``chunk_kda``, an empty ``[0]`` array for the
+    recurrence. Arrays in the inputs' namespace. ``v_first`` (the recurrence only): the initial
+    and final states are V-major, ``[N, HV, V, K]``, read and written so by the decode kernel.
     """
     static = OpOptions.of(static)
-    opts = _call_options(static, x, offsets)
     if static.method != "chunk":  # the recurrence's forward is the decode kernel's (no states kept)
+        opts = _call_options(static, x, offsets)
         out = _DECODE_STATES(
             *x.steps, x.initial_state, state_v_first=v_first, scale=static.scale, backend=None, opts=opts
         )
         return out.output, out.final_state, out.final_state.reshape(-1)[:0]  # no boundaries: [0]
-    out = _CHUNK(
-        *x.steps, scale=static.scale, initial_state=x.initial_state, chunk_size=static.chunk_size,
-        save_boundaries=True, backend=None, opts=opts,
-    )  # fmt: skip
+    call = build_call(spec_of(static), x, cu_seqlens=offsets, defer_gate=True)
+    state = call.state_or_zeros("initial_state", x.initial_state)
+    finite = dict(q=x.q, k=x.k, v=x.v, g=x.g, beta=x.beta, initial_state=x.initial_state)
+    out = call.forward(x, state, True, check_inputs=finite)
     NT = boundary_bound(x.q.shape[1], static.chunk_size, None if offsets is None else len(offsets) - 1)
     return out.output, out.final_state, _pad(out.boundaries, NT)
 
@@ -143,14 +139,21 @@ def forward(
 def _call_options(static: OpOptions, x: Inputs, offsets: tuple[int, ...] | None) -> Any:
     """The table's :class:`~kda._options.table.Choices` of a call: made once per ``static`` for
     a call with no gate arrays and no offsets (immutable), else from the arrays."""
-    if x.A_log is None and x.dt_bias is None and offsets is None:
+    params = {name: getattr(x, name) for name in PARAMETER_NAMES}
+    if offsets is None and all(p is None for p in params.values()):
         return _plain_choices(static)
-    return choices(static, x.A_log, x.dt_bias, offsets)
+    return spec_of(static).choices(params, offsets)
 
 
 @functools.lru_cache(maxsize=256)
 def _plain_choices(static: OpOptions) -> Any:
-    return choices(static)
+    return spec_of(static).choices()
+
+
+def spec_of(static: tuple[Any, ...]) -> CallSpec:
+    """The :class:`~kda._options.spec.CallSpec` of an fla-style call: its static options
+    (:class:`~kda._entry.fla.OpOptions` is the spec), or the plain tuple an op received."""
+    return CallSpec.of(static)
 
 
 def decode(
@@ -242,25 +245,6 @@ def backward(
 
 def validated_call(static: OpOptions, x: Inputs, offsets: tuple[int, ...] | None) -> Call:
     """The :class:`~kda._entry.call.Call` that :func:`forward` validated, rebuilt without checks
-    from the same static options and arrays (compute dtype, time-major, ``A_log [HV]``,
-    ``dt_bias [HV, K]``): the problem's sizes, the options and the core."""
-    static = OpOptions.of(static)
-    q, v = x.q, x.v
-    xp = array_api_compat.array_namespace(q)
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    scale = static.scale
-    problem = Problem(
-        xp=xp, B=B, H=H, HV=HV, T=T, K=K, V=V, dtype=q.dtype, compute_dtype=q.dtype, scale=scale,
-        layout="time_major", offsets=offsets,
-    )  # fmt: skip
-    options = Options(
-        qk_l2norm=static.qk_l2norm, gate=static.gate, A_log=x.A_log, dt_bias=x.dt_bias,
-        lower_bound=static.lower_bound, beta_activation=static.beta_activation or None,
-    )  # fmt: skip
-    ops = get_backend(xp, None)
-    if static.method == "chunk":
-        core = ChunkCore(ops=ops, scale=scale, chunk_size=static.chunk_size)
-    else:
-        core = RecurrentCore(ops=ops, scale=scale)
-    return Call(p=problem, options=options, core=core, check=True)
+    (:func:`~kda._entry.call.bind_call`, the builder's non-validating door) from the same static
+    options and arrays (compute dtype, time-major, ``A_log [HV]``, ``dt_bias [HV, K]``)."""
+    return bind_call(spec_of(OpOptions.of(static)), x, offsets)

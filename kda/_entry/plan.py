@@ -34,9 +34,10 @@ from typing import Any
 import array_api_compat
 
 from .._errors import InvalidInputError, InvalidTypeError
+from .._options.gates import PARAMETER_NAMES, PARAMETERS
 from .._options.maps import Options, head_first
 from .._options.table import Array, Choices, takes_options
-from .._options.validation import STATE_DTYPE_RULE, Problem, c_contiguous, check_array
+from .._options.validation import STATE_DTYPE_RULE, Problem, c_contiguous, check_array, recheck_gate
 from .call import Call, Inputs, KdaGradients, KdaOutput, open_call
 
 __all__ = ["BackwardPlan", "ForwardPlan", "prepare_chunk_kda", "prepare_chunk_kda_backward"]
@@ -81,11 +82,6 @@ class _Buffers:
         return self.get(name, given, shape, letters, self.p.compute_dtype, STATE_DTYPE_RULE)
 
 
-def _is_plain(p: Problem, o: Options) -> bool:
-    """No element-wise map between the bound arrays and the core: runs write in place."""
-    return o.is_identity and p.offsets is None and p.H == p.HV and p.dtype == p.compute_dtype
-
-
 @dataclass
 class _Runner:
     """What both plans share: the call (the core with its options), the bound arrays and the
@@ -104,12 +100,7 @@ class _Runner:
 
     def recheck_gate(self) -> None:
         """``max(g) <= 0`` on host arrays with a log gate (see the module notes)."""
-        g = self.inputs.g
-        if self.call.options.gate != "log" or array_api_compat.is_cupy_namespace(self.xp) or g.size == 0:
-            return
-        if not bool(self.xp.max(g) <= 0):
-            msg = "g must hold log decays <= 0 (-inf allowed); the refilled g has a positive or NaN element"
-            raise InvalidInputError(msg)
+        recheck_gate(self.call.options, self.xp, self.inputs.g)
 
     def run(self, compute) -> None:
         """``compute()`` eagerly, or by replaying its CUDA graph (captured after the first run)."""
@@ -313,15 +304,14 @@ def prepare_chunk_kda_backward(
     finite = {"boundaries": boundaries, "grad_output": grad_output, "grad_final_state": grad_final_state}
     replace(call, check=opts.check_finite).check_inputs_finite(**finite)
     make = _Buffers(p, array_api_compat.device(q))
-    grads = _gradient_buffers(p, o, make, out, (q, k, v, g, beta, state, opts.A_log, opts.dt_bias))
+    like = Inputs.of(q, k, v, g, beta, opts, initial_state=state)
+    grads = _gradient_buffers(p, o, make, out, like)
     bound = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state, **finite}
     _check_bindings({**bound, **{f"out.{n}": x for n, x in zip(KdaGradients._fields, grads)}})
     workspace = None
-    if boundaries is None and _is_plain(p, o):  # recomputed boundaries, written in place
+    if boundaries is None and call.plain(packed=False):  # recomputed boundaries, written in place
         workspace = make.state("boundaries workspace", None, call.boundaries_shape(), "NT, B, HV, K, V")
-    runner = _Runner(
-        call=call, inputs=Inputs(q, k, v, g, beta, A_log=opts.A_log, dt_bias=opts.dt_bias), state=state
-    )
+    runner = _Runner(call=call, inputs=Inputs.of(q, k, v, g, beta, opts), state=state)
     return BackwardPlan(runner, grads, (boundaries, grad_output, dfinal), workspace)
 
 
@@ -333,8 +323,7 @@ def _gradient_letters(p: Problem) -> dict[str, str]:
         "g": p.letters("HV", "K"),
         "beta": p.letters("HV"),
         "initial_state": ("B" if p.offsets is None else "N") + ", HV, K, V",
-        "A_log": "HV",
-        "dt_bias": "HV, K",
+        **{param.name: param.letters for param in PARAMETERS},
     }
 
 
@@ -345,9 +334,10 @@ def _gradient_buffers(p: Problem, o: Options, make: _Buffers, out: Any, like: tu
         raise InvalidTypeError(msg)
     given = KdaGradients(*(None,) * 8) if out is None else out
     letters = _gradient_letters(p)
+    taken = {param.name for param in o.law.params}  # the gate law's parameters have gradients
     bufs = []
     for name, buf, x in zip(KdaGradients._fields, given, like, strict=True):
-        if x is None or (name in ("A_log", "dt_bias") and o.gate == "log"):
+        if x is None or (name in PARAMETER_NAMES and name not in taken):
             bufs.append(None)
             continue
         if name == "initial_state":

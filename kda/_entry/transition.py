@@ -14,6 +14,7 @@ from a zero start with ``grad_final_state = 0``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import array_api_compat
@@ -79,7 +80,7 @@ def chunk_kda_transition(
     """
     call = open_call(q, k, v, g, beta, scale, opts, backend=backend, chunk_size=chunk_size)
     call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta)
-    return transition_map(call, Inputs(q, k, v, g, beta, A_log=opts.A_log, dt_bias=opts.dt_bias))
+    return transition_map(call, Inputs.of(q, k, v, g, beta, opts))
 
 
 def transition_map(call: Call, x: Inputs) -> KdaTransition:
@@ -93,10 +94,9 @@ def transition_map(call: Call, x: Inputs) -> KdaTransition:
         return KdaTransition(out.final_state[..., : p.K], out.final_state[..., p.K :])
     c = call.core_inputs(x)
     wide_v, start = _widened(xp, c.v, p.N, p.HV, p.K, p.compute_dtype)
-    c.v = wide_v
-    end = call.end_state(c, start)
+    end = call.end_state(dataclasses.replace(c, v=wide_v), start)
     if call.check:
-        warn_if_diverged(xp, end, stacklevel=4)
+        warn_if_diverged(xp, end)
     return KdaTransition(end[..., : p.K], end[..., p.K :])
 
 
@@ -145,7 +145,7 @@ def chunk_kda_transition_backward(
     call = open_call(q, k, v, g, beta, scale, opts, backend=backend, chunk_size=chunk_size)
     do = call.grad_output(grad_output)
     call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta, grad_output=grad_output)
-    return transition_gradient(call, Inputs(q, k, v, g, beta, A_log=opts.A_log, dt_bias=opts.dt_bias), do)
+    return transition_gradient(call, Inputs.of(q, k, v, g, beta, opts), do)
 
 
 def transition_gradient(call: Call, x: Inputs, do: Any) -> Any:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import sys
 import warnings
 from typing import Any
 
@@ -20,6 +22,7 @@ __all__ = [
     "check_finite",
     "floating_point_quiet",
     "is_real_floating",
+    "warn_at_caller",
     "warn_if_diverged",
 ]
 
@@ -119,13 +122,37 @@ def _all_finite(xp: Any, x: Any) -> bool:
         return bool(xp.all(xp.isfinite(x)))
 
 
-def warn_if_diverged(xp: Any, *results: Any, stacklevel: int = 3) -> bool:
+# the kda package's directory: a frame whose file lies under it is kda's own. Functions that kda
+# generates (entry points, fla-style signatures, the plain-call test) have "<kda ...>" file names.
+_KDA_PREFIX = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_GENERATED_PREFIX = "<kda "
+
+
+def _is_kda_file(filename: str) -> bool:
+    return filename.startswith(_KDA_PREFIX) or filename.startswith(_GENERATED_PREFIX)
+
+
+def warn_at_caller(message: str, category: type[Warning]) -> None:
+    """:func:`warnings.warn` attributed to the first frame outside the kda package: the line that
+    called kda, whichever path (public function, plan, adapter, Dask task) led here.
+
+    The stack level is counted by walking the frames, not fixed: the same warning reached through
+    a public function and through an adapter has kda frames of different depths above it.
+    """
+    frame = sys._getframe(1)  # warnings.warn's stacklevel 2
+    level = 2
+    while frame is not None and _is_kda_file(frame.f_code.co_filename):
+        frame = frame.f_back
+        level += 1
+    warnings.warn(message, category, stacklevel=level)
+
+
+def warn_if_diverged(xp: Any, *results: Any) -> bool:
     """Emit one :class:`~kda.KdaWarning` if any of ``results`` holds a NaN or an infinity.
 
     Called on the outputs (and states) of a call whose inputs were finite: a non-finite result
-    then means the recurrence diverged. ``None`` entries are skipped. ``stacklevel`` as for
-    :func:`warnings.warn`, counted from this function (3: the caller of the public function
-    that calls this). Returns whether it warned.
+    then means the recurrence diverged. ``None`` entries are skipped. The warning names the
+    caller's line (:func:`warn_at_caller`). Returns whether it warned.
     """
     shapes = [tuple(x.shape) for x in results if x is not None and not _all_finite(xp, x)]
     if not shapes:
@@ -134,5 +161,5 @@ def warn_if_diverged(xp: Any, *results: Any, stacklevel: int = 3) -> bool:
         f"kda: finite inputs gave non-finite results (arrays of shape {', '.join(map(str, shapes))}): "
         f"{STABILITY}."
     )
-    warnings.warn(msg, KdaWarning, stacklevel=stacklevel)
+    warn_at_caller(msg, KdaWarning)
     return True

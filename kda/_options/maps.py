@@ -6,14 +6,9 @@ backend (and the recurrence, the oracle) gets every option without new kernels:
 - ``qk_l2norm``: ``x / sqrt(sum(x**2, over K) + 1e-6)`` per step and head, for q and k.
 - grouped value heads: q/k head ``h`` serves value heads ``h * G .. h * G + G - 1``,
   ``G = HV // H``; their gradients are summed over each group.
-- ``gate``: the log decay that the core consumes, from the raw gate ``g``
-  (``"softplus"``: ``-exp(A_log) * softplus(g + dt_bias)``;
-  ``"lower_bound"``: ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``).
+- ``gate``: the log decay that the core consumes, from the gate ``g``, by the call's gate law
+  (:mod:`kda._options.gates`: its :meth:`~kda._options.gates.GateLaw.log_decay` and backward).
 - ``beta_activation``: ``sigmoid(beta)`` or ``2 * sigmoid(beta)``.
-
-softplus and sigmoid are written with ``exp(-|x|)`` only, so they neither overflow nor switch
-formula at a threshold: ``softplus(x) = max(x, 0) + log1p(exp(-|x|))`` equals ``log1p(exp(x))``
-to rounding for every finite ``x``. No gate produces a positive log decay.
 """
 
 from __future__ import annotations
@@ -21,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from . import gates
+from .gates import sigmoid as _sigmoid
 from .table import plain_predicate
 
 __all__ = [
@@ -53,6 +50,15 @@ class Options:
     beta_activation: str | None = None
 
     @property
+    def law(self) -> gates.GateLaw:
+        """The gate law (:mod:`kda._options.gates`)."""
+        return gates.law(self.gate)
+
+    def gate_params(self) -> dict[str, Any]:
+        """Every gate parameter (:data:`~kda._options.gates.PARAMETERS`) by name, None where not given."""
+        return {p.name: getattr(self, p.name) for p in gates.PARAMETERS}
+
+    @property
     def is_identity(self) -> bool:
         """No element-wise map at all: the core's inputs are the raw inputs (every option held here
         at a plain value of the table, :func:`kda._options.table.is_plain`)."""
@@ -73,30 +79,10 @@ def head_first(xp: Any, x: Any, layout: str) -> Any:
     return xp.permute_dims(x, (0, 2, 1, *range(3, x.ndim)))
 
 
-def _sigmoid(xp: Any, x: Any) -> Any:
-    """``1 / (1 + exp(-x))`` without overflow for any ``x``."""
-    z = xp.exp(-xp.abs(x))
-    return xp.where(x >= 0, 1 / (1 + z), z / (1 + z))
-
-
-def _softplus(xp: Any, x: Any) -> Any:
-    """``log1p(exp(x))`` without overflow for any ``x``."""
-    return xp.maximum(x, xp.zeros_like(x)) + xp.log1p(xp.exp(-xp.abs(x)))
-
-
-def _head_param(x: Any) -> Any:
-    """``[HV]`` -> ``[1, HV, 1, 1]`` (broadcasts over ``[B, HV, T, K]``)."""
-    return x[None, :, None, None]
-
-
-def _gate_argument(xp: Any, g: Any, o: Options) -> Any:
-    """``g + dt_bias`` (broadcast over batch and steps)."""
-    return g if o.dt_bias is None else g + o.dt_bias[None, :, None, :]
-
-
-@dataclass
+@dataclass(frozen=True)
 class CoreInputs:
-    """Inputs of the core (head-first, compute dtype, ``HV`` heads) and what the chain rule needs."""
+    """Inputs of the core (head-first, compute dtype, ``HV`` heads) and what the chain rule needs
+    (frozen: a changed input is a new record, ``dataclasses.replace``)."""
 
     q: Any
     k: Any
@@ -107,7 +93,7 @@ class CoreInputs:
     k_unit: Any = None
     q_norm: Any = None
     k_norm: Any = None
-    gate_arg: Any = None  # g + dt_bias (raw gates)
+    gate_saved: Any = None  # what the gate law's backward needs (g + dt_bias for the built-in raw gates)
     beta_sig: Any = None  # sigmoid(raw beta) (beta activations)
 
 
@@ -139,37 +125,10 @@ def sum_heads(xp: Any, dx: Any, H: int) -> Any:
     return xp.sum(xp.reshape(dx, (B, H, HV // H, *dx.shape[2:])), axis=2)
 
 
-def _log_decay(xp: Any, g: Any, o: Options) -> tuple[Any, Any]:
-    """The log decay (``<= 0``) from the raw gate, and the gate's argument ``g + dt_bias``."""
-    if o.gate == "log":
-        return g, None
-    x = _gate_argument(xp, g, o)
-    if o.gate == "softplus":
-        return -xp.exp(_head_param(o.A_log)) * _softplus(xp, x), x
-    scaled = x if o.A_log is None else xp.exp(_head_param(o.A_log)) * x
-    return o.lower_bound * _sigmoid(xp, scaled), x
-
-
-def gate_backward(xp: Any, dlog: Any, c: CoreInputs, o: Options) -> tuple[Any, Any, Any]:
-    """Gradients of the raw ``g``, ``A_log`` and ``dt_bias`` from that of the log decay.
-
-    Returns ``(dg, dA_log, ddt_bias)``; the last two are None where the option is unused.
-    """
-    if o.gate == "log":
-        return dlog, None, None
-    x = c.gate_arg
-    if o.gate == "softplus":
-        a = xp.exp(_head_param(o.A_log))
-        dx = -a * _sigmoid(xp, x) * dlog
-        dA = xp.sum(dlog * c.g, axis=(0, 2, 3))  # d(-a softplus)/dA_log = the log decay itself
-    else:
-        a = 1.0 if o.A_log is None else xp.exp(_head_param(o.A_log))
-        s = _sigmoid(xp, a * x)
-        ds = o.lower_bound * s * (1 - s) * dlog  # gradient of the sigmoid's argument
-        dx = a * ds
-        dA = None if o.A_log is None else xp.sum(ds * a * x, axis=(0, 2, 3))
-    ddt = None if o.dt_bias is None else xp.sum(dx, axis=(0, 2))
-    return dx, dA, ddt
+def gate_backward(xp: Any, dlog: Any, c: CoreInputs, o: Options) -> tuple[Any, dict[str, Any]]:
+    """The gradient of the raw ``g`` and of the gate's parameters (by name, None where unused)
+    from that of the log decay: the gate law's backward."""
+    return o.law.backward(xp, dlog, c.g, c.gate_saved, o.gate_params(), o.lower_bound)
 
 
 def _activate_beta(xp: Any, beta: Any, o: Options) -> tuple[Any, Any]:
@@ -190,15 +149,17 @@ def beta_backward(xp: Any, dbeta: Any, c: CoreInputs, o: Options) -> Any:
 
 def prepare_core_inputs(xp: Any, q, k, v, g, beta, o: Options, HV: int) -> CoreInputs:
     """Apply the options to head-first inputs of the compute dtype: the core's inputs."""
-    c = CoreInputs(q, k, v, g, beta)
+    q_unit = k_unit = q_norm = k_norm = None
     if o.qk_l2norm:
-        c.q_unit, c.q_norm = _l2norm(xp, q)
-        c.k_unit, c.k_norm = _l2norm(xp, k)
-        q, k = c.q_unit, c.k_unit
-    c.q, c.k = expand_heads(xp, q, HV), expand_heads(xp, k, HV)
-    c.g, c.gate_arg = _log_decay(xp, g, o)
-    c.beta, c.beta_sig = _activate_beta(xp, beta, o)
-    return c
+        q_unit, q_norm = _l2norm(xp, q)
+        k_unit, k_norm = _l2norm(xp, k)
+        q, k = q_unit, k_unit
+    log_decay, gate_saved = o.law.log_decay(xp, g, o.gate_params(), o.lower_bound)
+    activated, beta_sig = _activate_beta(xp, beta, o)
+    return CoreInputs(
+        q=expand_heads(xp, q, HV), k=expand_heads(xp, k, HV), v=v, g=log_decay, beta=activated,
+        q_unit=q_unit, k_unit=k_unit, q_norm=q_norm, k_norm=k_norm, gate_saved=gate_saved, beta_sig=beta_sig,
+    )  # fmt: skip
 
 
 def qk_backward(xp: Any, dq: Any, dk: Any, c: CoreInputs, o: Options, H: int) -> tuple[Any, Any]:

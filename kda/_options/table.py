@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any
 
+from . import gates
+
 __all__ = [
     "ANY", "OPTIONS", "Array", "Choices", "Option", "is_plain", "option_names", "options_doc",
     "plain_predicate", "takes_options",
@@ -31,7 +33,7 @@ __all__ = [
 Array = Any  # an array of the caller's array-API namespace (in signatures)
 
 LAYOUTS = ("head_first", "time_major")
-GATES = ("log", "softplus", "lower_bound")
+GATES = gates.BUILT_IN  # the built-in gate laws' names (the option's choices: every registered law)
 BETA_ACTIVATIONS = (None, "sigmoid", "sigmoid2")
 
 
@@ -74,10 +76,9 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "gate", "log", "str",
-        """The log decay: ``g`` itself; ``-exp(A_log[h]) * softplus(g + dt_bias[h])``; or
-        ``lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias[h]))`` (factor 1 when ``A_log``
-        is None).""",
-        GATES, plain=("log",),
+        "The gate law (:mod:`kda._options.gates`), the log decay from ``g``: "
+        + "; ".join(f'``"{law.name}"``: {law.doc}' for law in gates.LAWS.values()) + ".",
+        gates.LAWS, plain=("log",),
     ),
     Option(
         "A_log", None, "Any",
@@ -192,18 +193,22 @@ def _public_signature(impl: Callable, exclude: tuple[str, ...]) -> inspect.Signa
     return sig.replace(parameters=own + added)
 
 
-def takes_options(exclude: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
+def takes_options(exclude: tuple[str, ...] = (), name: str | None = None) -> Callable[[Callable], Callable]:
     """Make ``impl(..., opts)`` an entry point that takes the table's options as keywords.
 
     ``impl``'s last parameter is ``opts`` (a :class:`Choices`); the entry point's signature is
     ``impl``'s own parameters followed by the options (keyword-only), ``exclude`` left out (they
     keep their defaults). ``{options}`` in ``impl``'s docstring becomes the options' entries.
+    ``name``: the entry point's name where ``impl`` keeps its own (a body that other layers call
+    with a :class:`Choices` directly, ``entry = takes_options(name="entry")(_body)``).
     """
 
     def wrap(impl: Callable) -> Callable:
         signature = _public_signature(impl, exclude)
-        entry = _generated_entry(impl, signature, option_names(exclude))
+        entry = _generated_entry(impl, signature, option_names(exclude), name or impl.__name__)
         functools.update_wrapper(entry, impl)
+        if name is not None:
+            entry.__name__ = entry.__qualname__ = name
         entry.__signature__ = signature  # type: ignore[attr-defined]
         entry.__doc__ = (impl.__doc__ or "").replace("{options}", options_doc(exclude))
         return entry
@@ -211,7 +216,9 @@ def takes_options(exclude: tuple[str, ...] = ()) -> Callable[[Callable], Callabl
     return wrap
 
 
-def _generated_entry(impl: Callable, signature: inspect.Signature, names: tuple[str, ...]) -> Callable:
+def _generated_entry(
+    impl: Callable, signature: inspect.Signature, names: tuple[str, ...], public: str
+) -> Callable:
     """A plain function with ``signature`` that calls ``impl(..., opts=Choices(<options>))``.
 
     Generated as Python source (the parameters, their defaults by reference) rather than binding
@@ -233,9 +240,9 @@ def _generated_entry(impl: Callable, signature: inspect.Signature, names: tuple[
             forwarded.append(f"{p.name}={p.name}")
     chosen = ", ".join(f"{n}={n}" for n in names)
     source = (
-        f"def {impl.__name__}({', '.join(params)}):\n"
+        f"def {public}({', '.join(params)}):\n"
         f"    return _impl({', '.join(forwarded)}, opts=_Choices({chosen}))\n"
     )
     namespace = {"_impl": impl, "_Choices": Choices, **defaults}
-    exec(compile(source, f"<kda entry point {impl.__name__}>", "exec"), namespace)
-    return namespace[impl.__name__]
+    exec(compile(source, f"<kda entry point {public}>", "exec"), namespace)
+    return namespace[public]

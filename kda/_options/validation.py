@@ -1,25 +1,46 @@
-"""Checks of user input, shared by every public function.
+"""Validation of a call: the problem (sizes, dtypes, namespace) and the model-level options.
 
-Each check names the argument, what was expected and what was given, and raises
-:class:`~kda.InvalidInputError` (a ``ValueError``) for shapes and values or
-:class:`~kda.InvalidTypeError` (a ``TypeError``) for dtypes and array types.
+The checks of single arguments are :mod:`kda._options.arguments`'; this module combines them
+into a :class:`Problem` and validated :class:`~kda._options.maps.Options`. Each check names the
+argument, what was expected and what was given, and raises :class:`~kda.InvalidInputError` (a
+``ValueError``) for shapes and values or :class:`~kda.InvalidTypeError` (a ``TypeError``) for
+dtypes and array types.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass, replace
 from typing import Any
 
 import array_api_compat
 
 from .._errors import InvalidInputError, InvalidTypeError
+from . import gates
+from .arguments import (
+    STATE_DTYPE_RULE,
+    _shape,
+    c_contiguous,
+    check_array,
+    check_choice,
+    check_chunk_size,
+    check_cu_seqlens,
+    check_dtype,
+    check_log_decay,
+    check_scale,
+    check_shape,
+    dtype_name,
+    namespace_of,
+)
 from .checks import is_real_floating
+from .gates import GateParam
 from .maps import Options
 from .table import OPTIONS, Choices
 
-__all__ = ["Problem", "c_contiguous", "check_options_call", "validate_options", "validate_problem"]
+__all__ = [
+    "STATE_DTYPE_RULE", "Problem", "c_contiguous", "check_array", "check_chunk_size", "check_options_call",
+    "check_scale", "check_state", "namespace_of", "validate_options", "validate_problem",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -63,92 +84,14 @@ class Problem:
         return tuple(dims + ([] if last is None else [last]))
 
 
-def _shape(x: Any) -> tuple[int, ...]:
-    return tuple(int(n) for n in x.shape)
-
-
-def namespace_of(names: list[str], arrays: list[Any]) -> Any:
-    """Return the one array namespace that all ``arrays`` share."""
-    for name, x in zip(names, arrays):
-        if not array_api_compat.is_array_api_obj(x):
-            msg = f"{name} must be an array of an array-API library; got {type(x).__name__}"
-            raise InvalidTypeError(msg)
-    try:
-        return array_api_compat.array_namespace(*arrays)
-    except TypeError as err:
-        kinds = ", ".join(f"{n}: {type(x).__module__}.{type(x).__name__}" for n, x in zip(names, arrays))
-        msg = f"all arrays must come from one array library; got {kinds}"
-        raise InvalidTypeError(msg) from err
-
-
-def c_contiguous(x: Any) -> bool:
-    """Whether ``x`` is C-contiguous: NumPy's and CuPy's ``flags``, torch's ``is_contiguous()``;
-    True for a namespace without strides to ask about (JAX)."""
-    flags = getattr(x, "flags", None)
-    if flags is not None and hasattr(flags, "c_contiguous"):
-        return bool(flags.c_contiguous)
-    if hasattr(x, "is_contiguous"):  # torch
-        return bool(x.is_contiguous())
-    return True
-
-
-def check_shape(name: str, x: Any, expected: tuple[int, ...], letters: str) -> None:
-    """Raise unless ``x.shape == expected``; ``letters`` spells the dimensions, e.g. 'B, H, T, K'."""
-    if _shape(x) != tuple(expected):
-        msg = f"{name} must have shape [{letters}] = {tuple(expected)}; got {_shape(x)}"
-        raise InvalidInputError(msg)
-
-
-def dtype_name(dtype: Any) -> str:
-    """``float32`` for NumPy's scalar type, the library's own spelling otherwise."""
-    return getattr(dtype, "__name__", None) or str(dtype)
-
-
-def check_dtype(name: str, x: Any, expected: Any, why: str) -> None:
-    if x.dtype != expected:
-        msg = f"{name} must have dtype {dtype_name(expected)} ({why}); got {dtype_name(x.dtype)}"
-        raise InvalidTypeError(msg)
-
-
-def check_chunk_size(chunk_size: Any) -> int:
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
-        msg = f"chunk_size must be a positive int; got {chunk_size!r} of type {type(chunk_size).__name__}"
-        raise InvalidTypeError(msg)
-    if chunk_size < 1:
-        msg = f"chunk_size must be >= 1; got {chunk_size}"
-        raise InvalidInputError(msg)
-    return int(chunk_size)
-
-
-def check_scale(scale: Any, K: int) -> float:
-    if scale is None:
-        return K**-0.5
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        msg = f"scale must be a real number or None; got {scale!r} of type {type(scale).__name__}"
-        raise InvalidTypeError(msg)
-    if not math.isfinite(float(scale)):
-        msg = f"scale must be finite; got {scale!r}"
-        raise InvalidInputError(msg)
-    return float(scale)
-
-
-def check_log_decay(xp: Any, g: Any) -> None:
-    """``g`` is a log decay: every element must be <= 0 or -inf; NaN and positive values are refused.
-
-    One reduction on the common path: the maximum, through which NaN propagates (the array API
-    standard's ``max``), is ``<= 0`` exactly when every element is. This also rules out NaN and
-    ``+inf``, so a log gate needs no finiteness check of its own (:meth:`Call.check_finite`).
-    """
-    if math.prod(_shape(g)) == 0 or bool(xp.max(g) <= 0):
+def recheck_gate(options: Options, xp: Any, g: Any) -> None:
+    """A prepared call's refilled ``g``, re-checked with one reduction where its gate law takes
+    log decays, on host arrays: ``max(g) <= 0`` (NaN fails it too). A positive gate would
+    silently overflow ``exp`` otherwise."""
+    if not options.law.log_input or array_api_compat.is_cupy_namespace(xp) or math.prod(_shape(g)) == 0:
         return
-    bad = xp.logical_not(g <= 0)  # True for g > 0 and for NaN
-    if bool(xp.any(bad)):
-        n_nan = int(xp.sum(xp.astype(xp.isnan(g), xp.int64)))
-        n_pos = int(xp.sum(xp.astype(g > 0, xp.int64)))
-        msg = (
-            "g must hold log decays <= 0 (-inf allowed: a hard reset); "
-            f"got {n_pos} positive and {n_nan} NaN elements"
-        )
+    if not bool((g.max() if hasattr(g, "max") else xp.max(g)) <= 0):
+        msg = "g must hold log decays <= 0 (-inf allowed); the refilled g has a positive or NaN element"
         raise InvalidInputError(msg)
 
 
@@ -253,35 +196,6 @@ def raise_for_gates(p: Problem) -> None:
         p.gate_flags.raise_if_bad()
 
 
-def check_choice(name: str, value: Any, allowed: tuple[Any, ...]) -> Any:
-    """Raise unless ``value`` is one of ``allowed``."""
-    if not any(value is a or (isinstance(value, str) and value == a) for a in allowed):
-        msg = f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}"
-        raise InvalidInputError(msg)
-    return value
-
-
-def check_array(
-    name: str, x: Any, p: Problem, shape: tuple[int, ...], letters: str, dtype: Any, why: str
-) -> Any:
-    """Validate an extra array argument (state, boundaries, gradient) against the problem."""
-    if not array_api_compat.is_array_api_obj(x):
-        msg = f"{name} must be an array; got {type(x).__name__}"
-        raise InvalidTypeError(msg)
-    if array_api_compat.array_namespace(x) is not p.xp:
-        msg = (
-            f"{name} must come from the same array library as q ({p.xp.__name__}); "
-            f"got {type(x).__module__}.{type(x).__name__}"
-        )
-        raise InvalidTypeError(msg)
-    check_shape(name, x, shape, letters)
-    check_dtype(name, x, dtype, why)
-    return x
-
-
-STATE_DTYPE_RULE = "states are float64 for float64 inputs, float32 otherwise"
-
-
 def check_state(name: str, state: Any, p: Problem) -> Any:
     """Validate a ``[B, HV, K, V]`` state (``[N, HV, K, V]`` with ``cu_seqlens``); None means zeros."""
     if state is None:
@@ -291,91 +205,29 @@ def check_state(name: str, state: Any, p: Problem) -> Any:
     return check_array(name, state, p, shape, f"{rows}, HV, K, V", p.compute_dtype, STATE_DTYPE_RULE)
 
 
-def _check_param(name: str, x: Any, p: Problem, shape: tuple[int, ...], letters: str) -> Any:
-    """``A_log`` / ``dt_bias``: an array of q's library, real floating, of ``shape``; in the compute dtype."""
+def _check_param(param: GateParam, x: Any, p: Problem) -> Any:
+    """A gate parameter: an array of q's library, real floating, of its shape; in the compute dtype."""
+    name = param.name
     if not array_api_compat.is_array_api_obj(x) or array_api_compat.array_namespace(x) is not p.xp:
         msg = f"{name} must be an array of the same library as q ({p.xp.__name__}); got {type(x).__name__}"
         raise InvalidTypeError(msg)
-    check_shape(name, x, shape, letters)
+    check_shape(name, x, param.shape(p.HV, p.K), param.letters)
     if not is_real_floating(p.xp, x.dtype):
         msg = f"{name} must have a real floating dtype; got {dtype_name(x.dtype)}"
         raise InvalidTypeError(msg)
     return p.xp.astype(x, p.compute_dtype, copy=False)
 
 
-def _check_gate(p: Problem, gate: str, A_log: Any, dt_bias: Any, lower_bound: Any) -> tuple[Any, Any, Any]:
-    """The gate's parameters, validated; ``A_log``/``dt_bias`` in the compute dtype."""
-    if gate == "log":
-        given = [
-            n
-            for n, x in (("A_log", A_log), ("dt_bias", dt_bias), ("lower_bound", lower_bound))
-            if x is not None
-        ]
-        if given:
-            msg = f"{', '.join(given)} must be None with gate='log' (g is already the log decay); got a value"
-            raise InvalidInputError(msg)
-        return None, None, None
-    if gate == "softplus" and A_log is None:
-        msg = "A_log (shape [HV]) is required with gate='softplus'; got None"
-        raise InvalidInputError(msg)
-    if gate == "softplus" and lower_bound is not None:
-        msg = f"lower_bound must be None with gate='softplus' (use gate='lower_bound'); got {lower_bound!r}"
-        raise InvalidInputError(msg)
-    if gate == "lower_bound":
-        if isinstance(lower_bound, bool) or not isinstance(lower_bound, numbers.Real):
-            msg = f"lower_bound must be a float < 0 with gate='lower_bound'; got {lower_bound!r}"
-            raise InvalidTypeError(msg)
-        if not (math.isfinite(float(lower_bound)) and lower_bound < 0):
-            msg = f"lower_bound must be a finite float < 0; got {lower_bound!r}"
-            raise InvalidInputError(msg)
-        lower_bound = float(lower_bound)
-    if A_log is not None:
-        A_log = _check_param("A_log", A_log, p, (p.HV,), "HV")
-    if dt_bias is not None:
-        dt_bias = _check_param("dt_bias", dt_bias, p, (p.HV, p.K), "HV, K")
-    return A_log, dt_bias, lower_bound
-
-
-def _host_integers(name: str, x: Any) -> Any:
-    """A 1-D integer array (any array library, or a list of ints) as a NumPy array on the host."""
-    import numpy as np
-
-    if isinstance(x, (list, tuple)):
-        host = np.asarray(x)
-    elif array_api_compat.is_array_api_obj(x):
-        if array_api_compat.is_cupy_array(x):
-            x = x.get()
-        try:
-            host = np.asarray(x)
-        except (TypeError, RuntimeError):
-            host = np.from_dlpack(x)
-    else:
-        msg = f"{name} must be a 1-D integer array or None; got {type(x).__name__}"
-        raise InvalidTypeError(msg)
-    if host.ndim != 1 or not (np.issubdtype(host.dtype, np.integer) or host.size == 0):
-        msg = f"{name} must be a 1-D integer array; got shape {host.shape} and dtype {host.dtype}"
-        raise InvalidTypeError(msg)
-    return host.astype(np.int64)
-
-
-def check_cu_seqlens(cu_seqlens: Any, B: int, T: int) -> tuple[int, ...] | None:
-    """``N + 1`` non-decreasing offsets from 0 to ``T`` (with ``B == 1``), as host ints."""
-    if cu_seqlens is None:
-        return None
-    host = _host_integers("cu_seqlens", cu_seqlens)
-    if host.size < 1 or host[0] != 0 or host[-1] != T:
-        ends = f"first {host[0]}, last {host[-1]}" if host.size else "no elements"
-        msg = f"cu_seqlens must start at 0 and end at T={T}; got {ends}"
-        raise InvalidInputError(msg)
-    steps = host[1:] - host[:-1]
-    if (steps < 0).any():
-        i = int((steps < 0).argmax())
-        msg = f"cu_seqlens must be non-decreasing; got {host[i]} then {host[i + 1]} at index {i}"
-        raise InvalidInputError(msg)
-    if B != 1:
-        msg = f"cu_seqlens packs sequences into one row: the batch size B must be 1; got B={B}"
-        raise InvalidInputError(msg)
-    return tuple(int(n) for n in host)
+def _check_gate(p: Problem, opts: Choices) -> dict[str, Any]:
+    """The gate law's parameters (by name, in the compute dtype; None where not given) and its
+    ``lower_bound``, validated by the law (:meth:`~kda._options.gates.GateLaw.check`)."""
+    gate_law = gates.law(opts.gate)
+    given = {param.name: getattr(opts, param.name) for param in gates.PARAMETERS}
+    checked: dict[str, Any] = {"lower_bound": gate_law.check(given, opts.lower_bound)}
+    for param in gates.PARAMETERS:
+        x = given[param.name]
+        checked[param.name] = None if x is None else _check_param(param, x, p)
+    return checked
 
 
 def _check_choices(opts: Choices) -> None:
@@ -390,11 +242,10 @@ def validate_options(p: Problem, opts: Choices) -> tuple[Problem, Options]:
     if not isinstance(opts.qk_l2norm, bool):
         msg = f"qk_l2norm must be True or False; got {opts.qk_l2norm!r}"
         raise InvalidTypeError(msg)
-    A_log, dt_bias, lower_bound = _check_gate(p, opts.gate, opts.A_log, opts.dt_bias, opts.lower_bound)
+    gate = _check_gate(p, opts)
     offsets = check_cu_seqlens(opts.cu_seqlens, p.B, p.T)
     options = Options(
-        qk_l2norm=opts.qk_l2norm, gate=opts.gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-        beta_activation=opts.beta_activation,
+        qk_l2norm=opts.qk_l2norm, gate=opts.gate, beta_activation=opts.beta_activation, **gate
     )  # fmt: skip
     return replace(p, offsets=offsets), options
 
@@ -409,7 +260,7 @@ def check_options_call(
     ``scan=False``: no look at the values (``g <= 0``): a part of arrays a call checked already.
     """
     _check_choices(opts)
-    log_gate = opts.gate == "log" and scan
+    log_gate = gates.law(opts.gate).log_input and scan
     p = validate_problem(
         q, k, v, g, beta, scale, layout=opts.layout, log_gate=log_gate, gate_check=gate_check
     )

@@ -22,31 +22,39 @@ is writable (a read-only install) they are compiled per process instead.
 
 Threads: the kernels are serial Numba functions that release the GIL; a call splits its
 independent chunks or heads into one range per usable core (:func:`threads`, which honours
-``taskset``) and runs the ranges on a small thread pool of this module. Numba's own parallel
-layer is not used: its ``workqueue`` layer aborts on concurrent calls, and ``parallel=True``
-kernels took over a minute to compile. So concurrent calls from Python threads are safe, no
-Numba setting is read or changed, and since no sum crosses items the results do not depend on
-the number of threads, bitwise. BLAS (called from inside the kernels on every thread) is pinned
-to one thread for the duration of a call through the process-wide, reference-counted pin of
-:mod:`kda._threads` (restored by the last call to leave).
+``taskset``) and runs the ranges on the backend's one thread pool (:mod:`._pool`, which the
+decode kernel shares). Each kernel's outputs are a record of :mod:`._outputs`, passed
+positionally. Numba's own parallel layer is not used: its ``workqueue`` layer aborts on
+concurrent calls, and ``parallel=True`` kernels took over a minute to compile. So concurrent
+calls from Python threads are safe, no Numba setting is read or changed, and since no sum
+crosses items the results do not depend on the number of threads, bitwise. BLAS (called from
+inside the kernels on every thread) is pinned to one thread for the duration of a call through
+the process-wide, reference-counted pin of :mod:`kda._threads` (restored by the last call to
+leave).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
-import itertools
-import os
-import threading
 from typing import Any
 
 import numpy as np
 
-from .._backend import ChunkLocal, complete
+from .._backend import ChunkLocal, Gradients, LocalGradients, StateGradPass, StatePass, complete
 from .._threads import PIN
-from . import _fpenv
+from . import _fpenv, _pool
 from ._decode import decode_finite, decode_forward, decode_screen  # noqa: F401  (complete writes __all__)
+from ._outputs import (
+    BackwardHeadsOut,
+    ForwardHeadsOut,
+    LocalBackwardOut,
+    LocalForwardOut,
+    RecurrentBackwardOut,
+    RecurrentForwardOut,
+    StateGradPassOut,
+    StatePassOut,
+)
+from ._pool import threads
 
 NAME = "cpu"
 MAX_CHUNK = None  # any chunk length
@@ -62,6 +70,11 @@ SLAB_ELEMENTS = 1 << 21
 # smaller of the two for every call.
 RECURRENT_MAX_T = 64
 
+# the inputs whose finiteness the fused passes read off the chunks as they pass (the forward's
+# q, k, v; the backward's also grad_output and the boundaries), by the entry points' names; they
+# screen the gate's g <= 0 too
+FUSED_SCREENS = frozenset({"q", "k", "v", "boundaries", "grad_output"})
+
 # ranges per thread in a kernel call (load balance against other processes on the cores)
 SPLIT = 4
 # calls whose arrays hold fewer elements than this run on the calling thread: handing tiny work
@@ -69,49 +82,22 @@ SPLIT = 4
 # 110 us of lock hand-offs per call at B=1, H=4, K=V=64, T=1)
 INLINE_ELEMENTS = 1 << 16
 
-_LOCK = threading.Lock()
-_POOL: list[Any] = []  # the thread pool of the kernels (created on first use, reset after fork)
 
-
-def threads() -> int:
-    """How many threads a call splits its chunks or heads over: the cores this process may use."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
-
-
-def _pool(n: int) -> Any:
-    with _LOCK:
-        if not _POOL or _POOL[0]._max_workers < n:
-            from concurrent.futures import ThreadPoolExecutor
-
-            _POOL[:] = [ThreadPoolExecutor(max_workers=n, thread_name_prefix="kda-cpu")]
-        return _POOL[0]
-
-
-def _forget_pool() -> None:
-    _POOL.clear()  # a forked child has none of the parent's threads
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool)
-
-
-def _run(kernel: Any, items: int, *inputs: Any, blas: bool = True, **outputs: Any) -> None:
+def _run(kernel: Any, items: int, *inputs: Any, outputs: tuple, blas: bool = True) -> None:
     """``kernel(*inputs, *outputs, lo, hi)`` (a kernel of :mod:`._kernels`) over ``items``
     independent items, in ranges ``[lo, hi)`` run by one thread per core; ``outputs``: the
-    arrays it writes, named as the kernel names them (passed in its parameter order).
+    arrays it writes, a record of :mod:`._outputs` built by keyword whose fields are the kernel's
+    output parameters in their order (``tests/backends/test_cpu.py`` checks them), so the kernel
+    is called positionally.
 
     There are :data:`SPLIT` ranges per thread, taken in turn by whichever thread is free, so a
     core that other processes keep busy does not hold up the call. BLAS is pinned to one thread
     while the kernels run (``blas``): they call it from every thread. Every range runs with
     subnormals flushed to zero (:mod:`._fpenv`), on the pool's threads and the calling one alike.
     """
-    # the kernel called positionally (outputs in its own parameter order): a Numba dispatcher binds
-    # keyword arguments in Python, on every range of every call
-    inputs = (*inputs, *(outputs.pop(name) for name in _outputs(kernel, len(inputs))))
-    if outputs:
-        raise TypeError(f"{kernel.__name__} has no outputs {sorted(outputs)}")  # a misnamed output
+    # the kernel called positionally: a Numba dispatcher binds keyword arguments in Python, on
+    # every range of every call
+    inputs = (*inputs, *outputs)
     workers = min(items, threads())
     size = sum(int(getattr(a, "size", 0)) for a in inputs)
     if size < INLINE_ELEMENTS:
@@ -122,24 +108,7 @@ def _run(kernel: Any, items: int, *inputs: Any, blas: bool = True, **outputs: An
             return
         parts = min(items, workers * SPLIT)
         bounds = [items * i // parts for i in range(parts + 1)]
-        pool = _pool(workers)
-        run = _on_worker if blas else _fpenv.run
-        futures = [pool.submit(run, kernel, *inputs, a, b) for a, b in itertools.pairwise(bounds)]
-        for f in futures:
-            f.result()
-
-
-@functools.cache
-def _outputs(kernel: Any, n_inputs: int) -> tuple[str, ...]:
-    """The names of ``kernel``'s parameters after its first ``n_inputs``, but ``lo, hi`` (its last
-    two: the range): its outputs, in order."""
-    parameters = inspect.signature(getattr(kernel, "py_func", kernel)).parameters.values()
-    if any(p.kind is p.VAR_POSITIONAL for p in parameters):  # takes everything positionally
-        return ()
-    names = tuple(p.name for p in parameters)
-    if names[-2:] != ("lo", "hi"):
-        raise TypeError(f"{kernel.__name__}'s last parameters must be lo, hi; got {names[-2:]}")
-    return names[n_inputs:-2]
+        _pool.run_ranges(_on_worker if blas else _fpenv.run, kernel, inputs, bounds, threads=workers)
 
 
 def _on_worker(kernel: Any, *args: Any) -> None:
@@ -170,7 +139,7 @@ def _dtype(x: Any) -> np.dtype:
 # layout
 
 
-def to_chunks(x: Any, chunk_size: int, padded_size: int) -> np.ndarray:
+def to_chunks(x: Any, *, chunk_size: int, padded_size: int) -> np.ndarray:
     """``[B, H, T, D]`` -> C-contiguous ``[B, H, NT, Cp, D]``, zero-padded (one copy at most)."""
     B, H, T, D = x.shape
     C, Cp = chunk_size, padded_size
@@ -189,7 +158,7 @@ def to_chunks(x: Any, chunk_size: int, padded_size: int) -> np.ndarray:
 # forward
 
 
-def chunk_local(q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float) -> ChunkLocal:
+def chunk_local(q: Any, k: Any, v: Any, g: Any, beta: Any, *, scale: float) -> ChunkLocal:
     """Every chunk's state-free work (see :class:`~kda._backend.ChunkLocal`).
 
     ``q, k, g: [..., Cp, K]``, ``v: [..., Cp, V]``, ``beta: [..., Cp]``; ``private`` is None
@@ -207,8 +176,10 @@ def chunk_local(q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float) -> Chun
     A, L, Minv = (np.empty((N, Cp, Cp), dt) for _ in range(3))
     total, u0 = np.empty((N, K), dt), np.empty((N, Cp, V), dt)
     if N * Cp * K * V:
-        _run(local_forward, N, qc, kc, gc, vc, bc, _scale(scale, dt),
-             qg=qg, kg=kg, k_suffix=k_suffix, total=total, A=A, L=L, Minv=Minv, w=w, u0=u0)  # fmt: skip
+        outputs = LocalForwardOut(
+            qg=qg, kg=kg, k_suffix=k_suffix, total=total, A=A, L=L, Minv=Minv, w=w, u0=u0
+        )
+        _run(local_forward, N, qc, kc, gc, vc, bc, _scale(scale, dt), outputs=outputs)
     else:
         for x in (qg, kg, k_suffix, w, A, L, Minv, total, u0):
             x[...] = 0
@@ -218,7 +189,10 @@ def chunk_local(q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float) -> Chun
     def back(x: np.ndarray) -> np.ndarray:
         return x.reshape(*lead, *x.shape[1:])
 
-    return ChunkLocal(*(back(x) for x in (qg, kg, k_suffix, total, A, L, Minv, w, u0)), private=None)
+    return ChunkLocal(
+        qg=back(qg), kg=back(kg), k_suffix=back(k_suffix), total=back(total), A=back(A), L=back(L),
+        Minv=back(Minv), w=back(w), u0=back(u0), private=None,
+    )  # fmt: skip
 
 
 def _heads(x: Any, dt: Any) -> np.ndarray:
@@ -228,7 +202,7 @@ def _heads(x: Any, dt: Any) -> np.ndarray:
 
 def chunk_state_pass(
     w: Any, u0: Any, k_suffix: Any, total: Any, state: Any, qg: Any = None, A: Any = None
-) -> tuple[Any, Any, Any]:
+) -> StatePass:
     """The state recurrence over the chunks, the output fused in (see the interface).
 
     ``w, k_suffix, qg: [B, H, NT, Cp, K]``, ``u0: [B, H, NT, Cp, V]``, ``total: [B, H, NT, K]``,
@@ -249,11 +223,15 @@ def chunk_state_pass(
     Ac = _heads(A, dt) if with_output else np.zeros((1, 1, 1, 1), dt)
     args = [_heads(x, dt) for x in (w, u0, k_suffix, total, state)]
     if BH * K * V:
-        _run(state_pass, BH, *args, qgc, Ac, with_output, boundaries=bounds, out=out, final=final)
+        _run(state_pass, BH, *args, qgc, Ac, with_output,
+             outputs=StatePassOut(boundaries=bounds, out=out, final=final))  # fmt: skip
     else:
         final[...] = args[4]
-    boundaries = bounds.reshape(NT, B, H, K, V)
-    return boundaries, (out.reshape(B, H, NT, Cp, V) if with_output else None), final.reshape(B, H, K, V)
+    return StatePass(
+        boundaries=bounds.reshape(NT, B, H, K, V),
+        output=out.reshape(B, H, NT, Cp, V) if with_output else None,
+        final_state=final.reshape(B, H, K, V),
+    )
 
 
 def chunk_state_grad_pass(
@@ -266,7 +244,7 @@ def chunk_state_grad_pass(
     grad_output: Any,
     boundaries: Any,
     dfinal: Any,
-) -> tuple[Any, Any, Any, Any]:
+) -> StateGradPass:
     """The state-gradient recurrence, last chunk first (see the interface).
 
     Returns ``dends [NT, B, H, K, V]``, ``U`` and ``dU`` (``[B, H, NT, Cp, V]``) and the gradient
@@ -285,16 +263,17 @@ def chunk_state_grad_pass(
     bounds = _c(boundaries, dt).reshape(NT, BH, K, V)
     dS = _heads(dfinal, dt)
     if BH * K * V:
-        _run(state_grad_pass, BH, *args, bounds, dS, ends=ends, u=u, du=du, dinit=dinit)
+        outputs = StateGradPassOut(ends=ends, u=u, du=du, dinit=dinit)
+        _run(state_grad_pass, BH, *args, bounds, dS, outputs=outputs)
     else:
         dinit[...] = dS
         u[...] = 0
         du[...] = 0
-    return (
-        ends.reshape(NT, B, H, K, V),
-        u.reshape(B, H, NT, Cp, V),
-        du.reshape(B, H, NT, Cp, V),
-        dinit.reshape(B, H, K, V),
+    return StateGradPass(
+        dends=ends.reshape(NT, B, H, K, V),
+        u=u.reshape(B, H, NT, Cp, V),
+        du=du.reshape(B, H, NT, Cp, V),
+        dstart=dinit.reshape(B, H, K, V),
     )
 
 
@@ -303,26 +282,15 @@ def chunk_state_grad_pass(
 
 
 def chunk_local_backward(
-    q: Any,
-    k: Any,
-    g: Any,
-    v: Any,
-    beta: Any,
-    scale: float,
-    loc: ChunkLocal,
-    boundaries: Any,
-    *,
-    dends: Any,
-    u: Any,
-    du: Any,
-    grad_output: Any,
-) -> tuple[Any, Any, Any, Any, Any]:
+    q: Any, k: Any, v: Any, g: Any, beta: Any, boundaries: Any, *, scale: float, local: ChunkLocal,
+    dends: Any, u: Any, du: Any, grad_output: Any,
+) -> LocalGradients:  # fmt: skip
     """Gradients of every chunk's state-free work (see the interface).
 
     ``q, k, g: [B, H, NT, Cp, K]``, ``v, u, du, grad_output: [B, H, NT, Cp, V]``,
-    ``beta: [B, H, NT, Cp]``, ``boundaries, dends: [NT, B, H, K, V]``; ``loc`` from
+    ``beta: [B, H, NT, Cp]``, ``boundaries, dends: [NT, B, H, K, V]``; ``local`` from
     :func:`chunk_local` (its ``kg, w, u0, L, Minv`` are read). Returns ``dq, dk [..., Cp, K]``,
-    ``dv [..., Cp, V]``, ``dg [..., Cp, K]``, ``dbeta [..., Cp]``, in that order.
+    ``dv [..., Cp, V]``, ``dg [..., Cp, K]``, ``dbeta [..., Cp]``.
     """
     from ._kernels import local_backward  # imports Numba on the first call
 
@@ -330,9 +298,9 @@ def chunk_local_backward(
     B, H, NT, Cp, K = q.shape
     V = v.shape[-1]
     N = B * H * NT
-    qc, kc, gc, kg, w = (_c(x, dt).reshape(N, Cp, K) for x in (q, k, g, loc.kg, loc.w))
-    vc, u0, uc, duc, dO = (_c(x, dt).reshape(N, Cp, V) for x in (v, loc.u0, u, du, grad_output))
-    L, Minv = (_c(x, dt).reshape(N, Cp, Cp) for x in (loc.L, loc.Minv))
+    qc, kc, gc, kg, w = (_c(x, dt).reshape(N, Cp, K) for x in (q, k, g, local.kg, local.w))
+    vc, u0, uc, duc, dO = (_c(x, dt).reshape(N, Cp, V) for x in (v, local.u0, u, du, grad_output))
+    L, Minv = (_c(x, dt).reshape(N, Cp, Cp) for x in (local.L, local.Minv))
     bc = _c(beta, dt).reshape(N, Cp)
     bounds, ends = (_c(x, dt).reshape(NT, B * H, K, V) for x in (boundaries, dends))
     dq, dk, dg = (np.zeros((N, Cp, K), dt) for _ in range(3))
@@ -341,15 +309,15 @@ def chunk_local_backward(
         _run(
             local_backward, N,
             qc, kc, gc, vc, bc, _scale(scale, dt), kg, w, u0, L, Minv, bounds, ends, uc, duc, dO,
-            dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta,
+            outputs=LocalBackwardOut(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta),
         )  # fmt: skip
     lead = (B, H, NT)
-    return (
-        dq.reshape(*lead, Cp, K),
-        dk.reshape(*lead, Cp, K),
-        dv.reshape(*lead, Cp, V),
-        dg.reshape(*lead, Cp, K),
-        dbeta.reshape(*lead, Cp),
+    return LocalGradients(
+        dq=dq.reshape(*lead, Cp, K),
+        dk=dk.reshape(*lead, Cp, K),
+        dv=dv.reshape(*lead, Cp, V),
+        dg=dg.reshape(*lead, Cp, K),
+        dbeta=dbeta.reshape(*lead, Cp),
     )
 
 
@@ -364,7 +332,7 @@ def _view(x: Any, dt: Any) -> np.ndarray:
 
 
 def chunk_forward_heads(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any, chunk_size: int, *, output: Any,
+    q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, *, scale: float, chunk_size: int, output: Any,
     boundaries: Any, screen: Any = None,
 ) -> np.ndarray:  # fmt: skip
     """The chunked forward, one head per worker from its first chunk to its last.
@@ -389,8 +357,8 @@ def chunk_forward_heads(
     start = _c(state, dt)
     screened = np.zeros((0, 2)) if screen is None else screen
     if B * H * K * V and T:
-        _run(forward_heads, B * H, *ins, _scale(scale, dt), start, chunk_size, with_output,
-             with_bounds, out=out, boundaries=bounds, final=final, screen=screened)  # fmt: skip
+        _run(forward_heads, B * H, *ins, _scale(scale, dt), start, chunk_size, with_output, with_bounds,
+             outputs=ForwardHeadsOut(out=out, boundaries=bounds, final=final, screen=screened))  # fmt: skip
     else:
         final[...] = start
         screened[...] = 0.0
@@ -398,14 +366,14 @@ def chunk_forward_heads(
 
 
 def chunk_backward_heads(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, boundaries: Any, grad_output: Any,
-    dfinal: Any, chunk_size: int, *, grads: Any, screen: Any = None,
+    q: Any, k: Any, v: Any, g: Any, beta: Any, boundaries: Any, grad_output: Any, dfinal: Any, *,
+    scale: float, chunk_size: int, grads: Gradients, screen: Any = None,
 ) -> None:  # fmt: skip
     """The chunked backward, one head per worker from its last chunk to its first.
 
     Inputs as :func:`chunk_forward_heads`; ``boundaries [NT, B, H, K, V]`` from the forward,
     ``grad_output [B, H, T, V]``, ``dfinal [B, H, K, V]`` (the final state's gradient). Writes the
-    six gradients into ``grads`` (``dq, dk, dv, dg, dbeta, dinitial``: writable arrays of the
+    six gradients into ``grads`` (a :class:`~kda._backend.Gradients` of writable arrays of the
     inputs' shapes).
     ``screen``: as for :func:`chunk_forward_heads`, over ``q, k, v, grad_output`` and the
     boundaries (and ``g <= 0``), and over the six gradients.
@@ -419,13 +387,13 @@ def chunk_backward_heads(
     bounds, dO, dS = _view(boundaries, dt), _view(grad_output, dt), _c(dfinal, dt)
     screened = np.zeros((0, 2)) if screen is None else screen
     if B * H * K * V and T:
-        dq, dk, dv, dg, dbeta, dinitial = grads
-        _run(backward_heads, B * H, *ins, _scale(scale, dt), bounds, dO, dS, chunk_size,
-             dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, dinit=dinitial, screen=screened)  # fmt: skip
+        outputs = BackwardHeadsOut(dq=grads.dq, dk=grads.dk, dv=grads.dv, dg=grads.dg, dbeta=grads.dbeta,
+                                   dinit=grads.dinitial, screen=screened)  # fmt: skip
+        _run(backward_heads, B * H, *ins, _scale(scale, dt), bounds, dO, dS, chunk_size, outputs=outputs)
     else:
         screened[...] = 0.0
-        grads[5][...] = dS
-        for x in grads[:5]:
+        grads.dinitial[...] = dS
+        for x in (grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta):
             x[...] = 0
 
 
@@ -434,7 +402,7 @@ def chunk_backward_heads(
 
 
 def recurrent_forward(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any
+    q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, *, scale: float
 ) -> tuple[np.ndarray, np.ndarray]:
     """The recurrence: ``[B, H, T, *]`` inputs from ``state [B, H, K, V]`` ->
     ``(output [B, H, T, V], final [B, H, K, V])``."""  # fmt: skip
@@ -448,16 +416,17 @@ def recurrent_forward(
     args = [_heads(x, dt) for x in (q, k, v, g, beta)]
     S0 = _heads(state, dt)
     if B * H * K * V:
-        _run(kernel, B * H, *args, _scale(scale, dt), S0, out=out, final=final, blas=False)
+        _run(kernel, B * H, *args, _scale(scale, dt), S0, outputs=RecurrentForwardOut(out=out, final=final),
+             blas=False)  # fmt: skip
     else:
         final[...] = S0
     return out.reshape(B, H, T, V), final.reshape(B, H, K, V)
 
 
 def recurrent_backward(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any, grad_output: Any, dfinal: Any
-) -> tuple[Any, Any, Any, Any, Any, Any]:
-    """Gradients ``(dq, dk, dv, dg, dbeta, dinitial)`` of the recurrence given the output's and the
+    q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, grad_output: Any, dfinal: Any, *, scale: float
+) -> Gradients:
+    """The gradients (:class:`~kda._backend.Gradients`) of the recurrence given the output's and the
     final state's (``dfinal``) (states kept every ``ceil(sqrt(T))`` steps, the ones between
     recomputed)."""  # fmt: skip
     from ._kernels import recurrent_backward as kernel  # imports Numba on the first call
@@ -474,18 +443,18 @@ def recurrent_backward(
     if BH * K * V:
         _run(
             kernel, BH, *args, _scale(scale, dt), S0, do, dS,
-            dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, dinit=dinit, blas=False,
+            outputs=RecurrentBackwardOut(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, dinit=dinit), blas=False,
         )  # fmt: skip
     else:
         dinit[...] = dS
     shape = (B, H, T)
-    return (
-        dq.reshape(*shape, K),
-        dk.reshape(*shape, K),
-        dv.reshape(*shape, V),
-        dg.reshape(*shape, K),
-        dbeta.reshape(shape),
-        dinit.reshape(B, H, K, V),
+    return Gradients(
+        dq=dq.reshape(*shape, K),
+        dk=dk.reshape(*shape, K),
+        dv=dv.reshape(*shape, V),
+        dg=dg.reshape(*shape, K),
+        dbeta=dbeta.reshape(shape),
+        dinitial=dinit.reshape(B, H, K, V),
     )
 
 

@@ -15,20 +15,18 @@ row.
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
 import numpy as np
 
-from . import _fpenv
+from . import _fpenv, _pool
 
 __all__ = ["decode_finite", "decode_forward", "decode_screen"]
 
 _LOCK = threading.Lock()
 _KERNELS: list[Any] = []  # the kernel module, once imported
 _NO_OFFSETS = np.zeros(0, np.int64)
-_HELPER: list[Any] = []
 # state elements a call steps (items x steps x K x V) from which it is split over two cores
 SPLIT_WORK = 1 << 20
 
@@ -47,7 +45,7 @@ def _kernel() -> Any:
     return _kernels().decode
 
 
-def decode_screen(q: Any, k: Any, v: Any, g: Any, beta: Any, finite: bool) -> bool:
+def decode_screen(q: Any, k: Any, v: Any, g: Any, beta: Any, *, finite: bool) -> bool:
     """Whether ``g <= 0`` everywhere (NaN fails) and, with ``finite``, ``q, k, v, beta`` are finite.
 
     One compiled pass over C-contiguous NumPy inputs of one float dtype (False for anything else:
@@ -102,7 +100,7 @@ def pool_bits(pool: np.ndarray) -> np.ndarray:
 
 
 def decode_forward(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, pool: Any, start: Any, dest: Any, *,
+    q: Any, k: Any, v: Any, g: Any, beta: Any, pool: Any, start: Any, dest: Any, *, scale: float,
     offsets: Any = None, final_pool: Any = None, out: Any = None, v_first: bool = False,
 ) -> np.ndarray:  # fmt: skip
     """``T`` steps of ``N`` requests from ``pool [P, HV, K, V]`` (see :class:`kda._backend.Backend`).
@@ -179,41 +177,18 @@ def flat_pool(pool: np.ndarray) -> tuple[np.ndarray | None, int]:
 
 def _run(kernel: Any, args: tuple, items: int, work: int) -> None:
     """``kernel(*args, lo, hi)`` over ``items``: on the calling thread, or split in two halves (the
-    calling thread and one helper) where ``work`` (state elements stepped) passes :data:`SPLIT_WORK`
-    and a second core is usable. Items are independent, so the results do not depend on the split."""
+    calling thread and one thread of the backend's pool, :mod:`._pool`) where ``work`` (state
+    elements stepped) passes :data:`SPLIT_WORK` and a second core is usable. Items are
+    independent, so the results do not depend on the split."""
     if work < SPLIT_WORK or items < 2 or _cores() < 2:
         _fpenv.run(kernel, *args, 0, items)
         return
-    mid = items // 2
-    future = _helper().submit(_fpenv.run, kernel, *args, mid, items)
-    try:
-        _fpenv.run(kernel, *args, 0, mid)
-    finally:
-        future.result()
+    _pool.run_ranges(_fpenv.run, kernel, args, (0, items // 2, items), threads=1, on_caller=True)
 
 
 def _cores() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def _helper() -> Any:
-    """The one helper thread (made on first use; a forked child makes its own)."""
-    with _LOCK:
-        if not _HELPER:
-            from concurrent.futures import ThreadPoolExecutor
-
-            _HELPER.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="kda-decode"))
-        return _HELPER[0]
-
-
-def _forget_helper() -> None:
-    _HELPER.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_helper)
+    """The cores this process may use (:func:`._pool.threads`)."""
+    return _pool.threads()
 
 
 def _through_copies(kernel, args, scale, pool, dst, start, dest, offs, out, items, v_first) -> None:

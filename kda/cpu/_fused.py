@@ -125,9 +125,10 @@ def _chunk_scratch(x, Cp, K, V):
     A, L, Minv = _three(x, Cp, Cp)
     pre, suf, k_suffix = _three(x, Cp, K)
     return ChunkScratch(
-        qc, kc, gc, empty2(Cp, V, dt), np.empty(Cp, dt), empty2(2 * Cp, K, dt), k_suffix,
-        np.empty(K, dt), A, L, Minv, pre, suf, np.empty(K, dt), empty2(Cp, cfg.SOLVE_BLOCK, dt),
-        empty2(cfg.SOLVE_BLOCK, V, dt), empty2(K, V, dt),
+        q=qc, k=kc, g=gc, v=empty2(Cp, V, dt), beta=np.empty(Cp, dt), KQ=empty2(2 * Cp, K, dt),
+        k_suffix=k_suffix, total=np.empty(K, dt), A=A, L=L, Minv=Minv, pre=pre, suf=suf,
+        kd=np.empty(K, dt), Td=empty2(Cp, cfg.SOLVE_BLOCK, dt), Wb=empty2(cfg.SOLVE_BLOCK, V, dt),
+        S=empty2(K, V, dt),
     )  # fmt: skip
 
 

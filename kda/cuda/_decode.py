@@ -28,6 +28,7 @@ import numpy as np
 from array_api_compat import array_namespace, device
 from numba import cuda, float32
 
+from .._options.arguments import c_contiguous
 from ._device import DTYPES, INDEX_TYPES, inline, offset_functions
 from ._launch import _c, launch
 
@@ -229,11 +230,6 @@ def compiled_decode(dtype: str, index: str = "uint32", pool: str | None = None, 
     return kernel
 
 
-def _contiguous(x: Any) -> bool:
-    flags = getattr(x, "flags", None)
-    return flags is None or bool(flags.c_contiguous)
-
-
 def _needs_scratch(start: Any, dest: Any, offsets: Any, T: int, same: bool) -> bool:
     """Whether a running request keeps a state in the scratch: a step that another step follows
     and that names no slot (``same``: the pool holds the compute dtype) or any such step (a
@@ -248,7 +244,7 @@ def _needs_scratch(start: Any, dest: Any, offsets: Any, T: int, same: bool) -> b
 
 
 def decode_forward(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, pool: Any, start: Any, dest: Any, *,
+    q: Any, k: Any, v: Any, g: Any, beta: Any, pool: Any, start: Any, dest: Any, *, scale: float,
     offsets: Any = None, final_pool: Any = None, out: Any = None, v_first: bool = False,
 ) -> Any:  # fmt: skip
     """The CUDA backend of :func:`kda.reference.decode_forward`, in one kernel launch.
@@ -283,7 +279,7 @@ def decode_forward(
     B, HV, T, V = v.shape
     K = q.shape[-1]
     N, W = dest.shape
-    if out is None or out.dtype != v.dtype or tuple(out.shape) != (B, HV, T, V) or not _contiguous(out):
+    if out is None or out.dtype != v.dtype or tuple(out.shape) != (B, HV, T, V) or not c_contiguous(out):
         out = xp.empty((B, HV, T, V), dtype=v.dtype, device=device(v))
     if out.size == 0:
         return out
@@ -314,7 +310,7 @@ def flat_pool(xp: Any, pool: Any) -> tuple[Any, int]:
     overlap (a padded slot stride: vLLM-CPU's views); ``(None, 0)`` otherwise."""
     P, item = int(pool.shape[0]), pool.itemsize
     row = math.prod(int(n) for n in pool.shape[1:])
-    if _contiguous(pool):
+    if c_contiguous(pool):
         return pool.reshape(-1), max(row, 1)
     step = item
     for n, st in zip(reversed(pool.shape[1:]), reversed(pool.strides[1:])):

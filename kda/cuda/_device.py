@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numba
 import numpy as np
@@ -38,6 +38,7 @@ __all__ = [
     "INDEX32_LIMIT",
     "INDEX_TYPES",
     "Family",
+    "Kernel",
     "constants",
     "inline",
     "offset_functions",
@@ -127,6 +128,26 @@ class Family:
             found = cuda.jit(self.signature(kernel, dtype, index))(self.function(kernel, dtype, index))
             self._compiled[key] = found
         return found
+
+    def kernel(self, name: str) -> Kernel:
+        """The handle of kernel ``name`` that its wrappers launch (:class:`Kernel`); made once, at
+        the import of the family's module, so a name the family lacks fails there."""
+        if name not in self.builders:
+            raise KeyError(f"family {self.name!r} has no kernel {name!r}; it has {sorted(self.builders)}")
+        return Kernel(family=self, name=name)
+
+
+class Kernel(NamedTuple):
+    """One kernel of a :class:`Family`, as its wrappers reference it: what
+    :func:`kda.cuda._launch.launcher`'s function launches (compiled per dtype and index type on
+    first use; counted in ``LAUNCHES`` under :attr:`name`)."""
+
+    family: Family
+    name: str
+
+    def compiled(self, dtype: str, index: str = "uint32") -> Any:
+        """This kernel for ``dtype`` and ``index``, compiled on first use."""
+        return self.family.compiled(self.name, dtype, index)
 
 
 # every family, in import order (kda.cuda imports them all)

@@ -13,6 +13,7 @@ path) in :data:`COPIES`.
 from __future__ import annotations
 
 from collections import Counter
+from functools import partial
 from typing import Any
 
 import numba
@@ -20,8 +21,9 @@ import numpy as np
 from array_api_compat import device, is_cupy_array
 from numba import cuda
 
+from .._options.arguments import c_contiguous
 from . import _device
-from ._device import DTYPES
+from ._device import DTYPES, Kernel
 
 __all__ = ["COPIES", "LAUNCHES", "SHARED_LIMIT", "THREADS_PER_BLOCK", "index_type", "launch", "launcher"]
 
@@ -69,14 +71,9 @@ def _zeros(xp: Any, like: Any, shape: tuple[int, ...]) -> Any:
     return xp.zeros(shape, dtype=like.dtype, device=device(like))
 
 
-def _is_contiguous(a: Any) -> bool:
-    flags = getattr(a, "flags", None)
-    return flags is None or bool(flags.c_contiguous)
-
-
 def _c(name: str, a: Any) -> Any:
     """``a`` itself when C-contiguous, else a C-contiguous copy (counted in :data:`COPIES`)."""
-    if _is_contiguous(a):
+    if c_contiguous(a):
         return a
     COPIES[name] += 1
     if is_cupy_array(a):
@@ -136,20 +133,15 @@ def _grid(threads: int) -> int:
 
 
 def launcher(family: Any) -> Any:
-    """``launch_kernel(name, dtype, grid, block, *args, dims, shared=0)`` for ``family``'s kernels
-    (a :class:`._device.Family`), compiled for ``dtype`` and the offset type the sizes allow."""
+    """``launch_kernel(kernel, dtype, grid, block, *args, dims, shared=0)`` for the kernels of
+    ``family`` (a :class:`._device.Family`): ``kernel`` is one of its :class:`._device.Kernel`
+    handles, compiled for ``dtype`` and the offset type the sizes allow."""
 
     def launch_kernel(
-        name: str, dtype: str, grid: int, block: Any, *args: Any, dims: tuple[int, ...], shared: int = 0
+        kernel: Kernel, dtype: str, grid: int, block: Any, *args: Any, dims: tuple[int, ...], shared: int = 0
     ) -> None:
-        launch(
-            name,
-            lambda index: family.compiled(name, dtype, index),
-            grid,
-            block,
-            *args,
-            dims=dims,
-            shared=shared,
-        )
+        if kernel.family is not family:
+            raise TypeError(f"{kernel.name} is not a kernel of the {family.name!r} family")
+        launch(kernel.name, partial(kernel.compiled, dtype), grid, block, *args, dims=dims, shared=shared)
 
     return launch_kernel

@@ -60,6 +60,7 @@ GATE_DTYPES = ("float16", "float32", "float64")
 KERNELS = Family("gate", {"gate_flags": (_gate_flags_kernel, "af:1")}, dtypes=GATE_DTYPES)
 
 
+GATE_FLAGS = KERNELS.kernel("gate_flags")
 _launch = launcher(KERNELS)
 
 
@@ -79,7 +80,7 @@ def gate_flags(g: Any) -> Any:
     flags = xp.zeros((2,), dtype=xp.int32, device=device(g))
     n = math.prod(g.shape)
     grid = min(_grid(n), 1024)
-    _launch(name, dname, grid, THREADS_PER_BLOCK, g, flags, dims=(n,))
+    _launch(GATE_FLAGS, dname, grid, THREADS_PER_BLOCK, g, flags, dims=(n,))
     return flags
 
 

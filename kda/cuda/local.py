@@ -16,7 +16,7 @@ from typing import Any
 from array_api_compat import array_namespace
 from numba import cuda
 
-from .._backend import ChunkLocal
+from .._backend import ChunkLocal, LocalGradients
 from ._device import Family, constants, inline, offset_functions
 from ._launch import _check_ndim, _check_shape, _dtype_name, _empty, launcher
 
@@ -601,6 +601,8 @@ KERNELS = Family(
 )
 
 
+CHUNK_LOCAL = KERNELS.kernel("chunk_local")
+CHUNK_LOCAL_BACKWARD = KERNELS.kernel("chunk_local_backward")
 _launch = launcher(KERNELS)
 
 
@@ -617,7 +619,7 @@ def _local_backward_shared(Cp: int, itemsize: int) -> int:
     return max(Cp * LOCAL_BACKWARD_THREADS, tiles, Cp * (BACKWARD_ROW_LANES + 1)) * itemsize
 
 
-def chunk_local(q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float) -> ChunkLocal:
+def chunk_local(q: Any, k: Any, v: Any, g: Any, beta: Any, *, scale: float) -> ChunkLocal:
     """The state-free work of every chunk in one kernel, one block per chunk (no factor array).
 
     ``q, k, g: [..., Cp, K]``, ``v: [..., Cp, V]``, ``beta: [..., Cp]``, ``Cp <= MAX_CHUNK``
@@ -646,20 +648,19 @@ def chunk_local(q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float) -> Chun
     A, L, Minv = (_empty(xp, q, (N, Cp, Cp)) for _ in range(3))
     u0 = _empty(xp, q, (N, Cp, V))
     args = (q, k, g, v, beta, q.dtype.type(scale), qg, kg, k_suffix, total, A, L, Minv, w, u0)
-    _launch(name, dtype, N, LOCAL_THREADS, *args, shared=shared, dims=(Cp, K, V))
+    _launch(CHUNK_LOCAL, dtype, N, LOCAL_THREADS, *args, shared=shared, dims=(Cp, K, V))
+    pairs = (*lead, Cp, Cp)
     return ChunkLocal(
-        *(xp.reshape(x, q.shape) for x in (qg, kg, k_suffix)),
-        xp.reshape(total, (*lead, K)),
-        *(xp.reshape(x, (*lead, Cp, Cp)) for x in (A, L, Minv)),
-        xp.reshape(w, q.shape),
-        xp.reshape(u0, v.shape),
-    )
+        qg=xp.reshape(qg, q.shape), kg=xp.reshape(kg, q.shape), k_suffix=xp.reshape(k_suffix, q.shape),
+        total=xp.reshape(total, (*lead, K)), A=xp.reshape(A, pairs), L=xp.reshape(L, pairs),
+        Minv=xp.reshape(Minv, pairs), w=xp.reshape(w, q.shape), u0=xp.reshape(u0, v.shape),
+    )  # fmt: skip
 
 
 def chunk_local_backward(
-    q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float, loc: ChunkLocal, boundaries: Any, *,
+    q: Any, k: Any, v: Any, g: Any, beta: Any, boundaries: Any, *, scale: float, local: ChunkLocal,
     dends: Any, u: Any, du: Any, grad_output: Any,
-) -> tuple[Any, Any, Any, Any, Any]:  # fmt: skip
+) -> LocalGradients:  # fmt: skip
     """Gradients of every chunk's state-free work in one kernel, one block per chunk.
 
     Returns ``dq, dk, dv, dg, dbeta`` (see :mod:`kda._backend`); ``Cp <= MAX_CHUNK``.
@@ -681,7 +682,7 @@ def chunk_local_backward(
         ("grad_output", grad_output, v.shape),
     ):
         _check_shape(name, arg, x, shape)
-    fields = (loc.qg, loc.kg, loc.k_suffix, loc.total, loc.L, loc.Minv, loc.w, loc.u0)
+    fields = (local.qg, local.kg, local.k_suffix, local.total, local.L, local.Minv, local.w, local.u0)
     dtype = _dtype_name(name, q, k, g, v, beta, boundaries, dends, u, du, grad_output, *fields)
     shared = _local_backward_shared(Cp, q.dtype.itemsize)
     if Cp > MAX_CHUNK:
@@ -697,10 +698,18 @@ def chunk_local_backward(
     scratch = (dqg, dk_suffix, dkw, dku, dA, dX, dtot)
     outs = (dq, dk, dv, dg, dbeta)
     dims = (B * H, NT, Cp, K, V)
-    _launch(name, dtype, N, LOCAL_BACKWARD_THREADS, *args, *scratch, *outs, shared=shared, dims=dims)
-    return (
-        *(xp.reshape(x, q.shape) for x in (dq, dk)),
-        xp.reshape(dv, v.shape),
-        xp.reshape(dg, q.shape),
-        xp.reshape(dbeta, beta.shape),
+    _launch(
+        CHUNK_LOCAL_BACKWARD,
+        dtype,
+        N,
+        LOCAL_BACKWARD_THREADS,
+        *args,
+        *scratch,
+        *outs,
+        shared=shared,
+        dims=dims,
     )
+    return LocalGradients(
+        dq=xp.reshape(dq, q.shape), dk=xp.reshape(dk, q.shape), dv=xp.reshape(dv, v.shape),
+        dg=xp.reshape(dg, q.shape), dbeta=xp.reshape(dbeta, beta.shape),
+    )  # fmt: skip

@@ -12,6 +12,7 @@ from typing import Any
 from array_api_compat import array_namespace
 from numba import cuda
 
+from .._backend import Gradients
 from ._device import Family, constants, inline, offset_functions
 from ._launch import (
     THREADS_PER_BLOCK,
@@ -189,6 +190,8 @@ KERNELS = Family(
 )
 
 
+RECURRENT_FORWARD = KERNELS.kernel("recurrent_forward")
+RECURRENT_BACKWARD = KERNELS.kernel("recurrent_backward")
 _launch = launcher(KERNELS)
 
 
@@ -205,7 +208,9 @@ def _check_recurrent(name: str, q: Any, k: Any, v: Any, g: Any, beta: Any, state
     return B, H, T, K, V
 
 
-def recurrent_forward(q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any) -> tuple[Any, Any]:
+def recurrent_forward(
+    q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, *, scale: float
+) -> tuple[Any, Any]:
     """The recurrence, one kernel looping over every step: ``(output, final_state)``."""
     name = "recurrent_forward"
     xp = array_namespace(q, k, v, g, beta, state)
@@ -216,15 +221,15 @@ def recurrent_forward(q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, s
     o = (_empty if grid else _zeros)(xp, v, (BH, T, V))  # every element written by the kernel
     final = _empty(xp, state, (BH, K, V))
     args = (q, k, g, v, beta, q.dtype.type(scale), state, o, final)
-    _launch(name, dtype, grid, THREADS_PER_BLOCK, *args, dims=(BH, T, K, V))
+    _launch(RECURRENT_FORWARD, dtype, grid, THREADS_PER_BLOCK, *args, dims=(BH, T, K, V))
     if grid == 0:
         final = xp.asarray(state, copy=True)
     return xp.reshape(o, v.shape), xp.reshape(final, state.shape)
 
 
 def recurrent_backward(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any, grad_output: Any, dfinal: Any,
-) -> tuple[Any, Any, Any, Any, Any, Any]:  # fmt: skip
+    q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, grad_output: Any, dfinal: Any, *, scale: float,
+) -> Gradients:  # fmt: skip
     """Gradients of the recurrence, one kernel: ``(dq, dk, dv, dg, dbeta, dinitial)``.
 
     Keeps ``ceil(sqrt(T))`` checkpoint states and recomputes the steps between them.
@@ -248,8 +253,9 @@ def recurrent_backward(
     tail = (state, grad_output, dfinal, stride, ckpt, seg)
     outs = (dq, dk, dg, dbeta, dv, dS)
     args = (q, k, g, v, beta, q.dtype.type(scale), *tail, *outs)
-    _launch(name, dtype, grid, THREADS_PER_BLOCK, *args, dims=(BH, T, K, V))
+    _launch(RECURRENT_BACKWARD, dtype, grid, THREADS_PER_BLOCK, *args, dims=(BH, T, K, V))
     if grid == 0:
         dS = xp.asarray(dfinal, copy=True)
     dq, dk, dg = (xp.reshape(x, q.shape) for x in (dq, dk, dg))
-    return dq, dk, xp.reshape(dv, v.shape), dg, xp.reshape(dbeta, beta.shape), xp.reshape(dS, state.shape)
+    return Gradients(dq=dq, dk=dk, dv=xp.reshape(dv, v.shape), dg=dg, dbeta=xp.reshape(dbeta, beta.shape),
+                     dinitial=xp.reshape(dS, state.shape))  # fmt: skip

@@ -19,7 +19,8 @@ import numpy as np
 from array_api_compat import array_namespace
 from numba import cuda
 
-from ._device import Family, constants, inline, offset_functions
+from .._backend import StateGradPass, StatePass
+from ._device import Family, Kernel, constants, inline, offset_functions
 from ._launch import (
     SHARED_LIMIT,
     _check_ndim,
@@ -578,6 +579,9 @@ KERNELS = Family(
 )
 
 
+# the state pass and its gradient pass: (broadcast kernel, staged kernel) each
+STATE_PASSES = (KERNELS.kernel("chunk_state_pass"), KERNELS.kernel("chunk_state_pass_staged"))
+STATE_GRAD_PASSES = (KERNELS.kernel("chunk_state_grad_pass"), KERNELS.kernel("chunk_state_grad_pass_staged"))
 _launch = launcher(KERNELS)
 
 
@@ -603,27 +607,29 @@ def _state_block(name: str, K: int, Cp: int, itemsize: int, rows: int) -> tuple[
 
 
 def _state_kernel(
-    name: str, BH: int, NT: int, Cp: int, K: int, V: int, itemsize: int, backward: bool = False
-) -> tuple[str, int, Any, int]:
+    BH: int, NT: int, Cp: int, K: int, V: int, itemsize: int, backward: bool = False
+) -> tuple[Kernel, int, Any, int]:
     """``(kernel, grid, block, shared)`` of a state pass (its gradient pass with ``backward``).
 
     The staged kernel where :data:`STATE_PASS` asks for it and its tiles fit (at most 1024
-    threads, :data:`SHARED_LIMIT`); otherwise the broadcast kernel ``name``.
+    threads, :data:`SHARED_LIMIT`); otherwise the broadcast kernel (:data:`STATE_PASSES`,
+    :data:`STATE_GRAD_PASSES`).
     """
+    broadcast, staged = STATE_GRAD_PASSES if backward else STATE_PASSES
     work = NT and K * V  # else an empty grid: nothing to launch
     threads = Cp * (STAGED_TILE_V // STAGED_COLUMNS)
     tiles, rows = (2, 3) if backward else (1, 2)  # [K, TV] state tiles and [Cp, TV + 1] row tiles
     elements = tiles * K * STAGED_TILE_V + rows * Cp * (STAGED_TILE_V + 1) + 2 * STAGED_SLICE * (Cp + 1)
     if STATE_PASS == "staged" and threads <= 1024 and elements * itemsize <= SHARED_LIMIT:
         grid = BH * -(-V // STAGED_TILE_V) if work else 0
-        return f"{name}_staged", grid, threads, elements * itemsize
-    block, shared = _state_block(name, K, Cp, itemsize, 2 * K + 2 * Cp if backward else K + 2 * Cp)
-    return name, BH * -(-V // block[0]) if work else 0, block, shared
+        return staged, grid, threads, elements * itemsize
+    block, shared = _state_block(broadcast.name, K, Cp, itemsize, 2 * K + 2 * Cp if backward else K + 2 * Cp)
+    return broadcast, BH * -(-V // block[0]) if work else 0, block, shared
 
 
 def chunk_state_pass(
     w: Any, u0: Any, k_suffix: Any, total: Any, state: Any, qg: Any = None, A: Any = None
-) -> tuple[Any, Any, Any]:
+) -> StatePass:
     """The state recurrence over every chunk with the output ``O = qg S + A U``, in one kernel.
 
     Returns ``boundaries [NT, B, H, K, V]``, ``output [B, H, NT, Cp, V]`` (``None`` without
@@ -651,21 +657,22 @@ def chunk_state_pass(
     if NT == 0 or K * V == 0:
         final = xp.asarray(state, copy=True)
         out = _zeros(xp, w, out.shape)
-    name, grid, block, shared = _state_kernel(name, BH, NT, Cp, K, V, w.dtype.itemsize)
+    kernel, grid, block, shared = _state_kernel(BH, NT, Cp, K, V, w.dtype.itemsize)
     if emit:
         dense = (qg, A)
     else:
         dense = (_empty(xp, w, (1, 1, 1, K)), _empty(xp, w, (1, 1, 1, 1)))
     args = (*dense, w, u0, k_suffix, total, state, np.int32(emit), out, boundaries, final)
-    _launch(name, dtype, grid, block, *args, shared=shared, dims=(BH, NT, Cp, K, V))
+    _launch(kernel, dtype, grid, block, *args, shared=shared, dims=(BH, NT, Cp, K, V))
     output = xp.reshape(out, u0.shape) if emit else None
-    return xp.reshape(boundaries, (NT, B, H, K, V)), output, xp.reshape(final, state.shape)
+    return StatePass(boundaries=xp.reshape(boundaries, (NT, B, H, K, V)), output=output,
+                     final_state=xp.reshape(final, state.shape))  # fmt: skip
 
 
 def chunk_state_grad_pass(
     w: Any, u0: Any, k_suffix: Any, total: Any, qg: Any, A: Any, grad_output: Any, boundaries: Any,
     dfinal: Any,
-) -> tuple[Any, Any, Any, Any]:  # fmt: skip
+) -> StateGradPass:  # fmt: skip
     """The state-gradient recurrence over every chunk, last first, in one kernel.
 
     Returns ``dends [NT, B, H, K, V]``, ``U`` and ``dU`` (``[B, H, NT, Cp, V]``) and the
@@ -694,13 +701,13 @@ def chunk_state_grad_pass(
     if NT == 0 or K * V == 0:
         dinitial = xp.asarray(dfinal, copy=True)
         U, dU = (_zeros(xp, w, (BH, NT, Cp, V)) for _ in range(2))
-    name, grid, block, shared = _state_kernel(name, BH, NT, Cp, K, V, w.dtype.itemsize, backward=True)
+    kernel, grid, block, shared = _state_kernel(BH, NT, Cp, K, V, w.dtype.itemsize, backward=True)
     args = (qg, A, w, u0, k_suffix, total, grad_output, boundaries, dfinal, dends, U, dU, dinitial)
-    _launch(name, dtype, grid, block, *args, shared=shared, dims=(BH, NT, Cp, K, V))
+    _launch(kernel, dtype, grid, block, *args, shared=shared, dims=(BH, NT, Cp, K, V))
     shape = (NT, B, H, K, V)
-    return (
-        xp.reshape(dends, shape),
-        xp.reshape(U, u0.shape),
-        xp.reshape(dU, u0.shape),
-        xp.reshape(dinitial, dfinal.shape),
+    return StateGradPass(
+        dends=xp.reshape(dends, shape),
+        u=xp.reshape(U, u0.shape),
+        du=xp.reshape(dU, u0.shape),
+        dstart=xp.reshape(dinitial, dfinal.shape),
     )

@@ -20,7 +20,7 @@ from typing import Any
 import array_api_compat
 from array_api_compat import array_namespace
 
-from .._backend import ChunkLocal
+from .._backend import ChunkLocal, LocalGradients, StateGradPass, StatePass
 from ._blocks import (
     PAIR_FLUSH_BELOW,
     add_halves,
@@ -174,7 +174,7 @@ def unit_lower_inverse(beta: Any, L: Any) -> Any:
     return blocks[..., 0, :, :]
 
 
-def chunk_local(q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float) -> ChunkLocal:
+def chunk_local(q: Any, k: Any, v: Any, g: Any, beta: Any, *, scale: float) -> ChunkLocal:
     """Everything of every chunk that does not depend on the state: one fused step.
 
     ``q, k, g: [..., Cp, K]``, ``v: [..., Cp, V]``, ``beta: [..., Cp]``. The same as
@@ -189,37 +189,41 @@ def chunk_local(q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float) -> Chun
     b = beta[..., None]
     w = xp.matmul(Minv, b * f.kg)
     u0 = xp.matmul(Minv, b * v)
-    return ChunkLocal(f.qg, f.kg, f.k_suffix, f.total, A, L, Minv, w, u0, private=f)
+    return ChunkLocal(qg=f.qg, kg=f.kg, k_suffix=f.k_suffix, total=f.total, A=A, L=L, Minv=Minv, w=w, u0=u0,
+                      private=f)  # fmt: skip
 
 
 def chunk_local_backward(
-    q: Any, k: Any, g: Any, v: Any, beta: Any, scale: float, loc: ChunkLocal, boundaries: Any, *,
+    q: Any, k: Any, v: Any, g: Any, beta: Any, boundaries: Any, *, scale: float, local: ChunkLocal,
     dends: Any, u: Any, du: Any, grad_output: Any,
-) -> tuple[Any, Any, Any, Any, Any]:  # fmt: skip
+) -> LocalGradients:  # fmt: skip
     """Gradients of every chunk's state-free work, given its states and the state pass's gradients.
 
     Parameters
     ----------
     q, k, g : ``[B, H, NT, Cp, K]``; v : ``[B, H, NT, Cp, V]``; beta : ``[B, H, NT, Cp]``.
-    loc : :func:`chunk_local` of these chunks.
     boundaries, dends : ``[NT, B, H, K, V]``, the state at the start of each chunk and the
         gradient of the state at its end (:func:`chunk_state_grad_pass`).
+    scale : float
+    local : :func:`chunk_local` of these chunks.
     u, du, grad_output : ``[B, H, NT, Cp, V]``: ``U``, its gradient, and the output gradient.
 
     Returns
     -------
-    dq, dk, dg : ``[B, H, NT, Cp, K]``; dv : ``[B, H, NT, Cp, V]``; dbeta : ``[B, H, NT, Cp]``.
+    LocalGradients
+        ``dq, dk, dg [B, H, NT, Cp, K]``, ``dv [B, H, NT, Cp, V]``, ``dbeta [B, H, NT, Cp]``.
     """
     import sys
 
     return local_backward(
-        sys.modules[__name__], q, k, g, v, beta, scale, loc, boundaries, dends, u, du, grad_output
-    )
+        sys.modules[__name__], q, k, v, g, beta, boundaries, scale=scale, local=local, dends=dends, u=u,
+        du=du, grad_output=grad_output,
+    )  # fmt: skip
 
 
 def local_backward(
-    ops: Any, q, k, g, v, beta, scale: float, loc: ChunkLocal, boundaries, dends, u, du, grad_output
-) -> tuple[Any, Any, Any, Any, Any]:
+    ops: Any, q, k, v, g, beta, boundaries, *, scale: float, local: ChunkLocal, dends, u, du, grad_output
+) -> LocalGradients:
     """:func:`chunk_local_backward` written with the array API and ``ops``' finer primitives.
 
     ``ops`` provides :func:`chunk_factors`, :func:`chunk_pairs_backward` and
@@ -238,25 +242,25 @@ def local_backward(
     dk_suffix = xp.matmul(u, mT(dS))
     dtotal = xp.sum(S * dS, axis=-1)
     # U = U0 - W S with W = Minv beta kg, U0 = Minv beta v: gradients of beta kg and beta v
-    MinvT = mT(loc.Minv)
+    MinvT = mT(local.Minv)
     dkw = -xp.matmul(MinvT, xp.matmul(du, mT(S)))
     dku = xp.matmul(MinvT, du)
     # Minv = M^-1 with M = I + diag(beta) L, and dMinv = dW (beta kg)^T + dU0 (beta v)^T:
     # dM = -Minv^T dMinv Minv^T = -(dkw W^T + dku U0^T)
-    dX = xp.tril(-(xp.matmul(dkw, mT(loc.w)) + xp.matmul(dku, mT(loc.u0))), k=-1)
-    dbeta = xp.sum(dX * loc.L, axis=-1) + xp.sum(loc.kg * dkw, axis=-1) + xp.sum(v * dku, axis=-1)
+    dX = xp.tril(-(xp.matmul(dkw, mT(local.w)) + xp.matmul(dku, mT(local.u0))), k=-1)
+    dbeta = xp.sum(dX * local.L, axis=-1) + xp.sum(local.kg * dkw, axis=-1) + xp.sum(v * dku, axis=-1)
     dkg = b * dkw
-    f = loc.private if isinstance(loc.private, ChunkFactors) else ops.chunk_factors(q, k, g, scale)
+    f = local.private if isinstance(local.private, ChunkFactors) else ops.chunk_factors(q, k, g, scale)
     dq, dk, dg_pairs = ops.chunk_pairs_backward(dA, b * dX, q, k, f, scale)
     dq = dq + scale * f.prefix * dqg
     dk = dk + f.prefix * dkg + f.suffix * dk_suffix
     dg = ops.chunk_gate_gradient(f.qg * dqg + f.kg * dkg, f.k_suffix * dk_suffix, f.total * dtotal, dg_pairs)
-    return dq, dk, b * dku, dg, dbeta
+    return LocalGradients(dq=dq, dk=dk, dv=b * dku, dg=dg, dbeta=dbeta)
 
 
 def chunk_state_pass(
     w: Any, u0: Any, k_suffix: Any, total: Any, state: Any, qg: Any = None, A: Any = None
-) -> tuple[Any, Any, Any]:
+) -> StatePass:
     """The sequential state recurrence over chunks, with the output fused in.
 
     For chunk ``n`` with start state ``S``: ``U = u0 - w S``, the output ``O = qg S + A U`` and
@@ -285,13 +289,15 @@ def chunk_state_pass(
         S = total[:, :, n, :, None] * S + xp.matmul(xp.matrix_transpose(k_suffix[:, :, n, ...]), U)
     boundaries = _stack_states(xp, starts, state)
     if qg is None:
-        return boundaries, None, S
+        return StatePass(boundaries=boundaries, output=None, final_state=S)
     if not us:
-        return boundaries, xp.zeros(u0.shape, dtype=u0.dtype, device=u0.device), S
+        return StatePass(
+            boundaries=boundaries, output=xp.zeros(u0.shape, dtype=u0.dtype, device=u0.device), final_state=S
+        )
     # the output of every chunk at once: one batched product each
     by_head = xp.permute_dims(boundaries, (1, 2, 0, 3, 4))
     output = xp.matmul(qg, by_head) + xp.matmul(xp.tril(A), xp.stack(us, axis=2))
-    return boundaries, output, S
+    return StatePass(boundaries=boundaries, output=output, final_state=S)
 
 
 def _stack_states(xp: Any, states: list[Any], like: Any) -> Any:
@@ -304,7 +310,7 @@ def _stack_states(xp: Any, states: list[Any], like: Any) -> Any:
 def chunk_state_grad_pass(
     w: Any, u0: Any, k_suffix: Any, total: Any, qg: Any, A: Any, grad_output: Any, boundaries: Any,
     dfinal: Any,
-) -> tuple[Any, Any, Any, Any]:  # fmt: skip
+) -> StateGradPass:  # fmt: skip
     """The state-gradient recurrence over chunks, last chunk first, with its local terms fused in.
 
     With ``S`` the state at the start of chunk ``n`` (``boundaries[n]``), ``dO`` its output
@@ -330,7 +336,7 @@ def chunk_state_grad_pass(
     NT = w.shape[2]
     if NT == 0:
         empty = xp.zeros(u0.shape, dtype=u0.dtype, device=u0.device)
-        return _stack_states(xp, [], dfinal), empty, empty, dfinal
+        return StateGradPass(dends=_stack_states(xp, [], dfinal), u=empty, du=empty, dstart=dfinal)
     # the local terms of every chunk at once: one batched product each
     u = u0 - xp.matmul(w, xp.permute_dims(boundaries, (1, 2, 0, 3, 4)))
     du_local = xp.matmul(mT(xp.tril(A)), grad_output)
@@ -342,7 +348,7 @@ def chunk_state_grad_pass(
         dU = du_local[:, :, n, ...] + xp.matmul(k_suffix[:, :, n, ...], dS)
         dus[n] = dU
         dS = total[:, :, n, :, None] * dS + ds_local[:, :, n, ...] - xp.matmul(mT(w[:, :, n, ...]), dU)
-    return xp.stack(ends, axis=0), u, xp.stack(dus, axis=2), dS
+    return StateGradPass(dends=xp.stack(ends, axis=0), u=u, du=xp.stack(dus, axis=2), dstart=dS)
 
 
 def chunk_pairs_backward(

@@ -56,7 +56,7 @@ def _spans(N: int, T: int, offsets: Any) -> list[tuple[int, int, int]]:
 
 
 def decode_forward(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, pool: Any, start: Any, dest: Any, *,
+    q: Any, k: Any, v: Any, g: Any, beta: Any, pool: Any, start: Any, dest: Any, *, scale: float,
     offsets: Any = None, final_pool: Any = None, out: Any = None, v_first: bool = False,
 ) -> Any:  # fmt: skip
     """Run every request's steps from its start row and write its states to its slots.
@@ -66,13 +66,13 @@ def decode_forward(
     q, k, g : ``[B, HV, T, K]``; v : ``[B, HV, T, V]``; beta : ``[B, HV, T]``, all in the pool's
         dtype (q and k already expanded to the value heads). Request ``n`` is batch row ``n``, or
         with ``offsets`` (``[N + 1]`` host ints, ``B == 1``) steps ``offsets[n]:offsets[n + 1]``.
-    scale : float
     pool : ``[P, HV, K, V]`` (``[P, HV, V, K]`` with ``v_first``); rows ``start`` are read. Of
         the inputs' dtype, or a 16-bit float dtype with float32 inputs: a row is read as it is,
         computed in the inputs' dtype, and rounded to the pool's dtype where it is stored.
     start : ``[N]`` host ints (NumPy), ``-1`` for padding.
     dest : ``[N, W]`` host ints: ``W == 1`` the row of the final state, else the row of the state
         after each step (``-1``: not written). Distinct across the call (the caller checks).
+    scale : float
     final_pool : ``[P', HV, K, V]`` receiving the written rows (``pool``'s dtype and layout);
         None: ``pool`` (in place).
     out : ``[B, HV, T, V]`` buffer receiving the output, or None.

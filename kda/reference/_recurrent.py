@@ -17,6 +17,7 @@ from typing import Any
 
 from array_api_compat import array_namespace
 
+from .._backend import Gradients
 from ._blocks import decay
 
 __all__ = ["recurrent_backward", "recurrent_forward"]
@@ -48,7 +49,9 @@ def _step(xp: Any, S: Any, q_t: Any, k_t: Any, v_t: Any, g_t: Any, b_t: Any, sca
     return S, scale * _vecmat(xp, q_t, S)
 
 
-def recurrent_forward(q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any) -> tuple[Any, Any]:
+def recurrent_forward(
+    q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, *, scale: float
+) -> tuple[Any, Any]:
     """Run the recurrence.
 
     Parameters
@@ -73,8 +76,8 @@ def recurrent_forward(q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, s
 
 
 def recurrent_backward(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, state: Any, grad_output: Any, dfinal: Any,
-) -> tuple[Any, Any, Any, Any, Any, Any]:  # fmt: skip
+    q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, grad_output: Any, dfinal: Any, *, scale: float,
+) -> Gradients:  # fmt: skip
     """Gradients of the recurrence, stepping backwards through time.
 
     States are kept at every ``ceil(sqrt(T))``-th step and the ones between are recomputed,
@@ -82,7 +85,7 @@ def recurrent_backward(
 
     Parameters
     ----------
-    q, k, v, g, beta, scale, state : as for :func:`recurrent_forward`.
+    q, k, v, g, beta, state, scale : as for :func:`recurrent_forward`.
     grad_output : ``[B, H, T, V]``; dfinal : ``[B, H, K, V]``, gradient of the final state.
 
     Returns
@@ -131,7 +134,9 @@ def recurrent_backward(
             for acc, x in zip(grads, (dq_t, dk_t, dr, dg_t, db_t)):
                 acc.append(x)
     if T == 0:
-        empty = [xp.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v, g, beta)]
-        return (*empty, dS)
-    dq, dk, dv, dg, dbeta = (xp.stack(acc[::-1], axis=2) for acc in grads)
-    return dq, dk, dv, dg, dbeta, dS
+        dq, dk, dv, dg, dbeta = (
+            xp.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v, g, beta)
+        )
+    else:
+        dq, dk, dv, dg, dbeta = (xp.stack(acc[::-1], axis=2) for acc in grads)
+    return Gradients(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, dinitial=dS)

@@ -31,7 +31,7 @@ __all__ = ["SLAB_ELEMENTS", "BlasPin", "worker_context", "workers"]
 SLAB_ELEMENTS = 1 << 18
 
 
-def workers(xp: Any, heads: int) -> int:
+def workers(*, xp: Any, heads: int) -> int:
     """Head groups to run at once: one per core for NumPy when BLAS threads can be pinned."""
     if not array_api_compat.is_numpy_namespace(xp) or heads < 2:
         return 1

@@ -216,13 +216,13 @@ def worker(rank: int, world_size: int, port: int, options: Any, result_dir: str)
 def simulate(scenario: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
     """Every rank's output, final-state share and gradients (NumPy float64), from cp.py's steps."""
     from kda._entry import cp
-    from kda._entry.fla import chunk_keywords
+    from kda._options.spec import CallSpec
 
     x, opts, T = scenario["x"], scenario["opts"], scenario["T"]
     assert not opts, "simulate() runs kda's options directly: plain scenarios only"
     P = T // world_size
     arr = {n: x[n].double().numpy() for n in ("q", "k", "v", "g", "beta", "initial_state", "do")}
-    core = chunk_keywords(("chunk", K**-0.5, CHUNK, False, "log", None, ""))
+    core = CallSpec(scale=K**-0.5, chunk_size=CHUNK, layout="time_major")
     offsets = x["cu_seqlens"].tolist()
     parts = [cp.partition(offsets, world_size, r) for r in range(world_size)]
     xs = [

@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 import kda  # noqa: E402
 import kda.torch as kt  # noqa: E402
 from kda._entry import fla  # noqa: E402
+from kda._torch import convert  # noqa: E402
 
 RECURRENT = "fused_recurrent_kda"
 
@@ -51,7 +52,7 @@ def test_translate_memo_returns_the_first_translation():
     fla._MEMO.clear()
     first = _translate(scale=0.5, output_final_state=True)
     assert _translate(scale=0.5, output_final_state=True) is first
-    assert _translate(scale=0.25, output_final_state=True).static[1] == 0.25
+    assert _translate(scale=0.25, output_final_state=True).static.scale == 0.25
     assert _translate(scale=0.5).output_final_state is False
 
 
@@ -60,15 +61,15 @@ def test_translate_memo_keeps_types_and_signs_apart():
     (a bool scale is refused); -0.0 and 0.0 are different scales; an explicit ``chunk_size=None``
     is refused after a call that left it out."""
     fla._MEMO.clear()
-    assert _translate(scale=1).static[1] == 1.0
+    assert _translate(scale=1).static.scale == 1.0
     with pytest.raises(kda.InvalidTypeError, match="scale must be a real number"):
         _translate(scale=True)
-    assert not np.signbit(_translate(scale=0.0).static[1])
-    assert np.signbit(_translate(scale=-0.0).static[1])
-    assert _translate().static[2] == 64
+    assert not np.signbit(_translate(scale=0.0).static.scale)
+    assert np.signbit(_translate(scale=-0.0).static.scale)
+    assert _translate().static.chunk_size == 64
     with pytest.raises(kda.InvalidTypeError, match="chunk_size must be a positive int"):
         _translate(chunk_size=None)
-    assert _translate(use_qk_l2norm_in_kernel=1).static[3] is True
+    assert _translate(use_qk_l2norm_in_kernel=1).static.qk_l2norm is True
     assert _translate(use_qk_l2norm_in_kernel=True) is not _translate(use_qk_l2norm_in_kernel=1)
 
 
@@ -96,7 +97,7 @@ def test_translate_memo_is_bounded():
 def test_numpy_scalar_options_are_translated_every_time():
     """A NumPy scalar is not a plain key: no memo entry, the same result."""
     fla._MEMO.clear()
-    assert _translate(scale=np.float32(0.5)).static[1] == 0.5
+    assert _translate(scale=np.float32(0.5)).static.scale == 0.5
     assert not fla._MEMO
 
 
@@ -106,7 +107,7 @@ def test_numpy_scalar_options_are_translated_every_time():
 def _general(monkeypatch):
     """The long way round: the general tensor conversion and the general decode route."""
     decline_direct_decode_route(monkeypatch)
-    monkeypatch.setattr(kt, "_VIEWED", ())
+    monkeypatch.setattr(convert, "VIEWED", ())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -150,7 +151,7 @@ def test_a_negative_view_is_resolved():
     conversion resolves it."""
     x = torch.arange(4.0)
     neg = torch._neg_view(x)
-    assert neg.is_neg() and np.array_equal(kt._array(neg), -x.numpy())
+    assert neg.is_neg() and np.array_equal(convert.array(neg), -x.numpy())
 
 
 @pytest.mark.parametrize(

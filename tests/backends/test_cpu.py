@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kda
+from kda.cpu._outputs import KERNEL_OUTPUTS
 
 pytestmark = pytest.mark.skipif("cpu" not in BACKENDS, reason="numba or scipy not installed")
 
@@ -34,9 +35,6 @@ F32_FLUSHED = float(np.finfo(np.float32).tiny)
 # 4.2e-6 against terms of 1.5e-2, and float32's rounding of the terms (1.7e-9) is 4.0e-4 of the
 # result. It is judged against max|dends| as well (measured worst then 2.5e-6).
 
-# chunk_local_backward's keyword-only parameters (the state-gradient pass's results, dO)
-GRAD_PASS = ("dends", "u", "du", "grad_output")
-
 
 def _ops(name: str):
     import importlib
@@ -51,7 +49,7 @@ def _chunk_inputs(rng, shape, K, V, regime):
     g = gates(rng, (*shape, K), regime)
     v = rng.standard_normal((*shape, V))
     beta = rng.uniform(0.0, 2.0, shape)
-    return q, k, g, v, beta
+    return q, k, v, g, beta
 
 
 def _tol(dtype) -> float:
@@ -77,8 +75,8 @@ def test_primitives_match_the_reference(regime, Cp, K, V, dtype, seed):
     inputs = [x.astype(dtype) for x in inputs64]
     tol = _tol(dtype)
     floor = F32_FLUSHED if dtype == np.float32 else 0.0
-    want = ref.chunk_local(*inputs64, SCALE)
-    got = cpu.chunk_local(*inputs, SCALE)
+    want = ref.chunk_local(*inputs64, scale=SCALE)
+    got = cpu.chunk_local(*inputs, scale=SCALE)
     for name in ("qg", "kg", "k_suffix", "total", "A", "L", "w", "u0"):
         assert_close(getattr(got, name), getattr(want, name).astype(dtype), tol=tol, name=name, floor=floor)
     assert np.all(np.triu(got.A, 1) == 0) and np.all(np.triu(got.L) == 0)
@@ -95,17 +93,14 @@ def test_primitives_match_the_reference(regime, Cp, K, V, dtype, seed):
     )
     more = (x.astype(dtype) for x in (do, bd, dS))
     got_g = cpu.chunk_state_grad_pass(*c[:4], c[5], c[6], *more)
-    carried = tol * float(np.max(np.abs(want_g[0]), initial=0.0))  # rule 2: the size of dinitial's terms
+    carried = tol * float(np.max(np.abs(want_g.dends), initial=0.0))  # rule 2: the size of dinitial's terms
     for name, a, b in zip(("dends", "u", "du", "dinitial"), got_g, want_g, strict=True):
         at_least = max(floor, carried) if name == "dinitial" else floor
         assert_close(a, b.astype(dtype), tol=tol, name=name, floor=at_least)
-    want_b = ref.chunk_local_backward(*inputs64, SCALE, want, bd, **dict(zip(GRAD_PASS, (*want_g[:3], do))))
+    passed = dict(dends=want_g.dends, u=want_g.u, du=want_g.du, grad_output=do)
+    want_b = ref.chunk_local_backward(*inputs64, bd, scale=SCALE, local=want, **passed)
     got_b = cpu.chunk_local_backward(
-        *inputs,
-        SCALE,
-        got,
-        bd.astype(dtype),
-        **{n: x.astype(dtype) for n, x in zip(GRAD_PASS, (*want_g[:3], do))},
+        *inputs, bd.astype(dtype), scale=SCALE, local=got, **{n: x.astype(dtype) for n, x in passed.items()}
     )
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got_b, want_b, strict=True):
         assert_close(a, b.astype(dtype), tol=tol, name=name, floor=floor)
@@ -161,9 +156,9 @@ def test_fused_passes_read_strided_inputs_in_place_and_match_the_reference(regim
     assert not views[0].flags.c_contiguous
 
     def run(ops, xs, state=p.initial_state, dS=p.grad_final_state):
-        o, fin, bnd = chunk_forward(ops, np, *xs[:5], SCALE, state, 48)
+        o, fin, bnd = chunk_forward(ops, np, *xs[:5], state, scale=SCALE, chunk_size=48)
         grads = chunk_backward(
-            ops, np, *xs[:5], SCALE, state, bnd, grad_output=xs[5], dfinal=dS, chunk_size=48
+            ops, np, *xs[:5], state, bnd, grad_output=xs[5], dfinal=dS, scale=SCALE, chunk_size=48
         )
         return [o, fin, bnd, *grads]
 
@@ -189,14 +184,15 @@ def test_a_forward_that_keeps_no_boundaries_writes_none():
 
     cpu = _ops("cpu")
     p = make_problem(4, 1, 4, 512, 32, 32, "mild").astype(np.float32)
-    kept = chunk_forward(cpu, np, *p.inputs, SCALE, p.initial_state, 16)
+    kept = chunk_forward(cpu, np, *p.inputs, p.initial_state, scale=SCALE, chunk_size=16)
     tracemalloc.start()
-    dropped = chunk_forward(cpu, np, *p.inputs, SCALE, p.initial_state, 16, keep=False)
+    dropped = chunk_forward(cpu, np, *p.inputs, p.initial_state, scale=SCALE, chunk_size=16, keep=False)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    assert dropped[2] is None and kept[2].shape == (32, 1, 4, 32, 32)
-    assert np.array_equal(dropped[0], kept[0]) and np.array_equal(dropped[1], kept[1])
-    assert peak < kept[0].nbytes + kept[2].nbytes // 2, peak  # the output, not the boundaries
+    assert dropped.boundaries is None and kept.boundaries.shape == (32, 1, 4, 32, 32)
+    assert np.array_equal(dropped.output, kept.output)
+    assert np.array_equal(dropped.final_state, kept.final_state)
+    assert peak < kept.output.nbytes + kept.boundaries.nbytes // 2, peak  # the output, not the boundaries
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -463,3 +459,17 @@ print("block sizes", other)
     r = _python(script, NUMBA_CACHE_DIR=str(tmp_path))
     assert r.returncode == 0, r.stderr[-4000:]
     assert "block sizes" in r.stdout
+
+
+@pytest.mark.parametrize("name", sorted(KERNEL_OUTPUTS))
+def test_each_kernels_output_record_names_its_output_parameters_in_order(name):
+    """kda.cpu._run passes a kernel's outputs positionally from a record (kda.cpu._outputs): its
+    fields must be the kernel's parameters just before ``lo, hi``, in their order."""
+    import inspect
+
+    from kda.cpu import _kernels
+
+    record = KERNEL_OUTPUTS[name]
+    parameters = tuple(inspect.signature(getattr(_kernels, name).py_func).parameters)
+    assert parameters[-2:] == ("lo", "hi")
+    assert parameters[-2 - len(record._fields) : -2] == record._fields, (name, parameters)

@@ -403,15 +403,14 @@ def test_chunk_local_backward_tiles(Cp, K, V):
     S, dS = (rng.standard_normal((NT, B, H, K, V)) for _ in range(2))
     u, du, do = (rng.standard_normal((B, H, NT, Cp, V)) for _ in range(3))
     scale = K**-0.5
-    want = ref.chunk_local(q, k, g, v, beta, scale)
+    want = ref.chunk_local(q, k, v, g, beta, scale=scale)
     want_grads = ref.chunk_local_backward(
-        q, k, g, v, beta, scale, want, S, dends=dS, u=u, du=du, grad_output=do
+        q, k, v, g, beta, S, scale=scale, local=want, dends=dS, u=u, du=du, grad_output=do
     )
-    _, dev = both(np.float64, q, k, g, v, beta, S, dS, u, du, do)
-    got = kc.chunk_local(*dev[:5], scale)
-    got_grads = kc.chunk_local_backward(
-        *dev[:5], scale, got, dev[5], **dict(zip(("dends", "u", "du", "grad_output"), dev[6:]))
-    )
+    _, dev = both(np.float64, q, k, v, g, beta, S, dS, u, du, do)
+    steps, boundaries, passed = dev[:5], dev[5], dict(zip(("dends", "u", "du", "grad_output"), dev[6:]))
+    got = kc.chunk_local(*steps, scale=scale)
+    got_grads = kc.chunk_local_backward(*steps, boundaries, scale=scale, local=got, **passed)
     for name, a, w in zip(("dq", "dk", "dv", "dg", "dbeta"), got_grads, want_grads, strict=True):
         check(f"cuda chunk_local_backward.{name} (tiles)", a, w, np.float64, "kimi")
 
@@ -431,7 +430,7 @@ def test_chunks_longer_than_a_block_run_on_the_reference(monkeypatch):
     assert not any(name.startswith("chunk_") for name in kc._launch.LAUNCHES)
     q = np.zeros((1, 1, 1, 2 * kc.MAX_CHUNK, 3))
     with pytest.raises(ValueError, match="at most 64 steps"):
-        kc.chunk_local(q, q, q, q[..., :2], q[..., 0], 1.0)
+        kc.chunk_local(q, q, q[..., :2], q, q[..., 0], scale=1.0)
 
 
 def test_gate_flags():
@@ -554,8 +553,8 @@ def test_staged_state_pass_falls_back_and_runs_end_to_end(monkeypatch):
     """Where its tiles do not fit, the broadcast pass runs; a whole call with it matches the oracle."""
     monkeypatch.setattr(kc.state_pass, "STATE_PASS", "staged")
     kernel = kc.state_pass._state_kernel
-    assert kernel("chunk_state_pass", 1, 1, 64, 128, 128, 4)[0] == "chunk_state_pass_staged"
-    assert kernel("chunk_state_pass", 1, 1, 1024, 128, 128, 4)[0] == "chunk_state_pass"  # 2048 threads
+    assert kernel(1, 1, 64, 128, 128, 4)[0].name == "chunk_state_pass_staged"
+    assert kernel(1, 1, 1024, 128, 128, 4)[0].name == "chunk_state_pass"  # 2048 threads
     arrays = problem(np.random.default_rng(9), 1, 2, 19, 8, 20, "reset")
     LAUNCHES.clear()
     out, grads = run_chunked(arrays, np.float32, 7)
@@ -575,13 +574,13 @@ def test_wrapper_errors():
     v, beta = q[..., :2], q[..., 0]
     with pytest.raises(TypeError, match="float32 or float64"):
         half = to_dev(np.zeros((1, 1, 1, 4, 2), np.float16))
-        kc.chunk_local(half, half, half, half, half[..., 0], 1.0)
+        kc.chunk_local(half, half, half, half, half[..., 0], scale=1.0)
     with pytest.raises(TypeError, match="share one dtype"):
-        kc.chunk_local(q, k, g.astype(np.float64), v, beta, 1.0)
+        kc.chunk_local(q, k, v, g.astype(np.float64), beta, scale=1.0)
     with pytest.raises(ValueError, match="shape"):
-        kc.chunk_local(q, k[..., :1], g, v, beta, 1.0)
+        kc.chunk_local(q, k[..., :1], v, g, beta, scale=1.0)
     with pytest.raises(ValueError, match="power of two"):
-        kc.chunk_local(q[..., :3, :], k[..., :3, :], g[..., :3, :], v[..., :3, :], beta[..., :3], 1.0)
+        kc.chunk_local(q[..., :3, :], k[..., :3, :], v[..., :3, :], g[..., :3, :], beta[..., :3], scale=1.0)
 
 
 # ---------------------------------------------------------------- CuPy arrays on a GPU

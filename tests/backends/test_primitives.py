@@ -85,7 +85,7 @@ def test_chunk_local(ops, regime):
     q, k, g, rng = _inputs(regime)
     v = rng.standard_normal((*SHAPE, V))
     beta = rng.uniform(0, 2, SHAPE)
-    loc = ops.chunk_local(q, k, g, v, beta, SCALE)
+    loc = ops.chunk_local(q, k, v, g, beta, scale=SCALE)
     Cp = SHAPE[-1]
     prefix = np.stack([_segment(g, -1, i) for i in range(Cp)], axis=-2)
     suffix = np.stack([_segment(g, j, Cp - 1) for j in range(Cp)], axis=-2)
@@ -145,9 +145,9 @@ def test_chunk_local_backward(ops):
             x[idx] = old
             grad[idx] = (hi - lo) / 2e-6
         want.append(grad)
-    loc = ops.chunk_local(q, k, g, v, beta, SCALE)
+    loc = ops.chunk_local(q, k, v, g, beta, scale=SCALE)
     dq, dk, dv, dg, dbeta = ops.chunk_local_backward(
-        q, k, g, v, beta, SCALE, loc, S, dends=dS, u=u, du=du, grad_output=do
+        q, k, v, g, beta, S, scale=SCALE, local=loc, dends=dS, u=u, du=du, grad_output=do
     )
     for name, got, w in zip(("dq", "dk", "dg", "dv", "dbeta"), (dq, dk, dg, dv, dbeta), want, strict=True):
         assert_close(got, w, tol=1e-7, name=name)
@@ -255,10 +255,10 @@ def test_chunk_gate_gradient():
 def test_chunk_layout_round_trip(ops, T, C):
     x = np.arange(2 * 3 * T * 4, dtype=np.float64).reshape(2, 3, T, 4)
     Cp = 1 << (C - 1).bit_length()
-    chunks = ops.to_chunks(x, C, Cp)
+    chunks = ops.to_chunks(x, chunk_size=C, padded_size=Cp)
     assert chunks.shape == (2, 3, -(-T // C), Cp, 4)
     np.testing.assert_array_equal(chunks[:, :, 0, : min(C, T)], x[:, :, : min(C, T)])
-    np.testing.assert_array_equal(ops.from_chunks(chunks, C, T), x)
+    np.testing.assert_array_equal(ops.from_chunks(chunks, chunk_size=C, length=T), x)
 
 
 def test_every_backend_implements_the_interface(ops):
@@ -312,20 +312,19 @@ def test_chunk_local_and_its_backward_by_dtype(ops, regime, Cp, dtype):
     g = gates(rng, (B, H, NT, Cp, K_), regime)
     v = rng.standard_normal((B, H, NT, Cp, V_))
     beta = rng.uniform(0, 1, (B, H, NT, Cp))
-    want = REFERENCE.chunk_local(q, k, g, v, beta, SCALE)
-    got = ops.chunk_local(*_in(dtype, q, k, g, v, beta), SCALE)
+    want = REFERENCE.chunk_local(q, k, v, g, beta, scale=SCALE)
+    got = ops.chunk_local(*_in(dtype, q, k, v, g, beta), scale=SCALE)
     for field in ("qg", "kg", "k_suffix", "total", "A", "L", "Minv", "w", "u0"):
         assert_close(getattr(got, field), getattr(want, field), tol=TOL[dtype], dtype=dtype, name=field)
     S, dS = (rng.standard_normal((NT, B, H, K_, V_)) for _ in range(2))
     u, du, do = (rng.standard_normal((B, H, NT, Cp, V_)) for _ in range(3))
     want_grads = REFERENCE.chunk_local_backward(
-        q, k, g, v, beta, SCALE, want, S, dends=dS, u=u, du=du, grad_output=do
+        q, k, v, g, beta, S, scale=SCALE, local=want, dends=dS, u=u, du=du, grad_output=do
     )
     got_grads = ops.chunk_local_backward(
-        *_in(dtype, q, k, g, v, beta),
-        SCALE,
-        got,
-        _in(dtype, S)[0],
+        *_in(dtype, q, k, v, g, beta, S),
+        scale=SCALE,
+        local=got,
         **dict(zip(("dends", "u", "du", "grad_output"), _in(dtype, dS, u, du, do))),
     )
     for name, a, w in zip(("dq", "dk", "dv", "dg", "dbeta"), got_grads, want_grads, strict=True):
@@ -353,12 +352,12 @@ def test_recurrent_primitives(ops, regime, dtype):
     args = (q, k, v, g, beta)
     for name, a, w in zip(
         ("output", "final"),
-        ops.recurrent_forward(*_in(dtype, *args), 0.5, *_in(dtype, state)),
-        REFERENCE.recurrent_forward(*args, 0.5, state),
+        ops.recurrent_forward(*_in(dtype, *args, state), scale=0.5),
+        REFERENCE.recurrent_forward(*args, state, scale=0.5),
         strict=True,
     ):
         assert_close(a, w, tol=TOL[dtype], dtype=dtype, name=name)
-    got = ops.recurrent_backward(*_in(dtype, *args), 0.5, *_in(dtype, state, do, dstate))
-    want = REFERENCE.recurrent_backward(*args, 0.5, state, do, dstate)
+    got = ops.recurrent_backward(*_in(dtype, *args, state, do, dstate), scale=0.5)
+    want = REFERENCE.recurrent_backward(*args, state, do, dstate, scale=0.5)
     for name, a, w in zip(("dq", "dk", "dv", "dg", "dbeta", "dstate"), got, want, strict=True):
         assert_close(a, w, tol=TOL[dtype], dtype=dtype, name=name)

@@ -103,7 +103,7 @@ def test_no_entry_point_changes_the_callers_or_the_pools_environment(T):
         finally:
             m.leave(old)
         assert _control() == before, name
-    pool = cpu._pool(cpu.threads())
+    pool = cpu._pool.pool(cpu.threads())
     seen = [pool.submit(_flushes).result() for _ in range(8)]
     assert seen == [(False, False)] * 8
 

@@ -213,7 +213,8 @@ def _softplus_exact(x: np.ndarray) -> np.ndarray:
 
 def test_gate_maps_are_exact_at_extremes():
     """softplus and sigmoid neither overflow nor switch formula: log1p(exp(x)) to rounding."""
-    from kda._options.maps import _sigmoid, _softplus
+    from kda._options.gates import sigmoid as _sigmoid
+    from kda._options.gates import softplus as _softplus
 
     x = np.array([-1e4, -745.0, -100.0, -30.0, -20.0, -1e-8, 0.0, 1e-8, 15.0, 20.0, 30.0, 100.0, 1e4])
     with np.errstate(over="raise", invalid="raise", divide="raise"):
@@ -252,11 +253,13 @@ def test_gates_and_core_match_fla_naive():
         want = gates_fla[fla_fn](
             t(g_raw), t(A_log), t(dt_bias.reshape(-1)), **extra, output_dtype=torch.float32
         ).numpy()
-        from kda._options.maps import Options, _log_decay
+        from kda._options.maps import Options
 
         f32 = [x.astype(np.float32) for x in (g_raw, A_log, dt_bias)]
         options = Options(gate=gate, A_log=f32[1], dt_bias=f32[2], lower_bound=extra.get("lower_bound"))
-        got, _ = _log_decay(np, np.swapaxes(f32[0], 1, 2), options)
+        got, _ = options.law.log_decay(
+            np, np.swapaxes(f32[0], 1, 2), options.gate_params(), options.lower_bound
+        )
         assert got.dtype == np.float32
         np.testing.assert_allclose(np.swapaxes(got, 1, 2), want, rtol=1e-6, atol=1e-30)
     q, k = rng.standard_normal((2, B, T, H, K))
@@ -436,3 +439,206 @@ def test_gate_check_deferred_to_the_device(monkeypatch):
     for fn in (kda.chunk_kda, kda.recurrent_kda):
         with pytest.raises(kda.InvalidInputError, match="got 1 positive and 1 NaN elements"):
             fn(q, k, v, bad, beta, check_finite=False, backend="cuda")
+
+
+# ---------------------------------------------------------------- a gate law added in one class
+
+
+def _sigmoid64(x: np.ndarray) -> np.ndarray:
+    return 1 / (1 + np.exp(-x))
+
+
+class _ScaledSigmoidGate:
+    """A bounded law that exists nowhere in kda: ``log decay = -exp(A_log[h]) * sigmoid(g + dt_bias[h])``
+    (each step decays by at most ``exp(-exp(A_log))``), written here once as a gate-law class."""
+
+    @staticmethod
+    def make():
+        from kda._options import gates
+
+        class ScaledSigmoidGate(gates.GateLaw):
+            name = "test_scaled_sigmoid"
+            params = (gates.A_LOG, gates.DT_BIAS)
+            required = ("A_log",)
+            doc = "``-exp(A_log[h]) * sigmoid(g + dt_bias[h])``"
+
+            def log_decay(self, xp, g, params, lower_bound):
+                x = g if params["dt_bias"] is None else g + gates.DT_BIAS.broadcast(params["dt_bias"])
+                return -xp.exp(gates.A_LOG.broadcast(params["A_log"])) * gates.sigmoid(xp, x), x
+
+            def backward(self, xp, dlog, log, saved, params, lower_bound):
+                s = gates.sigmoid(xp, saved)
+                dx = -xp.exp(gates.A_LOG.broadcast(params["A_log"])) * s * (1 - s) * dlog
+                dA = xp.sum(dlog * log, axis=gates.A_LOG.reduce_axes())
+                ddt = None if params["dt_bias"] is None else xp.sum(dx, axis=gates.DT_BIAS.reduce_axes())
+                return dx, {"A_log": dA, "dt_bias": ddt}
+
+        return ScaledSigmoidGate
+
+
+@pytest.fixture
+def scaled_sigmoid_gate():
+    """The law registered for one test, and unregistered after it."""
+    from kda._options import gates
+
+    law = gates.register(_ScaledSigmoidGate.make())
+    try:
+        yield law.name
+    finally:
+        gates.unregister(law.name)
+    assert law.name not in gates.LAWS
+
+
+def _new_law_problem(dtype, B=1, H=2, T=37, K=8, V=6, seed=3):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, H, T, K))
+    k = rng.standard_normal((B, H, T, K))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((B, H, T, V))
+    g = 3 * rng.standard_normal((B, H, T, K))
+    beta = rng.uniform(0, 1, (B, H, T))
+    A_log = rng.uniform(-1, 1, H)
+    dt_bias = rng.standard_normal((H, K))
+    do = rng.standard_normal((B, H, T, V))
+    return [x.astype(dtype) for x in (q, k, v, g, beta, A_log, dt_bias, do)]
+
+
+def _new_law_oracle(q, k, v, g, beta, A_log, dt_bias, do):
+    """The float64 recurrence on the log decay computed here from the law's formula, and the
+    chain rule of the formula written out: the output and every gradient."""
+    f64 = [np.asarray(x, np.float64) for x in (q, k, v, g, beta, A_log, dt_bias, do)]
+    q, k, v, g, beta, A_log, dt_bias, do = f64
+    x = g + dt_bias[None, :, None, :]
+    a = np.exp(A_log)[None, :, None, None]
+    s = _sigmoid64(x)
+    log = -a * s
+    out = kda.recurrent_kda(q, k, v, log, beta)
+    grads = kda.recurrent_kda_backward(q, k, v, log, beta, do)
+    dx = grads.g * (-a * s * (1 - s))
+    return out.output, {
+        "q": grads.q, "k": grads.k, "v": grads.v, "g": dx, "beta": grads.beta,
+        "A_log": (grads.g * log).sum(axis=(0, 2, 3)), "dt_bias": dx.sum(axis=(0, 2)),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_new_gate_law_runs_through_chunk_kda(scaled_sigmoid_gate, dtype):
+    """One class registered is the whole of a new law: validation, the maps, the chunked forward
+    and backward and the gradients of its parameters, against the float64 oracle."""
+    q, k, v, g, beta, A_log, dt_bias, do = _new_law_problem(dtype)
+    want_o, want = _new_law_oracle(q, k, v, g, beta, A_log, dt_bias, do)
+    options = dict(gate=scaled_sigmoid_gate, A_log=A_log, dt_bias=dt_bias)
+    out = kda.chunk_kda(q, k, v, g, beta, chunk_size=16, save_boundaries=True, **options)
+    assert_close(out.output, want_o, tol=TOL[np.dtype(dtype)], dtype="any")
+    grads = kda.chunk_kda_backward(q, k, v, g, beta, out.boundaries, do, chunk_size=16, **options)
+    for name, expected in want.items():
+        assert_close(getattr(grads, name), expected, tol=TOL[np.dtype(dtype)], dtype="any", name=name)
+    # its check: A_log is required, lower_bound refused
+    with pytest.raises(kda.InvalidInputError, match=r"A_log .* is required"):
+        kda.chunk_kda(q, k, v, g, beta, gate=scaled_sigmoid_gate)
+    with pytest.raises(kda.InvalidInputError, match="lower_bound must be None"):
+        kda.chunk_kda(q, k, v, g, beta, lower_bound=-1.0, **options)
+
+
+def test_an_unregistered_gate_law_is_refused(scaled_sigmoid_gate):
+    from kda._options import gates
+
+    gates.unregister(scaled_sigmoid_gate)
+    try:
+        q, k, v, g, beta, A_log, _, _ = _new_law_problem(np.float64)
+        with pytest.raises(kda.InvalidInputError, match="gate must be one of"):
+            kda.chunk_kda(q, k, v, g, beta, gate=scaled_sigmoid_gate, A_log=A_log)
+        with pytest.raises(ValueError, match="built-in"):
+            gates.unregister("log")
+    finally:
+        gates.register(_ScaledSigmoidGate.make())
+
+
+def _time_major(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(np.swapaxes(x, 1, 2))
+
+
+def test_a_new_gate_law_runs_through_kda_torch(scaled_sigmoid_gate):
+    """The same law through kda.torch's fla-style chunk_kda (kda's ``gate`` keyword with
+    ``use_gate_in_kernel=True``) and its autograd: output and every gradient against the oracle."""
+    torch = pytest.importorskip("torch")
+    import kda.torch as kt
+
+    q, k, v, g, beta, A_log, dt_bias, do = _new_law_problem(np.float32)
+    want_o, want = _new_law_oracle(q, k, v, g, beta, A_log, dt_bias, do)
+    leaf = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+    steps = {n: torch.from_numpy(_time_major(x)).requires_grad_() for n, x in leaf.items()}
+    params = {n: torch.from_numpy(x).requires_grad_() for n, x in (("A_log", A_log), ("dt_bias", dt_bias))}
+    o, _ = kt.chunk_kda(
+        *steps.values(), use_gate_in_kernel=True, gate=scaled_sigmoid_gate, chunk_size=16, **params
+    )
+    assert_close(_time_major(o.detach().numpy()), want_o, tol=1e-5, dtype="any")
+    (o * torch.from_numpy(_time_major(do))).sum().backward()
+    for name, t in steps.items():
+        assert_close(_time_major(t.grad.numpy()), want[name], tol=1e-5, dtype="any", name=name)
+    for name, t in params.items():
+        assert_close(t.grad.numpy(), want[name], tol=1e-5, dtype="any", name=name)
+
+
+def test_a_new_gate_law_runs_through_kda_jax(scaled_sigmoid_gate):
+    """The same law through kda.jax's chunk_kda (its custom_vjp, the law's name in the static
+    options): output and every gradient against the oracle."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import kda.jax as kj
+
+    q, k, v, g, beta, A_log, dt_bias, do = _new_law_problem(np.float32)
+    want_o, want = _new_law_oracle(q, k, v, g, beta, A_log, dt_bias, do)
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
+    arrays = [jnp.asarray(_time_major(x)) for x in (q, k, v, g, beta)] + [
+        jnp.asarray(A_log),
+        jnp.asarray(dt_bias),
+    ]
+
+    def f(q, k, v, g, beta, A_log, dt_bias):
+        return kj.chunk_kda(
+            q, k, v, g, beta, use_gate_in_kernel=True, gate=scaled_sigmoid_gate, chunk_size=16, A_log=A_log,
+            dt_bias=dt_bias,
+        )[0]  # fmt: skip
+
+    o, vjp = jax.vjp(f, *arrays)
+    assert_close(_time_major(np.asarray(o)), want_o, tol=1e-5, dtype="any")
+    for name, got in zip(names, vjp(jnp.asarray(_time_major(do)))):
+        got = np.asarray(got)
+        assert_close(
+            got if name in ("A_log", "dt_bias") else _time_major(got),
+            want[name],
+            tol=1e-5,
+            dtype="any",
+            name=name,
+        )
+
+
+def test_divergence_warnings_name_the_callers_line_on_every_path():
+    """The divergence warning is attributed to the caller's line whatever the depth of kda's frames
+    above it (a plain call, a transition map, decode's general route): the
+    first frame outside the kda package, never a fixed stack level."""
+    import warnings
+
+    rng = np.random.default_rng(4)
+    B, H, T, K, V = 1, 1, 96, 3, 4
+    q, k = (3 * rng.standard_normal((B, H, T, K)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((B, H, T, V)).astype(np.float32)
+    g = np.zeros((B, H, T, K), np.float32)
+    beta = np.full((B, H, T), 1.9, np.float32)
+    wide = (q, k, np.repeat(v, 2, axis=1), np.repeat(g, 2, axis=1), np.repeat(beta, 2, axis=1))
+    pool, rows = np.zeros((1, 2, K, V), np.float32), np.array([0])
+    paths = {
+        "chunk_kda": lambda: kda.chunk_kda(q, k, v, g, beta, chunk_size=8),
+        "transition": lambda: kda.chunk_kda_transition(q, k, v, g, beta, chunk_size=8),
+        "decode, grouped heads": lambda: kda.decode_kda(*wide, pool, rows),
+    }
+    for name, run in paths.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run()
+        kinds = [w.category for w in caught]
+        assert kinds == [kda.KdaWarning], (name, [str(w.message) for w in caught])
+        where = (caught[0].filename, caught[0].lineno)
+        assert where == (__file__, run.__code__.co_firstlineno), (name, where)  # the lambda's own line

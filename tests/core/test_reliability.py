@@ -189,8 +189,8 @@ def test_mkl_is_pinned_on_each_thread_that_runs_kda(monkeypatch):
 
     monkeypatch.setattr(kda.cpu, "threads", lambda: 2)
     big = np.zeros(kda.cpu.INLINE_ELEMENTS)
-    kda.cpu._run(probe, 8, big)
-    pool = kda.cpu._pool(2)
+    kda.cpu._run(probe, 8, big, outputs=())
+    pool = kda.cpu._pool.pool(2)
     after = [pool.submit(lib.MKL_Get_Max_Threads).result() for _ in range(8)]
     assert ranges == [1] * 8
     assert set(after) == {default}
@@ -260,13 +260,13 @@ def test_cuda_without_numba_is_a_kda_error():
 def test_cuda_without_nvvm_names_it(monkeypatch):
     """A driver but no libNVVM (the kernels' compiler): the reason names NVVM and how to install it."""
     nvvm = pytest.importorskip("numba.cuda.cudadrv.nvvm")
-    from kda import _backend as _backends
+    from kda._backend import cuda_probe
 
     def missing():  # as numba's NvvmSupportError, or whatever loading the library raises
         raise OSError("libNVVM cannot be found")
 
     monkeypatch.setattr(nvvm, "NVVM", missing)
-    reason = _backends._nvvm_problem()
+    reason = cuda_probe._nvvm_problem()
     assert reason is not None and "libNVVM cannot be loaded (libNVVM cannot be found)" in reason
     assert "pip install" in reason
 
@@ -292,8 +292,8 @@ def test_python_m_kda_fails_on_a_broken_primitive(monkeypatch, capsys):
     good = kda.reference.chunk_state_pass
 
     def broken(*args):
-        boundaries, u, final = good(*args)
-        return boundaries, u, final * (1 + 1e-3)
+        passed = good(*args)
+        return passed._replace(final_state=passed.final_state * (1 + 1e-3))
 
     argv = ["--H", "1", "--T", "96", "--K", "8", "--V", "8", "--chunk-size", "32"]
     assert cli.main(argv) == 0

@@ -184,6 +184,7 @@ def test_torch_bfloat16_pool_view_follows_the_tensor():
     if ml_dtypes is None:
         pytest.skip("needs ml_dtypes (a bfloat16 pool's NumPy view)")
     import kda.torch as kt
+    from kda._torch import convert
 
     rng = np.random.default_rng(25)
     x = _inputs(rng, 2, 1, 1, 4, 6)
@@ -199,6 +200,6 @@ def test_torch_bfloat16_pool_view_follows_the_tensor():
         assert np.array_equal(o.numpy(), np.swapaxes(want, 1, 2))
         assert np.array_equal(_bits(t_pool.view(torch.int16).numpy()), _bits(dense))
     key = id(t_pool)
-    assert key in kt._BF16_VIEWS and final is t_pool
+    assert key in convert.BF16_VIEWS and final is t_pool
     del t_pool, final, kw
-    assert key not in kt._BF16_VIEWS
+    assert key not in convert.BF16_VIEWS

@@ -1,8 +1,10 @@
 """The backends against the interface they implement (:class:`kda._backend.Backend`): every
 backend module's primitives and hooks take the protocol's parameters (names, kinds, defaults
 present), the optional decode checks are filled in by :func:`kda._backend.complete` with generic
-versions whose answers equal the cpu backend's, and no function of ``kda/_backend.py`` takes
-more than 10 positional parameters.
+versions whose answers equal the cpu backend's, every method takes its step arrays in the order
+``q, k, v, g, beta`` (then the other arrays) with everything else keyword-only, every backend
+declares which inputs its fused passes screen (``FUSED_SCREENS``), and no function of
+``kda/_backend`` takes more than 10 positional parameters.
 
 The CUDA backend's module is imported under Numba's CUDA simulator where no GPU is present
 (``tests/conftest.py`` switches it on before numba is imported): no GPU is needed to check it.
@@ -20,6 +22,9 @@ from helpers import BACKENDS
 from kda import _backend
 from kda._backend import BACKENDS as ALL_BACKENDS
 from kda._backend import DEFAULTS, Backend
+
+# the modules of kda/_backend
+_MODULES = ("capabilities", "cuda_probe", "defaults", "dispatch", "protocol")
 
 # the methods of the protocol (its attributes, NAME and the like, carry no parameters)
 METHODS = sorted(n for n, f in vars(Backend).items() if not n.startswith("_") and inspect.isfunction(f))
@@ -100,8 +105,8 @@ def test_the_generic_decode_checks_answer_as_the_cpu_backends():
     answers = set()
     for label, x in _screen_cases():
         for finite in (True, False):
-            want = cpu.decode_screen(*x, finite)
-            assert _backend.decode_screen(*x, finite) == want, (label, finite)
+            want = cpu.decode_screen(*x, finite=finite)
+            assert _backend.decode_screen(*x, finite=finite) == want, (label, finite)
             answers.add(want)
         for out in x:
             assert _backend.decode_finite(out) == cpu.decode_finite(out), label
@@ -112,10 +117,42 @@ def test_the_generic_decode_checks_answer_as_the_cpu_backends():
     assert not _backend.decode_finite(out.T) and not cpu.decode_finite(out.T)
 
 
+# the step arrays, in the one order every method takes them
+STEPS = ("q", "k", "v", "g", "beta")
+# positional parameters that are arrays besides the step arrays
+ARRAYS = {
+    "x", "output", "state", "boundaries", "grad_output", "dfinal", "pool", "start", "dest", "w", "u0",
+    "k_suffix", "total", "qg", "A", "g",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_step_arrays_in_one_order_and_the_rest_keyword_only(method):
+    params = [p for p in inspect.signature(getattr(Backend, method)).parameters.values() if p.name != "self"]
+    positional = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+    steps = [n for n in STEPS if n in positional]  # those it takes, in the one order, first
+    assert positional[: len(steps)] == steps, f"{method} takes {positional}"
+    assert set(positional) <= ARRAYS | set(STEPS), f"{method}: only arrays are positional; got {positional}"
+
+
+@pytest.mark.parametrize("name", sorted(ALL_BACKENDS))
+def test_every_backend_declares_what_its_fused_passes_screen(name):
+    if name not in BACKENDS:
+        pytest.skip(f"backend {name!r} is not installed here")
+    module = importlib.import_module(ALL_BACKENDS[name])
+    screens = module.FUSED_SCREENS
+    assert isinstance(screens, frozenset)
+    if module.chunk_forward_heads is None:
+        assert screens == frozenset()
+    else:  # the names the entry points give the arrays a fused pass reads
+        assert screens and screens <= {"q", "k", "v", "g", "beta", "boundaries", "grad_output"}
+
+
 def test_no_function_of_the_interface_takes_more_than_ten_positional_parameters():
     positional = {inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD}
+    modules = [importlib.import_module(f"{_backend.__name__}.{m}") for m in _MODULES]
     functions = [
-        f for f in vars(_backend).values() if inspect.isfunction(f) and f.__module__ == _backend.__name__
+        f for m in modules for f in vars(m).values() if inspect.isfunction(f) and f.__module__ == m.__name__
     ]
     functions += [getattr(Backend, m) for m in METHODS]
     assert len(functions) > 20

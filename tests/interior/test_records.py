@@ -52,7 +52,7 @@ def test_torch_op_schemas_are_the_records():
     """Every op's arguments are the records' fields, in their order: the host arrays (those with a
     default optional), the offsets, the op's own, then OpOptions' fields with their types."""
     torch = pytest.importorskip("torch")
-    import kda.torch as kt
+    from kda._torch import ops as kt
 
     ops = torch.ops.kda
     options = list(OpOptions._fields)
@@ -68,12 +68,12 @@ def test_torch_op_schemas_are_the_records():
     for op in (ops.forward, ops.backward, ops.recurrent_inference):
         optional = _schema_optional(op)
         assert [n for n in Inputs._fields if optional[n]] == list(Inputs._field_defaults)
-        assert optional["lower_bound"] and not optional["scale"]
+        assert optional["lower_bound"] and optional["beta_activation"] and not optional["gate"]
     # the implementations read their arguments through records made from the same schemas
-    assert kt._ForwardArgs._fields == tuple(_schema_names(ops.forward))
-    assert kt._BackwardArgs._fields == tuple(_schema_names(ops.backward))
-    assert kt._DecodeArgs._fields == tuple(_schema_names(ops.decode))
-    assert kt._RecurrentInferenceArgs._fields == tuple(_schema_names(ops.recurrent_inference))
+    assert kt.ForwardArgs._fields == tuple(_schema_names(ops.forward))
+    assert kt.BackwardArgs._fields == tuple(_schema_names(ops.backward))
+    assert kt.DecodeArgs._fields == tuple(_schema_names(ops.decode))
+    assert kt.RecurrentInferenceArgs._fields == tuple(_schema_names(ops.recurrent_inference))
 
 
 def test_torch_op_reads_the_arrays_by_name(monkeypatch):
@@ -125,15 +125,7 @@ def test_jax_residuals_are_the_records():
         jnp.asarray(rng.uniform(size=(B, T, H)), dtype=jnp.float32),
         initial_state=jnp.ones((B, H, K, V), dtype=jnp.float32),
     )
-    static = OpOptions(
-        method="chunk",
-        scale=0.5,
-        chunk_size=4,
-        qk_l2norm=False,
-        gate="log",
-        lower_bound=None,
-        beta_activation="",
-    )
+    static = OpOptions(method="chunk", scale=0.5, chunk_size=4, layout="time_major")
     (o, final, boundaries), res = kj._kda_fwd(static, x, None)
     assert isinstance(res, kj.Residuals) and isinstance(res.inputs, Inputs)
     assert res.inputs.initial_state is x.initial_state and res.inputs.A_log is None
