@@ -283,26 +283,27 @@ def test_the_cpu_screen(dtype):
     x = [rng.standard_normal(shape).astype(dtype) for _ in range(3)]
     g = -rng.uniform(0, 1, shape).astype(dtype)
     beta = rng.uniform(0, 1, shape[:3]).astype(dtype)
-    assert screen(*x, g, beta, True)
+    assert screen(*x, g, beta, finite=True)
     huge = np.finfo(dtype).max
-    assert screen(*(np.full(shape, huge, dtype) for _ in range(3)), g, np.full(shape[:3], huge, dtype), True)
+    large = [np.full(shape, huge, dtype) for _ in range(3)]
+    assert screen(*large, g, np.full(shape[:3], huge, dtype), finite=True)
     g[0, 0, 0, :3] = [-np.inf, -0.0, 0.0]
-    assert screen(*x, g, beta, True)
+    assert screen(*x, g, beta, finite=True)
     for bad in (np.nan, np.finfo(dtype).smallest_subnormal, 1.0, np.inf):
         for i in (0, 40, g.size - 1):
             worse = g.copy()
             worse.reshape(-1)[i] = bad
-            assert not screen(*x, worse, beta, True) and not screen(*x, worse, beta, False)
+            assert not screen(*x, worse, beta, finite=True) and not screen(*x, worse, beta, finite=False)
     arrays = [*x, beta]
     for j in range(4):
         for bad in (np.nan, np.inf, -np.inf):
             for i in (0, arrays[j].size - 1):
                 worse = [a.copy() for a in arrays]
                 worse[j].reshape(-1)[i] = bad
-                assert not screen(*worse[:3], g, worse[3], True)
-                assert screen(*worse[:3], g, worse[3], False)  # finite=False: the gate alone
-    assert not screen(*x, g.astype(np.float64 if dtype == np.float32 else np.float32), beta, True)
-    assert not screen(x[0][..., ::-1], *x[1:], g, beta, True)  # not C-contiguous: the caller decides
+                assert not screen(*worse[:3], g, worse[3], finite=True)
+                assert screen(*worse[:3], g, worse[3], finite=False)  # finite=False: the gate alone
+    assert not screen(*x, g.astype(np.float64 if dtype == np.float32 else np.float32), beta, finite=True)
+    assert not screen(x[0][..., ::-1], *x[1:], g, beta, finite=True)  # not C-contiguous: the caller decides
 
 
 # ---------------------------------------------------------------- refusals: nothing written
