@@ -118,11 +118,6 @@ def _run_groups(ops: Any, groups: list[slice], task) -> list[Any]:
         return list(pool.map(lambda ctx, group: ctx.run(task, group), contexts, groups))
 
 
-def _index(axis: int, group: slice) -> tuple[slice, ...]:
-    """The indexing key of a head group ``group`` along ``axis`` (0: B, 1: H)."""
-    return (*(slice(None),) * axis, group, ...)
-
-
 def _writable(x: Any) -> bool:
     import array_api_compat
 
@@ -174,7 +169,7 @@ def chunk_forward(
         axis, groups = 1, [slice(None)]
 
     def task(group: slice) -> Forward:
-        i = _index(axis, group)
+        i = (*(slice(None),) * axis, group, ...)  # the group's heads along axis (0: B, 1: H)
         inputs = [x[i] for x in (q, k, v, g, beta)]
         into = None if boundaries is None else boundaries[(slice(None), *i)]
         result = _forward_heads(
@@ -273,7 +268,7 @@ def chunk_backward(
         axis, groups = 1, [slice(None)]
 
     def task(group: slice) -> Gradients:
-        i = _index(axis, group)
+        i = (*(slice(None),) * axis, group, ...)  # the group's heads along axis (0: B, 1: H)
         inputs = [x[i] for x in (q, k, v, g, beta)]
         if boundaries is None:
             ws = None if workspace is None else workspace[(slice(None), *i)]

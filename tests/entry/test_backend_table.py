@@ -57,6 +57,7 @@ def test_complete_fills_defaults_and_refuses_a_missing_primitive():
     assert space["RECURRENT_MAX_T"] == 7
     assert space["chunk_forward_heads"] is None and space["MAX_CHUNK"] is None
     assert space["workers"](xp=own, heads=16) == 1
+    assert space["FUSED_SCREENS"] == frozenset()  # no fused passes: nothing screened on the way
     assert space["launch_gate_check"](own) is None
     with space["worker_context"]():
         pass

@@ -285,9 +285,8 @@ def test_the_cpu_screen(dtype):
     beta = rng.uniform(0, 1, shape[:3]).astype(dtype)
     assert screen(*x, g, beta, finite=True)
     huge = np.finfo(dtype).max
-    assert screen(
-        *(np.full(shape, huge, dtype) for _ in range(3)), g, np.full(shape[:3], huge, dtype), finite=True
-    )
+    large = [np.full(shape, huge, dtype) for _ in range(3)]
+    assert screen(*large, g, np.full(shape[:3], huge, dtype), finite=True)
     g[0, 0, 0, :3] = [-np.inf, -0.0, 0.0]
     assert screen(*x, g, beta, finite=True)
     for bad in (np.nan, np.finfo(dtype).smallest_subnormal, 1.0, np.inf):
