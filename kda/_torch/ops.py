@@ -166,13 +166,14 @@ def _backward(ctx, do, dfinal, dboundaries):
     if do is None:
         dtype = x.q.dtype if options.method == "chunk" else x.v.dtype
         do = x.v.new_zeros(x.v.shape, dtype=dtype)
-    grads = _backward_op(
+    args = BackwardArgs(
         **x._asdict(), cu_seqlens=res.cu_seqlens, boundaries=res.boundaries, grad_output=do,
         grad_final_state=dfinal, grad_boundaries=dboundaries, **options._asdict(),
     )  # fmt: skip
-    grad = dict(zip(Inputs._fields, (None if t is None else gr for t, gr in zip(x, grads))))
+    grads = _backward_op(*args)  # the op's own record, in its schema's order
+    grad = {n: None if t is None else gr for n, t, gr in zip(Inputs._fields, x, grads)}
     # one gradient per argument of kda::forward, by name: none for cu_seqlens and the options
-    return tuple(grad.get(n) for n in ForwardArgs._fields)
+    return tuple(map(grad.get, ForwardArgs._fields))
 
 
 torch.library.register_autograd("kda::forward", _backward, setup_context=_setup_context)

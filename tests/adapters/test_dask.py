@@ -291,3 +291,55 @@ def test_packed_sequences_across_time_blocks(client, dtype):
             assert_close(a, b, tol=tol, name=f"{offsets} {name}")
         for name, a, b in zip(kda.KdaGradients._fields, got_grads, grads):
             assert_close(a, b, tol=tol, name=f"{offsets} d{name}")
+
+
+def _reordered(real, record):
+    """``real`` returning its record with the fields in reverse order (same names)."""
+    import collections
+
+    Reversed = collections.namedtuple("Reversed", record._fields[::-1])
+
+    def wrapped(*args, **kwargs):
+        r = real(*args, **kwargs)
+        return Reversed(**r._asdict())
+
+    return wrapped
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_graph_reads_task_records_by_name(monkeypatch, packed):
+    """The graph reads every block task's result by field name: the same bits when each task
+    returns its record with the fields in reverse order (an integer slot would read another
+    field, or fail on the shorter record)."""
+    from kda._dask import tasks
+    from kda._entry.call import KdaGradients, KdaOutput
+    from kda._entry.transition import KdaTransition
+
+    p = _problem("mild", np.float64, 53, H=2, seed=3)
+    A_log = np.linspace(-1.0, 0.5, 2)
+    kw = {"chunk_size": 8, "gate": "softplus", "A_log": A_log}
+    if packed:  # two sequences, the first crossing a time block
+        kw["cu_seqlens"] = np.array([0, 20, 53])
+    states = None if packed else p.initial_state
+
+    def run():
+        ins = [_dask(x, (16, 16, 21), heads=1) for x in (p.q, p.k, p.v, p.g, p.beta)]
+        do = _dask(p.grad_output, (16, 16, 21), heads=1)
+        out = kd.chunk_kda(*ins, initial_state=states, **kw)
+        grads = kd.chunk_kda_backward(*ins, None, do, None, initial_state=states, **kw)
+        return dask.compute(out[:2], grads, scheduler="sync")
+
+    want = run()
+    for name, record in (
+        ("forward_block", KdaOutput), ("backward_block", KdaGradients), ("transition_block", KdaTransition),
+        ("packed_forward_block", KdaOutput), ("packed_backward_block", KdaGradients),
+        ("packed_transition", KdaTransition), ("packed_state_gradient", tasks.Retreat),
+    ):  # fmt: skip
+        monkeypatch.setattr(tasks, name, _reordered(getattr(tasks, name), record))
+    got = run()
+    (out, grads), (got_out, got_grads) = want, got
+    for name, a, b in [
+        *zip(("output", "final_state"), out, got_out),
+        *zip(KdaGradients._fields, grads, got_grads),
+    ]:
+        assert (a is None and b is None) or np.array_equal(a, b), name
