@@ -18,11 +18,17 @@ Runs, each vLLM engine its own process (``python -m kda.vllm _generate_kimi_line
   prompts of 50-348 tokens; requests joining a running batch (each added while the others decode);
 * ``float32``, prefix caching with 64-token chunked prefill (``max_num_batched_tokens=64``): three
   concurrent prompts sharing a 300-token prefix, twice (the second pass must reuse cached tokens);
-* ``bfloat16``, default flags: the one prompt, against transformers' own bfloat16 run.
+* ``bfloat16``, default flags: the one prompt, against transformers' own bfloat16 run;
+* ``float32``, ngram speculative decoding (:data:`SPECULATIVE`), with vLLM's default flags
+  (``spec``: prefix caching in align mode) and with ``enable_prefix_caching=False``
+  (``spec-no-prefix``): the five concurrent prompts, against transformers and against the
+  non-speculative engine's tokens; the acceptance rate from vLLM's metrics
+  (``vllm:spec_decode_num_accepted_tokens`` / ``vllm:spec_decode_num_draft_tokens``).
 
 Pass: every float32 token equal to transformers' (up to a tie, ``TIE_LOGPROB``: a request's
 tokens after it are not compared), the first token's log probability within ``LOGPROB_TOL``, every
-second-pass request with cached tokens, and at least ``BF16_MIN_EQUAL`` of 32 bfloat16 tokens equal.
+second-pass request with cached tokens, at least ``BF16_MIN_EQUAL`` of 32 bfloat16 tokens equal,
+and in the speculative runs every token equal to the non-speculative run's with accepted draft tokens.
 """
 
 from __future__ import annotations
@@ -61,6 +67,11 @@ CHUNK = 64  # max_num_batched_tokens of the chunked-prefill engine
 # so a greedy choice closer than twice that may go either way (and the run's GEMMs may round
 # differently with the batch's composition). The request's later tokens are then not compared.
 TIE_LOGPROB = 1.5e-4
+#: ngram speculation as the check runs it: draft tokens looked up in the prompt and output so far
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+#: the float32 engines, each its own process: one row or more each (``engine_args``)
+FLOAT32_ENGINES = ["default", "chunked"]
+FLOAT32_ENGINES += ["spec", "spec-no-prefix"]  # ngram speculation, prefix caching on (align) and off
 
 
 def build_model(
@@ -143,6 +154,8 @@ def phases(seed: int, tokens: int) -> dict[str, list[Phase]]:
                     Phase("joining", p["joining"], PHASE_TOKENS, "joining")],
         "chunked": [Phase("prefix", p["prefix"], PHASE_TOKENS, "twice")],
         "bf16": [Phase("one", p["one"], tokens)],
+        "spec": [Phase("concurrent", p["concurrent"], PHASE_TOKENS)],
+        "spec-no-prefix": [Phase("concurrent", p["concurrent"], PHASE_TOKENS)],
     }  # fmt: skip
 
 
@@ -155,6 +168,10 @@ def engine_args(engine: str) -> dict[str, Any]:
     args: dict[str, Any] = {"enforce_eager": True, "max_model_len": 1024, "seed": 0}
     if engine == "chunked":
         args.update(enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=CHUNK)
+    if engine.startswith("spec"):  # vLLM's speculative metrics need its stats on
+        args.update(speculative_config=dict(SPECULATIVE), disable_log_stats=False)
+        if engine == "spec-no-prefix":
+            args.update(enable_prefix_caching=False)
     return args
 
 
@@ -177,7 +194,23 @@ def generate(path: str, dtype: str, engine: str, spec: str) -> None:
             passes = 2 if ph.mode == "twice" else 1
             runs = [[_record(o) for o in llm.generate(reqs, sp, use_tqdm=False)] for _ in range(passes)]
         out[ph.name] = {"passes": runs, "seconds": time.perf_counter() - t0}
+    if engine.startswith("spec"):
+        out["speculation"] = speculation_counts(llm)
     emit(out)
+
+
+def speculation_counts(llm: Any) -> dict[str, int]:
+    """vLLM's speculative decoding counters of the engine so far (its Prometheus metrics):
+    ``accepted`` and ``drafted`` tokens."""
+    names = {
+        "vllm:spec_decode_num_accepted_tokens": "accepted",
+        "vllm:spec_decode_num_draft_tokens": "drafted",
+    }
+    got = {"accepted": 0, "drafted": 0}
+    for metric in llm.get_metrics():
+        if metric.name in names:
+            got[names[metric.name]] += int(metric.value)
+    return got
 
 
 def _record(o: Any) -> dict[str, Any]:
@@ -243,6 +276,9 @@ class Result:
     seconds: float = 0.0
     diffs: list[str] = field(default_factory=list)
     ties: int = 0
+    #: speculative runs: (accepted, drafted) draft tokens, and tokens equal to the non-speculative run
+    speculation: tuple[int, int] | None = None
+    nonspec_equal: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -250,7 +286,10 @@ class Result:
             return self.equal >= min(BF16_MIN_EQUAL, self.total)
         close = self.dlogprob is None or self.dlogprob <= LOGPROB_TOL
         reused = self.phase != "prefix" or (bool(self.cached) and min(self.cached) > 0)
-        return self.equal == self.total and close and reused
+        speculated = self.speculation is None or (
+            self.speculation[0] > 0 and self.nonspec_equal == self.total
+        )
+        return self.equal == self.total and close and reused and speculated
 
 
 def compare(model: str, dtype: str, phase: str, vllm: dict[str, Any], hf: list[dict[str, Any]]) -> Result:
@@ -283,12 +322,16 @@ def table(rows: list[Result]) -> str:
     head = (
         "| model | dtype | run | tokens equal | ties | first-token logprob diff | cached tokens (2nd pass) "
     )
-    lines = [head + "| vLLM s | pass |", "|" + " --- |" * 9]
+    lines = [head + "| speculation: = non-spec, accepted/drafted | vLLM s | pass |", "|" + " --- |" * 10]
     for r in rows:
         d = "" if r.dlogprob is None else f"{r.dlogprob:.2e}"
         c = ", ".join(map(str, r.cached))
+        s = ""
+        if r.speculation is not None:
+            (a, n), rate = r.speculation, r.speculation[0] / max(r.speculation[1], 1)
+            s = f"{r.nonspec_equal}/{r.total}, {a}/{n} ({rate:.0%})"
         lines.append(f"| {r.model} | {r.dtype} | {r.phase} | {r.equal}/{r.total} | {r.ties} | {d} | {c} | "
-                     f"{r.seconds:.1f} | {'yes' if r.ok else 'NO'} |")  # fmt: skip
+                     f"{s} | {r.seconds:.1f} | {'yes' if r.ok else 'NO'} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -309,7 +352,8 @@ def check(
             os.makedirs(path, exist_ok=True)
             model = build_model(path, moe=name == "moe", seed=seed)
             for dtype in dtypes:
-                for engine in ("default", "chunked") if dtype == "float32" else ("bf16",):
+                records: dict[str, Any] = {}
+                for engine in FLOAT32_ENGINES if dtype == "float32" else ("bf16",):
                     spec = json.dumps([vars(p) for p in engines[engine]])
                     got = run_child(
                         ["_generate_kimi_linear", path, dtype, engine, spec], f"{name} {dtype} {engine}"
@@ -319,7 +363,32 @@ def check(
                         raise RuntimeError(
                             f"vLLM run ({name} {dtype} {engine}): completions {missing} not in place"
                         )
+                    records[engine] = got
                     for ph in engines[engine]:
                         hf = transformers_tokens(model, ph.prompts, ph.tokens, dtype)
-                        rows.append(compare(name, dtype, ph.name, got[ph.name], hf))
+                        row = compare(name, dtype, ph.name if engine in _PLAIN else f"{ph.name} ({engine})",
+                                      got[ph.name], hf)  # fmt: skip
+                        if "speculation" in got:
+                            _against_nonspec(row, got, records.get("default"), ph.name)
+                        rows.append(row)
     return all(r.ok for r in rows), rows
+
+
+_PLAIN = ("default", "chunked", "bf16")  # engines whose rows are named by their phase alone
+
+
+def _against_nonspec(row: Result, got: dict[str, Any], plain: dict[str, Any] | None, phase: str) -> None:
+    """A speculative run's row: its acceptance counts, and its tokens against the default engine's
+    (non-speculative) run of the same phase (none equal when that run is missing)."""
+    counts = got["speculation"]
+    row.speculation = (counts["accepted"], counts["drafted"])
+    row.nonspec_equal = 0
+    if plain is None or phase not in plain:
+        row.diffs.append(f"{row.model} {row.dtype} {row.phase}: no non-speculative run to compare with")
+        return
+    for i, (s, p) in enumerate(zip(got[phase]["passes"][0], plain[phase]["passes"][0])):
+        row.nonspec_equal += sum(a == b for a, b in zip(s["tokens"], p["tokens"]))
+        t = next((t for t, (a, b) in enumerate(zip(s["tokens"], p["tokens"])) if a != b), None)
+        if t is not None:
+            row.diffs.append(f"{row.model} {row.dtype} {row.phase}: request {i} first differs from the "
+                             f"non-speculative run at token {t}")  # fmt: skip
