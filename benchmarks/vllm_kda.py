@@ -366,6 +366,8 @@ def serve_one(path: str, tp: int, spec: bool, args: argparse.Namespace) -> list[
 
     from vllm import LLM, SamplingParams
 
+    from benchmarks import vllm_kda as bench  # by reference: the workers import it (not __main__'s copy)
+
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 128) for _ in range(args.serve_prompt)] for _ in range(max(args.batches))]
     kw: dict[str, Any] = {}
@@ -379,16 +381,16 @@ def serve_one(path: str, tp: int, spec: bool, args: argparse.Namespace) -> list[
     llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=0,
               tensor_parallel_size=tp, max_model_len=args.serve_prompt + args.serve_decode + 16,
               max_num_seqs=max(args.batches), disable_log_stats=False, **kw)  # fmt: skip
-    llm.collective_rpc(_install_op_timers)
+    llm.collective_rpc(bench._install_op_timers)
 
     def run(batch: int, n: int) -> tuple[float, float, tuple[int, int]]:
-        llm.collective_rpc(_read_op_seconds)
+        llm.collective_rpc(bench._read_op_seconds)
         before = _spec_counts(llm)
         sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         t0 = time.perf_counter()
         llm.generate([{"prompt_token_ids": p} for p in prompts[:batch]], sp, use_tqdm=False)
         wall = time.perf_counter() - t0
-        ops_s = max(llm.collective_rpc(_read_op_seconds))
+        ops_s = max(llm.collective_rpc(bench._read_op_seconds))
         after = _spec_counts(llm)
         return wall, ops_s, (after[0] - before[0], after[1] - before[1])
 
@@ -427,12 +429,18 @@ def serve_part(args: argparse.Namespace) -> list[dict[str, Any]]:
         for tp in args.tp:
             for spec in args.spec:
                 env = child_env()
+                root = str(Path(__file__).resolve().parent.parent)
+                env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
                 if tp > 1:
                     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
                 cmd = [sys.executable, "-m", "benchmarks.vllm_kda", "--part", "_serve", "--serve-path", path,
                        "--tp", str(tp), "--spec", spec, *_serve_flags(args)]  # fmt: skip
                 t0 = time.perf_counter()
-                p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.serve_timeout)
+                try:
+                    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.serve_timeout,
+                                       cwd=root)  # fmt: skip
+                except subprocess.TimeoutExpired as err:
+                    p = subprocess.CompletedProcess(cmd, -1, str(err.stdout or ""), f"timed out: {err}")
                 line = next((x for x in reversed(p.stdout.splitlines()) if x.startswith(_SERVE_TAG)), None)
                 if p.returncode != 0 or line is None:
                     tail = (p.stdout + p.stderr)[-2500:]
