@@ -437,10 +437,11 @@ def serve_part(args: argparse.Namespace) -> list[dict[str, Any]]:
                        "--tp", str(tp), "--spec", spec, *_serve_flags(args)]  # fmt: skip
                 t0 = time.perf_counter()
                 try:
-                    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.serve_timeout,
-                                       cwd=root)  # fmt: skip
+                    p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=root,
+                                       timeout=args.serve_timeout)  # fmt: skip
                 except subprocess.TimeoutExpired as err:
-                    p = subprocess.CompletedProcess(cmd, -1, str(err.stdout or ""), f"timed out: {err}")
+                    out = err.stdout if isinstance(err.stdout, str) else ""
+                    p = subprocess.CompletedProcess(cmd, -1, out, f"timed out: {err}")
                 line = next((x for x in reversed(p.stdout.splitlines()) if x.startswith(_SERVE_TAG)), None)
                 if p.returncode != 0 or line is None:
                     tail = (p.stdout + p.stderr)[-2500:]
