@@ -422,10 +422,13 @@ def serve_part(args: argparse.Namespace) -> list[dict[str, Any]]:
     from kda.vllm.check_kimi_linear import build_model
 
     rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="kda-vllm-serve-") as path:
+    with tempfile.TemporaryDirectory(prefix="kda-vllm-serve-") as tmp:
+        path = args.serve_model or tmp
         t0 = time.perf_counter()
-        build_model(path, moe=True, **SERVE_SIZES)
-        print(f"model written in {time.perf_counter() - t0:.0f} s", flush=True)
+        if not os.path.exists(os.path.join(path, "config.json")):  # --serve-model: written once, kept
+            os.makedirs(path, exist_ok=True)
+            build_model(path, moe=True, **SERVE_SIZES)
+            print(f"model written in {time.perf_counter() - t0:.0f} s", flush=True)
         for tp in args.tp:
             for spec in args.spec:
                 env = child_env()
@@ -491,6 +494,9 @@ def main(argv: list[str] | None = None) -> int:
         "--serve-decode", type=int, default=24, help="serve part: tokens decoded (default %(default)s)"
     )
     p.add_argument("--serve-timeout", type=float, default=600, help="serve part: seconds an engine may take")
+    p.add_argument(
+        "--serve-model", metavar="DIR", help="serve part: the model's directory (written if absent, kept)"
+    )
     p.add_argument("--serve-path", help=argparse.SUPPRESS)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--head-dim", type=int, default=128)
