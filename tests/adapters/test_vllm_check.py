@@ -220,3 +220,37 @@ def test_kimi_linear_ties():
     assert (r.equal, r.total, r.ties, r.ok) == (1, 3, 0, False) and "first differs at token 1" in r.diffs[0]
     lp[1][9] = -0.7
     assert ckl.compare("moe", "bfloat16", "one", vllm, hf).ties == 0
+
+
+def test_kimi_linear_speculative_rows():
+    """A speculative row passes only with every token equal to transformers' and to the
+    non-speculative run's, and draft tokens accepted; the table shows both, with the rate."""
+    ckl = pytest.importorskip("kda.vllm.check_kimi_linear")
+    hf = [{"tokens": [1, 2, 3], "first_logprob": -0.5}, {"tokens": [4, 5, 6], "first_logprob": -0.1}]
+
+    def run(tokens, counts=None):
+        recs = [{"tokens": t, "first_logprob": -0.5, "cached": 0} for t in tokens]
+        got = {"concurrent": {"passes": [recs], "seconds": 1.0}}
+        if counts is not None:
+            got["speculation"] = {"accepted": counts[0], "drafted": counts[1]}
+        return got
+
+    same = [[1, 2, 3], [4, 5, 6]]
+    plain = run(same)
+
+    def row(spec_run, plain_run):
+        r = ckl.compare("moe", "float32", "concurrent (spec)", spec_run["concurrent"], hf)
+        ckl._against_nonspec(r, spec_run, plain_run, "concurrent")
+        return r
+
+    good = row(run(same, (3, 12)), plain)
+    assert good.ok and good.speculation == (3, 12) and good.nonspec_equal == 6
+    assert not row(run(same, (0, 12)), plain).ok  # nothing accepted
+    bad = row(run(same, (3, 12)), run([[1, 2, 3], [4, 5, 9]]))  # the plain run differs
+    assert not bad.ok and bad.nonspec_equal == 5 and "non-speculative run at token 2" in bad.diffs[0]
+    assert not row(run(same, (3, 12)), None).ok  # no plain run to compare with
+    line = ckl.table([good]).splitlines()[2]
+    assert "| 6/6, 3/12 (25%) |" in line and line.endswith("| yes |")
+    assert ckl.engine_args("spec")["speculative_config"] == ckl.SPECULATIVE
+    assert ckl.engine_args("spec-no-prefix")["enable_prefix_caching"] is False
+    assert "enable_prefix_caching" not in ckl.engine_args("spec")  # vLLM's default
