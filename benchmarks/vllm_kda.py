@@ -369,7 +369,10 @@ def serve_one(path: str, tp: int, spec: bool, args: argparse.Namespace) -> list[
     from benchmarks import vllm_kda as bench  # by reference: the workers import it (not __main__'s copy)
 
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, 128) for _ in range(args.serve_prompt)] for _ in range(max(args.batches))]
+
+    def fresh(batch: int) -> list[list[int]]:  # new prompts every run: no prefix-cache hits between runs
+        return [[rng.randrange(3, 128) for _ in range(args.serve_prompt)] for _ in range(batch)]
+
     kw: dict[str, Any] = {}
     if spec:
         kw["speculative_config"] = dict(SPECULATIVE)
@@ -388,27 +391,28 @@ def serve_one(path: str, tp: int, spec: bool, args: argparse.Namespace) -> list[
         before = _spec_counts(llm)
         sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         t0 = time.perf_counter()
-        llm.generate([{"prompt_token_ids": p} for p in prompts[:batch]], sp, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": p} for p in fresh(batch)], sp, use_tqdm=False)
         wall = time.perf_counter() - t0
         ops_s = max(llm.collective_rpc(bench._read_op_seconds))
         after = _spec_counts(llm)
         return wall, ops_s, (after[0] - before[0], after[1] - before[1])
 
-    run(1, 2)  # warm-up
     rows = []
     for batch in args.batches:
+        run(batch, 2)  # warm-up: this batch's first step allocates
         best = None
-        for _ in range(args.rounds):  # the best round's pair of runs
+        for _ in range(args.serve_rounds):  # the best round's pair of runs
             t1, o1, _ = run(batch, 1)
             tn, on, (acc, drafted) = run(batch, args.serve_decode)
             if best is None or tn < best[2]:
                 best = (t1, o1, tn, on, acc, drafted)
         t1, o1, tn, on, acc, drafted = best
-        dt = max(tn - t1, 1e-9)
+        dt = tn - t1  # the decode's share of the longer run; none where noise swallowed it
         rows.append({
             "tp": tp, "speculation": spec, "batch": batch,
             "prefill_tok_s": batch * args.serve_prompt / t1, "prefill_kda_share": o1 / t1,
-            "decode_tok_s": batch * (args.serve_decode - 1) / dt, "decode_kda_share": max(on - o1, 0.0) / dt,
+            "decode_tok_s": batch * (args.serve_decode - 1) / dt if dt > 0 else None,
+            "decode_kda_share": max(on - o1, 0.0) / dt if dt > 0 else None,
             "accepted": acc, "drafted": drafted,
         })  # fmt: skip
     return rows
@@ -456,7 +460,7 @@ def serve_part(args: argparse.Namespace) -> list[dict[str, Any]]:
     sizes = ", ".join(f"{k} {v}" for k, v in SERVE_SIZES.items())
     print(f"\nvLLM-CPU + kda serving a Kimi Linear at 48B's layer sizes ({sizes}; 4 layers, MoE 2 of 8; "
           f"float32; prompts of {args.serve_prompt} tokens, {args.serve_decode} decoded; best of "
-          f"{args.rounds}; {os.cpu_count()} cpus)\n")  # fmt: skip
+          f"{args.serve_rounds}; {os.cpu_count()} cpus)\n")  # fmt: skip
     print("| TP | speculation | batch | prefill tok/s | kda ops % | decode tok/s | kda ops % "
           "| accepted/drafted |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -467,9 +471,10 @@ def serve_part(args: argparse.Namespace) -> list[dict[str, Any]]:
             continue
         a, d = r["accepted"], r["drafted"]
         rate = f"{a}/{d} ({a / d:.0%})" if d else ""
+        dec, share = r["decode_tok_s"], r["decode_kda_share"]
+        dec_s, share_s = ("n/a", "") if dec is None else (f"{dec:.2f}", f"{100 * share:.0f}")
         print(f"| {r['tp']} | {spec} | {r['batch']} | {r['prefill_tok_s']:.1f} "
-              f"| {100 * r['prefill_kda_share']:.0f} | {r['decode_tok_s']:.2f} "
-              f"| {100 * r['decode_kda_share']:.0f} | {rate} |")  # fmt: skip
+              f"| {100 * r['prefill_kda_share']:.0f} | {dec_s} | {share_s} | {rate} |")  # fmt: skip
     return rows
 
 
@@ -478,7 +483,8 @@ _SERVE_TAG = "KDA_SERVE_RESULT "
 
 def _serve_flags(args: argparse.Namespace) -> list[str]:
     return ["--serve-prompt", str(args.serve_prompt), "--serve-decode", str(args.serve_decode),
-            "--batches", ",".join(map(str, args.batches)), "--rounds", str(args.rounds)]  # fmt: skip
+            "--batches", ",".join(map(str, args.batches)),
+            "--serve-rounds", str(args.serve_rounds)]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -488,11 +494,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spec", default="off,on", help="serve part: ngram speculation (default %(default)s)")
     p.add_argument("--batches", default="1,8", help="serve part: concurrent requests (default %(default)s)")
     p.add_argument(
-        "--serve-prompt", type=int, default=256, help="serve part: prompt tokens (default %(default)s)"
+        "--serve-prompt", type=int, default=128, help="serve part: prompt tokens (default %(default)s)"
     )
     p.add_argument(
         "--serve-decode", type=int, default=24, help="serve part: tokens decoded (default %(default)s)"
     )
+    p.add_argument("--serve-rounds", type=int, default=1, help="serve part: rounds (default %(default)s)")
     p.add_argument("--serve-timeout", type=float, default=600, help="serve part: seconds an engine may take")
     p.add_argument(
         "--serve-model", metavar="DIR", help="serve part: the model's directory (written if absent, kept)"
