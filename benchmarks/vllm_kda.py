@@ -364,6 +364,9 @@ def serve_one(path: str, tp: int, spec: bool, args: argparse.Namespace) -> list[
     """The child of the serve part: one engine (``tp`` ranks, speculation on or off), batch 1 and 8."""
     import random
 
+    # the engine in this process (its workers in their own with TP): collective_rpc then sends the
+    # timers to the workers by cloudpickle, which the engine-process client refuses
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
     from benchmarks import vllm_kda as bench  # by reference: the workers import it (not __main__'s copy)
@@ -376,11 +379,7 @@ def serve_one(path: str, tp: int, spec: bool, args: argparse.Namespace) -> list[
     kw: dict[str, Any] = {}
     if spec:
         kw["speculative_config"] = dict(SPECULATIVE)
-    if tp > 1:
-        kw["distributed_executor_backend"] = "mp"
-    else:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        kw["distributed_executor_backend"] = "uni"
+    kw["distributed_executor_backend"] = "mp" if tp > 1 else "uni"
     llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=0,
               tensor_parallel_size=tp, max_model_len=args.serve_prompt + args.serve_decode + 16,
               max_num_seqs=max(args.batches), disable_log_stats=False, **kw)  # fmt: skip
