@@ -36,11 +36,15 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def run_child(args: list[str], what: str, timeout: float = 900) -> dict[str, Any]:
-    """Run ``python -m kda.vllm *args`` and return the JSON of its last :data:`RESULT` line;
-    ``RuntimeError`` with the output's tail when it fails or prints none."""
+def run_child(
+    args: list[str], what: str, timeout: float = 900, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Run ``python -m kda.vllm *args`` (``env`` added to :func:`child_env`) and return the JSON of
+    its last :data:`RESULT` line; ``RuntimeError`` with the output's tail when it fails or prints
+    none."""
     cmd = [sys.executable, "-m", "kda.vllm", *args]
-    p = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout)
+    env = {**child_env(), **(env or {})}
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith(RESULT)]
     if p.returncode != 0 or not lines:
         tail = "\n".join((p.stdout + p.stderr).splitlines()[-40:])

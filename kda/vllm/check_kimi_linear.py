@@ -19,11 +19,15 @@ Runs, each vLLM engine its own process (``python -m kda.vllm _generate_kimi_line
 * ``float32``, prefix caching with 64-token chunked prefill (``max_num_batched_tokens=64``): three
   concurrent prompts sharing a 300-token prefix, twice (the second pass must reuse cached tokens);
 * ``bfloat16``, default flags: the one prompt, against transformers' own bfloat16 run;
-* ``float32``, ngram speculative decoding (:data:`SPECULATIVE`), with vLLM's default flags
-  (``spec``: prefix caching in align mode) and with ``enable_prefix_caching=False``
-  (``spec-no-prefix``): the five concurrent prompts, against transformers and against the
-  non-speculative engine's tokens; the acceptance rate from vLLM's metrics
-  (``vllm:spec_decode_num_accepted_tokens`` / ``vllm:spec_decode_num_draft_tokens``).
+* the configurations of :data:`CONFIGS` (``float32``): ``tp2`` (``tensor_parallel_size=2``, the
+  ranks' threads bound with ``VLLM_CPU_OMP_THREADS_BIND="0|1"``: the one prompt and the concurrent
+  prompts), ``spec`` and ``spec-no-prefix`` (ngram speculative decoding, :data:`SPECULATIVE`, with
+  vLLM's default flags: prefix caching in align mode, and with ``enable_prefix_caching=False``: the
+  five concurrent prompts, against transformers and against the ``default`` engine's tokens, which
+  run too; the acceptance rate from vLLM's metrics, ``vllm:spec_decode_num_accepted_tokens`` /
+  ``vllm:spec_decode_num_draft_tokens``) in the check; ``poisoned`` (a small KV budget: preemption;
+  the KDA state pool and the short convolution's state filled with NaN as vLLM allocates them) run
+  by ``tests/adapters/test_vllm_serve.py`` (``--engines``).
 
 Pass: every float32 token equal to transformers' (up to a tie, ``TIE_LOGPROB``: a request's
 tokens after it are not compared), the first token's log probability within ``LOGPROB_TOL``, every
@@ -44,7 +48,10 @@ from typing import Any
 
 from ._common import BF16_MIN_EQUAL, LOGPROB_TOL, TOKENS, VOCAB, emit, prompt, run_child
 
-__all__ = ["CONCURRENT", "PHASES", "Phase", "build_model", "check", "transformers_tokens"]
+__all__ = [
+    "CONCURRENT", "CONFIGS", "PHASES", "SPECULATIVE", "Config", "Phase", "build_model", "check",
+    "float32_engines", "transformers_tokens",
+]  # fmt: skip
 
 HIDDEN, KDA_HEADS, KDA_HEAD_DIM, MLA_HEADS = 64, 2, 32, 2
 MLA = {
@@ -69,9 +76,6 @@ CHUNK = 64  # max_num_batched_tokens of the chunked-prefill engine
 TIE_LOGPROB = 1.5e-4
 #: ngram speculation as the check runs it: draft tokens looked up in the prompt and output so far
 SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
-#: the float32 engines, each its own process: one row or more each (``engine_args``)
-FLOAT32_ENGINES = ["default", "chunked"]
-FLOAT32_ENGINES += ["spec", "spec-no-prefix"]  # ngram speculation, prefix caching on (align) and off
 
 
 def build_model(
@@ -147,32 +151,124 @@ def _prompts(seed: int) -> dict[str, list[list[int]]]:
 
 
 def phases(seed: int, tokens: int) -> dict[str, list[Phase]]:
-    """The engines (``default``, ``chunked``, ``bf16``) and their phases."""
+    """The engines (``default``, ``chunked``, ``bf16`` and :data:`CONFIGS`') and their phases."""
     p = _prompts(seed)
-    return {
+    out = {
         "default": [Phase("one", p["one"], tokens), Phase("concurrent", p["concurrent"], PHASE_TOKENS),
                     Phase("joining", p["joining"], PHASE_TOKENS, "joining")],
         "chunked": [Phase("prefix", p["prefix"], PHASE_TOKENS, "twice")],
         "bf16": [Phase("one", p["one"], tokens)],
-        "spec": [Phase("concurrent", p["concurrent"], PHASE_TOKENS)],
-        "spec-no-prefix": [Phase("concurrent", p["concurrent"], PHASE_TOKENS)],
     }  # fmt: skip
+    for c in CONFIGS:
+        modes = {"joining": "joining", "prefix": "twice"}
+        out[c.name] = [
+            Phase(
+                f"{ph} {c.name}",
+                p[ph],
+                {"one": tokens, "concurrent": c.tokens}.get(ph, PHASE_TOKENS),
+                modes.get(ph, "together"),
+            )
+            for ph in c.phases
+        ]
+    return out
 
 
 PHASES = ("one", "concurrent", "joining", "prefix")
 
 
+@dataclass(frozen=True)
+class Config:
+    """A float32 engine beyond ``default`` and ``chunked``: its ``LLM`` arguments (over
+    :func:`engine_args`' defaults), its process's environment, its phases (by name, from
+    :func:`phases`' prompts; a row's run is ``"<phase> <name>"``), whether its KDA state pool and
+    convolution state are filled with NaN as vLLM allocates them (:func:`_poison_pools`), whether
+    ``check`` runs it by default (the others: ``--engines``), and the engine whose run of the same
+    phase its tokens must equal (``against``: ``check`` runs that one first, named or not)."""
+
+    name: str
+    args: dict[str, Any]
+    env: dict[str, str] = field(default_factory=dict)
+    phases: tuple[str, ...] = ("one", "concurrent")
+    poison: bool = False
+    default: bool = True
+    tokens: int = PHASE_TOKENS  # greedy tokens a request of its concurrent phase
+    against: str | None = None
+
+    @property
+    def speculative(self) -> bool:
+        """Speculative decoding on: the child reports vLLM's acceptance counts."""
+        return "speculative_config" in self.args
+
+
+# a small KV budget with prefix caching on (vLLM's default; the KDA state of each block boundary
+# kept, in blocks of its own): 32 blocks of 128 tokens for five prompts of 50-348 tokens
+SMALL_KV = {"num_gpu_blocks_override": 32, "max_model_len": 512, "enable_prefix_caching": True}
+# greedy tokens a concurrent request there: decoding past its prompt's last block (120 -> 184 tokens,
+# 200 -> 264, 348 -> 412) needs a block while the others hold the rest: vLLM preempts a request
+PREEMPT_TOKENS = 64
+# ngram speculation's engine arguments (vLLM's speculative metrics need its stats on)
+SPEC_ARGS = {"speculative_config": SPECULATIVE, "disable_log_stats": False}
+#: the extra float32 engines, one row per (model, phase); ``check`` runs those marked ``default``
+CONFIGS: tuple[Config, ...] = (
+    Config("tp2", {"tensor_parallel_size": 2}, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}),
+    # ngram speculation, prefix caching on (vLLM's default: align mode) and off; against the
+    # non-speculative default engine's tokens
+    Config("spec", SPEC_ARGS, phases=("concurrent",), against="default"),
+    Config(
+        "spec-no-prefix",
+        {**SPEC_ARGS, "enable_prefix_caching": False},
+        phases=("concurrent",),
+        against="default",
+    ),
+    Config(
+        "poisoned",
+        SMALL_KV,
+        phases=("concurrent", "joining", "prefix"),
+        poison=True,
+        default=False,
+        tokens=PREEMPT_TOKENS,
+    ),
+)
+
+
+def config(name: str) -> Config | None:
+    """The :data:`CONFIGS` entry named ``name`` (None for the built-in engines)."""
+    return next((c for c in CONFIGS if c.name == name), None)
+
+
 def engine_args(engine: str) -> dict[str, Any]:
     """``LLM`` arguments beyond the model, dtype and tokenizer: none of vLLM's cache or scheduling
-    defaults changed for ``default`` and ``bf16``; ``chunked``: prefix caching on and 64-token chunks."""
+    defaults changed for ``default`` and ``bf16``; ``chunked``: prefix caching on and 64-token chunks;
+    a :data:`CONFIGS` entry's ``args`` over these."""
     args: dict[str, Any] = {"enforce_eager": True, "max_model_len": 1024, "seed": 0}
     if engine == "chunked":
         args.update(enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=CHUNK)
-    if engine.startswith("spec"):  # vLLM's speculative metrics need its stats on
-        args.update(speculative_config=dict(SPECULATIVE), disable_log_stats=False)
-        if engine == "spec-no-prefix":
-            args.update(enable_prefix_caching=False)
+    extra = config(engine)
+    if extra is not None:
+        args.update(copy.deepcopy(extra.args))
     return args
+
+
+def _poison_pools() -> None:
+    """Fill each KDA layer's state pool and short-convolution state with NaN whenever vLLM's CPU
+    runner allocates its KV cache (in this process: the engine's own), so that a read of a slot no
+    request wrote (a stale or zero-assumed slot) turns the request's tokens into NaN logits or a
+    ``kda.KdaError`` (non-finite ``q``) instead of passing on zeroed memory."""
+    import torch
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    init = CPUModelRunner.initialize_kv_cache
+
+    def initialize_kv_cache(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        for layer in self.compilation_config.static_forward_context.values():
+            if type(layer).__name__ != "KimiGatedDeltaNetAttention":
+                continue
+            for state in layer.kv_cache:  # (conv_state, recurrent_state): views into the KV cache
+                if isinstance(state, torch.Tensor) and state.is_floating_point():
+                    state.fill_(float("nan"))
+
+    CPUModelRunner.initialize_kv_cache = initialize_kv_cache  # type: ignore[method-assign]
 
 
 def generate(path: str, dtype: str, engine: str, spec: str) -> None:
@@ -180,10 +276,14 @@ def generate(path: str, dtype: str, engine: str, spec: str) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: faster to start
     from vllm import LLM, SamplingParams
 
-    from . import completions
-
+    extra = config(engine)
+    if extra is not None and extra.poison:
+        _poison_pools()
     llm = LLM(model=path, skip_tokenizer_init=True, dtype=dtype, **engine_args(engine))
-    out: dict[str, Any] = {"completions": completions.installed()}
+    # where the model runs: the workers (tensor parallel: a process per rank), every one of them
+    ranks = llm.collective_rpc(_worker_completions)
+    preempted = _count_preemptions()
+    out: dict[str, Any] = {"completions": {k: all(r[k] for r in ranks) for k in ranks[0]}}
     for ph in (Phase(**p) for p in json.loads(spec)):
         sp = SamplingParams(temperature=0.0, max_tokens=ph.tokens, logprobs=1, ignore_eos=True)
         t0 = time.perf_counter()
@@ -193,8 +293,9 @@ def generate(path: str, dtype: str, engine: str, spec: str) -> None:
             reqs = [{"prompt_token_ids": ids} for ids in ph.prompts]
             passes = 2 if ph.mode == "twice" else 1
             runs = [[_record(o) for o in llm.generate(reqs, sp, use_tqdm=False)] for _ in range(passes)]
-        out[ph.name] = {"passes": runs, "seconds": time.perf_counter() - t0}
-    if engine.startswith("spec"):
+        out[ph.name] = {"passes": runs, "seconds": time.perf_counter() - t0, "preemptions": preempted[0]}
+        preempted[0] = 0
+    if extra is not None and extra.speculative:
         out["speculation"] = speculation_counts(llm)
     emit(out)
 
@@ -211,6 +312,29 @@ def speculation_counts(llm: Any) -> dict[str, int]:
         if metric.name in names:
             got[names[metric.name]] += int(metric.value)
     return got
+
+
+def _count_preemptions() -> list[int]:
+    """A counter of the requests vLLM's scheduler preempts from now on (the engine runs in this
+    process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``); ``[count]``, for the caller to read and reset."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    count = [0]
+    preempt = Scheduler._preempt_request
+
+    def _preempt_request(self: Any, *args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return preempt(self, *args, **kwargs)
+
+    Scheduler._preempt_request = _preempt_request  # type: ignore[method-assign]
+    return count
+
+
+def _worker_completions(worker: Any) -> dict[str, bool]:
+    """:func:`kda.vllm.completions.installed` in a vLLM worker's process (``collective_rpc``)."""
+    from . import completions
+
+    return completions.installed()
 
 
 def _record(o: Any) -> dict[str, Any]:
@@ -276,6 +400,7 @@ class Result:
     seconds: float = 0.0
     diffs: list[str] = field(default_factory=list)
     ties: int = 0
+    preemptions: int = 0
     #: speculative runs: (accepted, drafted) draft tokens, and tokens equal to the non-speculative run
     speculation: tuple[int, int] | None = None
     nonspec_equal: int | None = None
@@ -285,7 +410,7 @@ class Result:
         if self.dtype == "bfloat16":
             return self.equal >= min(BF16_MIN_EQUAL, self.total)
         close = self.dlogprob is None or self.dlogprob <= LOGPROB_TOL
-        reused = self.phase != "prefix" or (bool(self.cached) and min(self.cached) > 0)
+        reused = self.phase.split()[0] != "prefix" or (bool(self.cached) and min(self.cached) > 0)
         speculated = self.speculation is None or (
             self.speculation[0] > 0 and self.nonspec_equal == self.total
         )
@@ -313,9 +438,12 @@ def compare(model: str, dtype: str, phase: str, vllm: dict[str, Any], hf: list[d
                 diffs.append(f"{where} {what} at token {t}: vLLM {a}, transformers {b}{gap}")
             equal += sum(a == b for a, b in zip(v["tokens"][:compared], h["tokens"][:compared]))
             total += compared
-    d = abs(vllm["passes"][0][0]["first_logprob"] - hf[0]["first_logprob"]) if phase == "one" else None
-    cached = [r["cached"] for r in vllm["passes"][-1]] if phase == "prefix" else []
-    return Result(model, dtype, phase, equal, total, d, cached, vllm["seconds"], diffs, ties)
+    kind = phase.split()[0]  # "one tp2" is a "one" phase
+    d = abs(vllm["passes"][0][0]["first_logprob"] - hf[0]["first_logprob"]) if kind == "one" else None
+    cached = [r["cached"] for r in vllm["passes"][-1]] if kind == "prefix" else []
+    return Result(
+        model, dtype, phase, equal, total, d, cached, vllm["seconds"], diffs, ties, vllm.get("preemptions", 0)
+    )
 
 
 def table(rows: list[Result]) -> str:
@@ -335,16 +463,36 @@ def table(rows: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def float32_engines(engines: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """The float32 engines ``check`` runs, in order: ``engines`` (by default ``default``,
+    ``chunked`` and the :data:`CONFIGS` marked ``default``), each one's ``against`` engine first
+    when not among them; ``ValueError`` for a name that is none of ``default``, ``chunked`` and
+    :data:`CONFIGS`'."""
+    known = ("default", "chunked", *(c.name for c in CONFIGS))
+    f32 = engines or ("default", "chunked", *(c.name for c in CONFIGS if c.default))
+    unknown = [e for e in f32 if e not in known]
+    if unknown:
+        raise ValueError(f"engines: unknown {unknown}; known: {list(known)}")
+    # an engine compared with another's run (``against``) needs that run first
+    needed = [c.against for c in map(config, f32) if c is not None and c.against and c.against not in f32]
+    return (*dict.fromkeys(needed), *f32)
+
+
 def check(
     dtypes: tuple[str, ...] = ("float32", "bfloat16"), tokens: int = TOKENS, seed: int = 0,
     keep: str | None = None, models: tuple[str, ...] = ("dense", "moe"),
+    engines: tuple[str, ...] | None = None,
 ) -> tuple[bool, list[Result]]:  # fmt: skip
-    """Build each model, run its engines and transformers, compare; ``(passed, rows)``."""
+    """Build each model, run its engines and transformers, compare; ``(passed, rows)``. ``engines``:
+    the float32 engines to run (``default``, ``chunked`` and :data:`CONFIGS`' names; the bfloat16
+    engine runs with ``bfloat16`` in ``dtypes``); by default the built-in ones and the configurations
+    marked ``default``; a configuration's ``against`` engine is run first when not named."""
     from . import check_vllm_version, completions
 
     check_vllm_version()
     skip = completions.skipped()  # KDA_VLLM_SKIP: left out on purpose (docs/vllm.md's reproductions)
-    engines = phases(seed, tokens)
+    runs = phases(seed, tokens)
+    f32 = float32_engines(engines)
     rows: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="kda-vllm-kimi-") as tmp:
         for name in models:
@@ -353,10 +501,13 @@ def check(
             model = build_model(path, moe=name == "moe", seed=seed)
             for dtype in dtypes:
                 records: dict[str, Any] = {}
-                for engine in FLOAT32_ENGINES if dtype == "float32" else ("bf16",):
-                    spec = json.dumps([vars(p) for p in engines[engine]])
+                for engine in f32 if dtype == "float32" else ("bf16",):
+                    spec = json.dumps([vars(p) for p in runs[engine]])
+                    extra = config(engine)
                     got = run_child(
-                        ["_generate_kimi_linear", path, dtype, engine, spec], f"{name} {dtype} {engine}"
+                        ["_generate_kimi_linear", path, dtype, engine, spec],
+                        f"{name} {dtype} {engine}",
+                        env=None if extra is None else extra.env,
                     )
                     missing = [k for k, v in got["completions"].items() if not v and k not in skip]
                     if missing:
@@ -364,29 +515,27 @@ def check(
                             f"vLLM run ({name} {dtype} {engine}): completions {missing} not in place"
                         )
                     records[engine] = got
-                    for ph in engines[engine]:
+                    for ph in runs[engine]:
                         hf = transformers_tokens(model, ph.prompts, ph.tokens, dtype)
-                        row = compare(name, dtype, ph.name if engine in _PLAIN else f"{ph.name} ({engine})",
-                                      got[ph.name], hf)  # fmt: skip
-                        if "speculation" in got:
-                            _against_nonspec(row, got, records.get("default"), ph.name)
+                        row = compare(name, dtype, ph.name, got[ph.name], hf)
+                        if extra is not None and extra.speculative:
+                            _against_nonspec(row, got, records.get(extra.against or ""), ph.name)
                         rows.append(row)
     return all(r.ok for r in rows), rows
 
 
-_PLAIN = ("default", "chunked", "bf16")  # engines whose rows are named by their phase alone
-
-
 def _against_nonspec(row: Result, got: dict[str, Any], plain: dict[str, Any] | None, phase: str) -> None:
-    """A speculative run's row: its acceptance counts, and its tokens against the default engine's
-    (non-speculative) run of the same phase (none equal when that run is missing)."""
+    """A speculative run's row (its run ``phase``, ``"<phase> <engine>"``): its acceptance counts, and
+    its tokens against the non-speculative engine's (``against``) run of the same phase, ``"<phase>"``
+    (none equal when that run is missing)."""
     counts = got["speculation"]
     row.speculation = (counts["accepted"], counts["drafted"])
     row.nonspec_equal = 0
-    if plain is None or phase not in plain:
+    base = phase.split()[0]  # "concurrent spec" against "concurrent"
+    if plain is None or base not in plain:
         row.diffs.append(f"{row.model} {row.dtype} {row.phase}: no non-speculative run to compare with")
         return
-    for i, (s, p) in enumerate(zip(got[phase]["passes"][0], plain[phase]["passes"][0])):
+    for i, (s, p) in enumerate(zip(got[phase]["passes"][0], plain[base]["passes"][0])):
         row.nonspec_equal += sum(a == b for a, b in zip(s["tokens"], p["tokens"]))
         t = next((t for t, (a, b) in enumerate(zip(s["tokens"], p["tokens"])) if a != b), None)
         if t is not None:

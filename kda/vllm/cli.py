@@ -40,6 +40,19 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--tokens", type=int, default=TOKENS, help="greedy tokens (default: %(default)s)")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--keep", metavar="DIR", help="write the model to DIR (kept) instead of a temporary one")
+    c.add_argument(
+        "--engines",
+        metavar="NAMES",
+        help="kimi-linear: comma-separated float32 engines to run (default, chunked, and the "
+        "configurations tp2, spec, spec-no-prefix and poisoned; default: "
+        "default,chunked,tp2,spec,spec-no-prefix; spec and spec-no-prefix run default too)",
+    )
+    c.add_argument(
+        "--models",
+        default="dense,moe",
+        metavar="NAMES",
+        help="kimi-linear: comma-separated, of dense and moe (default: %(default)s)",
+    )
     for name, extra in (("_generate", ()), ("_generate_glm", ()), ("_generate_kimi_linear", ("engine",))):
         g = sub.add_parser(name, help=argparse.SUPPRESS)
         for arg in ("path", "dtype", *extra, "ids"):
@@ -98,11 +111,23 @@ def main(argv: list[str] | None = None) -> int:
 def _check_kimi_linear(dtypes: tuple[str, ...], args: argparse.Namespace) -> int:
     from . import check_kimi_linear
 
-    ok, rows = check_kimi_linear.check(dtypes, args.tokens, args.seed, args.keep)
+    engines = tuple(e.strip() for e in args.engines.split(",") if e.strip()) if args.engines else None
+    models = tuple(m.strip() for m in args.models.split(",") if m.strip())
+    for m in models:
+        if m not in ("dense", "moe"):
+            print(f"python -m kda.vllm check: --models: dense and moe only; got {m!r}", file=sys.stderr)
+            return 2
+    try:
+        ok, rows = check_kimi_linear.check(dtypes, args.tokens, args.seed, args.keep, models, engines)
+    except ValueError as err:
+        print(f"python -m kda.vllm check: --engines: {err}", file=sys.stderr)
+        return 2
     print(check_kimi_linear.table(rows))
     for r in rows:
         for line in r.diffs:
             print(line)
+        if r.preemptions:
+            print(f"{r.model} {r.dtype} {r.phase}: {r.preemptions} preemptions")
     print(f"{'PASS' if ok else 'FAIL'}: float32 tokens all equal to transformers' (first-token logprob "
           f"within {LOGPROB_TOL}, cached tokens on the second pass), bfloat16 >= "
           f"{min(BF16_MIN_EQUAL, args.tokens)}/{args.tokens}")  # fmt: skip

