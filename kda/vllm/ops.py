@@ -105,7 +105,9 @@ def fused_recurrent_kda(
     (row-strided views allowed); ``cu_seqlens [N + 1]`` packs the requests; ``ssm_state_indices``
     ``[>= N, W]`` a slot per step (or ``[>= N]`` with one token per request), of which the first
     ``N`` rows are read; ``num_accepted_tokens [>= N]``: request ``n`` starts from slot
-    ``[n, num_accepted_tokens[n] - 1]`` (slot ``[n, 0]`` without it). The state after step ``t`` is
+    ``[n, num_accepted_tokens[n] - 1]`` (slot ``[n, 0]`` without it; a start past the request's
+    steps, after a step shorter than the accepted count, is first copied to slot ``[n, 0]``, which
+    step 0 overwrites). The state after step ``t`` is
     written to slot ``[n, t]`` of the pool ``initial_state [slots, H, V, K]`` in place (not where
     that slot is ``<= 0``). Returns ``(out [1, T, H, V] in v's dtype, initial_state)``.
     ``fuse_gate`` (whether vLLM's kernel applies the gate itself) does not change the result.
@@ -128,6 +130,8 @@ def fused_recurrent_kda(
         _refuse("num_accepted_tokens needs 2-D ssm_state_indices [N, W] (a slot per step)")
     indices = ssm_state_indices[:N]
     accepted = None if num_accepted_tokens is None else num_accepted_tokens[:N]
+    if accepted is not None:
+        accepted = _start_past_the_step(initial_state, indices, accepted, offsets)
     if used != T:  # tokens past the requests' (vLLM's padding): no output written there
         if not 0 <= used <= T:
             _refuse(f"cu_seqlens must end within the T = {T} tokens of q; got {offsets[-1]}")
@@ -143,6 +147,33 @@ def fused_recurrent_kda(
         full[:, :used].copy_(o)
         return full, initial_state
     return _finish(o, out), initial_state
+
+
+def _start_past_the_step(
+    pool: torch.Tensor, indices: torch.Tensor, accepted: torch.Tensor, offsets: list[int]
+) -> torch.Tensor:
+    """vLLM starts request ``n`` from slot ``[n, num_accepted_tokens[n] - 1]`` of its row whatever
+    this step's length: after a step that accepted ``a`` tokens, a step with fewer than ``a``
+    tokens (no draft found) starts past its own steps, which kda's verify refuses (``1..T``). Such a
+    request's start state is copied to its first slot, ``[n, 0]`` (which its first step overwrites
+    in any case), and it starts there (count 1). Returns the counts kda gets (a new tensor where
+    one changed; vLLM's is not modified)."""
+    counts = accepted.tolist()
+    moved = []
+    for n, a in enumerate(counts):
+        t = offsets[n + 1] - offsets[n]
+        if 0 < t < a <= indices.shape[1]:
+            src, dst = int(indices[n, a - 1]), int(indices[n, 0])
+            if src > 0 and dst > 0:
+                moved.append((n, src, dst))
+    if not moved:
+        return accepted
+    counts = accepted.clone()
+    for n, src, dst in moved:
+        if src != dst:
+            pool[dst].copy_(pool[src])
+        counts[n] = 1
+    return counts
 
 
 def fused_recurrent_kda_packed_decode(

