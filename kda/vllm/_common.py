@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 from typing import Any
@@ -41,15 +42,31 @@ def run_child(
 ) -> dict[str, Any]:
     """Run ``python -m kda.vllm *args`` (``env`` added to :func:`child_env`) and return the JSON of
     its last :data:`RESULT` line; ``RuntimeError`` with the output's tail when it fails or prints
-    none."""
+    none. The child runs in a session of its own, killed whole when it ends: a vLLM worker that a
+    failed engine leaves behind (seen after a tensor-parallel worker's error) would otherwise keep
+    a core busy."""
     cmd = [sys.executable, "-m", "kda.vllm", *args]
     env = {**child_env(), **(env or {})}
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith(RESULT)]
+    with subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as p:
+        try:
+            stdout, stderr = p.communicate(timeout=timeout)
+        finally:
+            _kill_session(p.pid)
+    lines = [ln for ln in stdout.splitlines() if ln.startswith(RESULT)]
     if p.returncode != 0 or not lines:
-        tail = "\n".join((p.stdout + p.stderr).splitlines()[-40:])
+        tail = "\n".join((stdout + stderr).splitlines()[-40:])
         raise RuntimeError(f"vLLM run ({what}) failed, exit {p.returncode}:\n{tail}")
     return json.loads(lines[-1][len(RESULT) :])
+
+
+def _kill_session(pid: int) -> None:
+    """Kill every process left in the session (process group) that ``pid`` leads."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # nothing left
+        pass
 
 
 def emit(result: dict[str, Any]) -> None:
