@@ -43,6 +43,17 @@ or issue each one stands in for.
    from vLLM-CPU (``'function' object is not subscriptable``): here they run
    :func:`kda.vllm.speculative.precopy_align` and :func:`~kda.vllm.speculative.postprocess_align`
    on the state tensors themselves.
+9. Inductor's cache key (``inductor_isa``): vLLM-CPU compiles small functions with
+   ``torch.compile`` (inductor), among them the vocabulary-parallel embedding's input mask
+   (``get_masked_input_and_mask`` in ``vocab_parallel_embedding.py``: every tensor-parallel
+   forward). Inductor writes its C++ for the vector ISA ``ATEN_CPU_CAPABILITY`` (else the
+   processor) selects, but its FX graph cache key (in ``$TORCHINDUCTOR_CACHE_DIR``, by default
+   ``/tmp/torchinductor_$USER``) names the ISA only through ``torch._inductor.config.cpp.simdlen``,
+   ``None`` by default: a graph cached for AVX-512 is then reused under AVX2, its 16-lane loops
+   compiled with 8-lane vectors (half of each output never written: token ids out of range,
+   ``index out of range in self``), and the reverse. Where ``simdlen`` is unset, on x86, it is set
+   here to the width of ATen's CPU capability (AVX-512: 512, AVX2: 256, none: 0), the width
+   inductor picks then anyway, so that the key names it (:func:`key_inductor_isa`).
 """
 
 from __future__ import annotations
@@ -54,7 +65,7 @@ from typing import Any
 
 from .._errors import InvalidInputError
 
-__all__ = ["KIMI_LINEAR", "install"]
+__all__ = ["KIMI_LINEAR", "install", "key_inductor_isa"]
 
 KIMI_LINEAR = "KimiLinearForCausalLM"
 _MLA_LAYER = "vllm.models.kimi_k3.nvidia.mla"
@@ -71,6 +82,11 @@ _FP8_OPS = (
 )
 _CUDA_OP = "fused_kimi_k3_mla_key_concat_kv_cache_insert"  # present in _C where vLLM has its kernels
 _UNQUANTIZED_CACHES = ("auto", "float32", "bfloat16", "float16", "half")
+_INDUCTOR_CONFIG = "torch._inductor.config"
+# ATen's CPU capability (torch.backends.cpu.get_cpu_capability(), after ATEN_CPU_CAPABILITY) ->
+# the vector width inductor's x86 C++ is then written for
+_SIMDLEN = {"AVX512": 512, "AVX2": 256, "DEFAULT": 0}
+_X86 = ("x86_64", "AMD64")
 
 
 def _has_op(namespace: str, name: str) -> bool:
@@ -86,6 +102,7 @@ def _has_op(namespace: str, name: str) -> bool:
 #: names) leaves the named ones out: to reproduce what each stands in for (``docs/vllm.md``)
 NAMES = ("kv_b_proj", "mla_ops", "block_size", "zero_blocks", "prefix_caching", "context_out")
 NAMES += ("spec_conv", "spec_align")  # speculative decoding (kda.vllm.speculative)
+NAMES += ("inductor_isa",)
 
 
 def skipped() -> frozenset[str]:
@@ -105,6 +122,8 @@ def install(when_imported: Callable[[str, Callable[[Any], None]], None]) -> None
     skip = skipped()
     if "prefix_caching" not in skip:
         _keep_prefix_caching()
+    if "inductor_isa" not in skip:
+        when_imported(_INDUCTOR_CONFIG, key_inductor_isa)
     hooks = (
         (_MLA_LAYER, lambda m: _install_mla(m, skip)),
         (
@@ -302,6 +321,7 @@ def installed() -> dict[str, bool]:
         ),
         "spec_conv": flag(_CONV_USER, lambda m: m.causal_conv1d_update),
         "spec_align": flag(_MAMBA_UTILS, lambda m: m.MambaSpecDecodeGPUContext.run_fused_precopy),
+        "inductor_isa": _inductor_isa_keyed(sys.modules.get(_INDUCTOR_CONFIG)),
     }
 
 
@@ -400,3 +420,34 @@ def _spec_align_copies(module: Any) -> None:
         fn._kda = True  # type: ignore[attr-defined]
         fn.__wrapped__ = getattr(Ctx, fn.__name__)  # type: ignore[attr-defined]
         setattr(Ctx, fn.__name__, fn)
+
+
+# inductor's cache key (completion 9)
+def _simdlen() -> int | None:
+    """The vector width (bits) of inductor's C++ under ATen's CPU capability; None off x86 or for a
+    capability not in :data:`_SIMDLEN`."""
+    import platform
+
+    import torch
+
+    if platform.machine() not in _X86:
+        return None
+    return _SIMDLEN.get(torch.backends.cpu.get_cpu_capability())
+
+
+def key_inductor_isa(config: Any) -> None:
+    """Set ``config.cpp.simdlen`` (``config``: the module ``torch._inductor.config``) to the width
+    inductor picks from ATen's CPU capability, where it is unset, on x86: the width then enters
+    inductor's FX graph cache key, and a graph cached under another ISA is not reused (a user's
+    own ``simdlen`` is kept)."""
+    if config.cpp.simdlen is not None:
+        return
+    width = _simdlen()
+    if width is not None:
+        config.cpp.simdlen = width
+
+
+def _inductor_isa_keyed(config: Any) -> bool:
+    """Whether inductor's cache key names the ISA in this process (:func:`key_inductor_isa`):
+    ``simdlen`` set, or nothing to set (off x86); False while inductor's config is not imported."""
+    return config is not None and (config.cpp.simdlen is not None or _simdlen() is None)
