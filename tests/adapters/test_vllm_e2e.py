@@ -113,6 +113,23 @@ def test_plugin_installs_the_speculative_completions():
     assert out.strip().endswith("ok")
 
 
+def test_plugin_keys_inductor_by_isa():
+    """Through vLLM's plugin loader: inductor's ``cpp.simdlen`` is the width of ATen's CPU
+    capability (``ATEN_CPU_CAPABILITY=avx2``: 256), so inductor's cache key names the ISA;
+    ``KDA_VLLM_SKIP=inductor_isa`` leaves it unset."""
+    code = (
+        "import vllm.plugins as p\np.load_general_plugins()\n"
+        "import torch._inductor.config as c, kda.vllm.completions as k\n"
+        "print(c.cpp.simdlen, k.installed()['inductor_isa'])\n"
+    )
+    for extra, want in (({}, ["256", "True"]), ({"KDA_VLLM_SKIP": "inductor_isa"}, ["None", "False"])):
+        env = {**ENV, "ATEN_CPU_CAPABILITY": "avx2", **extra}
+        p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=600)  # fmt: skip
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert p.stdout.split()[-2:] == want, (extra, p.stdout)
+
+
 def test_plugin_off():
     """``KDA_VLLM=0``: vLLM's kernels stay."""
     code = (
@@ -149,9 +166,6 @@ def test_check_command_kimi_linear():
     tokens on the second pass; one and concurrent prompts with tensor_parallel_size=2; ngram
     speculation with prefix caching on and off), bfloat16 at least 28 of 32."""
     cmd = [sys.executable, "-m", "kda.vllm", "check", "--model", "kimi-linear"]
-    tp2 = _avx512()
-    if not tp2:  # docs/vllm.md, "Tensor parallel": TP 2 fails in vLLM-CPU's worker on AVX2 kernels
-        cmd += ["--engines", "default,chunked,spec,spec-no-prefix"]
     p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1500)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = [ln.split("|") for ln in p.stdout.splitlines() if ln.startswith(("| dense", "| moe"))]
@@ -160,7 +174,7 @@ def test_check_command_kimi_linear():
         for phase in ("one", "concurrent", "joining", "prefix"):
             assert (model, "float32", phase) in runs, p.stdout
         assert (model, "bfloat16", "one") in runs, p.stdout
-        for phase in ("one tp2", "concurrent tp2") if tp2 else ():  # tensor_parallel_size=2
+        for phase in ("one tp2", "concurrent tp2"):  # tensor_parallel_size=2
             assert (model, "float32", phase) in runs, p.stdout
     # | model | dtype | run | tokens equal | ties | logprob diff | cached tokens | speculation | s | pass |
     for r in rows:
@@ -170,17 +184,6 @@ def test_check_command_kimi_linear():
             assert min(int(c) for c in r[7].split(",")) > 0, p.stdout
     _speculation_rows(rows, p.stdout)
     assert "PASS" in p.stdout
-
-
-def _avx512() -> bool:
-    """Whether this host's processor has AVX-512 (Linux's /proc/cpuinfo flags): vLLM-CPU's tensor
-    parallel runs on AVX-512 kernels; on AVX2 ones (``ATEN_CPU_CAPABILITY=avx2`` on an AVX-512 host
-    reproduces it) its worker fails with ``index out of range in self``, an open fault."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return " avx512f " in f" {f.read().replace(chr(10), ' ')} "
-    except OSError:
-        return False
 
 
 def _speculation_rows(rows: list[list[str]], stdout: str) -> None:
