@@ -9,7 +9,11 @@ process reports the forward's and backward's wall time and this process's CPU ti
 on one core, so CPU time is the figure that other work on the machine disturbs least) and the
 ``numba:compile`` events (Numba's own: one per function compiled, none for one loaded from the
 cache). The first round also lists the compiled functions that took longest, their own time
-without the functions they compiled in turn. Then ``python -m kda warmup`` into an empty cache.
+without the functions they compiled in turn, and where the compile's time goes: LLVM (the time
+under Numba's LLVM lock: optimising each compiled function's final module and emitting its machine
+code) against Numba's own typing and lowering, and how much LLVM code the final modules hold
+against the functions' own (Numba links every callee's module into its caller's and optimises and
+emits it again there). Then ``python -m kda warmup`` into an empty cache.
 """
 
 from __future__ import annotations
@@ -43,7 +47,23 @@ class Listen(event.Listener):
         if stack:
             stack[-1][1].append(spent)
 
+class LLVM(event.Listener):
+    # the time spent inside LLVM (llvmlite holds Numba's LLVM lock around every call into it):
+    # optimising each function's final module and emitting its machine code
+    depth, started, spent = 0, 0.0, 0.0
+
+    def on_start(self, ev):
+        if LLVM.depth == 0:
+            LLVM.started = time.process_time()
+        LLVM.depth += 1
+
+    def on_end(self, ev):
+        LLVM.depth -= 1
+        if LLVM.depth == 0:
+            LLVM.spent += time.process_time() - LLVM.started
+
 event.register("numba:compile", Listen())
+event.register("numba:llvm_lock", LLVM())
 import kda
 
 T = int(sys.argv[1])
@@ -56,12 +76,35 @@ v = rng.standard_normal((B, H, T, V)).astype(np.float32)
 g = np.log(rng.uniform(0.5, 1.0, (B, H, T, K))).astype(np.float32)
 beta = rng.uniform(0, 1, (B, H, T)).astype(np.float32)
 do = rng.standard_normal((B, H, T, V)).astype(np.float32)
+LLVM.spent = 0.0
 c1, w1 = time.process_time(), time.perf_counter()
 out = kda.chunk_kda(q, k, v, g, beta, save_boundaries=True)
 c2, w2 = time.process_time(), time.perf_counter()
 kda.chunk_kda_backward(q, k, v, g, beta, out.boundaries, do, None)
 c3, w3 = time.process_time(), time.perf_counter()
-print(json.dumps({
+
+def instructions(module, name=None):
+    return sum(1 for f in module.functions if name is None or f.name == name
+               for b in f.blocks for i in b.instructions)
+
+# each compiled function's final LLVM module holds its own code and a copy of every function it
+# calls (Numba links the callees' modules in, then optimises and emits the whole module again)
+own = linked = entry = 0
+import numba
+from kda.cpu import _kernels  # the entry points (the backend calls these from Python)
+entries = {id(getattr(_kernels, name)) for name in _kernels.__all__}
+dispatchers = {id(v): v for name, module in list(sys.modules.items()) if name.startswith("kda.cpu")
+               for v in vars(module).values() if isinstance(v, numba.core.registry.CPUDispatcher)}
+for d in dispatchers.values():
+    for cres in d.overloads.values():
+        final = getattr(cres.library, "_final_module", None)
+        if final is not None and events:
+            own += instructions(final, cres.fndesc.llvm_func_name)
+            linked += instructions(final)
+            if id(d) in entries:
+                entry += instructions(final)
+print(json.dumps({"llvm_cpu": LLVM.spent, "own_instructions": own, "linked_instructions": linked,
+    "entry_instructions": entry,
     "import_wall": w1 - w0, "forward_wall": w2 - w1, "forward_cpu": c2 - c1,
     "backward_wall": w3 - w2, "backward_cpu": c3 - c2, "compiled": len(events),
     "compile_cpu": sum(e["cpu"] for e in events if e["depth"] == 0), "events": events,
@@ -136,6 +179,19 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"    {name:<48} {sum(spent):6.2f}"
                     + (f" ({len(spent)} signatures)" if len(spent) > 1 else "")
+                )
+            if cold["linked_instructions"]:
+                llvm, per = cold["llvm_cpu"], cold["llvm_cpu"] / cold["linked_instructions"]
+                print(
+                    f"  of the compile's {cold['compile_cpu']:.2f} CPU s, {llvm:.2f} s in LLVM (optimising"
+                    " each compiled function's final module, emitting its machine code),"
+                    f" {cold['compile_cpu'] - llvm:.2f} s in Numba's typing and lowering\n"
+                    f"  the final modules hold {cold['linked_instructions']} LLVM instructions for"
+                    f" {cold['own_instructions']} of the functions' own code: each caller links in,"
+                    " optimises and emits again every function it calls\n"
+                    f"  the entry kernels' final modules alone (the code the call runs): "
+                    f"{cold['entry_instructions']} instructions, {cold['entry_instructions'] * per:.2f} s"
+                    f" of LLVM at {per * 1e6:.0f} us an instruction"
                 )
     if not args.no_warmup:
         with tempfile.TemporaryDirectory(prefix="kda-first-call-") as cache:
