@@ -13,9 +13,8 @@ import torch
 
 from .._entry import cp as _cp
 from .._entry.call import Inputs
-from .._entry.fla import FlaCall
+from .._entry.fla import FlaCall, OpOptions
 from .._errors import InvalidInputError, InvalidTypeError
-from .._options.spec import CallSpec
 from .convert import array, compute_dtype, gate_params, on_stream, tensor
 
 __all__ = ["KdaCPContext", "apply_cp", "build_cp_context"]
@@ -161,7 +160,7 @@ class _ContextParallel(torch.autograd.Function):
         cd = compute_dtype(q.dtype)
         with on_stream(q):
             x = Inputs._make(map(array, inputs))
-            rank = _cp.open_rank(p, x, CallSpec.of(static))  # validated once
+            rank = _cp.open_rank(p, x, OpOptions.of(static).spec())  # validated once
             xp, adt = _namespace(x.v), x.v.dtype
             shape = (v.shape[2], q.shape[3], v.shape[3])
             own = _cp.forward_map(p, x, rank, adt)

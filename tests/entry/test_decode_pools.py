@@ -17,7 +17,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kda
-from kda._options.spec import CallSpec
 
 try:
     import ml_dtypes
@@ -562,8 +561,7 @@ def test_torch_eager_calls_are_the_ops():
     with torch.inference_mode():
         o1, f1 = fused_recurrent_kda(*tx, initial_state=s0, output_final_state=True)
         p1, _ = fused_recurrent_kda(*tx, initial_state=pools[0], **kw)
-    spec = CallSpec(method="recurrent", scale=8**-0.5, layout="time_major")
-    static = (*tx, s0, None, None, None, False, *spec)
+    static = (*tx, s0, None, None, None, False, "recurrent", 8**-0.5, 64, False, "log", None, "")
     o2, f2 = torch.ops.kda.recurrent_inference(*static)
     with torch.no_grad():
         p2, _ = fused_recurrent_kda(*tx, initial_state=pools[1], **kw)
