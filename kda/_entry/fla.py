@@ -26,7 +26,6 @@ Any other keyword raises ``TypeError`` (fla ignores unknown keywords silently).
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -39,8 +38,7 @@ from .._options.spec import CallSpec
 from .._options.validation import check_chunk_size, check_scale
 
 __all__ = [
-    "KEYWORD_TABLE", "FlaCall", "OpOptions", "boundary_bound", "check_gate_sizes",
-    "packed_chunks", "translate",
+    "KEYWORD_TABLE", "FlaCall", "OpOptions", "boundary_bound", "check_gate_sizes", "translate",
 ]  # fmt: skip
 
 # keyword -> (class, what kda does with it); the README's table restates it
@@ -206,12 +204,6 @@ class FlaCall:
     state_v_first: bool
     dt_bias_shape: tuple[int, int]
     intermediate_states: bool = False
-
-
-def packed_chunks(offsets: Any, chunk_size: int) -> int:
-    """``NT = sum(ceil(len_i / C))`` for host offsets."""
-    offsets = [int(n) for n in offsets]
-    return sum(-(-(b - a) // chunk_size) for a, b in itertools.pairwise(offsets))
 
 
 def boundary_bound(T: Any, chunk_size: int, num_seqs: int | None) -> Any:

@@ -29,6 +29,7 @@ import array_api_compat
 
 from .._errors import InvalidInputError
 from .._options.gates import PARAMETER_NAMES
+from .._options.packing import num_chunks
 from . import decode as _decode
 from .call import Call, Inputs, KdaGradients, bind_call, build_call
 from .fla import (
@@ -36,7 +37,6 @@ from .fla import (
     OpOptions,
     boundary_bound,
     check_gate_sizes,
-    packed_chunks,
     translate,
 )
 from .states import backward_with_state_gradients
@@ -221,7 +221,7 @@ def backward(
     if static.method != "chunk":
         boundaries = None
     else:
-        NT = boundaries.shape[0] if offsets is None else packed_chunks(offsets, static.chunk_size)
+        NT = boundaries.shape[0] if offsets is None else num_chunks(static.chunk_size, offsets=offsets)
         boundaries = boundaries[:NT, ...]
         if dboundaries is not None and bool(call.p.xp.any(dboundaries[:NT, ...])):  # they reached the loss
             dboundaries = dboundaries[:NT, ...]

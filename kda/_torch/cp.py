@@ -100,11 +100,8 @@ def build_cp_context(
     if not dist.is_available() or not dist.is_initialized():
         msg = "build_cp_context needs an initialised torch.distributed process group (group)"
         raise InvalidInputError(msg)
-    host = cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu
-    if host.dtype.is_floating_point or host.dtype.is_complex or host.dtype == torch.bool or host.ndim != 1:
-        msg = f"cu_seqlens must be a 1-D integer tensor; got {host.dtype} of shape {tuple(host.shape)}"
-        raise InvalidTypeError(msg)
-    p = _cp.partition(host.tolist(), dist.get_world_size(group), dist.get_rank(group))
+    host = (cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu).cpu()
+    p = _cp.partition(host, dist.get_world_size(group), dist.get_rank(group))  # cu_seqlens checked there
     local_cpu = torch.tensor(p.local_offsets, dtype=torch.int32)
     return KdaCPContext(
         group=group,

@@ -412,7 +412,9 @@ def test_torch_pool_refusals():
     tq, tk, tv, tg, tb = (torch.from_numpy(np.ascontiguousarray(np.swapaxes(a, 1, 2))) for a in x)
     pool = torch.zeros((3, 1, 4, 4), dtype=torch.int32)
     with pytest.raises(
-        kda.InvalidTypeError, match=r"must have dtype torch.float32, torch.float16 or torch.bfloat16"
+        kda.InvalidTypeError,
+        match=r"initial_state \(the state pool, updated in place\) must have dtype float32, float16 or "
+        r"bfloat16",
     ):
         fused_recurrent_kda(tq, tk, tv, tg, tb, initial_state=pool, inplace_final_state=True,
                             ssm_state_indices=torch.tensor([0, 1]))  # fmt: skip
