@@ -32,10 +32,11 @@ import numpy as np
 
 from ._entry import host as _host
 from ._entry.call import Inputs
-from ._entry.fla import FlaCall, OpOptions, packed_chunks
+from ._entry.fla import FlaCall, OpOptions
 from ._entry.fla_front import CHUNK_DOC, RECURRENT_DOC, fla_function
 from ._errors import InvalidInputError, InvalidTypeError
 from ._options.gates import PARAMETERS
+from ._options.packing import check_pad_slot_id, check_pool_dtype, num_chunks
 
 __all__ = ["chunk_kda", "fused_recurrent_kda"]
 
@@ -151,7 +152,7 @@ def _apply(x: Inputs, cu: Any, call: FlaCall):
     nt = None
     if call.intermediate_states and cu is not None:
         try:
-            nt = packed_chunks(np.asarray(cu), call.static.chunk_size)
+            nt = num_chunks(call.static.chunk_size, offsets=np.asarray(cu))
         except jax.errors.TracerArrayConversionError:
             msg = "return_intermediate_states=True with cu_seqlens needs concrete cu_seqlens (not under jit)"
             raise InvalidInputError(msg) from None
@@ -190,19 +191,13 @@ def _apply_pool(x: Inputs, cu: Any, call: FlaCall, kw: dict[str, Any]):
     )
     accepted = _as_array("num_accepted_tokens", accepted)
     cd = _compute_dtype(q.dtype)
-    if pool.dtype != cd and not (cd == jnp.float32 and pool.dtype in (jnp.float16, jnp.bfloat16)):
-        want = jnp.dtype(cd).name if cd != jnp.float32 else "float32, float16 or bfloat16"
-        msg = f"initial_state (the state pool) must have dtype {want}; got {pool.dtype}"
-        raise InvalidTypeError(msg)
+    check_pool_dtype("initial_state (the state pool)", pool.dtype, cd)
     if indices is None:  # request n continues row n
         N = q.shape[0] if cu is None else cu.shape[0] - 1
         indices = jnp.arange(N, dtype=jnp.int32)
     A_log, dt_bias = _gate_params(call, A_log, dt_bias, cd)
     q, k, v_, g, beta = (a.astype(cd) if a.dtype != cd else a for a in (q, k, v, g, beta))
-    pad = kw.get("pad_slot_id", -1)
-    if isinstance(pad, bool) or not isinstance(pad, int):
-        msg = f"pad_slot_id must be an int (-1, or a pool row reserved for padding); got {type(pad).__name__}"
-        raise InvalidTypeError(msg)
+    pad = check_pad_slot_id(kw.get("pad_slot_id", -1), pool.shape[0])
     structs = (_struct(v.shape, cd), _struct(pool.shape, pool.dtype))  # a 16-bit pool stays 16-bit
     host = functools.partial(_host_decode, call.static, call.state_v_first, pad)  # the pool's own layout
     steps = Inputs(q, k, v_, g, beta, A_log=A_log, dt_bias=dt_bias)

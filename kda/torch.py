@@ -41,10 +41,11 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as current_d
 
 from ._entry import host as _host
 from ._entry.call import Inputs
-from ._entry.fla import FlaCall, packed_chunks
+from ._entry.fla import FlaCall
 from ._entry.fla_front import CHUNK_DOC, RECURRENT_DOC, fla_function
 from ._errors import InvalidInputError, InvalidTypeError
-from ._torch.convert import HALF, compute_dtype, gate_params, offsets
+from ._options.packing import check_pad_slot_id, check_pool_dtype, num_chunks
+from ._torch.convert import compute_dtype, gate_params, offsets
 from ._torch.cp import KdaCPContext, apply_cp, build_cp_context
 from ._torch.ops import (
     DecodeArgs,
@@ -115,7 +116,7 @@ def _apply(x: Inputs, cu_seqlens: Any, call: FlaCall):
     if not call.intermediate_states:
         return o, final
     chunk_size = static.chunk_size
-    NT = boundaries.shape[0] if cu_seqlens is None else packed_chunks(offsets(cu_seqlens), chunk_size)
+    NT = boundaries.shape[0] if cu_seqlens is None else num_chunks(chunk_size, offsets=offsets(cu_seqlens))
     h = boundaries[:NT].movedim(0, 1)  # [B, NT, HV, K, V]
     h = (h.transpose(-1, -2) if call.state_v_first else h).to(x.k.dtype)
     return o, final, h
@@ -136,14 +137,8 @@ def _apply_pool(x: Inputs, cu_seqlens: Any, call: FlaCall, kw: dict[str, Any]):
         )
         raise InvalidInputError(msg)
     cd = compute_dtype(q.dtype)
-    if pool.dtype != cd and not (cd == torch.float32 and pool.dtype in HALF):
-        want = cd if cd == torch.float64 else "torch.float32, torch.float16 or torch.bfloat16"
-        msg = f"initial_state (the state pool, updated in place) must have dtype {want}; got {pool.dtype}"
-        raise InvalidTypeError(msg)
-    pad = kw.get("pad_slot_id", -1)
-    if isinstance(pad, torch.Tensor) or isinstance(pad, bool) or not isinstance(pad, int):
-        msg = f"pad_slot_id must be an int (-1, or a pool row reserved for padding); got {type(pad).__name__}"
-        raise InvalidTypeError(msg)
+    check_pool_dtype("initial_state (the state pool, updated in place)", pool.dtype, cd)
+    pad = check_pad_slot_id(kw.get("pad_slot_id", -1), pool.shape[0])
     if cu_seqlens is not None:
         cu_seqlens = torch.as_tensor(cu_seqlens, dtype=torch.int64)
     if indices is None:  # request n continues row n

@@ -26,9 +26,9 @@ from typing import Any, NamedTuple, Protocol
 __all__ = [
     "Backend",
     "ChunkLocal",
-    "Forward",
     "GateFlags",
     "Gradients",
+    "KdaOutput",
     "LocalGradients",
     "StateGradPass",
     "StatePass",
@@ -100,10 +100,20 @@ class LocalGradients(NamedTuple):
     dbeta: Any
 
 
-class Forward(NamedTuple):
-    """A forward's results, in the one order of the core, the engine and the public
-    :class:`kda.KdaOutput`: ``output [B, H, T, V]``, ``final_state [B, H, K, V]`` and
-    ``boundaries [NT, B, H, K, V]`` (None where they were not kept)."""
+class KdaOutput(NamedTuple):
+    """Result of a KDA forward.
+
+    Attributes
+    ----------
+    output : ``[B, HV, T, V]`` (``[B, T, HV, V]`` time-major), dtype of the inputs.
+    final_state : ``[B, HV, K, V]`` (``[N, HV, K, V]`` with ``cu_seqlens``), float32 (float64
+        for float64 inputs).
+    boundaries : ``[NT, B, HV, K, V]``, the state at the start of each chunk (same dtype as
+        ``final_state``), or ``None`` when not asked for.
+
+    The public record (``kda.KdaOutput``), and the one the core and the engine return a forward's
+    results in (head-first, in the compute dtype); buffers for a forward are passed as one too.
+    """
 
     output: Any
     final_state: Any
@@ -111,8 +121,16 @@ class Forward(NamedTuple):
 
 
 class Gradients(NamedTuple):
-    """A backward's results, in the one order of the step arrays (as :class:`kda.KdaGradients`):
-    the gradients of ``q, k, v, g, beta`` (each shaped like its input) and of the initial state."""
+    """A backward's results, in the one order of the step arrays: the gradients of ``q, k, v, g,
+    beta`` (each shaped like its input) and of the initial state.
+
+    Not the public :class:`kda.KdaGradients`, whose fields differ in number and meaning: these
+    are the core's, with respect to the core's inputs (the arrays after the options' maps:
+    normalised ``q, k``, the gate law's log decay, the activated ``beta``; head-first, ``q, k``
+    expanded to the value heads, in the compute dtype), six of them; ``KdaGradients`` holds the
+    gradients with respect to the raw inputs after the chain rules, named as the inputs, with
+    the gate law's parameters (``A_log``, ``dt_bias``) besides.
+    """
 
     dq: Any
     dk: Any

@@ -13,6 +13,7 @@ import dask.array as da
 import numpy as np
 
 from .._errors import InvalidInputError, InvalidTypeError
+from .._options.packing import check_cu_seqlens
 from .._options.table import LAYOUTS
 from .._options.validation import check_choice, check_chunk_size
 
@@ -132,18 +133,7 @@ def _packed_offsets(cu_seqlens: Any, B: int, T: int) -> tuple[int, ...] | None:
         return None
     if isinstance(cu_seqlens, da.Array):
         cu_seqlens = cu_seqlens.compute()
-    host = np.asarray(cu_seqlens.get() if hasattr(cu_seqlens, "get") else cu_seqlens)
-    if host.ndim != 1 or host.shape[0] < 2 or not np.issubdtype(host.dtype, np.integer):
-        msg = f"cu_seqlens must be a 1-D integer array of N + 1 >= 2 offsets; got {host.dtype} {host.shape}"
-        raise InvalidTypeError(msg)
-    offsets = tuple(int(n) for n in host)
-    if B != 1 or offsets[0] != 0 or offsets[-1] != T or any(b < a for a, b in itertools.pairwise(offsets)):
-        msg = (
-            f"cu_seqlens must be non-decreasing offsets from 0 to T = {T} with B == 1 (got B = {B}); "
-            f"got {offsets}"
-        )
-        raise InvalidInputError(msg)
-    return offsets
+    return check_cu_seqlens(cu_seqlens, B, T, sequences=1)
 
 
 @dataclass(frozen=True)

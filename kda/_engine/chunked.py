@@ -35,7 +35,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from .._backend import Forward, Gradients
+from .._backend import Gradients, KdaOutput
 
 __all__ = [
     "chunk_backward",
@@ -126,15 +126,15 @@ def _writable(x: Any) -> bool:
 
 def chunk_forward(
     ops: Any, xp: Any, q, k, v, g, beta, state: Any, *, scale: float, chunk_size: int,
-    out: Forward | None = None, keep: bool = True, screen: Any = None,
-) -> Forward:  # fmt: skip
+    out: KdaOutput | None = None, keep: bool = True, screen: Any = None,
+) -> KdaOutput:  # fmt: skip
     """Chunked forward on arrays of the compute dtype.
 
     Returns ``output [B, H, T, V]``, ``final_state [B, H, K, V]`` and
     ``boundaries [NT, B, H, K, V]`` (None from the fused pass with ``keep=False``: a forward
     that keeps no boundaries writes none). ``screen``: a zeroed float64 ``[B * H, 2]`` array that
     the fused pass fills (see the backend's ``chunk_forward_heads``). ``out``, when given, is a
-    :class:`~kda._backend.Forward` of caller-owned writable buffers of those shapes (compute dtype;
+    :class:`~kda._backend.KdaOutput` of caller-owned writable buffers of those shapes (compute dtype;
     ``boundaries`` may be None) that receive the results in place and is returned: then nothing is
     allocated whose size grows with ``T`` beyond one slab's work.
     """
@@ -150,7 +150,7 @@ def chunk_forward(
     if T == 0 or B * H == 0:  # nothing to compute: no steps, or no heads
         if out is None:
             empty = xp.zeros((NT, *state.shape), dtype=state.dtype, device=state.device)
-            return Forward(output=o, final_state=xp.asarray(state, copy=True), boundaries=empty)
+            return KdaOutput(output=o, final_state=xp.asarray(state, copy=True), boundaries=empty)
         final_buf[...] = state
         return out
     if ops.chunk_forward_heads is not None and _writable(o):
@@ -161,14 +161,14 @@ def chunk_forward(
             screen=screen,
         )  # fmt: skip
         if out is None:
-            return Forward(output=o, final_state=final, boundaries=boundaries)
+            return KdaOutput(output=o, final_state=final, boundaries=boundaries)
         final_buf[...] = final
         return out
     axis, groups = _head_groups(ops, xp, q.shape)
     if not _writable(o):
         axis, groups = 1, [slice(None)]
 
-    def task(group: slice) -> Forward:
+    def task(group: slice) -> KdaOutput:
         i = (*(slice(None),) * axis, group, ...)  # the group's heads along axis (0: B, 1: H)
         inputs = [x[i] for x in (q, k, v, g, beta)]
         into = None if boundaries is None else boundaries[(slice(None), *i)]
@@ -187,13 +187,13 @@ def chunk_forward(
         return only._replace(output=o) if _writable(o) else only
     final = xp.concat([r.final_state for r in results], axis=axis)
     boundaries = xp.concat([r.boundaries for r in results], axis=axis + 1)
-    return Forward(output=o, final_state=final, boundaries=boundaries)
+    return KdaOutput(output=o, final_state=final, boundaries=boundaries)
 
 
 def _forward_heads(
     ops: Any, xp: Any, q, k, v, g, beta, state: Any, *, scale: float, chunk_size: int, out: Any,
     boundaries_buf: Any = None,
-) -> Forward:  # fmt: skip
+) -> KdaOutput:  # fmt: skip
     """Forward of a group of heads, slab by slab; writes ``out`` where it can.
 
     ``out=None`` asks for the states only (the backward's recomputed boundaries): no output is formed.
@@ -228,7 +228,9 @@ def _forward_heads(
         boundaries = boundaries_buf
     else:
         boundaries = xp.concat(parts, axis=0) if len(parts) > 1 else parts.pop()
-    return Forward(output=xp.concat(outs, axis=2) if outs else out, final_state=state, boundaries=boundaries)
+    return KdaOutput(
+        output=xp.concat(outs, axis=2) if outs else out, final_state=state, boundaries=boundaries
+    )
 
 
 def chunk_backward(

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple, Protocol
 
 import array_api_compat
 
-from .._backend import Forward, Gradients, resolve
+from .._backend import Gradients, KdaOutput, resolve
 from .._errors import InvalidInputError
 from .._options.maps import CoreInputs
 from . import varlen as _varlen
@@ -35,8 +35,8 @@ from .widening import chunk_compute_dtype
 __all__ = [
     "ChunkCore",
     "Core",
-    "Forward",
     "Gradients",
+    "KdaOutput",
     "RecurrentCore",
     "Route",
     "run_packed_backward",
@@ -51,7 +51,7 @@ PAIR_BYTES_LIMIT = 1 << 31
 
 class Core(Protocol):
     """What the entry points call: :class:`ChunkCore` or :class:`RecurrentCore`. Results are
-    :class:`~kda._backend.Forward` and :class:`~kda._backend.Gradients` records; ``out`` buffers
+    :class:`~kda._backend.KdaOutput` and :class:`~kda._backend.Gradients` records; ``out`` buffers
     are records of the same kinds."""
 
     chunk_size: int
@@ -59,8 +59,8 @@ class Core(Protocol):
     def screens(self, q) -> bool: ...
 
     def forward(
-        self, q, k, v, g, beta, state, *, keep: bool = True, out: Forward | None = None, screen=None
-    ) -> Forward: ...
+        self, q, k, v, g, beta, state, *, keep: bool = True, out: KdaOutput | None = None, screen=None
+    ) -> KdaOutput: ...
 
     def backward(
         self, q, k, v, g, beta, state, boundaries, do, dfinal, *, out: Gradients | None = None,
@@ -80,10 +80,10 @@ class RecurrentCore:
         return False
 
     def forward(
-        self, q, k, v, g, beta, state, *, keep: bool = True, out: Forward | None = None, screen=None
-    ) -> Forward:
+        self, q, k, v, g, beta, state, *, keep: bool = True, out: KdaOutput | None = None, screen=None
+    ) -> KdaOutput:
         o, final = self.ops.recurrent_forward(q, k, v, g, beta, state, scale=self.scale)
-        return _into(out, Forward(output=o, final_state=final, boundaries=None))
+        return _into(out, KdaOutput(output=o, final_state=final, boundaries=None))
 
     def backward(
         self, q, k, v, g, beta, state, boundaries, do, dfinal, *, out: Gradients | None = None,
@@ -160,11 +160,11 @@ class ChunkCore:
         return route.ops.chunk_forward_heads is not None and route.ops.chunk_backward_heads is not None
 
     def forward(
-        self, q, k, v, g, beta, state, *, keep: bool = True, out: Forward | None = None, screen=None
-    ) -> Forward:
+        self, q, k, v, g, beta, state, *, keep: bool = True, out: KdaOutput | None = None, screen=None
+    ) -> KdaOutput:
         """The output, final state and boundaries; ``keep=False`` may return None boundaries.
 
-        ``out``: a :class:`~kda._backend.Forward` of buffers (``boundaries`` may be None), filled
+        ``out``: a :class:`~kda._backend.KdaOutput` of buffers (``boundaries`` may be None), filled
         and returned. ``screen``: where :meth:`screens`, a zeroed float64 ``[B * H, 2]`` array that
         receives per head ``sum(x * 0)`` over ``q, k, v`` and over the results (NaN: not finite).
         """
@@ -172,7 +172,7 @@ class ChunkCore:
         if route is None:
             o, final = self.ops.recurrent_forward(q, k, v, g, beta, state, scale=self.scale)
             boundaries = _start_boundaries(state, q.shape[2]) if keep else None
-            return _into(out, Forward(output=o, final_state=final, boundaries=boundaries))
+            return _into(out, KdaOutput(output=o, final_state=final, boundaries=boundaries))
         xp = _namespace(q)
         if route.dtype == q.dtype:
             return chunk_forward(
@@ -184,7 +184,7 @@ class ChunkCore:
             route.ops, xp, *wide, _cast(xp, route.dtype, state), scale=self.scale,
             chunk_size=route.chunk_size, keep=keep,
         )  # fmt: skip
-        back = Forward(
+        back = KdaOutput(
             output=_cast(xp, q.dtype, result.output),
             final_state=_cast(xp, q.dtype, result.final_state),
             boundaries=_cast(xp, q.dtype, result.boundaries),
@@ -274,7 +274,7 @@ class _Steps(NamedTuple):
 
 
 def _into(out: Any, results: Any) -> Any:
-    """``results`` (a :class:`~kda._backend.Forward` or :class:`~kda._backend.Gradients`), or
+    """``results`` (a :class:`~kda._backend.KdaOutput` or :class:`~kda._backend.Gradients`), or
     copied into the buffers ``out``, a record of the same kind (returned; a None buffer is
     skipped)."""
     if out is None:
@@ -303,11 +303,11 @@ def _start_boundaries(state: Any, T: int) -> Any:
 
 
 def run_packed_forward(
-    core: Core, xp: Any, c: CoreInputs, state: Any, offsets, *, keep: bool, out: Forward | None = None
-) -> Forward:
+    core: Core, xp: Any, c: CoreInputs, state: Any, offsets, *, keep: bool, out: KdaOutput | None = None
+) -> KdaOutput:
     """The output, final state and boundaries of the core on ``c``, per group of packed sequences.
 
-    ``boundaries`` is None unless ``keep``. ``out``: a :class:`~kda._backend.Forward` of buffers
+    ``boundaries`` is None unless ``keep``. ``out``: a :class:`~kda._backend.KdaOutput` of buffers
     (compute dtype, head-first) that receive the results (copied in). Without packed sequences the
     caller runs ``core.forward``.
     """
@@ -316,7 +316,7 @@ def run_packed_forward(
 
 def _run_packed_forward(
     core: Core, xp: Any, c: CoreInputs, state: Any, offsets, keep_boundaries: bool
-) -> Forward:
+) -> KdaOutput:
     plan = _varlen.plan_sequences(offsets, core.chunk_size)
     outs, finals, group_boundaries = [], [], []
     for group in plan.groups:
@@ -333,10 +333,10 @@ def _run_packed_forward(
         output = xp.zeros(c.v.shape, dtype=c.v.dtype, device=c.v.device)
     final = _varlen.scatter_rows(xp, finals, plan, state)
     if not keep_boundaries or any(b is None for b in group_boundaries):  # the step recurrence keeps none
-        return Forward(output=output, final_state=final, boundaries=None)
+        return KdaOutput(output=output, final_state=final, boundaries=None)
     empty = xp.zeros((0, 1, *state.shape[1:]), dtype=state.dtype, device=state.device)
     boundaries = _varlen.scatter_boundaries(xp, group_boundaries, plan, empty)
-    return Forward(output=output, final_state=final, boundaries=boundaries)
+    return KdaOutput(output=output, final_state=final, boundaries=boundaries)
 
 
 def run_packed_backward(

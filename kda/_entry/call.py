@@ -21,8 +21,8 @@ from .._backend import get_backend
 from .._engine.core import (
     ChunkCore,
     Core,
-    Forward,
     Gradients,
+    KdaOutput,
     RecurrentCore,
     run_packed_backward,
     run_packed_forward,
@@ -55,23 +55,6 @@ from .._options.validation import (
 )
 
 __all__ = ["Call", "Inputs", "KdaGradients", "KdaOutput", "bind_call", "build_call", "open_call"]
-
-
-class KdaOutput(NamedTuple):
-    """Result of a KDA forward.
-
-    Attributes
-    ----------
-    output : ``[B, HV, T, V]`` (``[B, T, HV, V]`` time-major), dtype of the inputs.
-    final_state : ``[B, HV, K, V]`` (``[N, HV, K, V]`` with ``cu_seqlens``), float32 (float64
-        for float64 inputs).
-    boundaries : ``[NT, B, HV, K, V]``, the state at the start of each chunk (same dtype as
-        ``final_state``), or ``None`` when not asked for.
-    """
-
-    output: Any
-    final_state: Any
-    boundaries: Any
 
 
 class KdaGradients(NamedTuple):
@@ -366,7 +349,7 @@ class Call:
         direct = out is not None and p.dtype == p.compute_dtype
         bufs = None
         if direct:
-            bufs = Forward(output=head_first(xp, out.output, p.layout), final_state=out.final_state,
+            bufs = KdaOutput(output=head_first(xp, out.output, p.layout), final_state=out.final_state,
                            boundaries=out.boundaries)  # fmt: skip
         with floating_point_quiet(xp):
             if p.offsets is None:

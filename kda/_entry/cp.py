@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 import array_api_compat
 
 from .._errors import InvalidInputError
+from .._options.packing import check_cu_seqlens
 from .._options.spec import CallSpec
 from .call import Call, Inputs, KdaGradients, KdaOutput, build_call
 from .scan import advance, retreat
@@ -130,11 +131,10 @@ def partition(offsets: Any, world_size: int, rank: int) -> Partition:
     ------
     InvalidInputError
         For bad ``cu_seqlens`` or a ``T`` that does not split into ``world_size`` equal parts.
+    InvalidTypeError
+        For ``cu_seqlens`` that are not 1-D integers.
     """
-    offsets = tuple(int(n) for n in offsets)
-    if len(offsets) < 2 or offsets[0] != 0 or any(b < a for a, b in itertools.pairwise(offsets)):
-        msg = f"cu_seqlens must be non-decreasing offsets from 0 with at least 2 entries; got {offsets}"
-        raise InvalidInputError(msg)
+    offsets = check_cu_seqlens(offsets, 1, None, sequences=1)
     if not (isinstance(world_size, int) and world_size >= 1 and 0 <= rank < world_size):
         msg = f"world_size must be >= 1 and 0 <= rank < world_size; got world_size={world_size}, rank={rank}"
         raise InvalidInputError(msg)

@@ -27,16 +27,10 @@ from typing import Any
 
 import array_api_compat
 
-from .._options.arguments import (
-    PADDING,
-    Slots,
-    check_array,
-    check_pad_slot_id,
-    check_pool,
-    check_slots,
-)
+from .._options.arguments import check_array
 from .._options.checks import warn_if_diverged
 from .._options.maps import head_first
+from .._options.packing import PADDING, Slots, check_pad_slot_id, check_pool, check_slots
 from .._options.table import Array, Choices, takes_options
 from .._options.validation import check_state
 from .call import Call, Inputs, KdaOutput, open_call

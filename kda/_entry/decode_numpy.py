@@ -3,7 +3,7 @@
 A plain call on NumPy arrays (float32 or float64, a plain call by the option table's
 :func:`~kda._options.table.is_plain`, ``HV == H``; any slot form) whose backend screens its inputs
 (``decode_screen``) runs the backend's kernel on the arrays as given: the same checks as the
-general route written out (the slots by :func:`~kda._options.arguments.check_slots` itself, the
+general route written out (the slots by :func:`~kda._options.packing.check_slots` itself, the
 value checks in the backend's ``decode_screen``, one compiled pass on the cpu backend) and the
 same kernel, reached through :func:`~kda._backend.get_backend` as the general route reaches it,
 so the results are bitwise those of the general route. Any check that fails hands the call to the
@@ -18,8 +18,9 @@ from typing import Any
 
 from .._backend import get_backend
 from .._errors import KdaError
-from .._options.arguments import PADDING, SMALL, Slots, c_contiguous, check_slots, is_half_pool
+from .._options.arguments import c_contiguous
 from .._options.checks import warn_if_diverged
+from .._options.packing import PADDING, SMALL, Slots, check_slots, is_half_pool
 from .._options.table import is_plain
 
 __all__ = ["numpy_route"]

@@ -10,18 +10,9 @@ from typing import Any
 import array_api_compat
 
 from .._errors import InvalidInputError
-from .._options.arguments import (
-    PADDING,
-    SMALL,
-    Slots,
-    _check_rows,
-    c_contiguous,
-    check_array,
-    check_pad_slot_id,
-    check_pool,
-    check_slots,
-)
+from .._options.arguments import c_contiguous, check_array
 from .._options.maps import head_first
+from .._options.packing import PADDING, SMALL, Slots, _check_rows, check_pad_slot_id, check_pool, check_slots
 from .._options.table import Array, Choices, takes_options
 from .._options.validation import recheck_gate
 from .call import Call, Inputs, open_call

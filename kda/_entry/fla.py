@@ -25,22 +25,20 @@ Any other keyword raises ``TypeError`` (fla ignores unknown keywords silently).
 
 from __future__ import annotations
 
-import itertools
+import functools
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from .._errors import InvalidInputError
 from .._options.arguments import check_lower_bound
 from .._options.checks import warn_at_caller
 from .._options.gates import PARAMETERS
 from .._options.spec import CallSpec
-from .._options.table import Choices
 from .._options.validation import check_chunk_size, check_scale
 
 __all__ = [
-    "KEYWORD_TABLE", "FlaCall", "OpOptions", "boundary_bound", "check_gate_sizes", "choices",
-    "packed_chunks", "translate",
+    "KEYWORD_TABLE", "FlaCall", "OpOptions", "boundary_bound", "check_gate_sizes", "translate",
 ]  # fmt: skip
 
 # keyword -> (class, what kda does with it); the README's table restates it
@@ -154,11 +152,41 @@ SIGNATURES = {
 }
 
 
-# The options of an fla-style call that are not arrays, checked: the call's CallSpec (time-major,
-# the scale resolved): an op's non-tensor arguments (kda._torch.ops generates its ops' schemas
-# from its fields and annotations) and a custom_vjp's static argument. The name is kept for the
-# adapters that spell it so.
-OpOptions = CallSpec
+class OpOptions(NamedTuple):
+    """The options of an fla-style call that are not arrays, checked: the torch ops' non-tensor
+    arguments, in this order (:mod:`kda._torch.ops` generates their schemas from these fields and
+    their annotations; the schemas are public and pinned by ``tests/adapters/test_op_schemas.py``)
+    and :mod:`kda.jax`'s ``custom_vjp`` static argument.
+
+    The call's :class:`~kda._options.spec.CallSpec` is made from it, one way (:meth:`spec`): an
+    adapter call is time-major, on the default backend, screened for non-finite values, with its
+    scale resolved; ``beta_activation`` is ``""`` for none (an op argument of type ``str``)."""
+
+    method: str  # "chunk" or "recurrent"
+    scale: float
+    chunk_size: int
+    qk_l2norm: bool
+    gate: str
+    lower_bound: float | None
+    beta_activation: str  # "" for none (an op argument cannot be None)
+
+    @classmethod
+    def of(cls, options: tuple[Any, ...]) -> OpOptions:
+        """``options`` (an :class:`OpOptions`, or the plain tuple an op received) as an :class:`OpOptions`."""
+        return options if type(options) is cls else cls._make(options)
+
+    def spec(self) -> CallSpec:
+        """The call's :class:`~kda._options.spec.CallSpec`."""
+        return _spec(self)
+
+
+@functools.lru_cache(maxsize=256)
+def _spec(options: OpOptions) -> CallSpec:
+    return CallSpec(
+        method=options.method, scale=options.scale, chunk_size=options.chunk_size, layout="time_major",
+        qk_l2norm=options.qk_l2norm, gate=options.gate, lower_bound=options.lower_bound,
+        beta_activation=options.beta_activation or None,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -176,18 +204,6 @@ class FlaCall:
     state_v_first: bool
     dt_bias_shape: tuple[int, int]
     intermediate_states: bool = False
-
-
-def choices(static: OpOptions, A_log: Any = None, dt_bias: Any = None, offsets: Any = None) -> Choices:
-    """The options of a spec as the table's :class:`~kda._options.table.Choices` (time-major),
-    with the gate's arrays and host ``offsets`` (``cu_seqlens``) or None."""
-    return CallSpec.of(static).choices({"A_log": A_log, "dt_bias": dt_bias}, offsets)
-
-
-def packed_chunks(offsets: Any, chunk_size: int) -> int:
-    """``NT = sum(ceil(len_i / C))`` for host offsets."""
-    offsets = [int(n) for n in offsets]
-    return sum(-(-(b - a) // chunk_size) for a, b in itertools.pairwise(offsets))
 
 
 def boundary_bound(T: Any, chunk_size: int, num_seqs: int | None) -> Any:
@@ -279,13 +295,13 @@ def _gate(kw: dict[str, Any], has_A_log: bool, has_dt_bias: bool) -> dict[str, A
     return {"gate": "lower_bound", "lower_bound": float(lower_bound)}
 
 
-def _beta(kw: dict[str, Any]) -> str | None:
+def _beta(kw: dict[str, Any]) -> str:
     sigmoid = bool(kw.get("use_beta_sigmoid_in_kernel", False))
     if kw.get("allow_neg_eigval", False):
         if not sigmoid:
             _refuse("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True (as in fla)")
         return "sigmoid2"
-    return "sigmoid" if sigmoid else None
+    return "sigmoid" if sigmoid else ""  # "": none (OpOptions.beta_activation)
 
 
 def _check_shapes(q: tuple[int, ...], v: tuple[int, ...], cu_seqlens: bool) -> tuple[int, int]:
@@ -371,11 +387,10 @@ def _translate(
     _check_unsupported(function, kw)
     HV, K = _check_shapes(q_shape, v_shape, has_cu_seqlens)
     gate = _gate(kw, has_A_log, has_dt_bias)
-    static = CallSpec(
+    static = OpOptions(
         method="chunk" if function == "chunk_kda" else "recurrent",
         scale=check_scale(kw.get("scale"), K),
         chunk_size=check_chunk_size(kw.get("chunk_size", 64)),
-        layout="time_major",
         qk_l2norm=bool(kw.get("use_qk_l2norm_in_kernel", False)),
         gate=gate["gate"],
         lower_bound=gate.get("lower_bound"),

@@ -29,7 +29,7 @@ import array_api_compat
 
 from .._errors import InvalidInputError
 from .._options.gates import PARAMETER_NAMES
-from .._options.spec import CallSpec
+from .._options.packing import num_chunks
 from . import decode as _decode
 from .call import Call, Inputs, KdaGradients, bind_call, build_call
 from .fla import (
@@ -37,7 +37,6 @@ from .fla import (
     OpOptions,
     boundary_bound,
     check_gate_sizes,
-    packed_chunks,
     translate,
 )
 from .states import backward_with_state_gradients
@@ -114,9 +113,9 @@ def forward(
     """``(output [B, T, HV, V], final_state [N, HV, K, V], boundaries)`` of one fla-style call.
 
     The call is built by the validating door (:func:`~kda._entry.call.build_call`) from the
-    call's :class:`~kda._options.spec.CallSpec` and run as :func:`kda.chunk_kda` runs it (the
-    recurrence: the decode kernel's, :func:`~kda._entry.decode.decode_states`): the inputs and
-    options are validated here, once. ``boundaries``: ``[NT, B, HV, K, V]`` (:func:`shapes`;
+    call's :class:`~kda._options.spec.CallSpec` (``static.spec()``) and run as :func:`kda.chunk_kda`
+    runs it (the recurrence: the decode kernel's, :func:`~kda._entry.decode.decode_states`): the
+    inputs and options are validated here, once. ``boundaries``: ``[NT, B, HV, K, V]`` (:func:`shapes`;
     rows past the packed chunks are zeros) for ``chunk_kda``, an empty ``[0]`` array for the
     recurrence. Arrays in the inputs' namespace. ``v_first`` (the recurrence only): the initial
     and final states are V-major, ``[N, HV, V, K]``, read and written so by the decode kernel.
@@ -128,7 +127,7 @@ def forward(
             *x.steps, x.initial_state, state_v_first=v_first, scale=static.scale, backend=None, opts=opts
         )
         return out.output, out.final_state, out.final_state.reshape(-1)[:0]  # no boundaries: [0]
-    call = build_call(spec_of(static), x, cu_seqlens=offsets, defer_gate=True)
+    call = build_call(static.spec(), x, cu_seqlens=offsets, defer_gate=True)
     state = call.state_or_zeros("initial_state", x.initial_state)
     finite = dict(q=x.q, k=x.k, v=x.v, g=x.g, beta=x.beta, initial_state=x.initial_state)
     out = call.forward(x, state, True, check_inputs=finite)
@@ -142,18 +141,12 @@ def _call_options(static: OpOptions, x: Inputs, offsets: tuple[int, ...] | None)
     params = {name: getattr(x, name) for name in PARAMETER_NAMES}
     if offsets is None and all(p is None for p in params.values()):
         return _plain_choices(static)
-    return spec_of(static).choices(params, offsets)
+    return static.spec().choices(params, offsets)
 
 
 @functools.lru_cache(maxsize=256)
 def _plain_choices(static: OpOptions) -> Any:
-    return spec_of(static).choices()
-
-
-def spec_of(static: tuple[Any, ...]) -> CallSpec:
-    """The :class:`~kda._options.spec.CallSpec` of an fla-style call: its static options
-    (:class:`~kda._entry.fla.OpOptions` is the spec), or the plain tuple an op received."""
-    return CallSpec.of(static)
+    return static.spec().choices()
 
 
 def decode(
@@ -228,7 +221,7 @@ def backward(
     if static.method != "chunk":
         boundaries = None
     else:
-        NT = boundaries.shape[0] if offsets is None else packed_chunks(offsets, static.chunk_size)
+        NT = boundaries.shape[0] if offsets is None else num_chunks(static.chunk_size, offsets=offsets)
         boundaries = boundaries[:NT, ...]
         if dboundaries is not None and bool(call.p.xp.any(dboundaries[:NT, ...])):  # they reached the loss
             dboundaries = dboundaries[:NT, ...]
@@ -247,4 +240,4 @@ def validated_call(static: OpOptions, x: Inputs, offsets: tuple[int, ...] | None
     """The :class:`~kda._entry.call.Call` that :func:`forward` validated, rebuilt without checks
     (:func:`~kda._entry.call.bind_call`, the builder's non-validating door) from the same static
     options and arrays (compute dtype, time-major, ``A_log [HV]``, ``dt_bias [HV, K]``)."""
-    return bind_call(spec_of(OpOptions.of(static)), x, offsets)
+    return bind_call(OpOptions.of(static).spec(), x, offsets)

@@ -3,9 +3,10 @@
 Everything about a KDA call that is not an array (the method, scale, chunk size, layout,
 backend and the model-level options of the table that are not arrays) is one hashable, picklable
 named tuple. It is what the entry points build a call from (:func:`kda._entry.call.build_call`,
-the validating door; :func:`kda._entry.call.bind_call`, the non-validating one), the torch ops'
-non-tensor arguments (their schemas are generated from its fields and annotations), JAX's static
-argument, and what context parallelism and Dask pass to their steps and tasks. The arrays that
+the validating door; :func:`kda._entry.call.bind_call`, the non-validating one) and what context
+parallelism and Dask pass to their steps and tasks. The fla-style adapters' static options
+(:class:`kda._entry.fla.OpOptions`: the torch ops' non-tensor arguments, whose public schemas
+predate this record, and JAX's static argument) are made into one (``OpOptions.spec``). The arrays that
 go with it are :class:`~kda._entry.call.Inputs` (the gate law's parameters among them) and the
 packed-sequence offsets (``cu_seqlens``).
 """
@@ -25,8 +26,7 @@ ARRAY_OPTIONS = (*PARAMETER_NAMES, "cu_seqlens")
 
 
 class CallSpec(NamedTuple):
-    """The non-array choices of one call (hashable, picklable; field order is the torch ops'
-    argument order, annotations their schema types).
+    """The non-array choices of one call (hashable, picklable).
 
     ``method``: ``"chunk"`` (the chunked form, ``chunk_size`` steps a chunk) or ``"recurrent"``
     (the step recurrence; ``chunk_size`` unused); ``scale``: None for ``K ** -0.5``; ``backend``:
@@ -44,11 +44,6 @@ class CallSpec(NamedTuple):
     lower_bound: float | None = None
     beta_activation: str | None = None
     check_finite: bool = True
-
-    @classmethod
-    def of(cls, spec: tuple[Any, ...]) -> CallSpec:
-        """``spec`` (a :class:`CallSpec`, or the plain tuple an op received) as a :class:`CallSpec`."""
-        return spec if type(spec) is cls else cls._make(spec)
 
     @classmethod
     def from_choices(

@@ -24,7 +24,6 @@ from .arguments import (
     check_array,
     check_choice,
     check_chunk_size,
-    check_cu_seqlens,
     check_dtype,
     check_log_decay,
     check_scale,
@@ -35,6 +34,7 @@ from .arguments import (
 from .checks import is_real_floating
 from .gates import GateParam
 from .maps import Options
+from .packing import check_cu_seqlens, num_chunks
 from .table import OPTIONS, Choices
 
 __all__ = [
@@ -70,9 +70,7 @@ class Problem:
         return self.B if self.offsets is None else len(self.offsets) - 1
 
     def num_chunks(self, chunk_size: int) -> int:
-        if self.offsets is None:
-            return -(-self.T // chunk_size)
-        return sum(-(-(b - a) // chunk_size) for a, b in zip(self.offsets, self.offsets[1:]))
+        return num_chunks(chunk_size, T=self.T, offsets=self.offsets)
 
     def letters(self, heads: str, last: str = "") -> str:
         """Shape letters of an input in this call's layout, e.g. ``B, T, HV, K``."""

@@ -15,6 +15,7 @@ import torch
 
 from .._entry.fla import FlaCall
 from .._errors import InvalidTypeError
+from .._options.arguments import c_contiguous
 from .._options.gates import PARAMETERS
 
 HALF = (torch.float16, torch.bfloat16)
@@ -111,7 +112,7 @@ def pool_array(t: torch.Tensor) -> Any:
 def tensor(a: Any, dtype: torch.dtype, inputs: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
     """``a`` as a contiguous tensor of ``dtype`` that shares no memory with ``inputs``."""
     if isinstance(a, np.ndarray):  # NumPy's copy: torch's parallel one costs ms on small arrays
-        t = torch.from_numpy(a if a.flags.writeable and a.flags.c_contiguous else np.array(a, order="C"))
+        t = torch.from_numpy(a if a.flags.writeable and c_contiguous(a) else np.array(a, order="C"))
     else:
         t = torch.from_dlpack(a)
     t = t.to(dtype).contiguous()
@@ -123,7 +124,7 @@ def fresh(a: Any, dtype: torch.dtype) -> torch.Tensor:
     """``a``, a new array of this call (it shares no input's memory), as a contiguous tensor of
     ``dtype``: no copy where it already is one."""
     t = torch.from_numpy(a) if isinstance(a, np.ndarray) else torch.from_dlpack(a)
-    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+    return t if t.dtype == dtype and c_contiguous(t) else t.to(dtype).contiguous()
 
 
 def offsets(cu_seqlens: torch.Tensor | None) -> tuple[int, ...] | None:

@@ -13,9 +13,8 @@ import torch
 
 from .._entry import cp as _cp
 from .._entry.call import Inputs
-from .._entry.fla import FlaCall
+from .._entry.fla import FlaCall, OpOptions
 from .._errors import InvalidInputError, InvalidTypeError
-from .._options.spec import CallSpec
 from .convert import array, compute_dtype, gate_params, on_stream, tensor
 
 __all__ = ["KdaCPContext", "apply_cp", "build_cp_context"]
@@ -101,11 +100,8 @@ def build_cp_context(
     if not dist.is_available() or not dist.is_initialized():
         msg = "build_cp_context needs an initialised torch.distributed process group (group)"
         raise InvalidInputError(msg)
-    host = cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu
-    if host.dtype.is_floating_point or host.dtype.is_complex or host.dtype == torch.bool or host.ndim != 1:
-        msg = f"cu_seqlens must be a 1-D integer tensor; got {host.dtype} of shape {tuple(host.shape)}"
-        raise InvalidTypeError(msg)
-    p = _cp.partition(host.tolist(), dist.get_world_size(group), dist.get_rank(group))
+    host = (cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu).cpu()
+    p = _cp.partition(host, dist.get_world_size(group), dist.get_rank(group))  # cu_seqlens checked there
     local_cpu = torch.tensor(p.local_offsets, dtype=torch.int32)
     return KdaCPContext(
         group=group,
@@ -161,7 +157,7 @@ class _ContextParallel(torch.autograd.Function):
         cd = compute_dtype(q.dtype)
         with on_stream(q):
             x = Inputs._make(map(array, inputs))
-            rank = _cp.open_rank(p, x, CallSpec.of(static))  # validated once
+            rank = _cp.open_rank(p, x, OpOptions.of(static).spec())  # validated once
             xp, adt = _namespace(x.v), x.v.dtype
             shape = (v.shape[2], q.shape[3], v.shape[3])
             own = _cp.forward_map(p, x, rank, adt)

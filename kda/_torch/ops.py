@@ -31,10 +31,7 @@ __all__ = [
     "recurrent_inference",
 ]  # fmt: skip
 
-_SCHEMA_TYPES = {
-    "str": "str", "float": "float", "int": "int", "bool": "bool", "float | None": "float?",
-    "str | None": "str?",
-}  # fmt: skip
+_SCHEMA_TYPES = {"str": "str", "float": "float", "int": "int", "bool": "bool", "float | None": "float?"}
 
 
 def _input_args() -> str:

@@ -15,11 +15,13 @@ row.
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any
 
 import numpy as np
 
+from .._options.arguments import c_contiguous, slot_stride
 from . import _fpenv, _pool
 
 __all__ = ["decode_finite", "decode_forward", "decode_screen"]
@@ -52,10 +54,8 @@ def decode_screen(q: Any, k: Any, v: Any, g: Any, beta: Any, *, finite: bool) ->
     the caller's own checks then decide and word the error).
     """
     dt = q.dtype
-    if (dt is not _F32 and dt is not _F64) or not (
-        k.dtype is dt and v.dtype is dt and g.dtype is dt and beta.dtype is dt and q.flags.c_contiguous
-        and k.flags.c_contiguous and v.flags.c_contiguous and g.flags.c_contiguous and beta.flags.c_contiguous
-    ):  # fmt: skip
+    same = k.dtype is dt and v.dtype is dt and g.dtype is dt and beta.dtype is dt
+    if (dt is not _F32 and dt is not _F64) or not (same and c_contiguous(q, k, v, g, beta)):
         return False
     screen = _KERNELS[0].screen if _KERNELS else _kernels().screen
     return screen(q.reshape(-1), k.reshape(-1), v.reshape(-1), g.reshape(-1), beta.reshape(-1), finite)
@@ -64,7 +64,7 @@ def decode_screen(q: Any, k: Any, v: Any, g: Any, beta: Any, *, finite: bool) ->
 def decode_finite(output: Any) -> bool:
     """Whether every element of ``output`` is finite (the decode output's divergence check): one
     compiled, branch-free pass where it is C-contiguous float32 / float64, NumPy's otherwise."""
-    if not output.flags.c_contiguous or (output.dtype is not _F32 and output.dtype is not _F64):
+    if not c_contiguous(output) or (output.dtype is not _F32 and output.dtype is not _F64):
         return bool(np.isfinite(output).all())
     finite = _KERNELS[0]._finite if _KERNELS else _kernels()._finite
     return bool(finite(output.reshape(-1)))
@@ -119,11 +119,12 @@ def decode_forward(
         if final_pool is not None:
             final_pool = pool_bits(final_pool)
         dt = pool.dtype if pool.dtype.kind == "f" else _F32
-    args = [
-        x if x.dtype is dt and x.flags.c_contiguous else np.ascontiguousarray(x, dt)
-        for x in (q, k, v, g, beta)
-    ]
-    if out is None or out.dtype is not dt or out.shape != args[2].shape or not out.flags.c_contiguous:
+    args = [q, k, v, g, beta]
+    if not (q.dtype is dt and k.dtype is dt and v.dtype is dt and g.dtype is dt and beta.dtype is dt) or (
+        not c_contiguous(*args)
+    ):  # one test of the five on the common path
+        args = [x if x.dtype is dt and c_contiguous(x) else np.ascontiguousarray(x, dt) for x in args]
+    if out is None or out.dtype is not dt or out.shape != args[2].shape or not c_contiguous(out):
         out = np.empty(args[2].shape, dt)
     if out.size == 0:
         return out
@@ -156,21 +157,13 @@ def flat_pool(pool: np.ndarray) -> tuple[np.ndarray | None, int]:
     which the kernel never reads or writes. Anything else (rows not C-contiguous, a negative or
     unaligned slot stride, rows that overlap) gives None: the caller copies.
     """
-    P = pool.shape[0]
-    row = pool.size // P if P else 0
-    if pool.flags.c_contiguous:
-        return pool.reshape(-1), max(row, 1)
-    item, strides, shape = pool.itemsize, pool.strides, pool.shape
-    step = item
-    for n, s in zip(reversed(shape[1:]), reversed(strides[1:])):
-        if n != 1 and s != step:
-            return None, 0
-        step *= n
-    slot = strides[0]
-    if slot % item or slot < row * item:
+    if c_contiguous(pool):
+        return pool.reshape(-1), max(math.prod(pool.shape[1:]), 1)
+    slot = slot_stride(pool)
+    if slot is None:
         return None, 0
-    slot //= item
-    span = (P - 1) * slot + row
+    span = (pool.shape[0] - 1) * slot + math.prod(pool.shape[1:])
+    item = pool.itemsize
     flat = np.lib.stride_tricks.as_strided(pool, (span,), (item,), writeable=pool.flags.writeable)
     return flat, slot
 

@@ -28,7 +28,7 @@ import numpy as np
 from array_api_compat import array_namespace, device
 from numba import cuda, float32
 
-from .._options.arguments import c_contiguous
+from .._options.arguments import c_contiguous, slot_stride
 from ._device import DTYPES, INDEX_TYPES, inline, offset_functions
 from ._launch import _c, launch
 
@@ -308,20 +308,13 @@ def flat_pool(xp: Any, pool: Any) -> tuple[Any, int]:
     """``(flat, stride)``: a 1-D view of ``pool [P, ...]`` from its first element to its last and
     the elements from one row to the next, where each row is C-contiguous and the rows do not
     overlap (a padded slot stride: vLLM-CPU's views); ``(None, 0)`` otherwise."""
-    P, item = int(pool.shape[0]), pool.itemsize
-    row = math.prod(int(n) for n in pool.shape[1:])
     if c_contiguous(pool):
-        return pool.reshape(-1), max(row, 1)
-    step = item
-    for n, st in zip(reversed(pool.shape[1:]), reversed(pool.strides[1:])):
-        if n != 1 and st != step:
-            return None, 0
-        step *= int(n)
-    slot = int(pool.strides[0])
-    if P == 0 or slot % item or slot < row * item:
+        return pool.reshape(-1), max(math.prod(pool.shape[1:]), 1)
+    slot = slot_stride(pool)
+    if slot is None:
         return None, 0
-    slot //= item
-    span = (P - 1) * slot + row
+    span = (int(pool.shape[0]) - 1) * slot + math.prod(pool.shape[1:])
+    item = pool.itemsize
     if isinstance(pool, np.ndarray):
         return np.lib.stride_tricks.as_strided(pool, (span,), (item,), writeable=pool.flags.writeable), slot
     from cupy.lib.stride_tricks import as_strided

@@ -5,9 +5,10 @@ as a plain Python function in its own ``builder(dtype, index)`` factory, closed 
 of one floating dtype (:func:`constants`: so float32 work stays float32, no Python float literal
 ever promotes it to float64) and the offset functions of one index type (:func:`offset_functions`);
 the device functions its kernels share come from cached factories of the same two keys. A
-:class:`Family` declares each kernel's builder and argument kinds and compiles it lazily, once per
-(dtype, index type), with an explicit signature. :data:`FAMILIES` lists them all: the PTX test
-compiles every kernel for every dtype its family accepts (``Family.dtypes``: float32 and float64,
+:class:`Kernel` holds one kernel's builder and argument kinds and compiles it lazily, once per
+(dtype, index type), with an explicit signature; a :class:`Family` groups a module's kernels.
+:data:`FAMILIES` lists them all: the PTX test compiles every kernel for every dtype its family
+accepts (``Family.dtypes``: float32 and float64,
 and float16 for the gate check), and the 64-bit offsets in float32.
 
 Layouts: every array is C-contiguous and passed flattened; a kernel indexes it by offsets
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import numba
 import numpy as np
@@ -81,73 +82,55 @@ def constants(dtype: str) -> tuple:
     return fl, numba.from_dtype(np.dtype(dtype)), fl(0), fl(1)
 
 
-class Family:
-    """One kernel family: each kernel's own builder and argument kinds.
-
-    ``kernels`` maps a kernel's name to ``(builder, spec)``: ``builder(dtype, index)`` returns the
-    kernel's Python function closed over the constants of ``dtype`` and the offsets of ``index``
-    (builders share device functions through cached factories of their own), ``spec`` its argument
-    kinds (:func:`signature`). :meth:`compiled` compiles a kernel once per (dtype, index type) and
-    caches it.
+class Kernel:
+    """One kernel: its ``builder(dtype, index)``, which returns the kernel's Python function closed
+    over the constants of ``dtype`` and the offsets of ``index`` (builders share device functions
+    through cached factories of their own), and its argument kinds ``spec`` (:func:`signature`).
+    A family's module makes each of its kernels once and its wrappers launch that object
+    (:func:`kda.cuda._launch.launcher`): no name chooses a kernel. ``name`` labels it (the
+    launch counts, the PTX report). Compiled lazily, once per (dtype, index type), and cached.
     """
 
-    def __init__(
-        self,
-        name: str,
-        kernels: dict[str, tuple[Callable[[str, str], Callable], str]],
-        dtypes: tuple[str, ...] = DTYPES,
-    ) -> None:
+    def __init__(self, name: str, builder: Callable[[str, str], Callable], spec: str) -> None:
         self.name = name
-        self.builders = {kernel: builder for kernel, (builder, _) in kernels.items()}
-        self.signatures = {kernel: spec for kernel, (_, spec) in kernels.items()}
-        self.dtypes = dtypes  # the floating dtypes its kernels are compiled for (DTYPES, or more)
-        self._functions: dict[tuple[str, str, str], Callable] = {}
-        self._compiled: dict[tuple[str, str, str], Any] = {}
-        FAMILIES.append(self)
+        self.builder = builder
+        self.spec = spec
+        self._functions: dict[tuple[str, str], Callable] = {}
+        self._compiled: dict[tuple[str, str], Any] = {}
 
-    def signature(self, kernel: str, dtype: str, index: str = "uint32") -> str:
-        return signature(self.signatures[kernel], dtype, index)
+    def __repr__(self) -> str:
+        return f"Kernel({self.name!r})"
 
-    def function(self, kernel: str, dtype: str, index: str = "uint32") -> Callable:
-        """The Python function of ``kernel`` for ``dtype`` and ``index``, built once."""
-        key = (kernel, dtype, index)
+    def signature(self, dtype: str, index: str = "uint32") -> str:
+        return signature(self.spec, dtype, index)
+
+    def function(self, dtype: str, index: str = "uint32") -> Callable:
+        """The Python function of this kernel for ``dtype`` and ``index``, built once."""
+        key = (dtype, index)
         found = self._functions.get(key)
         if found is None:
-            found = self._functions[key] = self.builders[kernel](dtype, index)
+            found = self._functions[key] = self.builder(dtype, index)
         return found
-
-    def build(self, dtype: str, index: str = "uint32") -> dict[str, Callable]:
-        """Every kernel's Python function for ``dtype`` and ``index``, by name."""
-        return {kernel: self.function(kernel, dtype, index) for kernel in self.builders}
-
-    def compiled(self, kernel: str, dtype: str, index: str = "uint32") -> Any:
-        """Kernel ``kernel`` for ``dtype`` and ``index``, compiled on first use."""
-        key = (kernel, dtype, index)
-        found = self._compiled.get(key)
-        if found is None:
-            found = cuda.jit(self.signature(kernel, dtype, index))(self.function(kernel, dtype, index))
-            self._compiled[key] = found
-        return found
-
-    def kernel(self, name: str) -> Kernel:
-        """The handle of kernel ``name`` that its wrappers launch (:class:`Kernel`); made once, at
-        the import of the family's module, so a name the family lacks fails there."""
-        if name not in self.builders:
-            raise KeyError(f"family {self.name!r} has no kernel {name!r}; it has {sorted(self.builders)}")
-        return Kernel(family=self, name=name)
-
-
-class Kernel(NamedTuple):
-    """One kernel of a :class:`Family`, as its wrappers reference it: what
-    :func:`kda.cuda._launch.launcher`'s function launches (compiled per dtype and index type on
-    first use; counted in ``LAUNCHES`` under :attr:`name`)."""
-
-    family: Family
-    name: str
 
     def compiled(self, dtype: str, index: str = "uint32") -> Any:
         """This kernel for ``dtype`` and ``index``, compiled on first use."""
-        return self.family.compiled(self.name, dtype, index)
+        key = (dtype, index)
+        found = self._compiled.get(key)
+        if found is None:
+            found = cuda.jit(self.signature(dtype, index))(self.function(dtype, index))
+            self._compiled[key] = found
+        return found
+
+
+class Family:
+    """One kernel family: its kernels (:class:`Kernel`) and the floating dtypes they are compiled
+    for (:data:`DTYPES`, or more); listed in :data:`FAMILIES`."""
+
+    def __init__(self, name: str, kernels: tuple[Kernel, ...], dtypes: tuple[str, ...] = DTYPES) -> None:
+        self.name = name
+        self.kernels = tuple(kernels)
+        self.dtypes = dtypes
+        FAMILIES.append(self)
 
 
 # every family, in import order (kda.cuda imports them all)

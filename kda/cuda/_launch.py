@@ -135,12 +135,12 @@ def _grid(threads: int) -> int:
 def launcher(family: Any) -> Any:
     """``launch_kernel(kernel, dtype, grid, block, *args, dims, shared=0)`` for the kernels of
     ``family`` (a :class:`._device.Family`): ``kernel`` is one of its :class:`._device.Kernel`
-    handles, compiled for ``dtype`` and the offset type the sizes allow."""
+    objects, compiled for ``dtype`` and the offset type the sizes allow."""
 
     def launch_kernel(
         kernel: Kernel, dtype: str, grid: int, block: Any, *args: Any, dims: tuple[int, ...], shared: int = 0
     ) -> None:
-        if kernel.family is not family:
+        if kernel not in family.kernels:
             raise TypeError(f"{kernel.name} is not a kernel of the {family.name!r} family")
         launch(kernel.name, partial(kernel.compiled, dtype), grid, block, *args, dims=dims, shared=shared)
 

@@ -9,7 +9,7 @@ import numba
 from array_api_compat import array_namespace, device
 from numba import cuda
 
-from ._device import Family, constants, inline, offset_functions
+from ._device import Family, Kernel, constants, inline, offset_functions
 from ._launch import THREADS_PER_BLOCK, _grid, launcher
 
 __all__ = ["gate_flags", "raise_for_gates"]
@@ -57,10 +57,8 @@ def _gate_flags_kernel(dtype: str, index: str) -> Any:
 # g's dtypes the check takes (float16 compared in float32)
 GATE_DTYPES = ("float16", "float32", "float64")
 
-KERNELS = Family("gate", {"gate_flags": (_gate_flags_kernel, "af:1")}, dtypes=GATE_DTYPES)
-
-
-GATE_FLAGS = KERNELS.kernel("gate_flags")
+GATE_FLAGS = Kernel("gate_flags", _gate_flags_kernel, "af:1")
+KERNELS = Family("gate", (GATE_FLAGS,), dtypes=GATE_DTYPES)
 _launch = launcher(KERNELS)
 
 

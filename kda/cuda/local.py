@@ -17,7 +17,7 @@ from array_api_compat import array_namespace
 from numba import cuda
 
 from .._backend import ChunkLocal, LocalGradients
-from ._device import Family, constants, inline, offset_functions
+from ._device import Family, Kernel, constants, inline, offset_functions
 from ._launch import _check_ndim, _check_shape, _dtype_name, _empty, launcher
 
 __all__ = ["MAX_CHUNK", "chunk_local", "chunk_local_backward"]
@@ -592,17 +592,11 @@ def _chunk_local_backward_kernel(dtype: str, index: str) -> Callable:
     return chunk_local_backward
 
 
-KERNELS = Family(
-    "local",
-    {
-        "chunk_local": (_chunk_local_kernel, "aaaaasaaaaaaaaa:3"),
-        "chunk_local_backward": (_chunk_local_backward_kernel, "aaaaasaaaaaaaaaaaaaaaaaaaaaaaaa:5"),
-    },
+CHUNK_LOCAL = Kernel("chunk_local", _chunk_local_kernel, "aaaaasaaaaaaaaa:3")
+CHUNK_LOCAL_BACKWARD = Kernel(
+    "chunk_local_backward", _chunk_local_backward_kernel, "aaaaasaaaaaaaaaaaaaaaaaaaaaaaaa:5"
 )
-
-
-CHUNK_LOCAL = KERNELS.kernel("chunk_local")
-CHUNK_LOCAL_BACKWARD = KERNELS.kernel("chunk_local_backward")
+KERNELS = Family("local", (CHUNK_LOCAL, CHUNK_LOCAL_BACKWARD))
 _launch = launcher(KERNELS)
 
 

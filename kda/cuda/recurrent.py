@@ -13,7 +13,7 @@ from array_api_compat import array_namespace
 from numba import cuda
 
 from .._backend import Gradients
-from ._device import Family, constants, inline, offset_functions
+from ._device import Family, Kernel, constants, inline, offset_functions
 from ._launch import (
     THREADS_PER_BLOCK,
     _check_ndim,
@@ -181,17 +181,9 @@ def _recurrent_backward_kernel(dtype: str, index: str) -> Callable:
     return recurrent_backward
 
 
-KERNELS = Family(
-    "recurrent",
-    {
-        "recurrent_forward": (_recurrent_forward_kernel, "aaaaasaaa:4"),
-        "recurrent_backward": (_recurrent_backward_kernel, "aaaaasaaaiaaaaaaaa:4"),
-    },
-)
-
-
-RECURRENT_FORWARD = KERNELS.kernel("recurrent_forward")
-RECURRENT_BACKWARD = KERNELS.kernel("recurrent_backward")
+RECURRENT_FORWARD = Kernel("recurrent_forward", _recurrent_forward_kernel, "aaaaasaaa:4")
+RECURRENT_BACKWARD = Kernel("recurrent_backward", _recurrent_backward_kernel, "aaaaasaaaiaaaaaaaa:4")
+KERNELS = Family("recurrent", (RECURRENT_FORWARD, RECURRENT_BACKWARD))
 _launch = launcher(KERNELS)
 
 

@@ -568,20 +568,16 @@ def _state_grad_pass_staged_kernel(dtype: str, index: str) -> Callable:
     return chunk_state_grad_pass_staged
 
 
-KERNELS = Family(
-    "state_pass",
-    {
-        "chunk_state_pass": (_state_pass_kernel, "aaaaaaajaaa:5"),
-        "chunk_state_pass_staged": (_state_pass_staged_kernel, "aaaaaaajaaa:5"),
-        "chunk_state_grad_pass": (_state_grad_pass_kernel, "aaaaaaaaaaaaa:5"),
-        "chunk_state_grad_pass_staged": (_state_grad_pass_staged_kernel, "aaaaaaaaaaaaa:5"),
-    },
-)
-
-
 # the state pass and its gradient pass: (broadcast kernel, staged kernel) each
-STATE_PASSES = (KERNELS.kernel("chunk_state_pass"), KERNELS.kernel("chunk_state_pass_staged"))
-STATE_GRAD_PASSES = (KERNELS.kernel("chunk_state_grad_pass"), KERNELS.kernel("chunk_state_grad_pass_staged"))
+STATE_PASSES = (
+    Kernel("chunk_state_pass", _state_pass_kernel, "aaaaaaajaaa:5"),
+    Kernel("chunk_state_pass_staged", _state_pass_staged_kernel, "aaaaaaajaaa:5"),
+)
+STATE_GRAD_PASSES = (
+    Kernel("chunk_state_grad_pass", _state_grad_pass_kernel, "aaaaaaaaaaaaa:5"),
+    Kernel("chunk_state_grad_pass_staged", _state_grad_pass_staged_kernel, "aaaaaaaaaaaaa:5"),
+)
+KERNELS = Family("state_pass", (*STATE_PASSES, *STATE_GRAD_PASSES))
 _launch = launcher(KERNELS)
 
 

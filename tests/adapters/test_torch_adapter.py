@@ -15,7 +15,6 @@ from helpers import TOLERANCE, assert_close, fla_naive  # noqa: E402
 
 import kda  # noqa: E402
 import kda.torch as kt  # noqa: E402
-from kda._options.spec import CallSpec  # noqa: E402
 
 F64 = torch.float64
 NAMES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
@@ -306,10 +305,7 @@ def test_opcheck(method):
     x = make_inputs(7, T=6, H=1, HV=2, N=2, gate="softplus")
     x["dt_bias"] = x["dt_bias"].detach().reshape(2, 3).requires_grad_()
     args = (*(x[n] for n in NAMES), torch.tensor([0, 2, 6]))
-    options = tuple(
-        CallSpec(method=method, scale=0.5, chunk_size=4, layout="time_major", qk_l2norm=True, gate="softplus",
-                 beta_activation="sigmoid")
-    )  # fmt: skip
+    options = (method, 0.5, 4, True, "softplus", None, "sigmoid")
     result = torch.library.opcheck(torch.ops.kda.forward.default, (*args, *options))
     assert set(result.values()) == {"SUCCESS"}, result
 

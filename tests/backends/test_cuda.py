@@ -281,16 +281,16 @@ def test_launches_do_not_grow_with_length(monkeypatch):
 @pytest.fixture
 def compiled_calls(monkeypatch):
     """The ``(kernel, index type)`` of every kernel the launcher asks for, in order."""
-    from kda.cuda._device import Family
+    from kda.cuda._device import Kernel
 
     calls = []
-    real = Family.compiled
+    real = Kernel.compiled
 
-    def spy(self, name, dtype, index="uint32"):
-        calls.append((name, index))
-        return real(self, name, dtype, index)
+    def spy(self, dtype, index="uint32"):
+        calls.append((self.name, index))
+        return real(self, dtype, index)
 
-    monkeypatch.setattr(Family, "compiled", spy)
+    monkeypatch.setattr(Kernel, "compiled", spy)
     return calls
 
 

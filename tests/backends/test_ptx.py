@@ -42,9 +42,8 @@ jobs = []
 for family in FAMILIES:
     variants = [(dtype, "uint32") for dtype in family.dtypes] + [("float32", "uint64")]
     for dtype, index in variants:
-        funcs = family.build(dtype, index)
-        for name in family.signatures:
-            jobs.append((name, dtype, index, funcs[name], family.signature(name, dtype, index)))
+        for kn in family.kernels:
+            jobs.append((kn.name, dtype, index, kn.function(dtype, index), kn.signature(dtype, index)))
 try:  # the decode kernel compiles itself (kda/cuda/_decode.py), outside the families
     from kda.cuda._decode import DTYPES as DECODE_DTYPES, build_decode_kernel, decode_signature
 except ImportError:
@@ -141,7 +140,7 @@ def test_ptx_compiles_for_cc90():
     report = json.loads(done.stdout.strip().splitlines()[-1])
     failed = {key: info["error"] for key, info in report.items() if "error" in info}
     assert not failed, f"kernels that do not compile to PTX: {failed}"
-    expected = sum(len(f.signatures) * (len(f.dtypes) + 1) for f in FAMILIES)
+    expected = sum(len(f.kernels) * (len(f.dtypes) + 1) for f in FAMILIES)
     assert len([k for k in report if not k.startswith("decode_forward")]) == expected
     gate_dtypes = {k.split("/")[1] for k in report if k.startswith("gate_flags/")}
     assert gate_dtypes == {"float16", "float32", "float64"}

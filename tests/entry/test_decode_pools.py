@@ -17,7 +17,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kda
-from kda._options.spec import CallSpec
 
 try:
     import ml_dtypes
@@ -413,7 +412,9 @@ def test_torch_pool_refusals():
     tq, tk, tv, tg, tb = (torch.from_numpy(np.ascontiguousarray(np.swapaxes(a, 1, 2))) for a in x)
     pool = torch.zeros((3, 1, 4, 4), dtype=torch.int32)
     with pytest.raises(
-        kda.InvalidTypeError, match=r"must have dtype torch.float32, torch.float16 or torch.bfloat16"
+        kda.InvalidTypeError,
+        match=r"initial_state \(the state pool, updated in place\) must have dtype float32, float16 or "
+        r"bfloat16",
     ):
         fused_recurrent_kda(tq, tk, tv, tg, tb, initial_state=pool, inplace_final_state=True,
                             ssm_state_indices=torch.tensor([0, 1]))  # fmt: skip
@@ -562,8 +563,7 @@ def test_torch_eager_calls_are_the_ops():
     with torch.inference_mode():
         o1, f1 = fused_recurrent_kda(*tx, initial_state=s0, output_final_state=True)
         p1, _ = fused_recurrent_kda(*tx, initial_state=pools[0], **kw)
-    spec = CallSpec(method="recurrent", scale=8**-0.5, layout="time_major")
-    static = (*tx, s0, None, None, None, False, *spec)
+    static = (*tx, s0, None, None, None, False, "recurrent", 8**-0.5, 64, False, "log", None, "")
     o2, f2 = torch.ops.kda.recurrent_inference(*static)
     with torch.no_grad():
         p2, _ = fused_recurrent_kda(*tx, initial_state=pools[1], **kw)

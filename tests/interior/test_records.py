@@ -68,7 +68,7 @@ def test_torch_op_schemas_are_the_records():
     for op in (ops.forward, ops.backward, ops.recurrent_inference):
         optional = _schema_optional(op)
         assert [n for n in Inputs._fields if optional[n]] == list(Inputs._field_defaults)
-        assert optional["lower_bound"] and optional["beta_activation"] and not optional["gate"]
+        assert optional["lower_bound"] and not optional["scale"] and not optional["beta_activation"]
     # the implementations read their arguments through records made from the same schemas
     assert kt.ForwardArgs._fields == tuple(_schema_names(ops.forward))
     assert kt.BackwardArgs._fields == tuple(_schema_names(ops.backward))
@@ -125,7 +125,10 @@ def test_jax_residuals_are_the_records():
         jnp.asarray(rng.uniform(size=(B, T, H)), dtype=jnp.float32),
         initial_state=jnp.ones((B, H, K, V), dtype=jnp.float32),
     )
-    static = OpOptions(method="chunk", scale=0.5, chunk_size=4, layout="time_major")
+    static = OpOptions(
+        method="chunk", scale=0.5, chunk_size=4, qk_l2norm=False, gate="log", lower_bound=None,
+        beta_activation="",
+    )  # fmt: skip
     (o, final, boundaries), res = kj._kda_fwd(static, x, None)
     assert isinstance(res, kj.Residuals) and isinstance(res.inputs, Inputs)
     assert res.inputs.initial_state is x.initial_state and res.inputs.A_log is None
