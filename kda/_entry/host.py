@@ -22,6 +22,7 @@ Inputs are time-major (``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g [B, T, HV
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -138,10 +139,20 @@ def forward(
 def _call_options(static: OpOptions, x: Inputs, offsets: tuple[int, ...] | None) -> Any:
     """The table's :class:`~kda._options.table.Choices` of a call: made once per ``static`` for
     a call with no gate arrays and no offsets (immutable), else from the arrays."""
-    params = {name: getattr(x, name) for name in PARAMETER_NAMES}
-    if offsets is None and all(p is None for p in params.values()):
+    params = _PARAMETERS(x)  # the gate laws' parameter arrays, in PARAMETER_NAMES' order
+    if offsets is None and not any(map(operator.is_not, params, _NONES)):
         return _plain_choices(static)
-    return static.spec().choices(params, offsets)
+    return static.spec().choices(dict(zip(PARAMETER_NAMES, params)), offsets)
+
+
+def _parameters(names: tuple[str, ...]) -> Callable[[Inputs], tuple[Any, ...]]:
+    """The inputs' fields ``names`` as a tuple (one C call: this runs on every decode step)."""
+    get = operator.attrgetter(*names)
+    return (lambda x: (get(x),)) if len(names) == 1 else get
+
+
+_PARAMETERS = _parameters(PARAMETER_NAMES)
+_NONES = (None,) * len(PARAMETER_NAMES)
 
 
 @functools.lru_cache(maxsize=256)

@@ -123,8 +123,9 @@ def tensor(a: Any, dtype: torch.dtype, inputs: tuple[torch.Tensor | None, ...]) 
 def fresh(a: Any, dtype: torch.dtype) -> torch.Tensor:
     """``a``, a new array of this call (it shares no input's memory), as a contiguous tensor of
     ``dtype``: no copy where it already is one."""
+    contiguous = c_contiguous(a)  # a NumPy array's flags: a quicker question than the tensor's
     t = torch.from_numpy(a) if isinstance(a, np.ndarray) else torch.from_dlpack(a)
-    return t if t.dtype == dtype and c_contiguous(t) else t.to(dtype).contiguous()
+    return t if t.dtype == dtype and contiguous else t.to(dtype).contiguous()
 
 
 def offsets(cu_seqlens: torch.Tensor | None) -> tuple[int, ...] | None:
