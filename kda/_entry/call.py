@@ -30,7 +30,7 @@ from .._engine.core import (
 from .._options.arguments import check_choice
 from .._options.checks import check_finite as _check_finite
 from .._options.checks import floating_point_quiet, warn_if_diverged
-from .._options.gates import PARAMETER_NAMES
+from .._options.gates import PARAMETER_NAMES, parameters_of
 from .._options.maps import (
     CoreInputs,
     Options,
@@ -99,7 +99,7 @@ class Inputs(NamedTuple):
     def of(cls, q: Any, k: Any, v: Any, g: Any, beta: Any, opts: Any, **arrays: Any) -> Inputs:
         """The step arrays with the gate parameters of ``opts`` (a
         :class:`~kda._options.table.Choices`, or any record with them as attributes)."""
-        return cls(q, k, v, g, beta, **arrays, **{n: getattr(opts, n) for n in PARAMETER_NAMES})
+        return cls(q, k, v, g, beta, **arrays, **parameters_of(opts))
 
     @property
     def steps(self) -> tuple[Any, Any, Any, Any, Any]:
@@ -119,12 +119,13 @@ def open_call(
         chunk_size=64 if chunk_size is None else chunk_size, backend=backend,
     )  # fmt: skip
     x = Inputs.of(q, k, v, g, beta, opts)
-    return build_call(spec, x, cu_seqlens=opts.cu_seqlens, defer_gate=defer_gate, scan=scan)
+    return build_call(spec, x, cu_seqlens=opts.cu_seqlens, defer_gate=defer_gate, scan=scan, choices=opts)
 
 
 def build_call(
-    spec: CallSpec, x: Inputs, *, cu_seqlens: Any = None, defer_gate: bool = False, scan: bool = True
-) -> Call:
+    spec: CallSpec, x: Inputs, *, cu_seqlens: Any = None, defer_gate: bool = False, scan: bool = True,
+    choices: Choices | None = None,
+) -> Call:  # fmt: skip
     """The validating door: check the arrays ``x`` (``q .. beta`` and the gate law's parameters,
     in ``spec.layout``), ``cu_seqlens`` and the ``spec`` and bind them to a core.
 
@@ -133,6 +134,9 @@ def build_call(
     passes screen ``g`` as they load it (checked on the host first where the call runs none).
     ``scan=False``: sizes, dtypes and options only, no look at the values: for a part of a call
     whose arrays were checked (a Dask block's later tasks, after its check task).
+    ``choices``: the table's :class:`~kda._options.table.Choices` that ``spec``, ``x``'s gate
+    parameters and ``cu_seqlens`` were made from, where the caller has it (:func:`open_call`):
+    not made again from them.
     """
     check_choice("method", spec.method, METHODS)
     xp = namespace_of(["q", "k", "v", "g", "beta"], list(x.steps))
@@ -140,9 +144,9 @@ def build_call(
     gate_check = ops.launch_gate_check if defer_gate else None
     if defer_gate and ops.chunk_forward_heads is not None:
         gate_check = partial(ScreenedGate, xp)  # the fused passes screen g (Call._gate_before)
-    params = {name: getattr(x, name) for name in PARAMETER_NAMES}
-    opts = spec.choices(params, cu_seqlens)
-    p, options = check_options_call(*x.steps, spec.scale, opts, gate_check, scan)
+    if choices is None:
+        choices = spec.choices(parameters_of(x), cu_seqlens)
+    p, options = check_options_call(*x.steps, spec.scale, choices, gate_check, scan)
     chunk_size = check_chunk_size(spec.chunk_size) if spec.method == "chunk" else None
     return _call(p, options, ops, chunk_size, check=bool(spec.check_finite))
 
@@ -164,7 +168,7 @@ def bind_call(spec: CallSpec, x: Inputs, offsets: tuple[int, ...] | None) -> Cal
     )  # fmt: skip
     options = Options(
         qk_l2norm=spec.qk_l2norm, gate=spec.gate, lower_bound=spec.lower_bound,
-        beta_activation=spec.beta_activation or None, **{n: getattr(x, n) for n in PARAMETER_NAMES},
+        beta_activation=spec.beta_activation or None, **parameters_of(x),
     )  # fmt: skip
     ops = get_backend(xp, spec.backend)
     chunk_size = spec.chunk_size if spec.method == "chunk" else None

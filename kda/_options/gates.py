@@ -21,6 +21,7 @@ to rounding for every finite ``x``. No law produces a positive log decay.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, ClassVar, NamedTuple
 
 from .._errors import InvalidInputError
@@ -62,6 +63,14 @@ DT_BIAS = GateParam("dt_bias", ("HV", "K"))
 # every array parameter a law may take, in the order of KdaGradients' fields
 PARAMETERS: tuple[GateParam, ...] = (A_LOG, DT_BIAS)
 PARAMETER_NAMES: tuple[str, ...] = tuple(p.name for p in PARAMETERS)
+_values = operator.attrgetter(*PARAMETER_NAMES)
+
+
+def parameters_of(record: Any) -> dict[str, Any]:
+    """Every gate parameter of ``record`` (anything with them as attributes: the table's options,
+    the host arrays) by name, None where not given; one C call for the values (every call asks)."""
+    values = _values(record)
+    return dict(zip(PARAMETER_NAMES, values if len(PARAMETER_NAMES) > 1 else (values,)))
 
 
 def sigmoid(xp: Any, x: Any) -> Any:
@@ -101,6 +110,10 @@ class GateLaw:
     def check(self, given: dict[str, Any], lower_bound: Any) -> float | None:
         """Refuse parameters this law does not take, require those it needs; return ``lower_bound``
         checked (a float) or None. ``given``: every parameter of :data:`PARAMETERS` by name."""
+        if not (self.lower_bound or self.required or lower_bound is not None) and not any(
+            v is not None for v in given.values()
+        ):
+            return None  # the common call: nothing given, nothing required
         for name in self.required:
             if given.get(name) is None:
                 shape = next(p.letters for p in self.params if p.name == name)

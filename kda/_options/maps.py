@@ -56,7 +56,7 @@ class Options:
 
     def gate_params(self) -> dict[str, Any]:
         """Every gate parameter (:data:`~kda._options.gates.PARAMETERS`) by name, None where not given."""
-        return {p.name: getattr(self, p.name) for p in gates.PARAMETERS}
+        return gates.parameters_of(self)
 
     @property
     def is_identity(self) -> bool:

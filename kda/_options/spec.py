@@ -13,6 +13,7 @@ packed-sequence offsets (``cu_seqlens``).
 
 from __future__ import annotations
 
+import operator
 from typing import Any, NamedTuple
 
 from .gates import PARAMETER_NAMES
@@ -57,18 +58,19 @@ class CallSpec(NamedTuple):
     ) -> CallSpec:
         """The spec of a public call: its own arguments and the table's options as given
         (:class:`~kda._options.table.Choices`, the arrays left out). Nothing is checked here."""
-        options = {name: getattr(opts, name) for name in _SPEC_OPTIONS}
+        options = dict(zip(_SPEC_OPTIONS, _spec_options(opts)))  # (one C call: every call makes one)
         return cls(method=method, scale=scale, chunk_size=chunk_size, backend=backend, **options)
 
     def choices(self, params: dict[str, Any] | None = None, cu_seqlens: Any = None) -> Choices:
         """The table's :class:`~kda._options.table.Choices` of this spec with the gate parameters
         ``params`` (by name) and ``cu_seqlens``."""
-        options = {name: getattr(self, name) for name in _SPEC_OPTIONS}
+        options = dict(zip(_SPEC_OPTIONS, _spec_options(self)))
         return Choices(**options, **(params or {}), cu_seqlens=cu_seqlens)
 
 
 # the table's non-array options, each a field of CallSpec: a new option's row needs its field here
 _SPEC_OPTIONS = tuple(o.name for o in OPTIONS if o.name not in ARRAY_OPTIONS)
+_spec_options = operator.attrgetter(*_SPEC_OPTIONS)  # a record's values of them, as a tuple
 _missing = [name for name in _SPEC_OPTIONS if name not in CallSpec._fields]
 if _missing:  # pragma: no cover - a table row without its field
     msg = f"options {_missing} of the table have no field in CallSpec"

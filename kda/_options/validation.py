@@ -220,7 +220,7 @@ def _check_gate(p: Problem, opts: Choices) -> dict[str, Any]:
     """The gate law's parameters (by name, in the compute dtype; None where not given) and its
     ``lower_bound``, validated by the law (:meth:`~kda._options.gates.GateLaw.check`)."""
     gate_law = gates.law(opts.gate)
-    given = {param.name: getattr(opts, param.name) for param in gates.PARAMETERS}
+    given = gates.parameters_of(opts)
     checked: dict[str, Any] = {"lower_bound": gate_law.check(given, opts.lower_bound)}
     for param in gates.PARAMETERS:
         x = given[param.name]
