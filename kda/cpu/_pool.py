@@ -48,7 +48,8 @@ def run_ranges(
     ranges = list(itertools.pairwise(bounds))
     if on_caller:
         (lo, hi), ranges = ranges[0], ranges[1:]
-    futures = [pool(threads).submit(run, kernel, *args, a, b) for a, b in ranges]
+    executor = pool(threads)
+    futures = [executor.submit(run, kernel, *args, a, b) for a, b in ranges]
     try:
         if on_caller:
             run(kernel, *args, lo, hi)
