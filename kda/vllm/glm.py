@@ -30,6 +30,7 @@ import torch
 
 from .. import torch as _kt
 from .._errors import InvalidTypeError
+from .._options.arguments import c_contiguous
 from .ops import PAD_SLOT_ID, _check_pool, _finish, _refuse, _shape
 
 __all__ = ["chunk_kda_with_fused_gate", "fused_recurrent_kda", "scatter_states"]
@@ -226,7 +227,7 @@ class _ScatterStates:
             raise InvalidTypeError(f"scatter_states: indices must be int32 or int64; got {indices.dtype}")
         if not (state.device == src.device == indices.device):
             _refuse("scatter_states: state, src and indices must be on one device")
-        if not state[0].is_contiguous():
+        if not c_contiguous(state[0]):
             _refuse(f"scatter_states: each row of state must be dense; got strides {state.stride()}")
         idx = indices.long()
         if idx.numel() and (int(idx.min()) < -1 or int(idx.max()) >= state.shape[0]):

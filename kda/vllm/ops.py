@@ -29,6 +29,7 @@ import torch
 
 from .. import torch as _kt
 from .._errors import InvalidInputError, InvalidTypeError
+from .._options.arguments import c_contiguous
 
 __all__ = [
     "chunk_kda_with_fused_gate",
@@ -52,7 +53,7 @@ def _check_pool(initial_state: Any, H: int, K: int, V: int) -> None:
             f"initial_state (the state pool) must have shape [slots, H, V, K] = [slots, {H}, {V}, {K}] "
             f"(vLLM's V-major pool); got {tuple(initial_state.shape)}"
         )
-    if initial_state.stride()[1:] != (V * K, K, 1):
+    if initial_state.shape[0] and not c_contiguous(initial_state[0]):
         _refuse(
             "initial_state (the state pool) must be contiguous within each slot (strides "
             f"[*, {V * K}, {K}, 1]); got strides {initial_state.stride()}"
