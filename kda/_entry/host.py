@@ -22,14 +22,13 @@ Inputs are time-major (``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g [B, T, HV
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import array_api_compat
 
 from .._errors import InvalidInputError
-from .._options.gates import PARAMETER_NAMES
+from .._options.gates import PARAMETER_NAMES, any_given, parameter_values
 from .._options.packing import num_chunks
 from . import decode as _decode
 from .call import Call, Inputs, KdaGradients, bind_call, build_call
@@ -139,20 +138,10 @@ def forward(
 def _call_options(static: OpOptions, x: Inputs, offsets: tuple[int, ...] | None) -> Any:
     """The table's :class:`~kda._options.table.Choices` of a call: made once per ``static`` for
     a call with no gate arrays and no offsets (immutable), else from the arrays."""
-    params = _PARAMETERS(x)  # the gate laws' parameter arrays, in PARAMETER_NAMES' order
-    if offsets is None and not any(map(operator.is_not, params, _NONES)):
+    params = parameter_values(x)
+    if offsets is None and not any_given(params):
         return _plain_choices(static)
     return static.spec().choices(dict(zip(PARAMETER_NAMES, params)), offsets)
-
-
-def _parameters(names: tuple[str, ...]) -> Callable[[Inputs], tuple[Any, ...]]:
-    """The inputs' fields ``names`` as a tuple (one C call: this runs on every decode step)."""
-    get = operator.attrgetter(*names)
-    return (lambda x: (get(x),)) if len(names) == 1 else get
-
-
-_PARAMETERS = _parameters(PARAMETER_NAMES)
-_NONES = (None,) * len(PARAMETER_NAMES)
 
 
 @functools.lru_cache(maxsize=256)

@@ -21,7 +21,9 @@ to rounding for every finite ``x``. No law produces a positive log decay.
 
 from __future__ import annotations
 
+import itertools
 import operator
+from collections.abc import Iterable
 from typing import Any, ClassVar, NamedTuple
 
 from .._errors import InvalidInputError
@@ -66,11 +68,22 @@ PARAMETER_NAMES: tuple[str, ...] = tuple(p.name for p in PARAMETERS)
 _values = operator.attrgetter(*PARAMETER_NAMES)
 
 
-def parameters_of(record: Any) -> dict[str, Any]:
+def parameter_values(record: Any) -> tuple[Any, ...]:
     """Every gate parameter of ``record`` (anything with them as attributes: the table's options,
-    the host arrays) by name, None where not given; one C call for the values (every call asks)."""
+    the host arrays), in :data:`PARAMETER_NAMES`' order, None where not given: one C call (every
+    call asks, the decode steps among them)."""
     values = _values(record)
-    return dict(zip(PARAMETER_NAMES, values if len(PARAMETER_NAMES) > 1 else (values,)))
+    return values if len(PARAMETER_NAMES) > 1 else (values,)
+
+
+def parameters_of(record: Any) -> dict[str, Any]:
+    """:func:`parameter_values` by name."""
+    return dict(zip(PARAMETER_NAMES, parameter_values(record)))
+
+
+def any_given(values: Iterable[Any]) -> bool:
+    """Whether any of ``values`` (gate parameters) is given, not None (in C: no generator)."""
+    return any(map(operator.is_not, values, itertools.repeat(None)))
 
 
 def sigmoid(xp: Any, x: Any) -> Any:
@@ -110,9 +123,7 @@ class GateLaw:
     def check(self, given: dict[str, Any], lower_bound: Any) -> float | None:
         """Refuse parameters this law does not take, require those it needs; return ``lower_bound``
         checked (a float) or None. ``given``: every parameter of :data:`PARAMETERS` by name."""
-        if not (self.lower_bound or self.required or lower_bound is not None) and not any(
-            v is not None for v in given.values()
-        ):
+        if not (self.lower_bound or self.required or lower_bound is not None or any_given(given.values())):
             return None  # the common call: nothing given, nothing required
         for name in self.required:
             if given.get(name) is None:
