@@ -156,6 +156,15 @@ def run_case(case):
         print(f"dask_fwd_T2048 {best(run, 10, 2):.0f}")
 
 
+def _gemm() -> str:
+    """This repository's GEMM reference (:func:`benchmarks._common.gemm_rate`), the yardstick of
+    the machine's speed during the run."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks import _common
+
+    return f"GEMM reference {_common.gemm_rate():.1f} GFLOP/s (float32, n = {_common.GEMM_N})"
+
+
 CASES = ("torch_decode", "np_decode", "small", "chunk", "dask")
 
 
@@ -167,7 +176,7 @@ def main(argv):
     trees = dict(a.split("=", 1) for a in argv if "=" in a)
     env0 = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
     res = {}
-    print(f"# load average before: {os.getloadavg()}", flush=True)
+    print(f"# load average before: {os.getloadavg()}; {_gemm()}", flush=True)
     for r in range(rounds):
         for case in CASES:
             order = list(trees.items())[:: -1 if r % 2 else 1]
@@ -185,7 +194,7 @@ def main(argv):
                         name, val = line.split()
                         res.setdefault((name, label), []).append(float(val))
                         print(f"round {r + 1} {label:8s} {name:26s} {val}", flush=True)
-    print(f"# load average after: {os.getloadavg()}")
+    print(f"# load average after: {os.getloadavg()}; {_gemm()}")
     first = next(iter(trees))
     print(
         f"{'case':26s} "
