@@ -11,6 +11,9 @@ The benchmarks live outside the library, in the repository's ``benchmarks/`` fol
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import subprocess
 import sys
 import time
 from typing import Any
@@ -18,6 +21,11 @@ from typing import Any
 import numpy as np
 
 import kda
+
+try:
+    import resource  # the CPU time of the warm-up's processes (POSIX)
+except ImportError:  # pragma: no cover - Windows
+    resource = None
 
 # the default problem of the check
 DEFAULTS = {"B": 1, "H": 4, "T": 1024, "K": 64, "V": 64, "chunk_size": 64}
@@ -265,15 +273,42 @@ def _warm_decode(dtype: str, layout: str) -> None:
 
 def warmup(args: argparse.Namespace) -> int:
     """Compile every kernel of the CPU backend for ``args.dtype`` (both by default) into its cache;
-    prints the time taken and how many entry points were compiled or loaded from the cache."""
+    prints the time taken and how many kernels were compiled or loaded from the cache. With more
+    than one job (``args.jobs``; default: one per dtype, at most one per core, and one where no
+    cache is writable), each dtype compiles in a process of its own (``python -m kda warmup
+    --dtype D --jobs 1``), side by side: Numba compiles on one core per process."""
     from ._backend import cpu_available
 
     if not cpu_available():
         print("kda: the cpu backend is not available here (it needs numba and scipy); nothing to compile")
         return 1
-    from numba.core import event
-
     from .cpu import _compile
+
+    where = {None: "none (every process compiles)", "numba": "Numba's cache directory"}
+    cache = where.get(_compile.CACHE, _compile.CACHE)
+    jobs = args.jobs if args.jobs is not None else (os.cpu_count() or 1)
+    # processes share their work only through a cache: without one, compile here, once
+    jobs = min(jobs, len(args.dtype)) if _compile.CACHING else 1
+    started = time.perf_counter()
+    if jobs > 1:
+        compiled, cpu = _warm_in_processes(args.dtype, jobs)
+        if compiled is None:
+            return 1
+        how = f"{cpu:.1f} s of CPU time in {len(args.dtype)} processes, {jobs} at a time"
+    else:
+        compiled, cpu = _warm_here(args.dtype)
+        how = f"{cpu:.1f} s of CPU time"
+    print(
+        f"kda {kda.__version__}: cpu kernels ready for {' and '.join(args.dtype)} in "
+        f"{time.perf_counter() - started:.1f} s ({how}; "
+        f"{compiled} kernels compiled, the others loaded from the cache); cache: {cache}"
+    )
+    return 0
+
+
+def _warm_here(dtypes: list[str]) -> tuple[int, float]:
+    """Warm ``dtypes`` in this process: ``(kernels compiled, CPU seconds)``."""
+    from numba.core import event
 
     compiled: list[str] = []
 
@@ -289,18 +324,49 @@ def warmup(args: argparse.Namespace) -> int:
             if self.depth == 0:
                 compiled.append(getattr(ev.data["dispatcher"], "__qualname__", "?"))
 
-    started, cpu = time.perf_counter(), time.process_time()
+    cpu = time.process_time()
     with event.install_listener("numba:compile", Count()):
-        for dtype in args.dtype:
+        for dtype in dtypes:
             _warm_calls(dtype)
-    where = {None: "none (every process compiles)", "numba": "Numba's cache directory"}
-    cache = where.get(_compile.CACHE, _compile.CACHE)
-    print(
-        f"kda {kda.__version__}: cpu kernels ready for {' and '.join(args.dtype)} in "
-        f"{time.perf_counter() - started:.1f} s ({time.process_time() - cpu:.1f} s of CPU time; "
-        f"{len(compiled)} kernels compiled, the others loaded from the cache); cache: {cache}"
-    )
-    return 0
+    return len(compiled), time.process_time() - cpu
+
+
+# the count in a warm-up's summary line (printed by :func:`warmup`)
+_COMPILED = re.compile(r"; (\d+) kernels compiled,")
+
+
+def _warm_in_processes(dtypes: list[str], jobs: int) -> tuple[int | None, float]:
+    """Warm each of ``dtypes`` in a process of its own (``python -m kda warmup --dtype D --jobs
+    1``), ``jobs`` at a time: ``(kernels compiled, CPU seconds of the processes)``; ``(None, ...)``
+    where one failed (its output printed)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN) if resource else None
+    compiled, queue, running = 0, list(dtypes), []
+    failed = False
+    while queue or running:
+        while queue and len(running) < jobs:
+            command = [sys.executable, "-m", "kda", "warmup", "--dtype", queue.pop(0), "--jobs", "1"]
+            # its summary line read from stdout; its notices (stderr) pass through
+            running.append(subprocess.Popen(command, stdout=subprocess.PIPE, text=True))
+        child = running.pop(0)
+        out, _ = child.communicate()
+        found = _COMPILED.search(out.strip().splitlines()[-1] if out.strip() else "")
+        if child.returncode != 0 or found is None:
+            print(out, end="")
+            failed = True
+        else:
+            compiled += int(found.group(1))
+    after = resource.getrusage(resource.RUSAGE_CHILDREN) if resource else None
+    cpu = float("nan")
+    if before is not None and after is not None:
+        cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return (None if failed else compiled), cpu
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text}")
+    return value
 
 
 def _warmup_parser() -> argparse.ArgumentParser:
@@ -308,6 +374,12 @@ def _warmup_parser() -> argparse.ArgumentParser:
         prog="python -m kda warmup", description="Compile every kernel of the CPU backend ahead of time."
     )
     parser.add_argument("--dtype", nargs="+", choices=sorted(TOLERANCE), default=sorted(TOLERANCE))
+    parser.add_argument(
+        "--jobs",
+        type=_positive,
+        default=None,
+        help="processes compiling side by side, a dtype each (default: one per dtype, at most one per core)",
+    )
     return parser
 
 

@@ -40,7 +40,10 @@ from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import numba
-from numba.core import caching, event
+from numba.core import caching, compiler, event, typed_passes
+from numba.core.codegen import JITCodeLibrary
+from numba.core.compiler_lock import global_compiler_lock
+from numba.core.compiler_machinery import register_pass
 
 # No nnan/ninf: -inf gates must stay exact. Reassociation lets channel loops vectorise; the
 # compiled order is fixed, so results are deterministic.
@@ -273,20 +276,155 @@ def _lock_entries(index: Any) -> None:
     index.save, index.load = locked_save, locked_load
 
 
+# Inner functions: compiled only inside the kernels that call them.
+#
+# Numba compiles every function into an LLVM module of its own, optimises that module and emits
+# its machine code, then links the module into each caller, whose module is optimised and emitted
+# again with it. For a function that only other compiled functions call (every helper of the
+# kernels), its own optimisation and machine code are never used: about a third of a cold
+# compile. An inner function (``jit(inner=True)``) is typed and lowered as usual, but its module
+# is linked into its callers as lowered (function passes only) and optimised there, once; its own
+# module passes and machine code wait for a call from Python (tests call helpers directly), which
+# compiles them then. Its callers' code is the same: LLVM optimises the callees in the caller's
+# module either way (the kernels' results are bitwise those of full compilation, checked by
+# scripts/fixed_calls.py). An inner function is not cached on its own: its callers are.
+
+
+class _InnerLibrary(JITCodeLibrary):
+    """An inner function's code: finalised for linking into callers without module passes or
+    machine code; both made on the first request for a function pointer (:meth:`realize`)."""
+
+    _realized = False
+
+    def _optimize_final_module(self) -> None:
+        if self._realized:
+            super()._optimize_final_module()
+
+    def _finalize_final_module(self) -> None:
+        if self._realized:
+            super()._finalize_final_module()
+        else:
+            self._finalized = True  # ready to link into callers; not added to the engine yet
+
+    def realize(self) -> None:
+        """Optimise this module and emit its machine code (for a call from Python)."""
+        with global_compiler_lock:
+            if not self._realized:
+                self._ensure_finalized()
+                self._realized = True
+                self._optimize_final_module()
+                self._final_module.verify()
+                self._finalize_final_module()
+
+    def get_pointer_to_function(self, name: str) -> int:
+        self.realize()
+        return super().get_pointer_to_function(name)
+
+
+class _FirstCall:
+    """An inner function's entry point from Python: realises its library and makes Numba's
+    callable wrapper on the first call. Numba's dispatcher calls an entry point that is not a
+    compiled C function through the interpreter; compiled callers only use it as a key."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make: Callable[[], Any] | None = make
+        self._compiled: Any = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._make is not None:
+            with global_compiler_lock:
+                if self._make is not None:
+                    self._compiled, self._make = self._make(), None
+        return self._compiled(*args, **kwargs)
+
+
+@register_pass(mutates_CFG=True, analysis_only=False)
+class _InnerLowering(typed_passes.NativeLowering):
+    """Numba's lowering into an :class:`_InnerLibrary`, whose entry point is a :class:`_FirstCall`
+    instead of compiled machine code."""
+
+    _name = "kda_inner_lowering"
+
+    def run_pass(self, state: Any) -> bool:
+        context = state.targetctx
+        if state.library is None:
+            state.library = _InnerLibrary(context.codegen(), state.func_id.func_qualname)
+            state.library.enable_object_caching()
+        library, executable = state.library, context.get_executable
+
+        def get_executable(lib: Any, fndesc: Any, env: Any) -> Any:
+            if lib is library:
+                return _FirstCall(lambda: executable(lib, fndesc, env))
+            return executable(lib, fndesc, env)
+
+        shadowed = vars(context).get("get_executable")  # an enclosing inner lowering's, if any
+        context.get_executable = get_executable  # for this pass only (under the compiler lock)
+        try:
+            return super().run_pass(state)
+        finally:
+            if shadowed is None:
+                del context.get_executable
+            else:
+                context.get_executable = shadowed
+
+
+class _InnerCompiler(compiler.CompilerBase):
+    """Numba's nopython pipeline with :class:`_InnerLowering` for its lowering."""
+
+    def define_pipelines(self) -> list[Any]:
+        pm = compiler.DefaultPassBuilder.define_nopython_pipeline(self.state)
+        pm.passes = [(_InnerLowering if p is typed_passes.NativeLowering else p, d) for p, d in pm.passes]
+        pm.finalize()
+        return [pm]
+
+
+def _make_inner(kernel: Any) -> None:
+    """Make the dispatcher ``kernel`` compile inner functions: lowered by :class:`_InnerCompiler`,
+    uncached, and its entry points kept out of the dispatcher's table of compiled C functions (a
+    call from Python finds none there and asks :meth:`compile`, which returns the entry point)."""
+    kernel._compiler.pipeline_class = _InnerCompiler
+    kernel._cache = caching.NullCache()
+    add_overload = kernel.add_overload
+
+    def add_inner_overload(cres: Any) -> None:
+        if isinstance(cres.entry_point, _FirstCall):
+            kernel.overloads[tuple(cres.signature.args)] = cres
+        else:
+            add_overload(cres)
+
+    kernel.add_overload = add_inner_overload
+
+
+def is_inner(kernel: Any) -> bool:
+    """Whether the dispatcher ``kernel`` compiles an inner function (``jit(inner=True)``)."""
+    return getattr(getattr(kernel, "_compiler", None), "pipeline_class", None) is _InnerCompiler
+
+
 def jit(
-    fastmath: Any = _FASTMATH, *, error_model: str = "numpy", stamp: bool = True, **options: Any
+    fastmath: Any = _FASTMATH,
+    *,
+    error_model: str = "numpy",
+    stamp: bool = True,
+    inner: bool = False,
+    **options: Any,
 ) -> Callable[[Callable[..., Any]], Any]:
     """The decorator of every Numba function of :mod:`kda.cpu`: ``numba.njit`` with ``nogil``,
     ``fastmath``, ``error_model`` and ``options``, cached on disk where :data:`CACHING` (in kda's
     :func:`fallback_dir` where Numba's own directories are not writable), else compiled per
     process. With ``stamp``, the function's cache entries are stamped with
     :data:`SOURCE_STAMP` (the kernels, which call each other across files); without, Numba's
-    own check of the function's file alone (a module that calls no compiled function of another)."""
+    own check of the function's file alone (a module that calls no compiled function of another).
+    With ``inner``, a function only compiled functions call: compiled inside its callers only
+    (uncached; :class:`_InnerLibrary`)."""
 
     options = {"nogil": True, "fastmath": fastmath, "error_model": error_model, **options}
     njit = numba.njit(cache=CACHE == "numba", **options)
 
     def decorate(fn: Callable[..., Any]) -> Any:
+        if inner:
+            kernel = numba.njit(cache=False, **options)(fn)
+            _make_inner(kernel)
+            return kernel
         kernel = njit(fn)
         if _FALLBACK_CACHE is not None:
             kernel._cache = _FALLBACK_CACHE(kernel.py_func)  # as Dispatcher.enable_caching does

@@ -19,7 +19,7 @@ from ._products import _mm, copy2, empty2
 from ._solve import _solve_blocks, _solve_blocks_t, _substitute
 
 
-@jit()
+@jit(inner=True)
 def _load(x, b, h, t0, m, buf):
     """Rows ``t0 .. t0 + m`` of ``x[b, h]`` into ``buf[:m]``; rows ``m ..`` of ``buf`` zeroed.
 
@@ -41,7 +41,7 @@ def _load(x, b, h, t0, m, buf):
     return acc
 
 
-@jit()
+@jit(inner=True)
 def _decays_screen(x):
     """0 where every element of a 2-D array is ``<= 0`` (``-inf`` included), NaN where one is not
     (positive or NaN): the fused passes screen each chunk's ``g`` for the call's gate check (a
@@ -53,7 +53,7 @@ def _decays_screen(x):
     return 0.0 if bad == 0 else np.nan
 
 
-@jit()
+@jit(inner=True)
 def _zeros_of(x):
     """``sum(x * 0)`` of a 2-D array as float64: 0 where every element is finite, NaN where one
     is not (``inf * 0`` is NaN); the order of the terms cannot change that."""
@@ -66,7 +66,7 @@ def _zeros_of(x):
     return acc
 
 
-@jit()
+@jit(inner=True)
 def _is_zero(x):
     """Whether every element of a 2-D array is 0 (stops at the first that is not)."""
     for i in range(x.shape[0]):
@@ -76,7 +76,7 @@ def _is_zero(x):
     return True
 
 
-@jit()
+@jit(inner=True)
 def _transpose(x, out):
     """``out = x.T`` (2-D), written row by row of ``out``."""
     n, m = x.shape
@@ -85,7 +85,7 @@ def _transpose(x, out):
             out[j, i] = x[i, j]
 
 
-@jit()
+@jit(inner=True)
 def _load_beta(beta, b, h, t0, m, buf):
     for i in range(m):
         buf[i] = beta[b, h, t0 + i]
@@ -116,7 +116,7 @@ class ChunkScratch(NamedTuple):
     S: Any  # [K, V]: the state
 
 
-@jit()
+@jit(inner=True)
 def _chunk_scratch(x, Cp, K, V):
     """The :class:`ChunkScratch` of a chunk of ``Cp`` steps, ``K`` key and ``V`` value channels,
     of ``x``'s dtype (every 2-D array from :func:`empty2`: 64-byte aligned)."""
@@ -132,7 +132,7 @@ def _chunk_scratch(x, Cp, K, V):
     )  # fmt: skip
 
 
-@jit()
+@jit(inner=True)
 def _three(x, rows, cols):
     """Three scratch arrays ``[rows, cols]`` of ``x``'s dtype."""
     dt = x.dtype
@@ -332,7 +332,7 @@ def backward_heads(
             screen[bh, 1] = seen_out + _zeros_of(dS)
 
 
-@jit()
+@jit(inner=True)
 def _store(x, out, b, h, t0, m):
     """``out[b, h, t0 + i] = x[i]`` for ``i < m``; returns ``sum(x * 0)`` of what it wrote."""
     D = x.shape[1]
@@ -347,7 +347,7 @@ def _store(x, out, b, h, t0, m):
     return acc
 
 
-@jit()
+@jit(inner=True)
 def _fused_local_backward(
     q, k, e, pre, suf, v, beta, s, L, S, dS, ROT, Z, UT, dY, dq, dk, dv, dg, dbeta, zero_s, zero_ds
 ):  # fmt: skip

@@ -24,7 +24,7 @@ _ROUND = 6755399441055744.0  # 1.5 * 2**52: (x + _ROUND) - _ROUND rounds x to an
 _EXP_MIN = -708.39  # exp below this is under the smallest normal float64: returned as 0
 
 
-@jit(fastmath={"contract"})
+@jit(fastmath={"contract"}, inner=True)
 def _exp_row(x, out, work):
     """``out = exp(x)`` for ``x <= 0`` (1-D, float32 or float64), computed in float64.
 
@@ -61,7 +61,7 @@ def _exp_row(x, out, work):
         out[i] = out[i] * work[i] if x[i] >= _EXP_MIN else 0.0
 
 
-@jit()
+@jit(inner=True)
 def _exp(g):
     """``exp(g)`` of a ``[Cp, K]`` array of log decays (``g <= 0``), row by row (:func:`_exp_row`)."""
     Cp, K = g.shape
@@ -72,7 +72,7 @@ def _exp(g):
     return e
 
 
-@jit()
+@jit(inner=True)
 def _factors(g, pre, suf):
     """``pre[i] = prod(exp(g[l]), l <= i)``, ``suf[j] = prod(exp(g[l]), l > j)``; returns exp(g)."""
     Cp, K = g.shape
@@ -89,7 +89,7 @@ def _factors(g, pre, suf):
     return e
 
 
-@jit()
+@jit(inner=True)
 def _sum(x):
     """``sum(x)`` in a loop that stores nothing (one compiled order).
 
@@ -102,7 +102,7 @@ def _sum(x):
     return acc
 
 
-@jit()
+@jit(inner=True)
 def _sum_products(x, y):
     """``sum(x * y)`` in a loop that stores nothing (one compiled order)."""
     acc = x[:0].sum()  # a zero of x's dtype: the loop then runs over all of x
@@ -111,7 +111,7 @@ def _sum_products(x, y):
     return acc
 
 
-@jit()
+@jit(inner=True)
 def _block_factors(e, c, P, Q):
     """Per sub-block of ``c`` steps: ``P[i] = prod(e[l], block start <= l <= i)`` and
     ``Q[j] = prod(e[l], j < l <= block end)`` (both in ``[0, 1]``)."""
@@ -129,7 +129,7 @@ def _block_factors(e, c, P, Q):
                 Q[j, d] = Q[j + 1, d] * e[j + 1, d]
 
 
-@jit()
+@jit(inner=True)
 def _pairs_within(q, k, e, s, A, L, kd, a0, a1):
     """Pairs ``a0 <= j <= i < a1`` of one sub-block by running products over ``i``:
     ``kd = k[j] * prod(e[l], j < l <= i)``. Every sum over channels runs in a loop of its own
@@ -152,7 +152,7 @@ def _pairs_within(q, k, e, s, A, L, kd, a0, a1):
             L[i, j] = _sum(pb)
 
 
-@jit()
+@jit(inner=True)
 def _pairs(q, k, e, s, A, L, kd):
     """``A`` (lower, ``scale q_i . k_j decay(j..i]``) and ``L`` (strictly lower, ``k_i . k_j
     decay(j..i]``) of one chunk, zeros above.
@@ -201,7 +201,7 @@ def _pairs(q, k, e, s, A, L, kd):
                 L[a0 + r, j] = AL[c + r, j]
 
 
-@jit()
+@jit(inner=True)
 def _local_pairs(q, k, g, beta, s, qg, kg, k_suffix, total, A, L, Minv, pre, suf, kd, with_inverse):
     """A chunk's decay factors, ``qg, kg, k_suffix, total``, its pairs ``A, L`` and, ``with_inverse``,
     ``Minv = (I + diag(beta) L)^-1``; returns ``exp(g)``."""
@@ -220,7 +220,7 @@ def _local_pairs(q, k, g, beta, s, qg, kg, k_suffix, total, A, L, Minv, pre, suf
     return e
 
 
-@jit()
+@jit(inner=True)
 def _pairs_backward_within(q, k, e, s, dA, dX, DQ, DK, COL, a0, a1):
     """:func:`_pairs_backward` for the pairs ``a0 <= j < i < a1`` of one sub-block (running
     products over ``i``; every loop over channels is elementwise)."""
@@ -241,7 +241,7 @@ def _pairs_backward_within(q, k, e, s, dA, dX, DQ, DK, COL, a0, a1):
                 COL[j, d] += (c * q[i, d] + b * k[i, d]) * D
 
 
-@jit()
+@jit(inner=True)
 def _pairs_backward(q, k, e, s, dA, dX, DQ, DK, COL):
     """Sums over the pairs ``j < i`` of a chunk with decay ``D = decay(j..i]``, given the
     gradients ``dA`` (of ``A / scale``'s pairs: ``c = scale dA``) and ``dX`` (of ``L``):
@@ -300,7 +300,7 @@ def _pairs_backward(q, k, e, s, dA, dX, DQ, DK, COL):
                 COL[j, d] += qm[j, d] * cols[j, d]
 
 
-@jit()
+@jit(inner=True)
 def _factor_grads(q, k, e, pre, suf, s, S, dS, dA, dL, dqg, dkg, dk_suffix, dq, dk, dg):
     """``dq, dk, dg`` of a chunk from the gradients of its pairs (``dA``: of ``A / scale``'s pairs;
     ``dL``: of ``L``, strictly lower), of ``qg, kg, k_suffix`` and of ``total`` (from the chunk-start

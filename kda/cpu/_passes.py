@@ -15,7 +15,7 @@ from ._pairs import _factor_grads, _factors, _local_pairs, _sum_products
 from ._products import copy2
 
 
-@jit()
+@jit(inner=True)
 def _local_one(q, k, g, v, beta, s, qg, kg, k_suffix, total, A, L, Minv, w, u0, pre, suf, kd, bk, bv):
     Cp, K = q.shape
     V = v.shape[1]
@@ -139,7 +139,7 @@ def state_grad_pass(w, u0, k_suffix, total, qg, A, dO, boundaries, dfinal, ends,
 # chunk_local_backward
 
 
-@jit()
+@jit(inner=True)
 def _local_backward_one(
     q, k, g, v, beta, s, kg, w, u0, L, Minv, S, dS, U, dU, dO, dq, dk, dv, dg, dbeta
 ):  # fmt: skip
@@ -153,7 +153,7 @@ def _local_backward_one(
     return e
 
 
-@jit()
+@jit(inner=True)
 def _local_backward_core(
     q, k, e, pre, suf, v, beta, s, kg, w, u0, L, Minv, S, dS, U, dU, dO, dq, dk, dv, dg, dbeta
 ):  # fmt: skip
@@ -208,7 +208,7 @@ def local_backward(
 # the step recurrence
 
 
-@jit()
+@jit(inner=True)
 def _step(S, q, k, v, g, b, s, o, pred):
     """One step on ``S: [K, V]`` in place; writes ``o: [V]``; ``pred: [V]`` scratch."""
     K, V = S.shape

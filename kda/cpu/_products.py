@@ -201,7 +201,7 @@ def _xxgemm(typingctx, ta, tb, m, n, k, a, ia, lda, b, ib, ldb, beta, c, ic, ldc
     return sig, codegen
 
 
-@jit()
+@jit(inner=True)
 def empty2(rows, cols, dt):
     """An uninitialised C-contiguous ``[rows, cols]`` array of dtype ``dt`` whose data starts on a
     64-byte boundary. The kernels' scratch arrays (every operand of ``_mm``) are made so: MKL's
@@ -213,7 +213,7 @@ def empty2(rows, cols, dt):
     return raw[skip : skip + rows * cols].reshape((rows, cols))
 
 
-@jit()
+@jit(inner=True)
 def copy2(src, dst):
     """``dst[:, :] = src`` (2-D arrays of one shape), element by element. The kernels copy arrays
     so rather than by slice assignment: Numba compiles, with every slice assignment from an array,
@@ -223,7 +223,7 @@ def copy2(src, dst):
             dst[i, j] = src[i, j]
 
 
-@jit()
+@jit(inner=True)
 def _mm(A, ta, B, tb, C, beta):
     """``C = op(A) @ op(B) + beta C`` (row-major; ``op(X) = X.T`` where ``tX``) in blocks of
     :data:`GEMM_BLOCK` rows and columns of ``C``. Arrays are 2-D with unit inner stride (row

@@ -9,7 +9,7 @@ from ._compile import jit
 from ._products import _mm
 
 
-@jit()
+@jit(inner=True)
 def _inverse(L, beta, Minv):
     """``Minv = (I + diag(beta) L)^-1`` row by row: ``Minv[i, :i] = -beta[i] sum_m L[i, m] Minv[m, :i]``.
 
@@ -31,7 +31,7 @@ def _inverse(L, beta, Minv):
         Minv[i, i] = 1.0
 
 
-@jit()
+@jit(inner=True)
 def _substitute(L, beta, Y, U):
     """``U = (I + diag(beta) L)^-1 Y`` by forward substitution (``U[i] = Y[i] - beta[i] sum_m
     L[i, m] U[m]``, which does not form the inverse's growth: for few key channels)."""
@@ -45,7 +45,7 @@ def _substitute(L, beta, Y, U):
                 U[i, c] -= x * U[m, c]
 
 
-@jit()
+@jit(inner=True)
 def _solve_blocks(L, beta, Y, U, Td, W):
     """``U = (I + diag(beta) L)^-1 Y`` by blocks of :data:`SOLVE_BLOCK` rows: ``U_I = T_II (Y_I -
     diag(beta_I) L[I, :I] U[:I])``, ``T_II`` the diagonal block's inverse (:func:`_inverse`, kept in
@@ -69,7 +69,7 @@ def _solve_blocks(L, beta, Y, U, Td, W):
         _mm(T, False, W, False, U[a0 : a0 + c], 0.0)
 
 
-@jit()
+@jit(inner=True)
 def _solve_blocks_t(L, beta, Td, dU, dY, dR, W):
     """The transposed solve, ``dY = (I + diag(beta) L)^-T dU``, last block first, with the diagonal
     inverses ``Td`` of :func:`_solve_blocks`: ``dY_I = T_II^T (dU_I + L[J, I]^T dR_J)`` over the

@@ -1,0 +1,114 @@
+"""Inner functions (``kda.cpu._compile.jit(inner=True)``): the kernels' helpers compile only inside
+the kernels that call them (no module passes or machine code of their own until a call from
+Python asks for them), and every function the backend calls from Python is compiled in full."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import BACKENDS, ROOT
+
+pytestmark = pytest.mark.skipif("cpu" not in BACKENDS, reason="numba or scipy not installed")
+
+# the functions the cpu backend calls from Python (kda/cpu/__init__.py, kda/cpu/_decode.py,
+# kda/cpu/_fpenv.py): compiled in full and cached
+ENTRIES = {
+    "kda.cpu._fused": {"forward_heads", "backward_heads"},
+    "kda.cpu._passes": {
+        "local_forward",
+        "local_backward",
+        "state_pass",
+        "state_grad_pass",
+        "recurrent_forward",
+        "recurrent_backward",
+    },
+    "kda.cpu._decode_kernels": {"decode", "screen", "_finite"},
+    "kda.cpu._products": set(),
+    "kda.cpu._pairs": set(),
+    "kda.cpu._solve": set(),
+}
+
+
+def _dispatchers(module):
+    import numba
+
+    return {
+        name: value
+        for name, value in vars(module).items()
+        if isinstance(value, numba.core.registry.CPUDispatcher)
+        and value.py_func.__module__ == module.__name__
+    }
+
+
+def test_every_helper_is_inner_and_every_entry_is_not():
+    import importlib
+
+    from kda.cpu import _compile, _kernels
+
+    assert {n for n in _kernels.__all__} <= ENTRIES["kda.cpu._fused"] | ENTRIES["kda.cpu._passes"]
+    for module_name, entries in ENTRIES.items():
+        found = _dispatchers(importlib.import_module(module_name))
+        assert entries <= set(found), module_name
+        for name, kernel in found.items():
+            assert _compile.is_inner(kernel) == (name not in entries), f"{module_name}.{name}"
+
+
+def test_an_inner_function_compiles_inside_its_caller_and_on_a_call_from_python():
+    """A compiled caller uses an inner function without its machine code; a call from Python
+    compiles that code then, once, and gives the same result."""
+    import numba
+
+    from kda.cpu._compile import jit
+
+    @jit(inner=True)
+    def twice(x):
+        return 2.0 * x
+
+    @jit(inner=True)
+    def twice_plus_one(x):
+        return twice(x) + 1.0
+
+    def caller(x):
+        return twice_plus_one(x) - 0.5
+
+    caller = numba.njit(caller)  # not cached: defined in a test
+    assert caller(3.0) == 6.5
+    libraries = [next(iter(f.overloads.values())).library for f in (twice, twice_plus_one)]
+    assert not any(lib._realized for lib in libraries)
+    assert twice_plus_one(3.0) == 7.0
+    assert [lib._realized for lib in libraries] == [False, True]
+    assert twice_plus_one(4.0) == 9.0 and twice(4.0) == 8.0
+    assert all(lib._realized for lib in libraries)
+
+
+_COLD = """
+import numpy as np
+import kda
+from kda.__main__ import make_inputs, INPUTS
+from kda.cpu import _compile, _decode_kernels, _fused, _pairs, _passes, _products, _solve
+x, options = make_inputs(1, 2, 80, 16, 16, "float64")
+inputs = [x[n] for n in INPUTS]
+out = kda.chunk_kda(*inputs, save_boundaries=True, backend="cpu", **options)
+kda.chunk_kda_backward(*inputs, out.boundaries, x["grad_output"], None, backend="cpu", **options)
+x, options = make_inputs(2, 2, 1, 16, 16, "float64")
+pool = np.zeros((3, 2, 16, 16))
+kda.decode_kda(*[x[n] for n in INPUTS], pool, np.array([1, 2]), backend="cpu", **options)
+modules = (_decode_kernels, _fused, _pairs, _passes, _products, _solve)
+inner = [(f.py_func.__name__, c.library._realized) for m in modules
+         for f in vars(m).values() if _compile.is_inner(f) for c in f.overloads.values()]
+print(len(inner), sorted(name for name, realized in inner if realized))
+"""
+
+
+@pytest.mark.slow  # compiles the fused forward and backward and the decode kernel: about 20 s
+def test_the_backend_calls_no_inner_function_from_python(tmp_path):
+    """A cold chunked forward, backward and decode step compile their helpers as inner functions
+    and never realise one (each would mean a call from Python: an entry point left inner)."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", _COLD], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    count, realized = r.stdout.split(maxsplit=1)
+    assert int(count) > 20 and realized.strip() == "[]", r.stdout
