@@ -11,9 +11,10 @@ on one core, so CPU time is the figure that other work on the machine disturbs l
 cache). The first round also lists the compiled functions that took longest, their own time
 without the functions they compiled in turn, and where the compile's time goes: LLVM (the time
 under Numba's LLVM lock: optimising each compiled function's final module and emitting its machine
-code) against Numba's own typing and lowering, and how much LLVM code the final modules hold
-against the functions' own (Numba links every callee's module into its caller's and optimises and
-emits it again there). Then ``python -m kda warmup`` into an empty cache.
+code) against Numba's own typing and lowering, and how much LLVM code the emitted modules hold
+against the functions' own (Numba links every callee's module into its caller's; the kernels'
+helpers are inner functions, emitted only there). Then ``python -m kda warmup`` into an empty
+cache (one process per dtype, side by side).
 """
 
 from __future__ import annotations
@@ -88,10 +89,11 @@ def instructions(module, name=None):
                for b in f.blocks for i in b.instructions)
 
 # each compiled function's final LLVM module holds its own code and a copy of every function it
-# calls (Numba links the callees' modules in, then optimises and emits the whole module again)
-own = linked = entry = 0
+# calls (Numba links the callees' modules in, then optimises and emits the whole module); inner
+# functions (kda.cpu._compile) are linked into their callers and never emitted on their own
+own = emitted = entry = 0
 import numba
-from kda.cpu import _kernels  # the entry points (the backend calls these from Python)
+from kda.cpu import _compile, _kernels  # the entry points (the backend calls these from Python)
 entries = {id(getattr(_kernels, name)) for name in _kernels.__all__}
 dispatchers = {id(v): v for name, module in list(sys.modules.items()) if name.startswith("kda.cpu")
                for v in vars(module).values() if isinstance(v, numba.core.registry.CPUDispatcher)}
@@ -100,10 +102,11 @@ for d in dispatchers.values():
         final = getattr(cres.library, "_final_module", None)
         if final is not None and events:
             own += instructions(final, cres.fndesc.llvm_func_name)
-            linked += instructions(final)
+            if not _compile.is_inner(d):
+                emitted += instructions(final)
             if id(d) in entries:
                 entry += instructions(final)
-print(json.dumps({"llvm_cpu": LLVM.spent, "own_instructions": own, "linked_instructions": linked,
+print(json.dumps({"llvm_cpu": LLVM.spent, "own_instructions": own, "emitted_instructions": emitted,
     "entry_instructions": entry,
     "import_wall": w1 - w0, "forward_wall": w2 - w1, "forward_cpu": c2 - c1,
     "backward_wall": w3 - w2, "backward_cpu": c3 - c2, "compiled": len(events),
@@ -180,18 +183,17 @@ def main(argv: list[str] | None = None) -> int:
                     f"    {name:<48} {sum(spent):6.2f}"
                     + (f" ({len(spent)} signatures)" if len(spent) > 1 else "")
                 )
-            if cold["linked_instructions"]:
-                llvm, per = cold["llvm_cpu"], cold["llvm_cpu"] / cold["linked_instructions"]
+            if cold["emitted_instructions"]:
+                llvm, per = cold["llvm_cpu"], cold["llvm_cpu"] / cold["emitted_instructions"]
                 print(
                     f"  of the compile's {cold['compile_cpu']:.2f} CPU s, {llvm:.2f} s in LLVM (optimising"
                     " each compiled function's final module, emitting its machine code),"
                     f" {cold['compile_cpu'] - llvm:.2f} s in Numba's typing and lowering\n"
-                    f"  the final modules hold {cold['linked_instructions']} LLVM instructions for"
-                    f" {cold['own_instructions']} of the functions' own code: each caller links in,"
-                    " optimises and emits again every function it calls\n"
-                    f"  the entry kernels' final modules alone (the code the call runs): "
-                    f"{cold['entry_instructions']} instructions, {cold['entry_instructions'] * per:.2f} s"
-                    f" of LLVM at {per * 1e6:.0f} us an instruction"
+                    f"  the emitted modules hold {cold['emitted_instructions']} LLVM instructions"
+                    f" ({cold['own_instructions']} of the functions' own code; each caller's module holds"
+                    " its callees too), the entry kernels' modules (the code the call runs)"
+                    f" {cold['entry_instructions']}: {cold['entry_instructions'] * per:.2f} s of LLVM"
+                    f" at {per * 1e6:.0f} us an instruction"
                 )
     if not args.no_warmup:
         with tempfile.TemporaryDirectory(prefix="kda-first-call-") as cache:

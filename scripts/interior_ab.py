@@ -11,7 +11,10 @@ Cases (microseconds; the best of many calls in one process): ``torch_decode``
 K=V=128``, H = 4 and 16), ``np_decode`` (``kda.decode_kda`` on NumPy), ``small`` (``kda.chunk_kda``
 forward and forward+backward, ``kda.torch.chunk_kda`` in inference and with autograd, ``T=64``,
 time-major), ``chunk`` (forward and backward at ``B=1 H=4 T=4096 K=V=128``, Kimi's gates), ``dask``
-(``kda.dask.chunk_kda``, ``T=2048`` in blocks of 512, threaded scheduler). A tree's own ``kda`` is
+(``kda.dask.chunk_kda``, ``T=2048`` in blocks of 512, threaded scheduler); with ``--cases
+kernels`` (a list, comma-separated), the chunked forward and backward at three sizes (``H=4 T=64
+K=V=64``, ``H=4 T=256 K=V=64``, ``H=8 T=1024 K=V=128``: the compiled kernels' own speed, for a
+change to how they are compiled). A tree's own ``kda`` is
 imported (``PYTHONPATH``); only public API, so older trees run it too.
 """
 
@@ -59,6 +62,29 @@ def run_case(case):
                     50,
                 )
             print(f"torch_decode_H{H} {t:.1f}")
+    elif case == "kernels":
+        import kda
+
+        def inputs(B, H, T, K):
+            rng = np.random.default_rng(0)
+            k = rng.standard_normal((B, H, T, K))
+            x = {
+                "q": rng.standard_normal((B, H, T, K)),
+                "k": k / np.linalg.norm(k, axis=-1, keepdims=True),
+                "v": rng.standard_normal((B, H, T, K)),
+                "g": np.log(rng.uniform(0.5, 1.0, (B, H, T, K))),
+                "beta": rng.uniform(0, 1, (B, H, T)),
+            }
+            do = rng.standard_normal((B, H, T, K)).astype(np.float32)
+            return [x[n].astype(np.float32) for n in ("q", "k", "v", "g", "beta")], do
+
+        for H, T, K, n in ((4, 64, 64, 400), (4, 256, 64, 200), (8, 1024, 128, 30)):
+            x, do = inputs(1, H, T, K)
+            out = kda.chunk_kda(*x, save_boundaries=True)
+            f = best(lambda: kda.chunk_kda(*x, save_boundaries=True), n, 5)
+            b = best(lambda: kda.chunk_kda_backward(*x, out.boundaries, do, None), n, 5)
+            print(f"kernels_fwd_H{H}_T{T}_K{K} {f:.1f}")
+            print(f"kernels_bwd_H{H}_T{T}_K{K} {b:.1f}")
     elif case == "np_decode":
         import kda
 
@@ -165,7 +191,7 @@ def _gemm() -> str:
     return f"GEMM reference {_common.gemm_rate():.1f} GFLOP/s (float32, n = {_common.GEMM_N})"
 
 
-CASES = ("torch_decode", "np_decode", "small", "chunk", "dask")
+CASES = ("torch_decode", "np_decode", "small", "chunk", "dask")  # and "kernels", with --cases
 
 
 def main(argv):
@@ -173,12 +199,13 @@ def main(argv):
         run_case(argv[1])
         return 0
     rounds = int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else 5
+    cases = argv[argv.index("--cases") + 1].split(",") if "--cases" in argv else CASES
     trees = dict(a.split("=", 1) for a in argv if "=" in a)
     env0 = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
     res = {}
     print(f"# load average before: {os.getloadavg()}; {_gemm()}", flush=True)
     for r in range(rounds):
-        for case in CASES:
+        for case in cases:
             order = list(trees.items())[:: -1 if r % 2 else 1]
             for label, tree in order:
                 out = subprocess.run(

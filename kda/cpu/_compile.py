@@ -19,7 +19,8 @@ The kernels live in several modules by phase (:mod:`._products`, :mod:`._pairs`,
 only the source file that defines a kernel, so a kernel would keep running stale compiled copies
 of helpers in another file after they change; every kernel's cache entry is therefore stamped
 with a hash of all of these files (:data:`SOURCE_STAMP`): a change to any of them recompiles all.
-The decode kernels and the MXCSR functions call nothing of another file and are not stamped.
+The decode kernels and the MXCSR functions call nothing of another file: their entries are
+stamped with a hash of this file alone (:data:`COMPILE_STAMP`: how they are compiled).
 
 The first compilation of a kda function in a process is announced once, on the ``kda.cpu``
 logger at level ``WARNING`` (shown by Python's default handler; silenced with
@@ -88,16 +89,20 @@ GEMM_BLOCK, SUB_BLOCK, SOLVE_BLOCK = block_sizes(WIDE)
 KERNEL_FILES = ("_compile.py", "_products.py", "_pairs.py", "_solve.py", "_passes.py", "_fused.py")
 
 
-def source_stamp(directory: str) -> str:
-    """The SHA-256 of the :data:`KERNEL_FILES` in ``directory``, one after another (hex)."""
+def source_stamp(directory: str, files: tuple[str, ...] = KERNEL_FILES) -> str:
+    """The SHA-256 of ``files`` (default :data:`KERNEL_FILES`) in ``directory``, one after
+    another (hex)."""
     digest = hashlib.sha256()
-    for name in KERNEL_FILES:
+    for name in files:
         with open(os.path.join(directory, name), "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()
 
 
 SOURCE_STAMP = source_stamp(os.path.dirname(os.path.abspath(__file__)))
+# the stamp of the functions of a module that calls no compiled function of another: this file's
+# hash (how they are compiled), beside Numba's own check of their file
+COMPILE_STAMP = source_stamp(os.path.dirname(os.path.abspath(__file__)), ("_compile.py",))
 
 
 def _probe() -> int:  # pragma: no cover - never called: decorated once to ask Numba for a cache
@@ -278,69 +283,65 @@ def _lock_entries(index: Any) -> None:
 
 # Inner functions: compiled only inside the kernels that call them.
 #
-# Numba compiles every function into an LLVM module of its own, optimises that module and emits
-# its machine code, then links the module into each caller, whose module is optimised and emitted
-# again with it. For a function that only other compiled functions call (every helper of the
-# kernels), its own optimisation and machine code are never used: about a third of a cold
-# compile. An inner function (``jit(inner=True)``) is typed and lowered as usual, but its module
-# is linked into its callers as lowered (function passes only) and optimised there, once; its own
-# module passes and machine code wait for a call from Python (tests call helpers directly), which
-# compiles them then. Its callers' code is the same: LLVM optimises the callees in the caller's
-# module either way (the kernels' results are bitwise those of full compilation, checked by
-# scripts/fixed_calls.py). An inner function is not cached on its own: its callers are.
+# Numba compiles every function into an LLVM module of its own, with wrappers that let Python
+# call it, optimises that module and emits its machine code, then links the module into each
+# caller, whose module is optimised and emitted again with it. For a function that only other
+# compiled functions call (every helper of the kernels) its own optimisation, wrappers and machine
+# code are never used: most of a cold compile. An inner function (``jit(inner=True)``) is typed
+# and lowered without wrappers, and its module is linked into its callers as lowered, to be
+# optimised there once; it never has machine code of its own. A call from
+# Python (tests call helpers directly) runs a separate, complete compilation of the same function
+# (:class:`_FromPython`). The callers' code is the same: LLVM optimises the callees in the
+# caller's module either way (the kernels' results are bitwise those of complete compilation:
+# scripts/fixed_calls.py). An inner function is not cached on its own; its callers are.
 
 
 class _InnerLibrary(JITCodeLibrary):
-    """An inner function's code: finalised for linking into callers without module passes or
-    machine code; both made on the first request for a function pointer (:meth:`realize`)."""
+    """An inner function's code: finalised for linking into its callers unoptimised, with no
+    machine code of its own."""
 
-    _realized = False
+    def _optimize_functions(self, ll_module: Any) -> None:
+        pass  # its callers optimise it, in their modules (function passes included)
 
     def _optimize_final_module(self) -> None:
-        if self._realized:
-            super()._optimize_final_module()
+        pass
 
     def _finalize_final_module(self) -> None:
-        if self._realized:
-            super()._finalize_final_module()
-        else:
-            self._finalized = True  # ready to link into callers; not added to the engine yet
-
-    def realize(self) -> None:
-        """Optimise this module and emit its machine code (for a call from Python)."""
-        with global_compiler_lock:
-            if not self._realized:
-                self._ensure_finalized()
-                self._realized = True
-                self._optimize_final_module()
-                self._final_module.verify()
-                self._finalize_final_module()
+        self._finalized = True  # ready to link into callers; never added to the execution engine
 
     def get_pointer_to_function(self, name: str) -> int:
-        self.realize()
-        return super().get_pointer_to_function(name)
+        raise RuntimeError(f"{self.name} is an inner function of kda.cpu: it has no machine code of its own")
 
 
-class _FirstCall:
-    """An inner function's entry point from Python: realises its library and makes Numba's
-    callable wrapper on the first call. Numba's dispatcher calls an entry point that is not a
-    compiled C function through the interpreter; compiled callers only use it as a key."""
+class _FromPython:
+    """An inner function's entry point: the dispatcher's key for its callers' lowering, and for a
+    call from Python (Numba's dispatcher calls an entry point that is not a compiled C function
+    through the interpreter) the function compiled completely, once, on the first call."""
 
-    def __init__(self, make: Callable[[], Any]) -> None:
-        self._make: Callable[[], Any] | None = make
-        self._compiled: Any = None
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self._fn = fn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._make is not None:
+        complete = _FROM_PYTHON.get(self._fn)
+        if complete is None:
             with global_compiler_lock:
-                if self._make is not None:
-                    self._compiled, self._make = self._make(), None
-        return self._compiled(*args, **kwargs)
+                complete = _FROM_PYTHON.get(self._fn)
+                if complete is None:
+                    complete = numba.njit(cache=False, **_INNER[self._fn])(self._fn)
+                    _FROM_PYTHON[self._fn] = complete
+        return complete(*args, **kwargs)
+
+
+# per inner function (its Python function): its decorator's options, and its complete
+# compilation once Python has called it
+_INNER: dict[Callable[..., Any], dict[str, Any]] = {}
+_FROM_PYTHON: dict[Callable[..., Any], Any] = {}
+_NO_WRAPPERS = {"no_cpython_wrapper": True, "no_cfunc_wrapper": True}
 
 
 @register_pass(mutates_CFG=True, analysis_only=False)
 class _InnerLowering(typed_passes.NativeLowering):
-    """Numba's lowering into an :class:`_InnerLibrary`, whose entry point is a :class:`_FirstCall`
+    """Numba's lowering into an :class:`_InnerLibrary`, whose entry point is a :class:`_FromPython`
     instead of compiled machine code."""
 
     _name = "kda_inner_lowering"
@@ -349,13 +350,10 @@ class _InnerLowering(typed_passes.NativeLowering):
         context = state.targetctx
         if state.library is None:
             state.library = _InnerLibrary(context.codegen(), state.func_id.func_qualname)
-            state.library.enable_object_caching()
-        library, executable = state.library, context.get_executable
+        library, executable, fn = state.library, context.get_executable, state.func_id.func
 
         def get_executable(lib: Any, fndesc: Any, env: Any) -> Any:
-            if lib is library:
-                return _FirstCall(lambda: executable(lib, fndesc, env))
-            return executable(lib, fndesc, env)
+            return _FromPython(fn) if lib is library else executable(lib, fndesc, env)
 
         shadowed = vars(context).get("get_executable")  # an enclosing inner lowering's, if any
         context.get_executable = get_executable  # for this pass only (under the compiler lock)
@@ -378,21 +376,22 @@ class _InnerCompiler(compiler.CompilerBase):
         return [pm]
 
 
-def _make_inner(kernel: Any) -> None:
-    """Make the dispatcher ``kernel`` compile inner functions: lowered by :class:`_InnerCompiler`,
-    uncached, and its entry points kept out of the dispatcher's table of compiled C functions (a
-    call from Python finds none there and asks :meth:`compile`, which returns the entry point)."""
-    kernel._compiler.pipeline_class = _InnerCompiler
-    kernel._cache = caching.NullCache()
+def _inner(fn: Callable[..., Any], options: dict[str, Any]) -> Any:
+    """``fn`` as an inner function: a Numba dispatcher compiling with :class:`_InnerCompiler`,
+    without wrappers, uncached, whose entry points stay out of its table of compiled C functions
+    (a call from Python finds none there and asks ``compile``, which returns the entry point)."""
+    _INNER[fn] = options
+    kernel = numba.njit(cache=False, pipeline_class=_InnerCompiler, **_NO_WRAPPERS, **options)(fn)
     add_overload = kernel.add_overload
 
     def add_inner_overload(cres: Any) -> None:
-        if isinstance(cres.entry_point, _FirstCall):
+        if isinstance(cres.entry_point, _FromPython):
             kernel.overloads[tuple(cres.signature.args)] = cres
         else:
             add_overload(cres)
 
     kernel.add_overload = add_inner_overload
+    return kernel
 
 
 def is_inner(kernel: Any) -> bool:
@@ -412,8 +411,9 @@ def jit(
     ``fastmath``, ``error_model`` and ``options``, cached on disk where :data:`CACHING` (in kda's
     :func:`fallback_dir` where Numba's own directories are not writable), else compiled per
     process. With ``stamp``, the function's cache entries are stamped with
-    :data:`SOURCE_STAMP` (the kernels, which call each other across files); without, Numba's
-    own check of the function's file alone (a module that calls no compiled function of another).
+    :data:`SOURCE_STAMP` (the kernels, which call each other across files); without (a module
+    that calls no compiled function of another), with :data:`COMPILE_STAMP`: both beside Numba's
+    own check of the function's file.
     With ``inner``, a function only compiled functions call: compiled inside its callers only
     (uncached; :class:`_InnerLibrary`)."""
 
@@ -422,16 +422,13 @@ def jit(
 
     def decorate(fn: Callable[..., Any]) -> Any:
         if inner:
-            kernel = numba.njit(cache=False, **options)(fn)
-            _make_inner(kernel)
-            return kernel
+            return _inner(fn, options)
         kernel = njit(fn)
         if _FALLBACK_CACHE is not None:
             kernel._cache = _FALLBACK_CACHE(kernel.py_func)  # as Dispatcher.enable_caching does
         index = getattr(getattr(kernel, "_cache", None), "_cache_file", None)
         if CACHING and index is not None:  # Numba's index of the function's cache entries
-            if stamp:
-                index._source_stamp = (SOURCE_STAMP, index._source_stamp)
+            index._source_stamp = (SOURCE_STAMP if stamp else COMPILE_STAMP, index._source_stamp)
             _lock_entries(index)
         return kernel
 

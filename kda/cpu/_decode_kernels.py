@@ -41,9 +41,11 @@ __all__ = ["decode", "load", "screen", "store"]
 
 # kda.cpu's one Numba decorator (cached where a cache is writable). No nnan/ninf: -inf gates must
 # stay exact. Reassociation lets the column loops vectorise; the compiled order is fixed, so
-# results are deterministic. No stamp: nothing here calls a compiled function of another file.
+# results are deterministic. No kernel-files stamp: nothing here calls a compiled function of
+# another file (the entries are stamped with how they are compiled: _compile.COMPILE_STAMP). The
+# helpers are compiled in full, not as inner functions: inlined from their optimised modules the
+# decode kernel runs faster (about 5 % at H = 16, benchmarks/results/first_call_amd-epyc-zen4.txt).
 _jit = jit(fastmath={"reassoc", "contract"}, boundscheck=False, stamp=False)
-_inner = jit(fastmath={"reassoc", "contract"}, boundscheck=False, stamp=False, inner=True)
 
 # elements around each of the kernel's private vectors (512 bytes of float32, 1 KiB of float64):
 # more than a vectorised loop's reach (4 x 16 float32 or 4 x 8 float64 lanes, 256 bytes)
@@ -352,7 +354,7 @@ def _update_rows(D, S, e, kk, u):
 # one step, K-major states [K, V] and V-major states [V, K]
 
 
-@_inner
+@_jit
 def _step(S, D, write, q, k, v, g, b, scale, o, w, zero):
     """One step from ``S: [K, V]`` into ``D`` (``write``; ``D`` may be ``S``); ``o: [V]`` output.
     ``w``: the private vectors ``(e, ke, qe, kk, pred, qs)``."""
@@ -404,7 +406,7 @@ def _step(S, D, write, q, k, v, g, b, scale, o, w, zero):
                 Dd[c] = store(D, fma(kd, pred[c], ed * load(S, Sd[c])))
 
 
-@_inner
+@_jit
 def _step_v(S, D, write, q, k, v, g, b, scale, o, w, zero):
     """:func:`_step` for V-major states ``S, D: [V, K]`` (row ``c`` holds column ``c`` of the
     ``[K, V]`` state): the products are dot products along the contiguous rows, four rows a
@@ -455,7 +457,7 @@ def _step_v(S, D, write, q, k, v, g, b, scale, o, w, zero):
         _update_v(D, S, e, kk, pred)
 
 
-@_inner
+@_jit
 def _update_v(D, S, e, kk, u):
     """``D[c] = e * S[c] + kk u[c]`` per row ``c`` of V-major states (``D`` may be ``S``): four rows
     a sweep as explicit vectors (:func:`update_rows`), so each load of ``e`` and ``kk`` serves four
@@ -478,7 +480,7 @@ def _update_v(D, S, e, kk, u):
                 Dc[d] = store(D, fma(kk[d], x, e[d] * load(S, Sc[d])))
 
 
-@_inner
+@_jit
 def _advance(v_first, S, D, write, q, k, v, g, b, scale, o, w, zero):
     if v_first:
         _step_v(S, D, write, q, k, v, g, b, scale, o, w, zero)
@@ -486,7 +488,7 @@ def _advance(v_first, S, D, write, q, k, v, g, b, scale, o, w, zero):
         _step(S, D, write, q, k, v, g, b, scale, o, w, zero)
 
 
-@_inner
+@_jit
 def _keep(D, S):
     """``D = S`` rounded to ``D``'s pool dtype (the state after a step that a later step follows)."""
     R, C = S.shape
@@ -496,7 +498,7 @@ def _keep(D, S):
             Da[c] = store(D, Sa[c])
 
 
-@_inner
+@_jit
 def _state(pool, at, rows, cols):
     """The ``[rows, cols]`` state at element ``at`` of the flat pool ``pool`` (a C-contiguous view)."""
     return pool[at : at + rows * cols].reshape(rows, cols)
@@ -587,7 +589,7 @@ def decode(q, k, v, g, beta, scale, src, src_slot, dst, dst_slot, start, dest, o
                 dst[to + i] = src[at + i]
 
 
-@_jit  # also called from Python (decode_finite)
+@_jit
 def _finite(x):
     """Whether every element of ``x`` is finite: ``x * 0`` is NaN exactly where ``x`` is NaN or
     infinite (never folded to 0: no nnan / nsz), and a sum keeps a NaN; branch-free, it vectorises."""
@@ -597,7 +599,7 @@ def _finite(x):
     return acc == 0.0
 
 
-@_inner
+@_jit
 def _log_decays(g):
     """Whether every ``g <= 0`` (``-inf`` allowed; NaN and positive values fail); branch-free."""
     bad = 0

@@ -13,8 +13,8 @@ from helpers import BACKENDS, ROOT
 
 pytestmark = pytest.mark.skipif("cpu" not in BACKENDS, reason="numba or scipy not installed")
 
-# the functions the cpu backend calls from Python (kda/cpu/__init__.py, kda/cpu/_decode.py,
-# kda/cpu/_fpenv.py): compiled in full and cached
+# the chunk kernels the cpu backend calls from Python (kda/cpu/__init__.py): compiled in full and
+# cached; every other compiled function of their modules is inner
 ENTRIES = {
     "kda.cpu._fused": {"forward_heads", "backward_heads"},
     "kda.cpu._passes": {
@@ -25,7 +25,6 @@ ENTRIES = {
         "recurrent_forward",
         "recurrent_backward",
     },
-    "kda.cpu._decode_kernels": {"decode", "screen", "_finite"},
     "kda.cpu._products": set(),
     "kda.cpu._pairs": set(),
     "kda.cpu._solve": set(),
@@ -54,20 +53,25 @@ def test_every_helper_is_inner_and_every_entry_is_not():
         assert entries <= set(found), module_name
         for name, kernel in found.items():
             assert _compile.is_inner(kernel) == (name not in entries), f"{module_name}.{name}"
+    # the decode kernel's helpers are compiled in full: inlined from their optimised modules, the
+    # kernel runs faster (kda/cpu/_decode_kernels.py)
+    from kda.cpu import _decode_kernels
+
+    assert not any(_compile.is_inner(f) for f in _dispatchers(_decode_kernels).values())
 
 
 def test_an_inner_function_compiles_inside_its_caller_and_on_a_call_from_python():
-    """A compiled caller uses an inner function without its machine code; a call from Python
-    compiles that code then, once, and gives the same result."""
+    """A compiled caller runs inner functions that have no machine code of their own; a call from
+    Python compiles the function completely, once, and gives the same result."""
     import numba
 
-    from kda.cpu._compile import jit
+    from kda.cpu import _compile
 
-    @jit(inner=True)
+    @_compile.jit(inner=True)
     def twice(x):
         return 2.0 * x
 
-    @jit(inner=True)
+    @_compile.jit(inner=True)
     def twice_plus_one(x):
         return twice(x) + 1.0
 
@@ -76,19 +80,22 @@ def test_an_inner_function_compiles_inside_its_caller_and_on_a_call_from_python(
 
     caller = numba.njit(caller)  # not cached: defined in a test
     assert caller(3.0) == 6.5
-    libraries = [next(iter(f.overloads.values())).library for f in (twice, twice_plus_one)]
-    assert not any(lib._realized for lib in libraries)
-    assert twice_plus_one(3.0) == 7.0
-    assert [lib._realized for lib in libraries] == [False, True]
-    assert twice_plus_one(4.0) == 9.0 and twice(4.0) == 8.0
-    assert all(lib._realized for lib in libraries)
+    for f in (twice, twice_plus_one):
+        (compiled,) = f.overloads.values()
+        with pytest.raises(RuntimeError, match="no machine code of its own"):
+            compiled.library.get_pointer_to_function(compiled.fndesc.llvm_func_name)
+    assert twice_plus_one.py_func not in _compile._FROM_PYTHON
+    assert twice_plus_one(3.0) == 7.0 and twice_plus_one(4.0) == 9.0
+    assert twice_plus_one.py_func in _compile._FROM_PYTHON and twice.py_func not in _compile._FROM_PYTHON
+    assert twice(4.0) == 8.0
+    assert caller(4.0) == 8.5
 
 
 _COLD = """
 import numpy as np
 import kda
 from kda.__main__ import make_inputs, INPUTS
-from kda.cpu import _compile, _decode_kernels, _fused, _pairs, _passes, _products, _solve
+from kda.cpu import _compile, _fused, _pairs, _passes, _products, _solve
 x, options = make_inputs(1, 2, 80, 16, 16, "float64")
 inputs = [x[n] for n in INPUTS]
 out = kda.chunk_kda(*inputs, save_boundaries=True, backend="cpu", **options)
@@ -96,17 +103,17 @@ kda.chunk_kda_backward(*inputs, out.boundaries, x["grad_output"], None, backend=
 x, options = make_inputs(2, 2, 1, 16, 16, "float64")
 pool = np.zeros((3, 2, 16, 16))
 kda.decode_kda(*[x[n] for n in INPUTS], pool, np.array([1, 2]), backend="cpu", **options)
-modules = (_decode_kernels, _fused, _pairs, _passes, _products, _solve)
-inner = [(f.py_func.__name__, c.library._realized) for m in modules
-         for f in vars(m).values() if _compile.is_inner(f) for c in f.overloads.values()]
-print(len(inner), sorted(name for name, realized in inner if realized))
+modules = (_fused, _pairs, _passes, _products, _solve)
+inner = [c for m in modules for f in vars(m).values() if _compile.is_inner(f) for c in f.overloads.values()]
+print(len(inner), sorted(f.__name__ for f in _compile._FROM_PYTHON))
 """
 
 
 @pytest.mark.slow  # compiles the fused forward and backward and the decode kernel: about 20 s
 def test_the_backend_calls_no_inner_function_from_python(tmp_path):
     """A cold chunked forward, backward and decode step compile their helpers as inner functions
-    and never realise one (each would mean a call from Python: an entry point left inner)."""
+    and call none from Python (one called would be an entry point left inner: compiled again in
+    every process, uncached)."""
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-c", _COLD], env=env, cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-4000:]

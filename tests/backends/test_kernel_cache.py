@@ -45,6 +45,22 @@ def test_source_stamp_covers_every_kernel_module(tmp_path):
         before = after
 
 
+def test_every_cached_function_is_stamped_with_how_it_is_compiled():
+    """The kernels carry :data:`SOURCE_STAMP` (every kernel module, ``_compile.py`` among them),
+    the functions of a module that calls no compiled function of another :data:`COMPILE_STAMP`
+    (``_compile.py`` alone): a change to how they are compiled recompiles them too."""
+    from kda.cpu import _compile, _decode_kernels, _kernels
+
+    if not _compile.CACHING:
+        pytest.skip("no cache directory is writable here")
+    assert _compile.COMPILE_STAMP == _compile.source_stamp(str(ROOT / "kda" / "cpu"), ("_compile.py",))
+    for kernel, stamp in (
+        (_kernels.forward_heads, _compile.SOURCE_STAMP),
+        (_decode_kernels.decode, _compile.COMPILE_STAMP),
+    ):
+        assert kernel._cache._cache_file._source_stamp[0] == stamp
+
+
 @pytest.mark.slow
 def test_a_changed_helper_module_recompiles_the_kernels_that_call_it(tmp_path):
     """forward_heads (``_fused.py``) calls ``_mm`` (``_products.py``): a copy of the package
