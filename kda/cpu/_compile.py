@@ -394,6 +394,19 @@ def _inner(fn: Callable[..., Any], options: dict[str, Any]) -> Any:
     return kernel
 
 
+# the Numba internals inner functions stand on (numba 0.60-0.68 have them); without, helpers
+# compile completely, as plain Numba functions
+_INNER_SUPPORTED = all(
+    hasattr(owner, name)
+    for owner, name in (
+        (JITCodeLibrary, "_optimize_final_module"),
+        (JITCodeLibrary, "_finalize_final_module"),
+        (JITCodeLibrary, "_optimize_functions"),
+        (compiler.DefaultPassBuilder, "define_nopython_pipeline"),
+    )
+)
+
+
 def is_inner(kernel: Any) -> bool:
     """Whether the dispatcher ``kernel`` compiles an inner function (``jit(inner=True)``)."""
     return getattr(getattr(kernel, "_compiler", None), "pipeline_class", None) is _InnerCompiler
@@ -421,7 +434,7 @@ def jit(
     njit = numba.njit(cache=CACHE == "numba", **options)
 
     def decorate(fn: Callable[..., Any]) -> Any:
-        if inner:
+        if inner and _INNER_SUPPORTED:
             return _inner(fn, options)
         kernel = njit(fn)
         if _FALLBACK_CACHE is not None:
