@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import numba
+from llvmlite import binding as llvm
 from numba.core import caching, compiler, event, typed_passes
 from numba.core.codegen import JITCodeLibrary
 from numba.core.compiler_lock import global_compiler_lock
@@ -144,13 +145,14 @@ def fallback_dir(base: str | None = None) -> str | None:
     return path
 
 
-def _fallback_cache(root: str) -> type | None:
-    """Numba's function cache class, located in ``root`` only (a subdirectory per source
-    directory, as Numba's ``NUMBA_CACHE_DIR`` locator lays it out); None where this Numba lacks
-    the classes it is made of (no cache then, rather than no backend)."""
+def _fallback_cache(root: str, impl: type | None = None) -> type | None:
+    """Numba's function cache class (with ``impl`` for its cache implementation, default Numba's
+    ``CompileResultCacheImpl``), located in ``root`` only (a subdirectory per source directory,
+    as Numba's ``NUMBA_CACHE_DIR`` locator lays it out); None where this Numba lacks the classes
+    it is made of (no cache then, rather than no backend)."""
     try:
         mixin, base = caching._SourceFileBackedLocatorMixin, caching._CacheLocator
-        impl, cache = caching.CompileResultCacheImpl, caching.FunctionCache
+        impl, cache = impl or caching.CompileResultCacheImpl, caching.FunctionCache
     except AttributeError:
         return None
 
@@ -289,11 +291,12 @@ def _lock_entries(index: Any) -> None:
 # compiled functions call (every helper of the kernels) its own optimisation, wrappers and machine
 # code are never used: most of a cold compile. An inner function (``jit(inner=True)``) is typed
 # and lowered without wrappers, and its module is linked into its callers as lowered, to be
-# optimised there once; it never has machine code of its own. A call from
-# Python (tests call helpers directly) runs a separate, complete compilation of the same function
-# (:class:`_FromPython`). The callers' code is the same: LLVM optimises the callees in the
+# optimised there once; it never has machine code of its own. A call from Python (tests call
+# helpers directly) runs a separate, complete compilation of the same function (:func:`_from_python`,
+# cached as an entry point is). The callers' code is the same: LLVM optimises the callees in the
 # caller's module either way (the kernels' results are bitwise those of complete compilation:
-# scripts/fixed_calls.py). An inner function is not cached on its own; its callers are.
+# scripts/fixed_calls.py). An inner function's lowered module is cached (as bitcode), so that a
+# process compiling a new signature of a kernel does not type and lower its helpers again.
 
 
 class _InnerLibrary(JITCodeLibrary):
@@ -312,29 +315,95 @@ class _InnerLibrary(JITCodeLibrary):
     def get_pointer_to_function(self, name: str) -> int:
         raise RuntimeError(f"{self.name} is an inner function of kda.cpu: it has no machine code of its own")
 
+    @property
+    def has_dynamic_globals(self) -> bool:  # Numba's own count is made where its code is emitted
+        return any(gv.name.startswith("numba.dynamic.globals") for gv in self._final_module.global_variables)
+
+    def serialize_using_object_code(self) -> tuple[str, str, bytes]:
+        """For the cache: the lowered module, its callees linked in, as LLVM bitcode (there is no
+        object code)."""
+        self._ensure_finalized()
+        return (self.name, "kda-inner-bitcode", self._final_module.as_bitcode())
+
+    @classmethod
+    def from_bitcode(cls, codegen: Any, name: str, bitcode: bytes) -> _InnerLibrary:
+        """The library of a cached inner function (:meth:`serialize_using_object_code`)."""
+        library = cls(codegen, name)
+        library._final_module = llvm.parse_bitcode(bitcode)
+        library._finalized = True
+        return library
+
+
+class _InnerCacheImpl(caching.CompileResultCacheImpl):
+    """Numba's cache of compile results for inner functions: the lowered module as bitcode,
+    rebuilt into an :class:`_InnerLibrary` with a :class:`_FromPython` entry point. Its files are
+    named apart (``inner-``) from those of the function's complete compilation."""
+
+    def __init__(self, py_func: Callable[..., Any]) -> None:
+        super().__init__(py_func)
+        self._fn = py_func
+
+    def get_filename_base(self, fullname: str, abiflags: str) -> str:
+        return "inner-" + super().get_filename_base(fullname, abiflags)
+
+    def check_cachable(self, cres: Any) -> bool:
+        # A module that refers to addresses of this process (Numba's dynamic globals: dead code
+        # in the lowered helpers that have them, gone once optimised in a kernel) is not saved;
+        # such a helper is lowered again where a kernel is compiled. No warning: that is expected.
+        return not cres.lifted and not cres.library.has_dynamic_globals
+
+    def rebuild(self, target_context: Any, payload: Any) -> Any:
+        libdata, fndesc, env, signature, objectmode, lifted, typeann, reload_init, referenced_envs = payload
+        for init in reload_init or ():
+            init()
+        name, _kind, bitcode = libdata
+        library = _InnerLibrary.from_bitcode(target_context.codegen(), name, bitcode)
+        library._reload_init.update(reload_init or ())
+        fields = dict.fromkeys(compiler.CR_FIELDS)
+        fields.update(
+            target_context=target_context,
+            typing_context=target_context.typing_context,
+            library=library,
+            environment=env,
+            entry_point=_FromPython(self._fn),
+            fndesc=fndesc,
+            type_annotation=typeann,
+            signature=signature,
+            objectmode=objectmode,
+            lifted=lifted,
+            reload_init=reload_init,
+            referenced_envs=referenced_envs,
+        )
+        return compiler.CompileResult(**fields)
+
+
+def _from_python(fn: Callable[..., Any]) -> Any:
+    """The complete compilation of the inner function ``fn`` (its Python function), for calls from
+    Python: made once, by :func:`jit`'s decorator without ``inner`` (cached and stamped as an entry
+    point)."""
+    complete = _FROM_PYTHON.get(fn)
+    if complete is None:
+        with global_compiler_lock:
+            complete = _FROM_PYTHON.get(fn)
+            if complete is None:
+                complete = _FROM_PYTHON[fn] = _INNER[fn](fn)
+    return complete
+
 
 class _FromPython:
-    """An inner function's entry point: the dispatcher's key for its callers' lowering, and for a
-    call from Python (Numba's dispatcher calls an entry point that is not a compiled C function
-    through the interpreter) the function compiled completely, once, on the first call."""
+    """An inner function's entry point: the key its callers' lowering finds it by. Called (it is
+    not, as Python's calls go to :func:`_from_python`), it runs the complete compilation."""
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self._fn = fn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        complete = _FROM_PYTHON.get(self._fn)
-        if complete is None:
-            with global_compiler_lock:
-                complete = _FROM_PYTHON.get(self._fn)
-                if complete is None:
-                    complete = numba.njit(cache=False, **_INNER[self._fn])(self._fn)
-                    _FROM_PYTHON[self._fn] = complete
-        return complete(*args, **kwargs)
+        return _from_python(self._fn)(*args, **kwargs)
 
 
-# per inner function (its Python function): its decorator's options, and its complete
+# per inner function (its Python function): the decorator that compiles it completely, and that
 # compilation once Python has called it
-_INNER: dict[Callable[..., Any], dict[str, Any]] = {}
+_INNER: dict[Callable[..., Any], Callable[[Callable[..., Any]], Any]] = {}
 _FROM_PYTHON: dict[Callable[..., Any], Any] = {}
 _NO_WRAPPERS = {"no_cpython_wrapper": True, "no_cfunc_wrapper": True}
 
@@ -376,12 +445,24 @@ class _InnerCompiler(compiler.CompilerBase):
         return [pm]
 
 
-def _inner(fn: Callable[..., Any], options: dict[str, Any]) -> Any:
+class _InnerCache(caching.FunctionCache):
+    _impl_class = _InnerCacheImpl
+
+
+def _inner(fn: Callable[..., Any], options: dict[str, Any], complete: Callable[..., Any], stamp: bool) -> Any:
     """``fn`` as an inner function: a Numba dispatcher compiling with :class:`_InnerCompiler`,
-    without wrappers, uncached, whose entry points stay out of its table of compiled C functions
-    (a call from Python finds none there and asks ``compile``, which returns the entry point)."""
-    _INNER[fn] = options
+    without wrappers, cached with :class:`_InnerCacheImpl` (stamped as ``stamp`` says), whose
+    entry points stay out of its table of compiled C functions. A call from Python finds none
+    there and asks the dispatcher's ``_compile_for_args``, which here returns the complete
+    compilation (``complete(fn)``, made once): Numba's dispatcher then calls that with the
+    arguments."""
+    _INNER[fn] = complete
     kernel = numba.njit(cache=False, pipeline_class=_InnerCompiler, **_NO_WRAPPERS, **options)(fn)
+    if CACHE == "numba":
+        kernel._cache = _InnerCache(fn)
+    elif CACHE is not None:
+        kernel._cache = _fallback_cache(CACHE, _InnerCacheImpl)(fn)
+    _stamp(kernel, stamp)
     add_overload = kernel.add_overload
 
     def add_inner_overload(cres: Any) -> None:
@@ -390,7 +471,10 @@ def _inner(fn: Callable[..., Any], options: dict[str, Any]) -> Any:
         else:
             add_overload(cres)
 
-    kernel.add_overload = add_inner_overload
+    def from_python(*args: Any, **kwargs: Any) -> Any:
+        return _from_python(fn)
+
+    kernel.add_overload, kernel._compile_for_args = add_inner_overload, from_python
     return kernel
 
 
@@ -412,6 +496,15 @@ def is_inner(kernel: Any) -> bool:
     return getattr(getattr(kernel, "_compiler", None), "pipeline_class", None) is _InnerCompiler
 
 
+def _stamp(kernel: Any, stamp: bool) -> None:
+    """Stamp the cache entries of the dispatcher ``kernel`` (:func:`jit`'s ``stamp``) and lock
+    their saves and loads (:func:`_lock_entries`), where it is cached."""
+    index = getattr(getattr(kernel, "_cache", None), "_cache_file", None)
+    if CACHING and index is not None:  # Numba's index of the function's cache entries
+        index._source_stamp = (SOURCE_STAMP if stamp else COMPILE_STAMP, index._source_stamp)
+        _lock_entries(index)
+
+
 def jit(
     fastmath: Any = _FASTMATH,
     *,
@@ -428,21 +521,21 @@ def jit(
     that calls no compiled function of another), with :data:`COMPILE_STAMP`: both beside Numba's
     own check of the function's file.
     With ``inner``, a function only compiled functions call: compiled inside its callers only
-    (uncached; :class:`_InnerLibrary`)."""
+    (its lowered module cached; :class:`_InnerLibrary`)."""
 
     options = {"nogil": True, "fastmath": fastmath, "error_model": error_model, **options}
     njit = numba.njit(cache=CACHE == "numba", **options)
 
     def decorate(fn: Callable[..., Any]) -> Any:
         if inner and _INNER_SUPPORTED:
-            return _inner(fn, options)
+            return _inner(fn, options, complete, stamp)
+        return complete(fn)
+
+    def complete(fn: Callable[..., Any]) -> Any:
         kernel = njit(fn)
         if _FALLBACK_CACHE is not None:
             kernel._cache = _FALLBACK_CACHE(kernel.py_func)  # as Dispatcher.enable_caching does
-        index = getattr(getattr(kernel, "_cache", None), "_cache_file", None)
-        if CACHING and index is not None:  # Numba's index of the function's cache entries
-            index._source_stamp = (SOURCE_STAMP if stamp else COMPILE_STAMP, index._source_stamp)
-            _lock_entries(index)
+        _stamp(kernel, stamp)
         return kernel
 
     return decorate

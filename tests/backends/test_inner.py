@@ -60,20 +60,28 @@ def test_every_helper_is_inner_and_every_entry_is_not():
     assert not any(_compile.is_inner(f) for f in _dispatchers(_decode_kernels).values())
 
 
+def _twice(x):
+    return 2.0 * x
+
+
+def _twice_plus_one(x):
+    return TWICE(x) + 1.0
+
+
+TWICE = None  # _twice, made inner by the test below
+
+
 def test_an_inner_function_compiles_inside_its_caller_and_on_a_call_from_python():
     """A compiled caller runs inner functions that have no machine code of their own; a call from
-    Python compiles the function completely, once, and gives the same result."""
+    Python runs the function's complete compilation (made once, not the inner one) and gives the
+    same result."""
     import numba
 
     from kda.cpu import _compile
 
-    @_compile.jit(inner=True)
-    def twice(x):
-        return 2.0 * x
-
-    @_compile.jit(inner=True)
-    def twice_plus_one(x):
-        return twice(x) + 1.0
+    global TWICE
+    TWICE = twice = _compile.jit(inner=True)(_twice)
+    twice_plus_one = _compile.jit(inner=True)(_twice_plus_one)
 
     def caller(x):
         return twice_plus_one(x) - 0.5
@@ -84,9 +92,11 @@ def test_an_inner_function_compiles_inside_its_caller_and_on_a_call_from_python(
         (compiled,) = f.overloads.values()
         with pytest.raises(RuntimeError, match="no machine code of its own"):
             compiled.library.get_pointer_to_function(compiled.fndesc.llvm_func_name)
-    assert twice_plus_one.py_func not in _compile._FROM_PYTHON
-    assert twice_plus_one(3.0) == 7.0 and twice_plus_one(4.0) == 9.0
-    assert twice_plus_one.py_func in _compile._FROM_PYTHON and twice.py_func not in _compile._FROM_PYTHON
+    assert _twice_plus_one not in _compile._FROM_PYTHON
+    assert twice_plus_one(3) == 7.0 and twice_plus_one(4.0) == 9.0  # int64, then float64
+    assert _twice_plus_one in _compile._FROM_PYTHON and _twice not in _compile._FROM_PYTHON
+    assert len(twice_plus_one.overloads) == 1  # Python's calls compiled no inner version
+    assert not _compile.is_inner(_compile._FROM_PYTHON[_twice_plus_one])
     assert twice(4.0) == 8.0
     assert caller(4.0) == 8.5
 
