@@ -294,12 +294,13 @@ def _lock_entries(index: Any) -> None:
 # compiled functions call (every helper of the kernels) its own optimisation, wrappers and machine
 # code are never used: most of a cold compile. An inner function (``jit(inner=True)``) is typed
 # and lowered without wrappers, and its module (after Numba's function passes) is linked into its
-# callers, to be optimised there once; it never has machine code of its own. A call from Python (tests call
-# helpers directly) runs a separate, complete compilation of the same function (:func:`_from_python`,
-# cached as an entry point is). The callers' code is the same: LLVM optimises the callees in the
-# caller's module either way (the kernels' results are bitwise those of complete compilation:
-# scripts/fixed_calls.py). An inner function's lowered module is cached (as bitcode), so that a
-# process compiling a new signature of a kernel does not type and lower its helpers again.
+# callers, to be optimised there once; it never has machine code of its own. A call from Python
+# (tests call helpers directly) runs a separate, complete compilation of the same function
+# (:func:`_from_python`, cached as an entry point is). The callers' code is the same: LLVM
+# optimises the callees in the caller's module either way (the kernels' results are bitwise those
+# of complete compilation: scripts/fixed_calls.py). An inner function's lowered module is cached
+# (as bitcode), so that a process compiling a new signature of a kernel does not type and lower
+# its helpers again.
 
 
 class _InnerLibrary(JITCodeLibrary):
@@ -449,6 +450,12 @@ class _InnerCache(caching.FunctionCache):
     _impl_class = _InnerCacheImpl
 
 
+# the inner functions' cache class, where the complete compilations' is (decided once, as CACHE)
+_INNER_CACHE = _InnerCache if CACHE == "numba" else None
+if CACHE is not None and CACHE != "numba":  # kda's fallback directory
+    _INNER_CACHE = _fallback_cache(CACHE, _InnerCacheImpl)
+
+
 def _inner(fn: Callable[..., Any], options: dict[str, Any], complete: Callable[..., Any], stamp: bool) -> Any:
     """``fn`` as an inner function: a Numba dispatcher compiling with :class:`_InnerCompiler`,
     without wrappers, cached with :class:`_InnerCacheImpl` (stamped as ``stamp`` says), whose
@@ -458,10 +465,8 @@ def _inner(fn: Callable[..., Any], options: dict[str, Any], complete: Callable[.
     arguments."""
     _INNER[fn] = complete
     kernel = numba.njit(cache=False, pipeline_class=_InnerCompiler, **_NO_WRAPPERS, **options)(fn)
-    if CACHE == "numba":
-        kernel._cache = _InnerCache(fn)
-    elif CACHE is not None:
-        kernel._cache = _fallback_cache(CACHE, _InnerCacheImpl)(fn)
+    if _INNER_CACHE is not None:
+        kernel._cache = _INNER_CACHE(fn)
     _stamp(kernel, stamp)
     add_overload = kernel.add_overload
 
@@ -485,8 +490,8 @@ _INNER_SUPPORTED = all(
     for owner, name in (
         (JITCodeLibrary, "_optimize_final_module"),
         (JITCodeLibrary, "_finalize_final_module"),
-        (JITCodeLibrary, "_optimize_functions"),
         (compiler.DefaultPassBuilder, "define_nopython_pipeline"),
+        (compiler, "CR_FIELDS"),
     )
 )
 
