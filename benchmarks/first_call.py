@@ -8,7 +8,10 @@ with an empty cache (a new ``NUMBA_CACHE_DIR``), then in a second process on tha
 process reports the forward's and backward's wall time and this process's CPU time (compiling runs
 on one core, so CPU time is the figure that other work on the machine disturbs least) and the
 ``numba:compile`` events (Numba's own: one per function compiled, none for one loaded from the
-cache). The first round also lists the compiled functions that took longest, their own time
+cache). A cold forward that keeps its boundaries compiles the backward kernel in a second process
+beside it (``kda/cpu/_ahead.py``): that process's CPU time is reported beside this one's. The
+first round runs the cold call once more in one process (``KDA_COMPILE_AHEAD=0``) and, for that
+run, lists the compiled functions that took longest, their own time
 without the functions they compiled in turn, and where the compile's time goes: LLVM (the time
 under Numba's LLVM lock: optimising each compiled function's final module and emitting its machine
 code) against Numba's own typing and lowering, and how much LLVM code the emitted modules hold
@@ -106,7 +109,10 @@ for d in dispatchers.values():
                 emitted += instructions(final)
             if id(d) in entries:
                 entry += instructions(final)
-print(json.dumps({"llvm_cpu": LLVM.spent, "own_instructions": own, "emitted_instructions": emitted,
+import resource  # the second process that compiled the backward ahead, if one ran (waited for)
+children = resource.getrusage(resource.RUSAGE_CHILDREN)
+print(json.dumps({"llvm_cpu": LLVM.spent, "ahead_cpu": children.ru_utime + children.ru_stime,
+    "own_instructions": own, "emitted_instructions": emitted,
     "entry_instructions": entry,
     "import_wall": w1 - w0, "forward_wall": w2 - w1, "forward_cpu": c2 - c1,
     "backward_wall": w3 - w2, "backward_cpu": c3 - c2, "compiled": len(events),
@@ -133,8 +139,8 @@ def processor() -> str:
     return f"{name} ({family}{vector}), {cores} cores"
 
 
-def _child(T: int, cache: str, tree: str) -> dict:
-    env = {**os.environ, "NUMBA_CACHE_DIR": cache}
+def _child(T: int, cache: str, tree: str, ahead: bool = True) -> dict:
+    env = {**os.environ, "NUMBA_CACHE_DIR": cache, "KDA_COMPILE_AHEAD": "1" if ahead else "0"}
     env["PYTHONPATH"] = tree + os.pathsep + env.get("PYTHONPATH", "")
     command = [sys.executable, "-c", CHILD, str(T)]
     r = subprocess.run(command, env=env, cwd=tree, capture_output=True, text=True, check=True)
@@ -148,6 +154,7 @@ def _line(label: str, r: dict) -> str:
         f"{label:<6} forward {r['forward_wall']:6.2f} s ({r['forward_cpu']:6.2f} CPU)  backward "
         f"{r['backward_wall']:6.2f} s ({r['backward_cpu']:6.2f} CPU)  both {total_wall:6.2f} s "
         f"({total_cpu:6.2f} CPU)  compiled {r['compiled']:3d} functions  import {r['import_wall']:.2f} s"
+        + (f"  + {r['ahead_cpu']:.2f} CPU s in a second process" if r.get("ahead_cpu") else "")
     )
 
 
@@ -171,6 +178,12 @@ def main(argv: list[str] | None = None) -> int:
         print(_line("cold", cold))
         print(_line("warm", warm))
         if n == 0:
+            # the same in one process (KDA_COMPILE_AHEAD=0): where the whole compile's time goes
+            with tempfile.TemporaryDirectory(prefix="kda-first-call-") as cache:
+                load = os.getloadavg()[0]
+                cold = _child(args.T, cache, args.tree, ahead=False)
+            print(f"one process (KDA_COMPILE_AHEAD=0), load average before {load:.2f}")
+            print(_line("cold", cold))
             own: dict[str, list[float]] = {}
             for e in cold["events"]:
                 own.setdefault(e["name"], []).append(e["own"])

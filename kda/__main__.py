@@ -324,10 +324,22 @@ def _warm_here(dtypes: list[str]) -> tuple[int, float]:
             if self.depth == 0:
                 compiled.append(getattr(ev.data["dispatcher"], "__qualname__", "?"))
 
+    from .cpu import _ahead
+
+    # the warm-up compiles every kernel itself (its processes, one per dtype, are its parallelism):
+    # no backward compiled ahead in a second process of the first call's (kda/cpu/_ahead.py)
+    ahead = os.environ.get(_ahead.ENV)
+    os.environ[_ahead.ENV] = "0"
     cpu = time.process_time()
-    with event.install_listener("numba:compile", Count()):
-        for dtype in dtypes:
-            _warm_calls(dtype)
+    try:
+        with event.install_listener("numba:compile", Count()):
+            for dtype in dtypes:
+                _warm_calls(dtype)
+    finally:
+        if ahead is None:
+            del os.environ[_ahead.ENV]
+        else:
+            os.environ[_ahead.ENV] = ahead
     return len(compiled), time.process_time() - cpu
 
 

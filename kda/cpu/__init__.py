@@ -356,6 +356,8 @@ def chunk_forward_heads(
     ins = [_view(x, dt) for x in (q, k, v, g, beta)]
     start = _c(state, dt)
     screened = np.zeros((0, 2)) if screen is None else screen
+    if with_bounds and not _AHEAD_ASKED:
+        _backward_ahead(ins, bounds, chunk_size, screened)
     if B * H * K * V and T:
         _run(forward_heads, B * H, *ins, _scale(scale, dt), start, chunk_size, with_output, with_bounds,
              outputs=ForwardHeadsOut(out=out, boundaries=bounds, final=final, screen=screened))  # fmt: skip
@@ -363,6 +365,30 @@ def chunk_forward_heads(
         final[...] = start
         screened[...] = 0.0
     return final
+
+
+_AHEAD_ASKED: list[bool] = []  # whether a forward has asked for its backward ahead (once a process)
+
+
+def _backward_ahead(ins: list[np.ndarray], bounds: np.ndarray, chunk_size: int, screen: np.ndarray) -> None:
+    """A forward that keeps its boundaries, the first in this process: have the backward kernel
+    compiled beside it, in a second process, for the types :func:`chunk_backward_heads` will
+    most likely pass (the forward's inputs and boundaries, ``grad_output`` laid out as ``v``, new
+    C-contiguous gradients; :mod:`._ahead`). The signature's order is ``backward_heads``'."""
+    from numba import typeof
+
+    from . import _ahead
+    from ._kernels import backward_heads
+
+    _AHEAD_ASKED.append(True)
+    if backward_heads.overloads or not _ahead.enabled():
+        return
+    q, k, v, g, beta = (typeof(x) for x in ins)
+    like = [typeof(np.empty((0,) * x.ndim, x.dtype)) for x in ins]  # new C-contiguous arrays
+    state, scale = like[0], typeof(np.empty(1, ins[0].dtype))
+    sig = (q, k, v, g, beta, scale, typeof(bounds), v, state, typeof(chunk_size), *like[:4], like[4], state,
+           typeof(screen), typeof(0), typeof(0))  # fmt: skip
+    _ahead.compile_beside(backward_heads, sig)
 
 
 def chunk_backward_heads(

@@ -24,6 +24,10 @@ stamped with a hash of this file alone (:data:`COMPILE_STAMP`: how they are comp
 
 The chunk kernels' helpers are inner functions (``jit(inner=True)``, below): compiled only inside
 the kernels that call them: the first compilation is about a third shorter, LLVM's part of it half.
+The matrix product compiles once per dtype for every layout its callers pass (``jit(any_layout=
+True)``), and the chunk kernels compile without LLVM's loop strength reduction
+(:data:`_CODEGEN_OPTIONS`). A first forward that keeps its boundaries has the backward kernel
+compiled beside it, in a second process (:mod:`._ahead`).
 
 The first compilation of a kda function in a process is announced once, on the ``kda.cpu``
 logger at level ``WARNING`` (shown by Python's default handler; silenced with
@@ -45,7 +49,7 @@ from typing import Any, ClassVar
 
 import numba
 from llvmlite import binding as llvm
-from numba.core import caching, compiler, event, typed_passes
+from numba.core import caching, compiler, event, sigutils, typed_passes, types
 from numba.core.codegen import JITCodeLibrary
 from numba.core.compiler_lock import global_compiler_lock
 from numba.core.compiler_machinery import register_pass
@@ -240,10 +244,10 @@ LOCK_FILE = "kda-cache.lock"
 
 
 @contextlib.contextmanager
-def _locked(path: str, exclusive: bool) -> Iterator[None]:
+def _locked(path: str, exclusive: bool, wait_s: float | None = None) -> Iterator[None]:
     """``flock`` of the lock file ``path`` (created where it can be), exclusive or shared; no lock
     where there is no ``fcntl`` or the file can be neither created nor opened (a read-only cache
-    is only ever read)."""
+    is only ever read), nor after ``wait_s`` seconds of waiting for it (None: no limit)."""
     try:
         import fcntl
     except ImportError:  # not a POSIX system
@@ -258,7 +262,19 @@ def _locked(path: str, exclusive: bool) -> Iterator[None]:
             yield
             return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        if wait_s is None:
+            fcntl.flock(fd, mode)
+        else:
+            deadline = time.monotonic() + wait_s
+            while True:
+                try:
+                    fcntl.flock(fd, mode | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        break  # go on unlocked
+                    time.sleep(0.02)
         yield
     finally:
         os.close(fd)  # releases the lock
@@ -502,12 +518,82 @@ def is_inner(kernel: Any) -> bool:
 
 
 def _stamp(kernel: Any, stamp: bool) -> None:
-    """Stamp the cache entries of the dispatcher ``kernel`` (:func:`jit`'s ``stamp``) and lock
-    their saves and loads (:func:`_lock_entries`), where it is cached."""
+    """Stamp the cache entries of the dispatcher ``kernel`` (:func:`jit`'s ``stamp``), lock
+    their saves and loads (:func:`_lock_entries`) and compile each of its signatures in one
+    process at a time (:func:`_compile_once`), where it is cached."""
     index = getattr(getattr(kernel, "_cache", None), "_cache_file", None)
     if CACHING and index is not None:  # Numba's index of the function's cache entries
         index._source_stamp = (SOURCE_STAMP if stamp else COMPILE_STAMP, index._source_stamp)
         _lock_entries(index)
+        _compile_once(kernel, os.path.join(index._cache_path, index._index_name + ".compiling"))
+
+
+# how long a compilation waits for another process compiling the same function (a kernel takes
+# seconds; a process stuck that long is not waited for further: this one compiles too)
+COMPILING_WAIT_S = 600.0
+
+
+def _compile_once(kernel: Any, path: str) -> None:
+    """Make the dispatcher ``kernel`` compile (or load) a signature it does not hold while holding
+    the lock file ``path`` (the function's, in its cache directory): where another process is
+    compiling the function (the backward compiled ahead beside a forward, :mod:`._ahead`; workers
+    started together), this one waits and then loads what that one saved, instead of compiling it
+    a second time. Callers hold such locks along their chain of callees only, which never loops
+    (no kernel or helper calls itself), so two processes never wait for each other."""
+    compile_here = kernel.compile
+
+    def compile(sig: Any) -> Any:
+        # Numba's compiler lock first: one thread of this process at a time waits for the file
+        with global_compiler_lock:
+            args, _ = sigutils.normalize_signature(sig)
+            if tuple(args) in kernel.overloads:
+                return compile_here(sig)
+            with _locked(path, exclusive=True, wait_s=COMPILING_WAIT_S):
+                return compile_here(sig)
+
+    kernel.compile = compile
+
+
+# LLVM's code generation for the chunk kernels: without loop strength reduction (LSR), which
+# rewrites the loops' address arithmetic: a sixth of LLVM's time on the kernels' modules and more
+# downstream (the first forward and backward compile about 2 s sooner), at the same speed
+# (docs/speed.md, "Compiling the kernels") and the same bits (it changes no arithmetic on values).
+# LLVM's options are the process's: set while a kernel compiles (under Numba's compiler lock, so
+# no other compilation sees them) and set back to LLVM's defaults after.
+_CODEGEN_OPTIONS = ("-disable-lsr=true",)
+_CODEGEN_DEFAULTS = ("-disable-lsr=false",)
+
+
+def _codegen_options(kernel: Any) -> None:
+    """Make the dispatcher ``kernel`` compile with :data:`_CODEGEN_OPTIONS` (its own code and
+    whatever it compiles meanwhile; a signature loaded from the cache compiles nothing)."""
+    compile_plain = kernel.compile
+
+    def compile(sig: Any) -> Any:
+        with global_compiler_lock:
+            for option in _CODEGEN_OPTIONS:
+                llvm.set_option("kda", option)
+            try:
+                return compile_plain(sig)
+            finally:
+                for option in _CODEGEN_DEFAULTS:
+                    llvm.set_option("kda", option)
+
+    kernel.compile = compile
+
+
+def _any_layout(kernel: Any) -> None:
+    """Make the dispatcher ``kernel`` compile one signature for its compiled callers whatever the
+    layouts of their arrays (``A``) and whether their scalars are constants: its callers' calls
+    convert their arguments to it (a C-contiguous array is an ``A`` one; a constant its type)."""
+    get_call_template = kernel.get_call_template
+
+    def any_layout_template(args: Any, kws: Any) -> Any:
+        args = tuple(types.unliteral(a) for a in args)
+        args = tuple(a.copy(layout="A") if isinstance(a, types.Array) else a for a in args)
+        return get_call_template(args, kws)
+
+    kernel.get_call_template = any_layout_template
 
 
 def jit(
@@ -516,6 +602,7 @@ def jit(
     error_model: str = "numpy",
     stamp: bool = True,
     inner: bool = False,
+    any_layout: bool = False,
     **options: Any,
 ) -> Callable[[Callable[..., Any]], Any]:
     """The decorator of every Numba function of :mod:`kda.cpu`: ``numba.njit`` with ``nogil``,
@@ -526,21 +613,26 @@ def jit(
     that calls no compiled function of another), with :data:`COMPILE_STAMP`: both beside Numba's
     own check of the function's file.
     With ``inner``, a function only compiled functions call: compiled inside its callers only
-    (its lowered module cached; :class:`_InnerLibrary`)."""
+    (its lowered module cached; :class:`_InnerLibrary`). With ``any_layout``, a function whose
+    code does not depend on its arrays' layouts (one that hands them to BLAS): compiled once for
+    all of its compiled callers' layouts and constants (:func:`_any_layout`), not once for each."""
 
     options = {"nogil": True, "fastmath": fastmath, "error_model": error_model, **options}
     njit = numba.njit(cache=CACHE == "numba", **options)
 
     def decorate(fn: Callable[..., Any]) -> Any:
-        if inner and _INNER_SUPPORTED:
-            return _inner(fn, options, complete, stamp)
-        return complete(fn)
+        kernel = _inner(fn, options, complete, stamp) if inner and _INNER_SUPPORTED else complete(fn)
+        if any_layout:
+            _any_layout(kernel)
+        return kernel
 
     def complete(fn: Callable[..., Any]) -> Any:
         kernel = njit(fn)
         if _FALLBACK_CACHE is not None:
             kernel._cache = _FALLBACK_CACHE(kernel.py_func)  # as Dispatcher.enable_caching does
         _stamp(kernel, stamp)
+        if stamp:  # the chunk kernels (the decode kernel and the MXCSR functions as Numba has them)
+            _codegen_options(kernel)
         return kernel
 
     return decorate

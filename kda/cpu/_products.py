@@ -223,7 +223,7 @@ def copy2(src, dst):
             dst[i, j] = src[i, j]
 
 
-@jit(inner=True)
+@jit(inner=True, any_layout=True)  # BLAS takes the row strides: one signature for every layout
 def _mm(A, ta, B, tb, C, beta):
     """``C = op(A) @ op(B) + beta C`` (row-major; ``op(X) = X.T`` where ``tX``) in blocks of
     :data:`GEMM_BLOCK` rows and columns of ``C``. Arrays are 2-D with unit inner stride (row

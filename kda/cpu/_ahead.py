@@ -1,0 +1,176 @@
+"""Compiling a kernel ahead, in a second process, beside the one this process is compiling.
+
+A first forward that keeps its boundaries (``save_boundaries=True``, what autograd and the
+README's call ask for) is followed by its backward. Cold, each takes its own ~6 s of compiling on
+one core; Numba compiles one function at a time per process (its compiler lock, and one LLVM
+context). So when such a forward is about to compile, :func:`compile_beside` starts ``python -m
+kda.cpu._ahead`` on the backward kernel's expected signature: it compiles on another core into
+the shared cache while this process compiles the forward, and this process's backward then loads
+it from the cache (:func:`_wait_first`: the dispatcher's ``compile`` waits for the second process
+before it looks in the cache).
+
+Only where a cache is writable (:data:`kda.cpu._compile.CACHING`), where this process is a plain
+Python interpreter, once per process and signature, and not with ``KDA_COMPILE_AHEAD=0``. A
+second process that fails, or is wrong about the signature, costs only its time: this process
+then compiles as it would have. It is stopped if this process exits first (its cache entries are
+written whole or not at all). The first compilation's notice on the ``kda.cpu`` logger says that
+it runs; ``python -m kda warmup`` remains the way to compile everything ahead of time.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import threading
+from typing import Any
+
+from . import _compile
+
+ENV = "KDA_COMPILE_AHEAD"
+LOG = logging.getLogger("kda.cpu")
+# how long a compile waits for the second process before compiling itself (a cold kernel takes
+# about 6 s on a quiet core; a loaded machine many times that)
+WAIT_S = 600.0
+
+_LOCK = threading.Lock()
+_ASKED: set[tuple[int, tuple[Any, ...]]] = set()  # (dispatcher's id, signature) asked for once
+_RUNNING: dict[int, list[subprocess.Popen]] = {}  # per dispatcher's id: its second processes
+
+
+def enabled() -> bool:
+    """Whether a kernel may be compiled ahead in a second process: a writable cache (the only way
+    the processes share their work), a Python interpreter to start, and ``KDA_COMPILE_AHEAD`` not
+    ``0``."""
+    if os.environ.get(ENV, "1").strip() == "0" or not _compile.CACHING:
+        return False
+    name = os.path.basename(sys.executable or "").lower()
+    return name.startswith(("python", "pypy"))
+
+
+def _cached(kernel: Any, sig: tuple[Any, ...]) -> bool:
+    """Whether ``kernel`` has ``sig`` compiled in this process or in its cache's index (Numba's
+    private cache classes; where they differ from what this expects: assumed cached)."""
+    if sig in kernel.overloads:
+        return True
+    try:
+        cache = kernel._cache
+        key = cache._index_key(sig, kernel.targetctx.codegen())
+        return key in cache._cache_file._load_index()
+    except Exception:  # another Numba's internals: do nothing ahead
+        return True
+
+
+def compile_beside(kernel: Any, sig: tuple[Any, ...]) -> bool:
+    """Start compiling the dispatcher ``kernel`` (a function of a :mod:`kda.cpu` module) for the
+    argument types ``sig`` in a second process, unless it is compiled or cached already, was asked
+    for before, or :func:`enabled` says no. True where one was started."""
+    key = (id(kernel), sig)
+    with _LOCK:
+        if key in _ASKED:
+            return False
+        _ASKED.add(key)
+    if not enabled() or _cached(kernel, sig):
+        return False
+    payload = pickle.dumps((kernel.py_func.__module__, kernel.py_func.__qualname__, sig))
+    env = {**os.environ, ENV: "0", "PYTHONPATH": _path()}
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kda.cpu._ahead"],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+        )  # fmt: skip
+        process.stdin.write(payload)
+        process.stdin.close()
+    except OSError as e:
+        LOG.info("kda.cpu: could not compile %s ahead in a second process (%s)", kernel.py_func.__name__, e)
+        return False
+    process.kda_owner = os.getpid()  # a forked child of this process does not wait for it or stop it
+    with _LOCK:
+        first = id(kernel) not in _RUNNING
+        _RUNNING.setdefault(id(kernel), []).append(process)
+    if first:
+        _wait_first(kernel)
+    LOG.info(
+        "kda.cpu: compiling %s in a second process beside this one (%s=0: not)", kernel.py_func.__name__, ENV
+    )
+    return True
+
+
+def _path() -> str:
+    """The second process's ``PYTHONPATH``: this one's, after the directory this ``kda`` was
+    imported from where that is not a site directory (a source tree, a path a script added), so
+    that it imports the same ``kda``; site directories are left where Python puts them (after the
+    standard library)."""
+    import site
+
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sites = {os.path.abspath(p) for p in (*site.getsitepackages(), site.getusersitepackages())}
+    first = [] if here in sites else [here]
+    return os.pathsep.join([*first, *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+def _wait_first(kernel: Any) -> None:
+    """Make the dispatcher ``kernel``'s compilations wait for its second processes first (their
+    results are then in the cache, where Numba's ``compile`` looks before it compiles)."""
+    compile_here = kernel.compile
+
+    def compile(sig: Any) -> Any:
+        wait(kernel)
+        return compile_here(sig)
+
+    kernel.compile = compile
+
+
+def wait(kernel: Any) -> None:
+    """Wait for the second processes compiling ``kernel`` (at most :data:`WAIT_S` each, then stop
+    it: this process compiles instead)."""
+    with _LOCK:
+        running = list(_RUNNING.get(id(kernel), ()))
+    for process in running:  # every thread that calls the kernel waits (the pool's run it at once)
+        if process.kda_owner != os.getpid():
+            continue
+        try:
+            rc = process.wait(timeout=WAIT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            rc = process.wait()
+        with _LOCK:
+            if process in _RUNNING.get(id(kernel), ()):
+                _RUNNING[id(kernel)].remove(process)
+                if rc != 0:
+                    name = kernel.py_func.__name__
+                    LOG.info("kda.cpu: the second process compiling %s ended with %s", name, rc)
+
+
+@atexit.register
+def _stop() -> None:
+    """Stop the second processes still running when this process exits."""
+    with _LOCK:
+        running = [p for ps in _RUNNING.values() for p in ps]
+        _RUNNING.clear()
+    for process in running:
+        if process.kda_owner == os.getpid() and process.poll() is None:
+            process.terminate()
+            process.wait()
+
+
+def main() -> int:
+    """The second process: compile the function named on standard input (a pickle of its module,
+    its qualified name and the argument types) into the cache."""
+    module, name, sig = pickle.loads(sys.stdin.buffer.read())
+    if not module.startswith("kda.cpu."):
+        return 2
+    importlib.import_module("kda.cpu._kernels")  # as the first kernel call does (the BLAS, pinned)
+    kernel = importlib.import_module(module)
+    for part in name.split("."):
+        kernel = getattr(kernel, part)
+    kernel.compile(sig)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
