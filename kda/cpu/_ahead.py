@@ -37,6 +37,10 @@ LOG = logging.getLogger("kda.cpu")
 # about 6 s on a quiet core; a loaded machine many times that)
 WAIT_S = 600.0
 
+# the block sizes the kernels read when they compile (kda/cpu/_compile.py): the second process
+# compiles with this one's (a test that sets them for the other kind of core gets its own)
+CONSTANTS = ("GEMM_BLOCK", "SUB_BLOCK", "SOLVE_BLOCK", "SUBSTITUTE_BELOW")
+
 _LOCK = threading.Lock()
 _ASKED: set[tuple[int, tuple[Any, ...]]] = set()  # (dispatcher's id, signature) asked for once
 _RUNNING: dict[int, list[subprocess.Popen]] = {}  # per dispatcher's id: its second processes
@@ -76,7 +80,8 @@ def compile_beside(kernel: Any, sig: tuple[Any, ...]) -> bool:
         _ASKED.add(key)
     if not enabled() or _cached(kernel, sig):
         return False
-    payload = pickle.dumps((kernel.py_func.__module__, kernel.py_func.__qualname__, sig))
+    constants = {name: getattr(_compile, name) for name in CONSTANTS}
+    payload = pickle.dumps((kernel.py_func.__module__, kernel.py_func.__qualname__, sig, constants))
     env = {**os.environ, ENV: "0", "PYTHONPATH": _path()}
     try:
         process = subprocess.Popen(
@@ -160,10 +165,13 @@ def _stop() -> None:
 
 def main() -> int:
     """The second process: compile the function named on standard input (a pickle of its module,
-    its qualified name and the argument types) into the cache."""
-    module, name, sig = pickle.loads(sys.stdin.buffer.read())
-    if not module.startswith("kda.cpu."):
+    its qualified name, the argument types and the first process's :data:`CONSTANTS`) into the
+    cache."""
+    module, name, sig, constants = pickle.loads(sys.stdin.buffer.read())
+    if not module.startswith("kda.cpu.") or set(constants) != set(CONSTANTS):
         return 2
+    for constant, value in constants.items():
+        setattr(_compile, constant, value)
     importlib.import_module("kda.cpu._kernels")  # as the first kernel call does (the BLAS, pinned)
     kernel = importlib.import_module(module)
     for part in name.split("."):
