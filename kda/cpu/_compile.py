@@ -525,7 +525,7 @@ def _stamp(kernel: Any, stamp: bool) -> None:
     if CACHING and index is not None:  # Numba's index of the function's cache entries
         index._source_stamp = (SOURCE_STAMP if stamp else COMPILE_STAMP, index._source_stamp)
         _lock_entries(index)
-        _compile_once(kernel, os.path.join(index._cache_path, index._index_name + ".compiling"))
+        _compile_once(kernel, os.path.join(index._cache_path, index._index_name))
 
 
 # how long a compilation waits for another process compiling the same function (a kernel takes
@@ -533,13 +533,20 @@ def _stamp(kernel: Any, stamp: bool) -> None:
 COMPILING_WAIT_S = 600.0
 
 
-def _compile_once(kernel: Any, path: str) -> None:
+def compiling_lock(index_path: str, args: tuple[Any, ...]) -> str:
+    """The lock file held while the signature ``args`` of the function whose cache index is
+    ``index_path`` compiles: beside the index, named by a hash of the signature."""
+    return f"{index_path}.{hashlib.sha256(str(args).encode()).hexdigest()[:16]}.compiling"
+
+
+def _compile_once(kernel: Any, index_path: str) -> None:
     """Make the dispatcher ``kernel`` compile (or load) a signature it does not hold while holding
-    the lock file ``path`` (the function's, in its cache directory): where another process is
-    compiling the function (the backward compiled ahead beside a forward, :mod:`._ahead`; workers
-    started together), this one waits and then loads what that one saved, instead of compiling it
-    a second time. Callers hold such locks along their chain of callees only, which never loops
-    (no kernel or helper calls itself), so two processes never wait for each other."""
+    that signature's lock file (:func:`compiling_lock`, in the function's cache directory): where
+    another process is compiling it (the backward compiled ahead beside a forward,
+    :mod:`._ahead`; workers started together), this one waits and then loads what that one saved,
+    instead of compiling it a second time. A process holds such locks along its chain of callees
+    only, which never loops (no kernel or helper calls itself), so two processes never wait for
+    each other."""
     compile_here = kernel.compile
 
     def compile(sig: Any) -> Any:
@@ -548,7 +555,7 @@ def _compile_once(kernel: Any, path: str) -> None:
             args, _ = sigutils.normalize_signature(sig)
             if tuple(args) in kernel.overloads:
                 return compile_here(sig)
-            with _locked(path, exclusive=True, wait_s=COMPILING_WAIT_S):
+            with _locked(compiling_lock(index_path, tuple(args)), exclusive=True, wait_s=COMPILING_WAIT_S):
                 return compile_here(sig)
 
     kernel.compile = compile

@@ -250,8 +250,10 @@ def test_a_process_waits_for_another_compiling_the_same_function_and_loads_it(tm
     import fcntl
 
     kernel, sig = _new_kernel(tmp_path, monkeypatch)
+    from kda.cpu import _compile
+
     index = kernel._cache._cache_file
-    path = os.path.join(index._cache_path, index._index_name + ".compiling")
+    path = _compile.compiling_lock(os.path.join(index._cache_path, index._index_name), sig)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
