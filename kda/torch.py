@@ -39,6 +39,7 @@ import torch
 from torch.compiler import is_compiling
 from torch.utils._python_dispatch import _get_current_dispatch_mode as current_dispatch_mode
 
+from ._backend.expect import backward_follows
 from ._entry import host as _host
 from ._entry.call import Inputs
 from ._entry.fla import FlaCall
@@ -109,7 +110,12 @@ def _apply(x: Inputs, cu_seqlens: Any, call: FlaCall):
         return o, (final if call.output_final_state else None)
     if x.initial_state is not None and call.state_v_first:
         x = x._replace(initial_state=x.initial_state.transpose(-1, -2))
-    o, final, boundaries = forward_op(*ForwardArgs(**x._asdict(), cu_seqlens=cu_seqlens, **static._asdict()))
+    args = ForwardArgs(**x._asdict(), cu_seqlens=cu_seqlens, **static._asdict())
+    if is_compiling():  # traced: no hint
+        o, final, boundaries = forward_op(*args)
+    else:
+        with backward_follows(_needs_grad(x)):  # a hint: the cpu backend compiles its backward ahead
+            o, final, boundaries = forward_op(*args)
     final = (
         None if not call.output_final_state else (final.transpose(-1, -2) if call.state_v_first else final)
     )

@@ -8,6 +8,7 @@ The chunked functions run the core's chunked algorithm; the recurrent ones the s
 from __future__ import annotations
 
 from .._backend import backend_doc
+from .._backend.expect import backward_follows
 from .._options.table import Array, Choices, takes_options
 from .call import Inputs, KdaGradients, KdaOutput, open_call
 from .layout import check_state_v_first, k_major_state, v_major_output
@@ -83,7 +84,8 @@ def chunk_kda(
         initial_state = k_major_state("initial_state", initial_state, call.p)
     state = call.state_or_zeros("initial_state", initial_state)
     finite = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
-    out = call.forward(Inputs(q, k, v, g, beta), state, save_boundaries, check_inputs=finite)
+    with backward_follows(save_boundaries):  # a hint: the cpu backend compiles its backward ahead
+        out = call.forward(Inputs(q, k, v, g, beta), state, save_boundaries, check_inputs=finite)
     return v_major_output(call.p.xp, out) if v_first else out
 
 

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from .._backend import ChunkLocal, Gradients, LocalGradients, StateGradPass, StatePass, complete
+from .._backend.expect import BACKWARD_FOLLOWS
 from .._threads import PIN
 from . import _fpenv, _pool
 from ._decode import decode_finite, decode_forward, decode_screen  # noqa: F401  (complete writes __all__)
@@ -356,7 +357,7 @@ def chunk_forward_heads(
     ins = [_view(x, dt) for x in (q, k, v, g, beta)]
     start = _c(state, dt)
     screened = np.zeros((0, 2)) if screen is None else screen
-    if with_bounds and not _AHEAD_ASKED:
+    if with_bounds and not _AHEAD_ASKED and BACKWARD_FOLLOWS.get():
         _backward_ahead(ins, bounds, chunk_size, screened)
     if B * H * K * V and T:
         _run(forward_heads, B * H, *ins, _scale(scale, dt), start, chunk_size, with_output, with_bounds,
@@ -371,7 +372,8 @@ _AHEAD_ASKED: list[bool] = []  # whether a forward has asked for its backward ah
 
 
 def _backward_ahead(ins: list[np.ndarray], bounds: np.ndarray, chunk_size: int, screen: np.ndarray) -> None:
-    """A forward that keeps its boundaries, the first in this process: have the backward kernel
+    """A forward that keeps its boundaries for a backward (its caller said so:
+    :data:`~kda._backend.expect.BACKWARD_FOLLOWS`), the first in this process: have the backward kernel
     compiled beside it, in a second process, for the types :func:`chunk_backward_heads` will
     most likely pass (the forward's inputs and boundaries, ``grad_output`` laid out as ``v``, new
     C-contiguous gradients; :mod:`._ahead`). The signature's order is ``backward_heads``'."""

@@ -14,7 +14,8 @@ Python interpreter, once per process and signature, and not with ``KDA_COMPILE_A
 second process that fails, or is wrong about the signature, costs only its time: this process
 then compiles as it would have. It is stopped if this process exits first (its cache entries are
 written whole or not at all). The first compilation's notice on the ``kda.cpu`` logger says that
-it runs; ``python -m kda warmup`` remains the way to compile everything ahead of time.
+it runs (:func:`running`); ``python -m kda warmup`` remains the way to compile everything ahead of
+time.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ def compile_beside(kernel: Any, sig: tuple[Any, ...]) -> bool:
     constants = {name: getattr(_compile, name) for name in CONSTANTS}
     payload = pickle.dumps((kernel.py_func.__module__, kernel.py_func.__qualname__, sig, constants))
     env = {**os.environ, ENV: "0", "PYTHONPATH": _path()}
+    process = None
     try:
         process = subprocess.Popen(
             [sys.executable, "-m", "kda.cpu._ahead"],
@@ -90,10 +92,14 @@ def compile_beside(kernel: Any, sig: tuple[Any, ...]) -> bool:
         )  # fmt: skip
         process.stdin.write(payload)
         process.stdin.close()
-    except OSError as e:
+    except OSError as e:  # could not start, or it ended before reading what to compile
+        if process is not None:
+            process.kill()
+            process.wait()
         LOG.info("kda.cpu: could not compile %s ahead in a second process (%s)", kernel.py_func.__name__, e)
         return False
     process.kda_owner = os.getpid()  # a forked child of this process does not wait for it or stop it
+    process.kda_kernel = kernel.py_func.__name__
     with _LOCK:
         first = id(kernel) not in _RUNNING
         _RUNNING.setdefault(id(kernel), []).append(process)
@@ -103,6 +109,12 @@ def compile_beside(kernel: Any, sig: tuple[Any, ...]) -> bool:
         "kda.cpu: compiling %s in a second process beside this one (%s=0: not)", kernel.py_func.__name__, ENV
     )
     return True
+
+
+def running() -> list[str]:
+    """The names of the kernels that second processes of this one are compiling now."""
+    with _LOCK:
+        return sorted({p.kda_kernel for ps in _RUNNING.values() for p in ps if p.poll() is None})
 
 
 def _path() -> str:

@@ -42,6 +42,7 @@ import hashlib
 import logging
 import os
 import stat
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -218,10 +219,14 @@ class _CompileNotice(event.Listener):
         if not self.told:
             self.told = True
             where = "nowhere: no cache directory is writable" if CACHE is None else "in a cache"
+            ahead = sys.modules.get("kda.cpu._ahead")  # imported by a first forward that asked for it
+            beside = ahead.running() if ahead is not None else []
+            also = f"; {', '.join(beside)} in a second process beside this one" if beside else ""
             LOG.warning(
-                "kda: compiling the CPU kernels for their first use (tens of seconds; kept %s). "
+                "kda: compiling the CPU kernels for their first use (tens of seconds; kept %s%s). "
                 "`python -m kda warmup` compiles them all ahead of time.",
                 where,
+                also,
             )
 
     def on_end(self, ev: event.Event) -> None:

@@ -71,6 +71,26 @@ def test_a_forward_without_boundaries_asks_for_nothing_ahead(monkeypatch):
     assert asked == []
 
 
+@pytest.mark.parametrize("grad", [True, False], ids=["autograd", "inference"])
+def test_the_torch_forward_asks_for_its_backward_only_where_autograd_records_it(monkeypatch, grad):
+    """``kda.torch.chunk_kda``'s op keeps boundaries always; only a forward that autograd records
+    (a backward may follow) asks for the backward ahead: serving (vLLM's prefill) never does."""
+    torch = pytest.importorskip("torch")
+    import kda.torch as kt
+    from kda import cpu
+    from kda.cpu import _ahead, _kernels
+
+    asked = []
+    monkeypatch.setattr(cpu, "_AHEAD_ASKED", [])
+    monkeypatch.setattr(_ahead, "compile_beside", lambda kernel, sig: asked.append(sig))
+    monkeypatch.setattr(_ahead, "enabled", lambda: True)
+    monkeypatch.setattr(_kernels.backward_heads, "overloads", {})
+    q, k, v, g, beta, _ = (torch.from_numpy(x) for x in _inputs(time_major=True))
+    q.requires_grad_(grad)
+    kt.chunk_kda(q, k, v, g, beta)
+    assert len(asked) == (1 if grad else 0)
+
+
 def test_ahead_is_off_without_a_cache_or_when_asked(monkeypatch):
     from kda.cpu import _ahead, _compile
 
@@ -174,7 +194,8 @@ print(json.dumps({"compiled": compiled, "bits": bits}))
 def test_a_cold_forward_compiles_its_backward_in_a_second_process(tmp_path):
     """Into an empty cache, a forward that keeps its boundaries has the backward kernel compiled in
     a second process: this process then loads it (compiles no ``backward_heads``) and gets the
-    same results as a process that compiled it itself (``KDA_COMPILE_AHEAD=0``)."""
+    same results as a process that compiled it itself (``KDA_COMPILE_AHEAD=0``); the first
+    compilation's notice says so."""
     import json
 
     def run(cache: str, ahead: str) -> dict:
@@ -183,9 +204,11 @@ def test_a_cold_forward_compiles_its_backward_in_a_second_process(tmp_path):
         command = [sys.executable, "-c", _COLD]
         r = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True)
         assert r.returncode == 0, r.stderr[-4000:]
-        return json.loads(r.stdout.strip().splitlines()[-1])
+        return {**json.loads(r.stdout.strip().splitlines()[-1]), "notice": r.stderr}
 
     ahead, alone = run("ahead", "1"), run("alone", "0")
+    beside = "backward_heads in a second process beside this one"
+    assert beside in ahead["notice"] and beside not in alone["notice"], (ahead["notice"], alone["notice"])
     assert "forward_heads" in ahead["compiled"] and "backward_heads" not in ahead["compiled"], ahead
     assert "forward_heads" in alone["compiled"] and "backward_heads" in alone["compiled"], alone
     assert ahead["bits"] == alone["bits"]
