@@ -1,7 +1,8 @@
 """Compiling a kernel ahead, in a second process, beside the one this process is compiling.
 
-A first forward that keeps its boundaries (``save_boundaries=True``, what autograd and the
-README's call ask for) is followed by its backward. Cold, each takes its own ~6 s of compiling on
+A first forward whose caller says a backward follows (:data:`kda._backend.expect.BACKWARD_FOLLOWS`:
+``kda.chunk_kda(..., save_boundaries=True)``, the README's call, and ``kda.torch.chunk_kda`` under
+autograd; no inference call) is followed by its backward. Cold, each takes its own ~6 s of compiling on
 one core; Numba compiles one function at a time per process (its compiler lock, and one LLVM
 context). So when such a forward is about to compile, :func:`compile_beside` starts ``python -m
 kda.cpu._ahead`` on the backward kernel's expected signature: it compiles on another core into

@@ -163,9 +163,8 @@ def test_second_processes_still_running_at_exit_are_stopped(tmp_path, monkeypatc
     assert _ahead._RUNNING == {}
 
 
-_COLD = r"""
-import json, sys
-import numpy as np
+# a child process's list of the functions it compiles (Numba's compile events)
+_LISTEN = r"""
 from numba.core import event
 compiled = []
 class Listen(event.Listener):
@@ -174,6 +173,13 @@ class Listen(event.Listener):
     def on_end(self, ev):
         pass
 event.register("numba:compile", Listen())
+"""
+
+_COLD = (
+    _LISTEN
+    + r"""
+import json, sys
+import numpy as np
 import kda
 rng = np.random.default_rng(0)
 B, H, T, K, V = 1, 2, 80, 16, 16
@@ -188,6 +194,7 @@ weights = lambda x: np.arange(x.size).reshape(x.shape)
 bits = [float(np.sum(x.astype(np.float64) * weights(x))) for x in (out.output, *grads) if x is not None]
 print(json.dumps({"compiled": compiled, "bits": bits}))
 """
+)
 
 
 @pytest.mark.slow  # two cold forward-and-backward compilations: about 25 s of one core
@@ -251,19 +258,14 @@ def test_the_chunk_kernels_llvm_options_are_set_only_while_they_compile(monkeypa
     assert calls == []
 
 
-_WAITER = r"""
+_WAITER = (
+    _LISTEN
+    + r"""
 import importlib, sys
-from numba.core import event
-compiled = []
-class Listen(event.Listener):
-    def on_start(self, ev):
-        compiled.append(ev.data["dispatcher"].py_func.__name__)
-    def on_end(self, ev):
-        pass
-event.register("numba:compile", Listen())
 twice = importlib.import_module(sys.argv[1]).twice
 print(twice(2.5), compiled)
 """
+)
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="fcntl locks")
