@@ -26,8 +26,9 @@ The chunk kernels' helpers are inner functions (``jit(inner=True)``, below): com
 the kernels that call them: the first compilation is about a third shorter, LLVM's part of it half.
 The matrix product compiles once per dtype for every layout its callers pass (``jit(any_layout=
 True)``), and the chunk kernels compile without LLVM's loop strength reduction
-(:data:`_CODEGEN_OPTIONS`). A first forward that keeps its boundaries has the backward kernel
-compiled beside it, in a second process (:mod:`._ahead`).
+(:data:`_CODEGEN_OPTIONS`). A first forward whose caller says a backward follows has the backward
+kernel compiled beside it, in a second process (:mod:`._ahead`); a signature compiles in one
+process at a time (:func:`_compile_guarded`).
 
 The first compilation of a kda function in a process is announced once, on the ``kda.cpu``
 logger at level ``WARNING`` (shown by Python's default handler; silenced with
@@ -488,7 +489,7 @@ def _inner(fn: Callable[..., Any], options: dict[str, Any], complete: Callable[.
     kernel = numba.njit(cache=False, pipeline_class=_InnerCompiler, **_NO_WRAPPERS, **options)(fn)
     if _INNER_CACHE is not None:
         kernel._cache = _INNER_CACHE(fn)
-    _stamp(kernel, stamp)
+    _compile_guarded(kernel, _stamp(kernel, stamp), codegen=False)
     add_overload = kernel.add_overload
 
     def add_inner_overload(cres: Any) -> None:
@@ -522,15 +523,16 @@ def is_inner(kernel: Any) -> bool:
     return getattr(getattr(kernel, "_compiler", None), "pipeline_class", None) is _InnerCompiler
 
 
-def _stamp(kernel: Any, stamp: bool) -> None:
-    """Stamp the cache entries of the dispatcher ``kernel`` (:func:`jit`'s ``stamp``), lock
-    their saves and loads (:func:`_lock_entries`) and compile each of its signatures in one
-    process at a time (:func:`_compile_once`), where it is cached."""
+def _stamp(kernel: Any, stamp: bool) -> str | None:
+    """Stamp the cache entries of the dispatcher ``kernel`` (:func:`jit`'s ``stamp``) and lock
+    their saves and loads (:func:`_lock_entries`), where it is cached; the path of its cache index
+    (None where uncached)."""
     index = getattr(getattr(kernel, "_cache", None), "_cache_file", None)
-    if CACHING and index is not None:  # Numba's index of the function's cache entries
-        index._source_stamp = (SOURCE_STAMP if stamp else COMPILE_STAMP, index._source_stamp)
-        _lock_entries(index)
-        _compile_once(kernel, os.path.join(index._cache_path, index._index_name))
+    if not CACHING or index is None:  # index: Numba's index of the function's cache entries
+        return None
+    index._source_stamp = (SOURCE_STAMP if stamp else COMPILE_STAMP, index._source_stamp)
+    _lock_entries(index)
+    return os.path.join(index._cache_path, index._index_name)
 
 
 # how long a compilation waits for another process compiling the same function (a kernel takes
@@ -544,28 +546,6 @@ def compiling_lock(index_path: str, args: tuple[Any, ...]) -> str:
     return f"{index_path}.{hashlib.sha256(str(args).encode()).hexdigest()[:16]}.compiling"
 
 
-def _compile_once(kernel: Any, index_path: str) -> None:
-    """Make the dispatcher ``kernel`` compile (or load) a signature it does not hold while holding
-    that signature's lock file (:func:`compiling_lock`, in the function's cache directory): where
-    another process is compiling it (the backward compiled ahead beside a forward,
-    :mod:`._ahead`; workers started together), this one waits and then loads what that one saved,
-    instead of compiling it a second time. A process holds such locks along its chain of callees
-    only, which never loops (no kernel or helper calls itself), so two processes never wait for
-    each other."""
-    compile_here = kernel.compile
-
-    def compile(sig: Any) -> Any:
-        # Numba's compiler lock first: one thread of this process at a time waits for the file
-        with global_compiler_lock:
-            args, _ = sigutils.normalize_signature(sig)
-            if tuple(args) in kernel.overloads:
-                return compile_here(sig)
-            with _locked(compiling_lock(index_path, tuple(args)), exclusive=True, wait_s=COMPILING_WAIT_S):
-                return compile_here(sig)
-
-    kernel.compile = compile
-
-
 # LLVM's code generation for the chunk kernels: without loop strength reduction (LSR), which
 # rewrites the loops' address arithmetic: a sixth of LLVM's time on the kernels' modules and more
 # downstream (the first forward and backward compile about 2 s sooner), at the same speed
@@ -576,20 +556,46 @@ _CODEGEN_OPTIONS = ("-disable-lsr=true",)
 _CODEGEN_DEFAULTS = ("-disable-lsr=false",)
 
 
-def _codegen_options(kernel: Any) -> None:
-    """Make the dispatcher ``kernel`` compile with :data:`_CODEGEN_OPTIONS` (its own code and
-    whatever it compiles meanwhile; a signature loaded from the cache compiles nothing)."""
-    compile_plain = kernel.compile
+@contextlib.contextmanager
+def _codegen_options() -> Iterator[None]:
+    """:data:`_CODEGEN_OPTIONS` within the block, LLVM's defaults after (also when it raises)."""
+    for option in _CODEGEN_OPTIONS:
+        llvm.set_option("kda", option)
+    try:
+        yield
+    finally:
+        for option in _CODEGEN_DEFAULTS:
+            llvm.set_option("kda", option)
+
+
+def _compile_guarded(kernel: Any, index_path: str | None, codegen: bool) -> None:
+    """Make the dispatcher ``kernel`` compile (or load) a signature it does not hold under Numba's
+    compiler lock (one thread of this process at a time) and:
+
+    - where it is cached (``index_path``: its cache index), holding that signature's lock file
+      (:func:`compiling_lock`): where another process is compiling it (the backward compiled
+      ahead beside a forward, :mod:`._ahead`; workers started together), this one waits and then
+      loads what that one saved, instead of compiling it a second time. A process holds such locks
+      along its chain of callees only, which never loops (no kernel or helper calls itself), so two
+      processes never wait for each other;
+    - with ``codegen`` (the chunk kernels), with LLVM's :data:`_CODEGEN_OPTIONS` (its own code and
+      whatever it compiles meanwhile)."""
+    if index_path is None and not codegen:
+        return
+    compile_here = kernel.compile
 
     def compile(sig: Any) -> Any:
         with global_compiler_lock:
-            for option in _CODEGEN_OPTIONS:
-                llvm.set_option("kda", option)
-            try:
-                return compile_plain(sig)
-            finally:
-                for option in _CODEGEN_DEFAULTS:
-                    llvm.set_option("kda", option)
+            args, _ = sigutils.normalize_signature(sig)
+            if tuple(args) in kernel.overloads:
+                return compile_here(sig)
+            with contextlib.ExitStack() as scope:
+                if index_path is not None:
+                    lock = compiling_lock(index_path, tuple(args))
+                    scope.enter_context(_locked(lock, exclusive=True, wait_s=COMPILING_WAIT_S))
+                if codegen:
+                    scope.enter_context(_codegen_options())
+                return compile_here(sig)
 
     kernel.compile = compile
 
@@ -642,9 +648,8 @@ def jit(
         kernel = njit(fn)
         if _FALLBACK_CACHE is not None:
             kernel._cache = _FALLBACK_CACHE(kernel.py_func)  # as Dispatcher.enable_caching does
-        _stamp(kernel, stamp)
-        if stamp:  # the chunk kernels (the decode kernel and the MXCSR functions as Numba has them)
-            _codegen_options(kernel)
+        # codegen: the chunk kernels (the decode kernel and the MXCSR functions as Numba has them)
+        _compile_guarded(kernel, _stamp(kernel, stamp), codegen=stamp)
         return kernel
 
     return decorate
