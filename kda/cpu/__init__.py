@@ -376,10 +376,12 @@ def _backward_ahead(ins: list[np.ndarray], bounds: np.ndarray, chunk_size: int, 
     :data:`~kda._backend.expect.BACKWARD_FOLLOWS`), the first in this process: have the backward kernel
     compiled beside it, in a second process, for the types :func:`chunk_backward_heads` will
     most likely pass (the forward's inputs and boundaries, ``grad_output`` laid out as ``v``, new
-    C-contiguous gradients; :mod:`._ahead`). The signature's order is ``backward_heads``'."""
+    C-contiguous gradients; :mod:`._ahead`), its own helpers first. The signature's order is
+    ``backward_heads``'."""
     from numba import typeof
 
     from . import _ahead
+    from ._fused import backward_own_helpers
     from ._kernels import backward_heads
 
     _AHEAD_ASKED.append(True)
@@ -390,7 +392,7 @@ def _backward_ahead(ins: list[np.ndarray], bounds: np.ndarray, chunk_size: int, 
     state, scale = like[0], typeof(np.empty(1, ins[0].dtype))
     sig = (q, k, v, g, beta, scale, typeof(bounds), v, state, typeof(chunk_size), *like[:4], like[4], state,
            typeof(screen), typeof(0), typeof(0))  # fmt: skip
-    _ahead.compile_beside(backward_heads, sig)
+    _ahead.compile_beside(backward_heads, sig, first=backward_own_helpers(q.dtype))
 
 
 def chunk_backward_heads(

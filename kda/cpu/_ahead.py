@@ -8,7 +8,11 @@ context). So when such a forward is about to compile, :func:`compile_beside` sta
 kda.cpu._ahead`` on the backward kernel's expected signature: it compiles on another core into
 the shared cache while this process compiles the forward, and this process's backward then loads
 it from the cache (:func:`_wait_first`: the dispatcher's ``compile`` waits for the second process
-before it looks in the cache).
+before it looks in the cache). The second process first compiles the helpers that only the
+backward calls (``first``: :func:`kda.cpu._fused.backward_own_helpers`), while this one compiles the
+forward's, so that the helpers both kernels call are mostly in the cache by the time it types the
+backward kernel (each signature compiles in one process; the other waits for it and loads it); it
+ends without the interpreter's teardown.
 
 Only where a cache is writable (:data:`kda.cpu._compile.CACHING`), where this process is a plain
 Python interpreter, once per process and signature, and not with ``KDA_COMPILE_AHEAD=0``. A
@@ -29,7 +33,10 @@ import pickle
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from typing import Any
+
+from numba.core.dispatcher import Dispatcher
 
 from . import _compile
 
@@ -71,10 +78,23 @@ def _cached(kernel: Any, sig: tuple[Any, ...]) -> bool:
         return True
 
 
-def compile_beside(kernel: Any, sig: tuple[Any, ...]) -> bool:
+Signature = tuple[Any, ...]  # a function's argument types (Numba types)
+
+
+def _named(kernel: Any, sig: Signature) -> tuple[str, str, Signature]:
+    """The dispatcher ``kernel`` by its module and qualified name, with ``sig``: what the second
+    process imports and compiles."""
+    return (kernel.py_func.__module__, kernel.py_func.__qualname__, sig)
+
+
+def compile_beside(kernel: Any, sig: tuple[Any, ...], first: Sequence[tuple[Any, Signature]] = ()) -> bool:
     """Start compiling the dispatcher ``kernel`` (a function of a :mod:`kda.cpu` module) for the
     argument types ``sig`` in a second process, unless it is compiled or cached already, was asked
-    for before, or :func:`enabled` says no. True where one was started."""
+    for before, or :func:`enabled` says no. True where one was started. ``first``: ``(dispatcher,
+    argument types)`` of helpers the kernel calls, compiled first, in that order: those that the
+    kernels this process is compiling meanwhile do not call, so that the two processes compile
+    different functions at once (the helpers they share compile in whichever reaches them first,
+    the other waits: :func:`kda.cpu._compile._compile_guarded`)."""
     key = (id(kernel), sig)
     with _LOCK:
         if key in _ASKED:
@@ -83,7 +103,7 @@ def compile_beside(kernel: Any, sig: tuple[Any, ...]) -> bool:
     if not enabled() or _cached(kernel, sig):
         return False
     constants = {name: getattr(_compile, name) for name in CONSTANTS}
-    payload = pickle.dumps((kernel.py_func.__module__, kernel.py_func.__qualname__, sig, constants))
+    payload = pickle.dumps(([*(_named(*f) for f in first), _named(kernel, sig)], constants))
     env = {**os.environ, ENV: "0", "PYTHONPATH": _path()}
     process = None
     try:
@@ -177,21 +197,29 @@ def _stop() -> None:
 
 
 def main() -> int:
-    """The second process: compile the function named on standard input (a pickle of its module,
-    its qualified name, the argument types and the first process's :data:`CONSTANTS`) into the
-    cache."""
-    module, name, sig, constants = pickle.loads(sys.stdin.buffer.read())
-    if not module.startswith("kda.cpu.") or set(constants) != set(CONSTANTS):
+    """The second process: compile the functions named on standard input, in order, into the cache
+    (a pickle of a list of their modules, qualified names and argument types, then the first
+    process's :data:`CONSTANTS`)."""
+    functions, constants = pickle.loads(sys.stdin.buffer.read())  # from the first process, a pipe
+    if set(constants) != set(CONSTANTS):
         return 2
     for constant, value in constants.items():
         setattr(_compile, constant, value)
     importlib.import_module("kda.cpu._kernels")  # as the first kernel call does (the BLAS, pinned)
-    kernel = importlib.import_module(module)
-    for part in name.split("."):
-        kernel = getattr(kernel, part)
-    kernel.compile(sig)
+    for module, name, sig in functions:
+        kernel = importlib.import_module(module)
+        for part in name.split("."):
+            kernel = getattr(kernel, part)
+        if not isinstance(kernel, Dispatcher):
+            return 2
+        kernel.compile(sig)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    # what it compiled is in the cache: end without the interpreter's teardown (with Numba and
+    # LLVM loaded, about 0.4 s that the first process would wait for)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -332,6 +332,22 @@ def backward_heads(
             screen[bh, 1] = seen_out + _zeros_of(dS)
 
 
+def backward_own_helpers(dt: Any) -> tuple[tuple[Any, tuple[Any, ...]], ...]:
+    """The helpers that :func:`backward_heads` calls and :func:`forward_heads` does not, each with
+    the argument types ``backward_heads`` passes them for its dtype ``dt`` (a Numba type): its
+    scratch arrays (C-contiguous) and scalars, so they depend on ``dt`` alone. The second process
+    that compiles ``backward_heads`` beside a first forward (:mod:`._ahead`) compiles these first,
+    while the forward's process compiles the helpers both kernels call, instead of waiting for
+    those (a test checks these are the signatures ``backward_heads``' typing asks for)."""
+    from numba import types
+
+    m, r, b = types.Array(dt, 2, "C"), types.Array(dt, 1, "C"), types.boolean
+    return (
+        (_fused_local_backward, (m, m, m, m, m, m, r, dt, m, m, m, m, m, m, m, m, m, m, m, r, b, b)),
+        (_solve_blocks_t, (m, r, m, m, m, m, m)),
+    )
+
+
 @jit(inner=True)
 def _store(x, out, b, h, t0, m):
     """``out[b, h, t0 + i] = x[i]`` for ``i < m``; returns ``sum(x * 0)`` of what it wrote."""

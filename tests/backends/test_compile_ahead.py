@@ -38,11 +38,12 @@ def test_the_backward_compiled_ahead_is_the_one_the_backward_calls(monkeypatch, 
     (or loads) for the same inputs: else the second process works for nothing."""
     import kda
     from kda import cpu
-    from kda.cpu import _ahead, _kernels
+    from kda.cpu import _ahead, _fused, _kernels
 
     asked = []
     monkeypatch.setattr(cpu, "_AHEAD_ASKED", [])
-    monkeypatch.setattr(_ahead, "compile_beside", lambda kernel, sig: asked.append((kernel, sig)))
+    ask = lambda kernel, sig, first=(): asked.append((kernel, sig, first))  # noqa: E731
+    monkeypatch.setattr(_ahead, "compile_beside", ask)
     monkeypatch.setattr(_ahead, "enabled", lambda: True)
     monkeypatch.setattr(_kernels.backward_heads, "overloads", {})  # as in a fresh process
     q, k, v, g, beta, do = _inputs(dtype=dtype, time_major=time_major)
@@ -50,10 +51,65 @@ def test_the_backward_compiled_ahead_is_the_one_the_backward_calls(monkeypatch, 
     out = kda.chunk_kda(q, k, v, g, beta, save_boundaries=True, layout=layout)
     monkeypatch.undo()  # the backward's real table of compiled signatures
     assert len(asked) == 1 and asked[0][0] is _kernels.backward_heads
+    assert asked[0][2] == _fused.backward_own_helpers(asked[0][1][0].dtype)
     before = set(_kernels.backward_heads.overloads)
     kda.chunk_kda_backward(q, k, v, g, beta, out.boundaries, do, None, layout=layout)
     used = set(_kernels.backward_heads.overloads)
     assert asked[0][1] in used, (asked[0][1], used - before)
+
+
+def _kernel_arguments(dtype):
+    """Arrays of the types ``forward_heads`` and ``backward_heads`` get for C-contiguous inputs of
+    ``dtype``, by their parameters' order (sizes do not matter to their typing)."""
+    B, H, T, K, V, NT = 1, 2, 8, 16, 8, 2
+    x, y = np.zeros((B, H, T, K), dtype), np.zeros((B, H, T, V), dtype)
+    beta, scale, state = np.zeros((B, H, T), dtype), np.ones(1, dtype), np.zeros((B, H, K, V), dtype)
+    bounds, screen = np.zeros((NT, B, H, K, V), dtype), np.zeros((0, 2))
+    forward = (x, x, y, x, beta, scale, state, 4, True, True, y, bounds, state, screen, 0, 1)
+    backward = (x, x, y, x, beta, scale, bounds, y, state, 4, x, x, y, x, beta, state, screen, 0, 1)
+    return forward, backward
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_backward_own_helpers_are_the_ones_its_typing_asks_for(monkeypatch, dtype):
+    """The helpers the second process compiles before ``backward_heads``
+    (``kda.cpu._fused.backward_own_helpers``) are the ones ``backward_heads``' typing asks for,
+    with those signatures, and ``forward_heads``' typing asks for none of them (else the two
+    processes would wait for each other on them instead of compiling apart)."""
+    from numba import typeof
+    from numba.core import compiler, typed_passes
+
+    from kda.cpu import _fused
+
+    own = _fused.backward_own_helpers(typeof(np.zeros(1, dtype)).dtype)
+    asked = {id(helper): set() for helper, _ in own}
+
+    def recording(helper):
+        compile, calls = helper.compile, asked[id(helper)]
+
+        def record(sig):
+            calls.add(tuple(sig))
+            return compile(sig)
+
+        return record
+
+    for helper, _ in own:
+        monkeypatch.setattr(helper, "compile", recording(helper))
+
+    def typing(kernel, args):  # Numba's type inference alone: it compiles (or loads) the callees
+        kernel.typingctx.refresh()  # as Numba's compile does first (its registries of functions)
+        kernel.targetctx.refresh()
+        interp = compiler.run_frontend(kernel.py_func)
+        types = tuple(typeof(a) for a in args)
+        typed_passes.type_inference_stage(kernel.typingctx, kernel.targetctx, interp, types, None)
+
+    forward, backward = _kernel_arguments(dtype)
+    typing(_fused.backward_heads, backward)
+    assert [asked[id(helper)] for helper, _ in own] == [{sig} for _, sig in own]
+    for calls in asked.values():
+        calls.clear()
+    typing(_fused.forward_heads, forward)
+    assert all(not calls for calls in asked.values()), asked
 
 
 def test_a_forward_without_boundaries_asks_for_nothing_ahead(monkeypatch):
@@ -63,7 +119,7 @@ def test_a_forward_without_boundaries_asks_for_nothing_ahead(monkeypatch):
 
     asked = []
     monkeypatch.setattr(cpu, "_AHEAD_ASKED", [])
-    monkeypatch.setattr(_ahead, "compile_beside", lambda kernel, sig: asked.append(sig))
+    monkeypatch.setattr(_ahead, "compile_beside", lambda kernel, sig, first=(): asked.append(sig))
     monkeypatch.setattr(_ahead, "enabled", lambda: True)
     monkeypatch.setattr(_kernels.backward_heads, "overloads", {})
     q, k, v, g, beta, _ = _inputs()
@@ -82,7 +138,7 @@ def test_the_torch_forward_asks_for_its_backward_only_where_autograd_records_it(
 
     asked = []
     monkeypatch.setattr(cpu, "_AHEAD_ASKED", [])
-    monkeypatch.setattr(_ahead, "compile_beside", lambda kernel, sig: asked.append(sig))
+    monkeypatch.setattr(_ahead, "compile_beside", lambda kernel, sig, first=(): asked.append(sig))
     monkeypatch.setattr(_ahead, "enabled", lambda: True)
     monkeypatch.setattr(_kernels.backward_heads, "overloads", {})
     q, k, v, g, beta, _ = (torch.from_numpy(x) for x in _inputs(time_major=True))
@@ -123,6 +179,7 @@ def _new_kernel(tmp_path, monkeypatch):
 
     name = f"kda_ahead_{tmp_path.name.replace('-', '_')}"
     source = "from kda.cpu._compile import jit\n\n\n@jit(stamp=False)\ndef twice(x):\n    return 2 * x\n"
+    source += "\n\n@jit(stamp=False, inner=True)\ndef thrice(x):\n    return 3 * x\n"
     (tmp_path / f"{name}.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
     return importlib.import_module(name).twice, (types.float64,)
@@ -132,7 +189,8 @@ def _new_kernel(tmp_path, monkeypatch):
 def test_a_failing_second_process_leaves_the_compile_to_this_one(tmp_path, monkeypatch, caplog):
     from kda.cpu import _ahead
 
-    monkeypatch.setattr(sys, "executable", _fake_python(tmp_path, "exit 3"))
+    # it reads what to compile, then fails (one that exits before reading can fail the write first)
+    monkeypatch.setattr(sys, "executable", _fake_python(tmp_path, "cat >/dev/null; exit 3"))
     monkeypatch.setenv(_ahead.ENV, "1")
     monkeypatch.setattr(_ahead, "_ASKED", set())
     monkeypatch.setattr(_ahead, "_RUNNING", {})
@@ -144,6 +202,29 @@ def test_a_failing_second_process_leaves_the_compile_to_this_one(tmp_path, monke
     assert sig in kernel.overloads and kernel(2.5) == 5.0
     assert any("ended with 3" in r.getMessage() for r in caplog.records), caplog.text
     assert _ahead._RUNNING[id(kernel)] == []
+
+
+def test_the_second_process_compiles_the_functions_asked_first_then_the_kernel(tmp_path, monkeypatch, caplog):
+    """``compile_beside``'s ``first`` (here a function the kernel does not call, so that only the
+    request can have compiled it) and the kernel both land in the cache, compiled by the second
+    process (nothing compiled in this one)."""
+    import importlib
+
+    from kda.cpu import _ahead
+
+    monkeypatch.setenv(_ahead.ENV, "1")
+    monkeypatch.setattr(_ahead, "_ASKED", set())
+    monkeypatch.setattr(_ahead, "_RUNNING", {})
+    kernel, sig = _new_kernel(tmp_path, monkeypatch)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    other = importlib.import_module(kernel.py_func.__module__).thrice
+    assert not _ahead._cached(kernel, sig) and not _ahead._cached(other, sig)
+    with caplog.at_level(logging.INFO, logger="kda.cpu"):
+        assert _ahead.compile_beside(kernel, sig, first=[(other, sig)])
+        _ahead.wait(kernel)
+    assert "ended with" not in caplog.text, caplog.text
+    assert _ahead._cached(other, sig) and _ahead._cached(kernel, sig)
+    assert not kernel.overloads and not other.overloads
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="a shell script stands in for Python")
