@@ -328,18 +328,10 @@ def _warm_here(dtypes: list[str]) -> tuple[int, float]:
 
     # the warm-up compiles every kernel itself (its processes, one per dtype, are its parallelism):
     # no backward compiled ahead in a second process of the first call's (kda/cpu/_ahead.py)
-    ahead = os.environ.get(_ahead.ENV)
-    os.environ[_ahead.ENV] = "0"
     cpu = time.process_time()
-    try:
-        with event.install_listener("numba:compile", Count()):
-            for dtype in dtypes:
-                _warm_calls(dtype)
-    finally:
-        if ahead is None:
-            del os.environ[_ahead.ENV]
-        else:
-            os.environ[_ahead.ENV] = ahead
+    with _ahead.off(), event.install_listener("numba:compile", Count()):
+        for dtype in dtypes:
+            _warm_calls(dtype)
     return len(compiled), time.process_time() - cpu
 
 

@@ -26,6 +26,8 @@ time.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import contextvars
 import importlib
 import logging
 import os
@@ -33,7 +35,7 @@ import pickle
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from numba.core.dispatcher import Dispatcher
@@ -55,11 +57,25 @@ _ASKED: set[tuple[int, tuple[Any, ...]]] = set()  # (dispatcher's id, signature)
 _RUNNING: dict[int, list[subprocess.Popen]] = {}  # per dispatcher's id: its second processes
 
 
+# set within :func:`off` (``python -m kda warmup``, which compiles everything itself)
+_OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("kda_compile_ahead_off", default=False)
+
+
+@contextlib.contextmanager
+def off() -> Iterator[None]:
+    """No kernel compiled ahead in a second process within the block (in this context)."""
+    token = _OFF.set(True)
+    try:
+        yield
+    finally:
+        _OFF.reset(token)
+
+
 def enabled() -> bool:
     """Whether a kernel may be compiled ahead in a second process: a writable cache (the only way
-    the processes share their work), a Python interpreter to start, and ``KDA_COMPILE_AHEAD`` not
-    ``0``."""
-    if os.environ.get(ENV, "1").strip() == "0" or not _compile.CACHING:
+    the processes share their work), a Python interpreter to start, ``KDA_COMPILE_AHEAD`` not
+    ``0`` and not within :func:`off`."""
+    if _OFF.get() or os.environ.get(ENV, "1").strip() == "0" or not _compile.CACHING:
         return False
     name = os.path.basename(sys.executable or "").lower()
     return name.startswith(("python", "pypy"))

@@ -164,6 +164,25 @@ def test_ahead_is_off_without_a_cache_or_when_asked(monkeypatch):
     assert not _ahead.enabled()
 
 
+def test_the_warm_up_compiles_nothing_ahead(monkeypatch):
+    """``python -m kda warmup`` compiles every kernel itself (a process per dtype): its forwards
+    that keep boundaries ask for no backward in a second process (``_ahead.off``), and the switch
+    is on again after it."""
+    from kda import __main__ as cli
+    from kda import cpu
+    from kda.cpu import _ahead, _kernels
+
+    asked = []
+    monkeypatch.setenv(_ahead.ENV, "1")
+    monkeypatch.setattr(cpu, "_AHEAD_ASKED", [])
+    monkeypatch.setattr(_ahead, "compile_beside", lambda kernel, sig, first=(): asked.append(sig))
+    monkeypatch.setattr(_kernels.backward_heads, "overloads", {})  # as in a fresh process
+    assert _ahead.enabled()
+    cli._warm_here(["float32"])
+    assert asked == [] and cpu._AHEAD_ASKED == [True]  # its first forward with boundaries asked no one
+    assert _ahead.enabled()
+
+
 def _fake_python(tmp_path, body: str) -> str:
     path = tmp_path / "python-fake"
     path.write_text(f"#!/bin/sh\n{body}\n")
