@@ -18,6 +18,11 @@ code) against Numba's own typing and lowering, and how much LLVM code the emitte
 against the functions' own (Numba links every callee's module into its caller's; the kernels'
 helpers are inner functions, emitted only there). Then ``python -m kda warmup`` into an empty
 cache (one process per dtype, side by side).
+
+    python -m benchmarks.first_call --trace [--T 256] [--every] [--one-process]
+
+instead runs one cold call and prints where its time goes in each process, on one time line: the
+functions each compiles and when, and how long each waited for the other (:func:`trace`).
 """
 
 from __future__ import annotations
@@ -81,11 +86,16 @@ g = np.log(rng.uniform(0.5, 1.0, (B, H, T, K))).astype(np.float32)
 beta = rng.uniform(0, 1, (B, H, T)).astype(np.float32)
 do = rng.standard_normal((B, H, T, V)).astype(np.float32)
 LLVM.spent = 0.0
-c1, w1 = time.process_time(), time.perf_counter()
+c1, w1, u1 = time.process_time(), time.perf_counter(), time.time()
 out = kda.chunk_kda(q, k, v, g, beta, save_boundaries=True)
-c2, w2 = time.process_time(), time.perf_counter()
+c2, w2, u2 = time.process_time(), time.perf_counter(), time.time()
 kda.chunk_kda_backward(q, k, v, g, beta, out.boundaries, do, None)
-c3, w3 = time.process_time(), time.perf_counter()
+c3, w3, u3 = time.process_time(), time.perf_counter(), time.time()
+import os
+if os.environ.get("KDA_TRACE_FILE"):  # --trace: the call's marks on the trace's time line
+    with open(os.environ["KDA_TRACE_FILE"], "a") as f:
+        for what, t in (("call", u1), ("forward-returned", u2), ("backward-returned", u3)):
+            f.write(f"{os.getpid()} {t:.4f} M {what}\n")
 
 def instructions(module, name=None):
     return sum(1 for f in module.functions if name is None or f.name == name
@@ -139,12 +149,119 @@ def processor() -> str:
     return f"{name} ({family}{vector}), {cores} cores"
 
 
-def _child(T: int, cache: str, tree: str, ahead: bool = True) -> dict:
-    env = {**os.environ, "NUMBA_CACHE_DIR": cache, "KDA_COMPILE_AHEAD": "1" if ahead else "0"}
-    env["PYTHONPATH"] = tree + os.pathsep + env.get("PYTHONPATH", "")
+def _child(T: int, cache: str, tree: str, ahead: bool = True, extra: dict | None = None) -> dict:
+    env = {
+        **os.environ,
+        "NUMBA_CACHE_DIR": cache,
+        "KDA_COMPILE_AHEAD": "1" if ahead else "0",
+        **(extra or {}),
+    }
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [env.pop("PYTHONPATH_FIRST", ""), tree, env.get("PYTHONPATH")])
+    )
     command = [sys.executable, "-c", CHILD, str(T)]
     r = subprocess.run(command, env=env, cwd=tree, capture_output=True, text=True, check=True)
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# --trace: loaded by every Python process started with its directory first on PYTHONPATH (the
+# call's, and the second process compiling the backward beside the forward): records Numba's
+# compile events and the waits for kda.cpu._compile's lock files into KDA_TRACE_FILE, hooking
+# kda.cpu._compile as it is imported (so that nothing is imported earlier than it would be)
+SITECUSTOMIZE = r"""
+import os, sys, time
+
+_FILE = os.environ.get("KDA_TRACE_FILE")
+
+
+def _write(kind, what):
+    with open(_FILE, "a") as f:
+        f.write(f"{os.getpid()} {time.time():.4f} {kind} {what}\n")
+
+
+def _hook(compile_module):
+    import contextlib
+
+    from numba.core import event
+
+    def name(ev):
+        d = ev.data.get("dispatcher")
+        return getattr(getattr(d, "py_func", None), "__qualname__", None) or type(d).__name__
+
+    class Listen(event.Listener):
+        def on_start(self, ev):
+            _write("S", name(ev))
+
+        def on_end(self, ev):
+            _write("E", name(ev))
+
+    event.register("numba:compile", Listen())
+    locked = compile_module._locked
+
+    @contextlib.contextmanager
+    def timed(path, exclusive, wait_s=None):
+        started = time.time()
+        with locked(path, exclusive, wait_s):
+            waited = time.time() - started
+            if waited > 0.05:
+                _write("W", f"{os.path.basename(path)[:48]} {waited:.2f} s")
+            yield
+
+    compile_module._locked = timed
+
+
+class _Finder:
+    def find_spec(self, name, path, target=None):
+        if name != "kda.cpu._compile":
+            return None
+        sys.meta_path.remove(self)
+        import importlib.util
+
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _hook(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if _FILE:
+    sys.meta_path.insert(0, _Finder())
+"""
+
+
+def trace(T: int, tree: str, ahead: bool, every: bool) -> None:
+    """Print a cold call's compilations and lock waits in every process on one time line: seconds
+    from the call's start, a column per process; ``S``/``E`` a compilation's start and end (none for
+    a function loaded from the cache), ``W`` a wait of more than 50 ms for a lock file (printed
+    at its end: another process compiling that signature, or saving to the cache), ``M`` the
+    call's start and the forward's and backward's returns. The kernels and the functions they call
+    directly, or with ``every`` every level (Numba's own implementations too)."""
+    with tempfile.TemporaryDirectory(prefix="kda-first-call-") as tmp:
+        with open(os.path.join(tmp, "sitecustomize.py"), "w") as f:
+            f.write(SITECUSTOMIZE)
+        log = os.path.join(tmp, "trace")
+        extra = {"KDA_TRACE_FILE": log, "PYTHONPATH_FIRST": tmp}
+        _child(T, os.path.join(tmp, "cache"), tree, ahead, extra)
+        with open(log) as f:
+            rows = sorted((line.rstrip("\n").split(" ", 3) for line in f), key=lambda r: float(r[1]))
+    start = next(float(t) for _, t, kind, what in rows if (kind, what) == ("M", "call"))
+    pids = list(dict.fromkeys(pid for pid, *_ in rows))
+    legend = "S/E: a compilation starts/ends, W: a wait for a lock"
+    print(f"# {len(pids)} processes; seconds from the call; {legend}")
+    depth: dict[str, int] = {}
+    for pid, t, kind, what in rows:
+        level = depth.get(pid, 0)
+        if kind == "S":
+            depth[pid] = level + 1
+        elif kind == "E":
+            depth[pid] = level = level - 1
+        if every or kind in "MW" or (level <= 1 and not what.startswith(("ol_", "_ol_"))):
+            indent = "  " * level if kind in "SE" else ""
+            print(f"{' ' * 44 * pids.index(pid)}{float(t) - start:6.2f} {kind} {indent}{what}")
 
 
 def _line(label: str, r: dict) -> str:
@@ -166,7 +283,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-warmup", action="store_true", help="skip timing python -m kda warmup")
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     p.add_argument("--tree", default=here, help="the kda source tree to run (default: this repository)")
+    p.add_argument(
+        "--trace", action="store_true", help="one cold call's compilations, every process on one time line"
+    )
+    p.add_argument("--every", action="store_true", help="with --trace: every level of compilation")
+    p.add_argument("--one-process", action="store_true", help="with --trace: KDA_COMPILE_AHEAD=0")
     args = p.parse_args(argv)
+    if args.trace:
+        trace(args.T, args.tree, not args.one_process, args.every)
+        return 0
     print(f"# {processor()}; python -m benchmarks.first_call {' '.join(argv or sys.argv[1:])}".rstrip())
     print(f"# B=1 H=4 T={args.T} K=V=64 float32: chunk_kda(save_boundaries=True) + chunk_kda_backward")
     for n in range(args.rounds):
