@@ -149,16 +149,13 @@ def processor() -> str:
     return f"{name} ({family}{vector}), {cores} cores"
 
 
-def _child(T: int, cache: str, tree: str, ahead: bool = True, extra: dict | None = None) -> dict:
-    env = {
-        **os.environ,
-        "NUMBA_CACHE_DIR": cache,
-        "KDA_COMPILE_AHEAD": "1" if ahead else "0",
-        **(extra or {}),
-    }
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [env.pop("PYTHONPATH_FIRST", ""), tree, env.get("PYTHONPATH")])
-    )
+def _child(T: int, cache: str, tree: str, ahead: bool = True, trace_dir: str = "") -> dict:
+    """One run of :data:`CHILD` on ``cache`` from ``tree``; with ``trace_dir``, that directory first on
+    its path (its ``sitecustomize``) and ``KDA_TRACE_FILE`` there (:func:`trace`)."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": cache, "KDA_COMPILE_AHEAD": "1" if ahead else "0"}
+    if trace_dir:
+        env["KDA_TRACE_FILE"] = os.path.join(trace_dir, "trace")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [trace_dir, tree, env.get("PYTHONPATH")]))
     command = [sys.executable, "-c", CHILD, str(T)]
     r = subprocess.run(command, env=env, cwd=tree, capture_output=True, text=True, check=True)
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -243,10 +240,8 @@ def trace(T: int, tree: str, ahead: bool, every: bool) -> None:
     with tempfile.TemporaryDirectory(prefix="kda-first-call-") as tmp:
         with open(os.path.join(tmp, "sitecustomize.py"), "w") as f:
             f.write(SITECUSTOMIZE)
-        log = os.path.join(tmp, "trace")
-        extra = {"KDA_TRACE_FILE": log, "PYTHONPATH_FIRST": tmp}
-        _child(T, os.path.join(tmp, "cache"), tree, ahead, extra)
-        with open(log) as f:
+        _child(T, os.path.join(tmp, "cache"), tree, ahead, trace_dir=tmp)
+        with open(os.path.join(tmp, "trace")) as f:
             rows = sorted((line.rstrip("\n").split(" ", 3) for line in f), key=lambda r: float(r[1]))
     start = next(float(t) for _, t, kind, what in rows if (kind, what) == ("M", "call"))
     pids = list(dict.fromkeys(pid for pid, *_ in rows))

@@ -9,15 +9,24 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from contextvars import ContextVar
+from typing import TypeVar
+
+T = TypeVar("T")
 
 BACKWARD_FOLLOWS: ContextVar[bool] = ContextVar("kda_backward_follows", default=False)
 
 
 @contextlib.contextmanager
-def backward_follows(expected: bool) -> Iterator[None]:
-    """Within the block, :data:`BACKWARD_FOLLOWS` is ``expected`` (in this thread and context)."""
-    token = BACKWARD_FOLLOWS.set(expected)
+def setting(var: ContextVar[T], value: T) -> Iterator[None]:
+    """Within the block, the context variable ``var`` is ``value`` (in this thread and context);
+    after it, what it was before (also when the block raises)."""
+    token = var.set(value)
     try:
         yield
     finally:
-        BACKWARD_FOLLOWS.reset(token)
+        var.reset(token)
+
+
+def backward_follows(expected: bool) -> contextlib.AbstractContextManager[None]:
+    """Within the block, :data:`BACKWARD_FOLLOWS` is ``expected`` (in this thread and context)."""
+    return setting(BACKWARD_FOLLOWS, expected)

@@ -35,11 +35,12 @@ import pickle
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from numba.core.dispatcher import Dispatcher
 
+from .._backend.expect import setting
 from . import _compile
 
 ENV = "KDA_COMPILE_AHEAD"
@@ -61,14 +62,9 @@ _RUNNING: dict[int, list[subprocess.Popen]] = {}  # per dispatcher's id: its sec
 _OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("kda_compile_ahead_off", default=False)
 
 
-@contextlib.contextmanager
-def off() -> Iterator[None]:
+def off() -> contextlib.AbstractContextManager[None]:
     """No kernel compiled ahead in a second process within the block (in this context)."""
-    token = _OFF.set(True)
-    try:
-        yield
-    finally:
-        _OFF.reset(token)
+    return setting(_OFF, True)
 
 
 def enabled() -> bool:
@@ -103,7 +99,7 @@ def _named(kernel: Any, sig: Signature) -> tuple[str, str, Signature]:
     return (kernel.py_func.__module__, kernel.py_func.__qualname__, sig)
 
 
-def compile_beside(kernel: Any, sig: tuple[Any, ...], first: Sequence[tuple[Any, Signature]] = ()) -> bool:
+def compile_beside(kernel: Any, sig: Signature, first: Sequence[tuple[Any, Signature]] = ()) -> bool:
     """Start compiling the dispatcher ``kernel`` (a function of a :mod:`kda.cpu` module) for the
     argument types ``sig`` in a second process, unless it is compiled or cached already, was asked
     for before, or :func:`enabled` says no. True where one was started. ``first``: ``(dispatcher,
