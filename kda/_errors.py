@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["InvalidInputError", "InvalidTypeError", "KdaError", "KdaWarning"]
+from typing import NoReturn
+
+__all__ = ["InvalidInputError", "InvalidTypeError", "KdaError", "KdaWarning", "refuse"]
 
 
 class KdaError(Exception):
@@ -19,3 +21,9 @@ class InvalidTypeError(KdaError, TypeError):
 
 class KdaWarning(RuntimeWarning):
     """A computation on finite inputs gave a non-finite result (the delta rule diverged)."""
+
+
+def refuse(message: str) -> NoReturn:
+    """Raise :class:`InvalidInputError` with ``message`` (which names the argument, what it must be
+    and what was given): the one line a chain of input checks repeats."""
+    raise InvalidInputError(message)

@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from .._errors import InvalidInputError
+from .._errors import refuse
 from .._options.arguments import check_lower_bound
 from .._options.checks import warn_at_caller
 from .._options.gates import PARAMETERS
@@ -226,16 +226,12 @@ def check_keywords(function: str, kwargs: dict[str, Any], allowed: frozenset[str
         raise TypeError(msg)
 
 
-def _refuse(msg: str) -> None:
-    raise InvalidInputError(msg)
-
-
 def state_layout(kw: dict[str, Any]) -> bool:
     """``state_v_first``, honouring fla's deprecated ``transpose_state_layout`` spelling."""
     v_first = bool(kw.get("state_v_first", False))
     if "transpose_state_layout" in kw:
         if v_first:
-            _refuse("pass state_v_first or the deprecated transpose_state_layout, not both")
+            refuse("pass state_v_first or the deprecated transpose_state_layout, not both")
         warn_at_caller(
             "`transpose_state_layout` is deprecated and renamed to `state_v_first` (as in fla 0.6).",
             DeprecationWarning,
@@ -248,12 +244,12 @@ def _check_unsupported(function: str, kw: dict[str, Any]) -> None:
     if function == "chunk_kda":
         return
     if kw.get("return_intermediate_states", False):
-        _refuse(
+        refuse(
             "return_intermediate_states=True is refused by fused_recurrent_kda (a recurrence has no "
             "chunks; fla ignores it silently); use chunk_kda(..., return_intermediate_states=True)"
         )
     if kw.get("cp_context") is not None:
-        _refuse(
+        refuse(
             "cp_context is refused by fused_recurrent_kda (fla ignores it silently); use "
             "chunk_kda(..., cp_context=ctx)"
         )
@@ -268,30 +264,30 @@ def _gate(kw: dict[str, Any], has_A_log: bool, has_dt_bias: bool) -> dict[str, A
     law = kw.get("gate")
     if law is not None:  # kda's own keyword: a gate law by name (validated with the call's options)
         if not kw.get("use_gate_in_kernel", False):
-            _refuse(f"gate={law!r} needs use_gate_in_kernel=True (the gate law is applied in the kernel)")
+            refuse(f"gate={law!r} needs use_gate_in_kernel=True (the gate law is applied in the kernel)")
         return {"gate": law} if lower_bound is None else {"gate": law, "lower_bound": float(lower_bound)}
     if not kw.get("use_gate_in_kernel", False):
         given = [n for n, has in (("A_log", has_A_log), ("dt_bias", has_dt_bias)) if has]
         if given:
-            _refuse(
+            refuse(
                 f"{' and '.join(given)} given without use_gate_in_kernel=True: the gate is applied "
                 "only in the kernel, and fla would ignore them silently; pass use_gate_in_kernel=True "
                 "or drop them"
             )
         if lower_bound is not None and not safe_gate:
-            _refuse(
+            refuse(
                 f"lower_bound={lower_bound} given without use_gate_in_kernel=True (or safe_gate=True): "
                 "fla would ignore it; g is taken as the final log decay"
             )
         return {"gate": "log"}
     if lower_bound is None:
         if safe_gate:
-            _refuse("lower_bound must be set when safe_gate=True and use_gate_in_kernel=True (as in fla)")
+            refuse("lower_bound must be set when safe_gate=True and use_gate_in_kernel=True (as in fla)")
         if not has_A_log:
-            _refuse("A_log must be given when use_gate_in_kernel=True and lower_bound is not set (as in fla)")
+            refuse("A_log must be given when use_gate_in_kernel=True and lower_bound is not set (as in fla)")
         return {"gate": "softplus"}
     if safe_gate and not -5 <= lower_bound < 0:
-        _refuse(f"lower_bound must be in fla's safe range [-5, 0) with safe_gate=True; got {lower_bound}")
+        refuse(f"lower_bound must be in fla's safe range [-5, 0) with safe_gate=True; got {lower_bound}")
     return {"gate": "lower_bound", "lower_bound": float(lower_bound)}
 
 
@@ -299,7 +295,7 @@ def _beta(kw: dict[str, Any]) -> str:
     sigmoid = bool(kw.get("use_beta_sigmoid_in_kernel", False))
     if kw.get("allow_neg_eigval", False):
         if not sigmoid:
-            _refuse("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True (as in fla)")
+            refuse("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True (as in fla)")
         return "sigmoid2"
     return "sigmoid" if sigmoid else ""  # "": none (OpOptions.beta_activation)
 
@@ -307,9 +303,9 @@ def _beta(kw: dict[str, Any]) -> str:
 def _check_shapes(q: tuple[int, ...], v: tuple[int, ...], cu_seqlens: bool) -> tuple[int, int]:
     """``(HV, K)`` from time-major ``q [B, T, H, K]`` and ``v [B, T, HV, V]``."""
     if len(q) != 4 or len(v) != 4:
-        _refuse(f"q and v must be time-major [B, T, H, K] and [B, T, HV, V]; got {q} and {v}")
+        refuse(f"q and v must be time-major [B, T, H, K] and [B, T, HV, V]; got {q} and {v}")
     if cu_seqlens and q[0] != 1:
-        _refuse(f"the batch size must be 1 with cu_seqlens (flatten the sequences); got q of shape {q}")
+        refuse(f"the batch size must be 1 with cu_seqlens (flatten the sequences); got q of shape {q}")
     return v[2], q[3]
 
 
@@ -423,4 +419,4 @@ def check_gate_sizes(A_log: Any, dt_bias: Any, call: FlaCall) -> None:
             if len(param.dims) > 1:
                 what += " = " + " * ".join(str(sizes[d]) for d in param.dims)
             got = tuple(x.shape)
-            _refuse(f"{param.name} must have {what} = {want} elements (any shape, as fla); got shape {got}")
+            refuse(f"{param.name} must have {what} = {want} elements (any shape, as fla); got shape {got}")

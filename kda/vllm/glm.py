@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from .. import torch as _kt
-from .._errors import InvalidTypeError
+from .._errors import InvalidTypeError, refuse
 from .._options.arguments import c_contiguous
-from .ops import PAD_SLOT_ID, _check_pool, _finish, _refuse, _shape
+from .ops import PAD_SLOT_ID, _check_pool, _finish, _shape
 
 __all__ = ["chunk_kda_with_fused_gate", "fused_recurrent_kda", "scatter_states"]
 
@@ -42,33 +42,33 @@ def _recurrent_gate(
     if not compute_gate:  # g is the log decay: vLLM's kernel reads neither a_log nor g_bias
         return {}
     if a_log is None or g_bias is None:
-        _refuse("compute_gate=True needs a_log and g_bias (vLLM's GLM-5.3-Flash kernel asserts both)")
+        refuse("compute_gate=True needs a_log and g_bias (vLLM's GLM-5.3-Flash kernel asserts both)")
     if lower_bound is None:
-        _refuse("compute_gate=True computes the bounded gate only: lower_bound must be set (a float < 0)")
+        refuse("compute_gate=True computes the bounded gate only: lower_bound must be set (a float < 0)")
     if a_log.numel() != H or g_bias.numel() != H * K:
         got = (a_log.numel(), g_bias.numel())
-        _refuse(f"a_log must have H = {H} and g_bias H * K = {H * K} elements; got {got[0]} and {got[1]}")
+        refuse(f"a_log must have H = {H} and g_bias H * K = {H * K} elements; got {got[0]} and {got[1]}")
     return {"use_gate_in_kernel": True, "A_log": a_log, "dt_bias": g_bias, "lower_bound": lower_bound}
 
 
 def _check_recurrent(q: Any, v: Any, beta: Any, initial_state: Any, inplace_final_state: bool,
                      ssm_state_indices: Any, cu_seqlens: Any) -> None:  # fmt: skip
     if not isinstance(q, torch.Tensor) or q.ndim != 4:
-        _refuse(f"q must have shape [B, T, H, K]; got {_shape(q)}")
+        refuse(f"q must have shape [B, T, H, K]; got {_shape(q)}")
     if not isinstance(v, torch.Tensor) or v.ndim != 4 or v.shape[:2] != q.shape[:2]:
-        _refuse(f"v must have shape [B, T, H, V] with q's B and T; got {_shape(v)}")
+        refuse(f"v must have shape [B, T, H, V] with q's B and T; got {_shape(v)}")
     if cu_seqlens is not None and q.shape[0] != 1:
-        _refuse(f"q must have batch size 1 with cu_seqlens (packed requests); got {_shape(q)}")
+        refuse(f"q must have batch size 1 with cu_seqlens (packed requests); got {_shape(q)}")
     if not isinstance(beta, torch.Tensor) or tuple(beta.shape) != tuple(v.shape[:3]):
         want = tuple(v.shape[:3])
-        _refuse(f"beta must have shape [B, T, HV] = {want} (one step size a head); got {_shape(beta)}")
+        refuse(f"beta must have shape [B, T, HV] = {want} (one step size a head); got {_shape(beta)}")
     if not inplace_final_state:
-        _refuse(
+        refuse(
             "inplace_final_state must be True: GLM-5.3-Flash's layer updates the state pool in place; "
             "kda does not return the per-token states of inplace_final_state=False"
         )
     if initial_state is None or ssm_state_indices is None:
-        _refuse("initial_state (the state pool) and ssm_state_indices must be given (both are read)")
+        refuse("initial_state (the state pool) and ssm_state_indices must be given (both are read)")
 
 
 def fused_recurrent_kda(
@@ -114,26 +114,26 @@ def fused_recurrent_kda(
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if HV != H:  # vLLM's kernel reads a_log and g_bias per q head and sizes its output as k
-        _refuse(f"v must have the H = {H} heads of q and k (GLM-5.3-Flash's layout); got {_shape(v)}")
+        refuse(f"v must have the H = {H} heads of q and k (GLM-5.3-Flash's layout); got {_shape(v)}")
     _check_pool(initial_state, HV, K, V)
     indices, accepted, used = ssm_state_indices, num_accepted_tokens, T
     if cu_seqlens is not None:
         if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.ndim != 1 or cu_seqlens.numel() < 1:
-            _refuse(f"cu_seqlens must be a 1-D tensor [N + 1]; got {_shape(cu_seqlens)}")
+            refuse(f"cu_seqlens must be a 1-D tensor [N + 1]; got {_shape(cu_seqlens)}")
         offsets = cu_seqlens.tolist()
         N, used = len(offsets) - 1, offsets[-1]
         if not 0 <= used <= T:
-            _refuse(f"cu_seqlens must end within the T = {T} tokens of q; got {used}")
+            refuse(f"cu_seqlens must end within the T = {T} tokens of q; got {used}")
         one_each = all(b - a <= 1 for a, b in itertools.pairwise(offsets))
     else:
         N, one_each = B, T == 1
     if indices.ndim not in (1, 2) or indices.shape[0] < N:
-        _refuse(
+        refuse(
             f"ssm_state_indices must be [N, W] or [N] with at least N = {N} rows (one per request); got "
             f"{_shape(indices)}"
         )
     if indices.ndim == 1 and (accepted is not None or not one_each):
-        _refuse(
+        refuse(
             "ssm_state_indices must be 2-D [N, W] (a slot per step) with num_accepted_tokens or with "
             "requests of more than one token; 1-D names one slot a request of one token"
         )
@@ -153,7 +153,7 @@ def fused_recurrent_kda(
     if used != T:
         full = torch.zeros((B, T, HV, V), dtype=k.dtype) if out is None else out
         if tuple(full.shape) != (B, T, HV, V):
-            _refuse(f"out must have shape {(B, T, HV, V)}; got {tuple(full.shape)}")
+            refuse(f"out must have shape {(B, T, HV, V)}; got {tuple(full.shape)}")
         full[:, :used].copy_(o)
         return full, initial_state
     return _finish(o, out), initial_state
@@ -216,28 +216,28 @@ class _ScatterStates:
                 msg = f"scatter_states: {name} must be a torch.Tensor; got {type(t).__name__}"
                 raise InvalidTypeError(msg)
         if state.ndim < 2 or indices.ndim != 1 or src.ndim != state.ndim:
-            _refuse(
+            refuse(
                 "scatter_states: state must be [slots, ...], src [N, ...] of as many dims, indices 1-D; got "
                 f"{_shape(state)}, {_shape(src)}, {_shape(indices)}"
             )
         if tuple(src.shape) != (indices.shape[0], *state.shape[1:]):
             want = (indices.shape[0], *state.shape[1:])
-            _refuse(f"scatter_states: src must have shape {want} (a row per index); got {_shape(src)}")
+            refuse(f"scatter_states: src must have shape {want} (a row per index); got {_shape(src)}")
         if indices.dtype not in (torch.int32, torch.int64):
             raise InvalidTypeError(f"scatter_states: indices must be int32 or int64; got {indices.dtype}")
         if not (state.device == src.device == indices.device):
-            _refuse("scatter_states: state, src and indices must be on one device")
+            refuse("scatter_states: state, src and indices must be on one device")
         if not c_contiguous(state[0]):
-            _refuse(f"scatter_states: each row of state must be dense; got strides {state.stride()}")
+            refuse(f"scatter_states: each row of state must be dense; got strides {state.stride()}")
         idx = indices.long()
         if idx.numel() and (int(idx.min()) < -1 or int(idx.max()) >= state.shape[0]):
-            _refuse(f"scatter_states: indices must be -1 (padding) or rows of state [0, {state.shape[0]})")
+            refuse(f"scatter_states: indices must be -1 (padding) or rows of state [0, {state.shape[0]})")
         keep = (idx >= 0).nonzero().squeeze(1)
         if keep.numel() != idx.numel():
             idx, src = idx.index_select(0, keep), src.index_select(0, keep)
         if idx.numel():
             if idx.unique().numel() != idx.numel():
-                _refuse("scatter_states: indices name a row twice (vLLM's slots are unique per request)")
+                refuse("scatter_states: indices name a row twice (vLLM's slots are unique per request)")
             state.index_copy_(0, idx, src.to(state.dtype))
 
     def register_warmup(self, *args: Any, **kwargs: Any) -> None:

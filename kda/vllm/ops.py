@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from .. import torch as _kt
-from .._errors import InvalidInputError, InvalidTypeError
+from .._errors import InvalidTypeError, refuse
 from .._options.arguments import c_contiguous
 
 __all__ = [
@@ -41,20 +41,16 @@ __all__ = [
 PAD_SLOT_ID = 0  # vLLM's KDA layers: block 0 is the null block; -1 is padding as well (kda's own)
 
 
-def _refuse(msg: str) -> None:
-    raise InvalidInputError(msg)
-
-
 def _check_pool(initial_state: Any, H: int, K: int, V: int) -> None:
     if not isinstance(initial_state, torch.Tensor) or initial_state.ndim != 4:
-        _refuse(f"initial_state (the state pool) must be [slots, H, V, K]; got {_shape(initial_state)}")
+        refuse(f"initial_state (the state pool) must be [slots, H, V, K]; got {_shape(initial_state)}")
     if tuple(initial_state.shape[1:]) != (H, V, K):
-        _refuse(
+        refuse(
             f"initial_state (the state pool) must have shape [slots, H, V, K] = [slots, {H}, {V}, {K}] "
             f"(vLLM's V-major pool); got {tuple(initial_state.shape)}"
         )
     if initial_state.shape[0] and not c_contiguous(initial_state[0]):
-        _refuse(
+        refuse(
             "initial_state (the state pool) must be contiguous within each slot (strides "
             f"[*, {V * K}, {K}, 1]); got strides {initial_state.stride()}"
         )
@@ -68,7 +64,7 @@ def _finish(o: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     if out is None:
         return o
     if tuple(out.shape) != tuple(o.shape):
-        _refuse(f"out must have shape {tuple(o.shape)}; got {tuple(out.shape)}")
+        refuse(f"out must have shape {tuple(o.shape)}; got {tuple(out.shape)}")
     out.copy_(o)
     return out
 
@@ -114,28 +110,28 @@ def fused_recurrent_kda(
     ``fuse_gate`` (whether vLLM's kernel applies the gate itself) does not change the result.
     """
     if q.ndim != 4 or q.shape[0] != 1:
-        _refuse(f"q must have shape [1, T, H, K] (packed requests); got {_shape(q)}")
+        refuse(f"q must have shape [1, T, H, K] (packed requests); got {_shape(q)}")
     _, T, H, K = q.shape
     V = v.shape[-1]
     _check_pool(initial_state, H, K, V)
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.ndim != 1 or cu_seqlens.numel() < 1:
-        _refuse(f"cu_seqlens must be a 1-D tensor [N + 1]; got {_shape(cu_seqlens)}")
+        refuse(f"cu_seqlens must be a 1-D tensor [N + 1]; got {_shape(cu_seqlens)}")
     offsets = cu_seqlens.tolist()
     N, used = len(offsets) - 1, offsets[-1]
     if ssm_state_indices.ndim not in (1, 2) or ssm_state_indices.shape[0] < N:
-        _refuse(
+        refuse(
             f"ssm_state_indices must be [N, W] or [N] with at least N = {N} rows (one per request of "
             f"cu_seqlens); got {_shape(ssm_state_indices)}"
         )
     if ssm_state_indices.ndim == 1 and num_accepted_tokens is not None:
-        _refuse("num_accepted_tokens needs 2-D ssm_state_indices [N, W] (a slot per step)")
+        refuse("num_accepted_tokens needs 2-D ssm_state_indices [N, W] (a slot per step)")
     indices = ssm_state_indices[:N]
     accepted = None if num_accepted_tokens is None else num_accepted_tokens[:N]
     if accepted is not None:
         accepted = _start_past_the_step(initial_state, indices, accepted, offsets)
     if used != T:  # tokens past the requests' (vLLM's padding): no output written there
         if not 0 <= used <= T:
-            _refuse(f"cu_seqlens must end within the T = {T} tokens of q; got {offsets[-1]}")
+            refuse(f"cu_seqlens must end within the T = {T} tokens of q; got {offsets[-1]}")
         q, k, v, raw_g, raw_beta = (x[:, :used] for x in (q, k, v, raw_g, raw_beta))
     o, _ = _kt.fused_recurrent_kda(
         q, k, v, raw_g, raw_beta,
@@ -195,24 +191,24 @@ def fused_recurrent_kda_packed_decode(
     ``initial_state [slots, H, V, K]`` in place (``<= 0``: padding, zero output). Returns ``(out
     [1, B, H, V] in mixed_qkv's dtype, initial_state)``."""
     if not isinstance(mixed_qkv, torch.Tensor) or mixed_qkv.ndim != 2 or mixed_qkv.stride(-1) != 1:
-        _refuse(f"mixed_qkv must be 2-D and contiguous in its last dim; got {_shape(mixed_qkv)}")
+        refuse(f"mixed_qkv must be 2-D and contiguous in its last dim; got {_shape(mixed_qkv)}")
     if not isinstance(initial_state, torch.Tensor) or initial_state.ndim != 4:
-        _refuse(f"initial_state must have shape [cache, H, V, K]; got {_shape(initial_state)}")
+        refuse(f"initial_state must have shape [cache, H, V, K]; got {_shape(initial_state)}")
     _, H, V, K = initial_state.shape
     _check_pool(initial_state, H, K, V)
     B = mixed_qkv.shape[0]
     if mixed_qkv.shape[1] != 2 * H * K + H * V:
         want = (B, 2 * H * K + H * V)
-        _refuse(f"mixed_qkv must have shape [B, 2 H K + H V] = {list(want)}; got {_shape(mixed_qkv)}")
+        refuse(f"mixed_qkv must have shape [B, 2 H K + H V] = {list(want)}; got {_shape(mixed_qkv)}")
     if tuple(raw_g.shape) != (1, B, H, K):
-        _refuse(f"raw_g must have shape [1, B, H, K] = {(1, B, H, K)}; got {_shape(raw_g)}")
+        refuse(f"raw_g must have shape [1, B, H, K] = {(1, B, H, K)}; got {_shape(raw_g)}")
     if tuple(raw_beta.shape) != (1, B, H):
-        _refuse(f"raw_beta must have shape [1, B, H] = {(1, B, H)}; got {_shape(raw_beta)}")
+        refuse(f"raw_beta must have shape [1, B, H] = {(1, B, H)}; got {_shape(raw_beta)}")
     if state_indices.ndim != 1 or state_indices.shape[0] != B:
-        _refuse(f"state_indices must be 1-D with one entry per token ({B}); got {_shape(state_indices)}")
+        refuse(f"state_indices must be 1-D with one entry per token ({B}); got {_shape(state_indices)}")
     if A_log.numel() != H or dt_bias.numel() != H * K:
         got = (A_log.numel(), dt_bias.numel())
-        _refuse(f"A_log must have H = {H} and dt_bias H * K = {H * K} elements; got {got[0]} and {got[1]}")
+        refuse(f"A_log must have H = {H} and dt_bias H * K = {H * K} elements; got {got[0]} and {got[1]}")
     hk = H * K
     q = mixed_qkv[:, :hk].unflatten(1, (1, H, K))  # [B, 1, H, K]: B requests of one step, views
     k = mixed_qkv[:, hk : 2 * hk].unflatten(1, (1, H, K))
@@ -267,7 +263,7 @@ def gather_initial_states(
             msg = f"gather_initial_states: {name} must be a torch.Tensor; got {type(t).__name__}"
             raise InvalidTypeError(msg)
     if state.ndim < 2 or indices.ndim != 1 or tuple(has_initial_state.shape) != tuple(indices.shape):
-        _refuse(
+        refuse(
             "gather_initial_states: state must be [slots, ...], indices and has_initial_state 1-D of one "
             f"length; got {_shape(state)}, {_shape(indices)}, {_shape(has_initial_state)}"
         )
@@ -278,12 +274,12 @@ def gather_initial_states(
         )
         raise InvalidTypeError(msg)
     if not (state.device == indices.device == has_initial_state.device):
-        _refuse("gather_initial_states: state, indices and has_initial_state must be on one device")
+        refuse("gather_initial_states: state, indices and has_initial_state must be on one device")
     output = state.new_zeros((indices.shape[0], *state.shape[1:]))
     rows = has_initial_state.nonzero().squeeze(1)
     if rows.numel():
         slots = indices.index_select(0, rows).long()
         if int(slots.min()) < 0 or int(slots.max()) >= state.shape[0]:
-            _refuse(f"gather_initial_states: indices must be rows of state, in [0, {state.shape[0]})")
+            refuse(f"gather_initial_states: indices must be rows of state, in [0, {state.shape[0]})")
         output.index_copy_(0, rows, state.index_select(0, slots))
     return output

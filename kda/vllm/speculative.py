@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .._errors import InvalidInputError
+from .._errors import refuse
 
 __all__ = [
     "MambaState",
@@ -44,14 +44,10 @@ __all__ = [
 NULL_BLOCK_ID = 0  # vLLM's null block: a request whose slot is 0 is padding
 
 
-def _refuse(msg: str) -> None:
-    raise InvalidInputError(msg)
-
-
 def _ints(t: Any, name: str) -> list[int]:
     if isinstance(t, torch.Tensor):
         if t.dtype.is_floating_point or t.dtype == torch.bool:
-            _refuse(f"{name} must be an integer tensor; got {t.dtype}")
+            refuse(f"{name} must be an integer tensor; got {t.dtype}")
         return [int(v) for v in t.reshape(-1).tolist()]
     return [int(v) for v in t]
 
@@ -85,33 +81,31 @@ def causal_conv1d_update_spec(
     """
     for name in ("block_idx_last_scheduled_token", "initial_state_idx"):
         if kwargs.get(name) is not None:
-            _refuse(
+            refuse(
                 f"causal_conv1d_update_spec: {name} (per-block conv states) is not supported; got a tensor"
             )
     if isinstance(activation, bool):
         activation = "silu" if activation else None
     if activation not in (None, "silu", "swish"):
-        _refuse(f"activation must be None, 'silu' or 'swish'; got {activation!r}")
+        refuse(f"activation must be None, 'silu' or 'swish'; got {activation!r}")
     if query_start_loc is None or conv_state_indices is None or num_accepted_tokens is None:
-        _refuse("causal_conv1d_update_spec needs query_start_loc, conv_state_indices and num_accepted_tokens")
+        refuse("causal_conv1d_update_spec needs query_start_loc, conv_state_indices and num_accepted_tokens")
     if x.ndim != 2 or conv_state.ndim != 3 or weight.ndim != 2:
-        _refuse(
+        refuse(
             "x must be [tokens, dim], conv_state [slots, dim, state_len], weight [dim, width]; got shapes "
             f"{tuple(x.shape)}, {tuple(conv_state.shape)}, {tuple(weight.shape)}"
         )
     dim, width = weight.shape
     if x.shape[1] != dim or conv_state.shape[1] != dim:
-        _refuse(
-            f"x and conv_state must have dim = {dim} channels; got {x.shape[1]} and {conv_state.shape[1]}"
-        )
+        refuse(f"x and conv_state must have dim = {dim} channels; got {x.shape[1]} and {conv_state.shape[1]}")
     if out is not None and tuple(out.shape) != tuple(x.shape):
-        _refuse(f"out must have x's shape {tuple(x.shape)}; got {tuple(out.shape)}")
+        refuse(f"out must have x's shape {tuple(x.shape)}; got {tuple(out.shape)}")
     offsets = _ints(query_start_loc, "query_start_loc")
     slots = _ints(conv_state_indices.reshape(-1), "conv_state_indices")
     accepted = _ints(num_accepted_tokens, "num_accepted_tokens")
     n_req = len(offsets) - 1
     if len(slots) < n_req or len(accepted) < n_req:
-        _refuse(
+        refuse(
             f"conv_state_indices and num_accepted_tokens need N = {n_req} entries (query_start_loc); "
             f"got {len(slots)} and {len(accepted)}"
         )
@@ -123,12 +117,12 @@ def causal_conv1d_update_spec(
         if eos == bos or (null_block_id is not None and slot == null_block_id):
             continue
         if not 0 <= slot < conv_state.shape[0]:
-            _refuse(
+            refuse(
                 f"conv_state_indices[{n}] must be a slot of conv_state, in [0, {conv_state.shape[0]}); "
                 f"got {slot}"
             )
         if not 1 <= a or a - 1 + width - 1 > state_len or width - 2 + seqlen > state_len:
-            _refuse(
+            refuse(
                 f"num_accepted_tokens[{n}] = {a} with width {width} and {seqlen} tokens needs a conv "
                 f"state of at least {max(a + width - 2, width - 2 + seqlen)} tokens; got {state_len}"
             )
@@ -174,9 +168,7 @@ def copy_state_block(
         src = int(row[src_col])
         width = t.shape[2] if state.dim_first else t.shape[1]
         if not 0 <= token_bias < width:
-            _refuse(
-                f"token_bias must be in [0, {width}) for a conv state of {width} tokens; got {token_bias}"
-            )
+            refuse(f"token_bias must be in [0, {width}) for a conv state of {width} tokens; got {token_bias}")
         if state.dim_first:
             t[dst, :, : width - token_bias] = t[src, :, token_bias:].clone()
         else:
