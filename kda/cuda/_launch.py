@@ -21,6 +21,7 @@ import numpy as np
 from array_api_compat import device, is_cupy_array
 from numba import cuda
 
+from .._dtypes import dtype_name
 from .._options.arguments import c_contiguous
 from . import _device
 from ._device import DTYPES, Kernel
@@ -38,13 +39,15 @@ LAUNCHES: Counter = Counter()
 COPIES: Counter = Counter()
 
 
-def _dtype_name(name: str, *arrays: Any) -> str:
+def _common_dtype(name: str, *arrays: Any) -> str:
+    """The name of the one dtype of ``arrays`` (``TypeError`` unless they share one the kernels
+    compute in), for the wrapper ``name``."""
     dt = arrays[0].dtype
     for x in arrays[1:]:
         if x.dtype != dt:
             msg = f"{name}: all arrays must share one dtype; got {dt} and {x.dtype}"
             raise TypeError(msg)
-    dname = str(dt)
+    dname = dtype_name(dt)
     if dname not in DTYPES:
         msg = f"{name}: the CUDA kernels compute in {' or '.join(DTYPES)}; got {dname}"
         raise TypeError(msg)

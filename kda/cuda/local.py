@@ -18,7 +18,7 @@ from numba import cuda
 
 from .._backend import ChunkLocal, LocalGradients
 from ._device import Family, Kernel, constants, inline, offset_functions
-from ._launch import _check_ndim, _check_shape, _dtype_name, _empty, launcher
+from ._launch import _check_ndim, _check_shape, _common_dtype, _empty, launcher
 
 __all__ = ["MAX_CHUNK", "chunk_local", "chunk_local_backward"]
 
@@ -621,7 +621,7 @@ def chunk_local(q: Any, k: Any, v: Any, g: Any, beta: Any, *, scale: float) -> C
     """
     name = "chunk_local"
     xp = array_namespace(q, k, g, v, beta)
-    dtype = _dtype_name(name, q, k, g, v, beta)
+    dtype = _common_dtype(name, q, k, g, v, beta)
     _check_ndim(name, "q", q, 5)
     *lead, Cp, K = q.shape
     V = v.shape[-1]
@@ -677,7 +677,7 @@ def chunk_local_backward(
     ):
         _check_shape(name, arg, x, shape)
     fields = (local.qg, local.kg, local.k_suffix, local.total, local.L, local.Minv, local.w, local.u0)
-    dtype = _dtype_name(name, q, k, g, v, beta, boundaries, dends, u, du, grad_output, *fields)
+    dtype = _common_dtype(name, q, k, g, v, beta, boundaries, dends, u, du, grad_output, *fields)
     shared = _local_backward_shared(Cp, q.dtype.itemsize)
     if Cp > MAX_CHUNK:
         msg = f"{name}: padded chunks of at most {MAX_CHUNK} steps fit a block; got {Cp}"

@@ -18,7 +18,7 @@ from ._launch import (
     THREADS_PER_BLOCK,
     _check_ndim,
     _check_shape,
-    _dtype_name,
+    _common_dtype,
     _empty,
     _grid,
     _zeros,
@@ -206,7 +206,7 @@ def recurrent_forward(
     """The recurrence, one kernel looping over every step: ``(output, final_state)``."""
     name = "recurrent_forward"
     xp = array_namespace(q, k, v, g, beta, state)
-    dtype = _dtype_name(name, q, k, v, g, beta, state)
+    dtype = _common_dtype(name, q, k, v, g, beta, state)
     B, H, T, K, V = _check_recurrent(name, q, k, v, g, beta, state)
     BH = B * H
     grid = _grid(BH * V) if K else 0
@@ -228,7 +228,7 @@ def recurrent_backward(
     """
     name = "recurrent_backward"
     xp = array_namespace(q, k, v, g, beta, state, grad_output, dfinal)
-    dtype = _dtype_name(name, q, k, v, g, beta, state, grad_output, dfinal)
+    dtype = _common_dtype(name, q, k, v, g, beta, state, grad_output, dfinal)
     B, H, T, K, V = _check_recurrent(name, q, k, v, g, beta, state)
     _check_shape(name, "grad_output", grad_output, v.shape)
     _check_shape(name, "dfinal", dfinal, state.shape)

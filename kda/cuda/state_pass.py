@@ -25,7 +25,7 @@ from ._launch import (
     SHARED_LIMIT,
     _check_ndim,
     _check_shape,
-    _dtype_name,
+    _common_dtype,
     _empty,
     _zeros,
     launcher,
@@ -634,7 +634,7 @@ def chunk_state_pass(
     name = "chunk_state_pass"
     xp = array_namespace(w, u0, k_suffix, total, state)
     emit = qg is not None
-    dtype = _dtype_name(name, w, u0, k_suffix, total, state, *((qg, A) if emit else ()))
+    dtype = _common_dtype(name, w, u0, k_suffix, total, state, *((qg, A) if emit else ()))
     _check_ndim(name, "w", w, 5)
     _check_ndim(name, "u0", u0, 5)
     B, H, NT, Cp, K = w.shape
@@ -677,7 +677,7 @@ def chunk_state_grad_pass(
     name = "chunk_state_grad_pass"
     arrays = (w, u0, k_suffix, total, qg, A, grad_output, boundaries, dfinal)
     xp = array_namespace(*arrays)
-    dtype = _dtype_name(name, *arrays)
+    dtype = _common_dtype(name, *arrays)
     _check_ndim(name, "w", w, 5)
     _check_ndim(name, "u0", u0, 5)
     B, H, NT, Cp, K = w.shape
