@@ -31,11 +31,11 @@ from typing import Any
 import torch
 
 from .. import torch as _kt
-from .._errors import InvalidTypeError
+from .._errors import InvalidTypeError, refuse
 from .._options.arguments import check_lower_bound
 from .._options.gates import sigmoid, softplus
 from . import glm
-from .ops import _refuse, _shape, _start_past_the_step
+from .ops import _shape, _start_past_the_step
 
 __all__ = [
     "LAYER_MODULE", "NAMES", "OPS_MODULE", "chunk_kda", "fused_kda_gate", "fused_recurrent_kda",
@@ -89,13 +89,13 @@ def fused_kda_gate(
         raise InvalidTypeError(f"fused_kda_gate: head_k_dim must be an int >= 1; got {head_k_dim!r}")
     H, K = A.numel(), head_k_dim
     if g.ndim < 1 or g.shape[-1] != H * K:
-        _refuse(
+        refuse(
             f"fused_kda_gate: g must be [..., H * head_k_dim] = [..., {H * K}] (H = {H}: A's elements); "
             f"got {_shape(g)}"
         )
     if g_bias is not None and (not isinstance(g_bias, torch.Tensor) or g_bias.numel() != H * K):
         want, got = H * K, _shape(g_bias)
-        _refuse(f"fused_kda_gate: g_bias must have H * head_k_dim = {want} elements or be None; got {got}")
+        refuse(f"fused_kda_gate: g_bias must have H * head_k_dim = {want} elements or be None; got {got}")
     if lower_bound is not None:
         lower_bound = check_lower_bound(lower_bound, " or None")
     lead = tuple(g.shape[:-1])
@@ -204,26 +204,26 @@ def _recurrent(
     cu_seqlens: Any, ssm_state_indices: Any, num_accepted_tokens: Any, use_qk_l2norm_in_kernel: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     if not inplace_final_state:
-        _refuse(
+        refuse(
             "inplace_final_state must be True: Ling-3's layer updates the state pool in place; kda does "
             "not return the per-token states of inplace_final_state=False"
         )
     if initial_state is None or ssm_state_indices is None:
-        _refuse("initial_state (the state pool) and ssm_state_indices must be given (both are read)")
+        refuse("initial_state (the state pool) and ssm_state_indices must be given (both are read)")
     accepted = num_accepted_tokens
     if accepted is not None:
         if not isinstance(ssm_state_indices, torch.Tensor) or ssm_state_indices.ndim != 2:
             got = _shape(ssm_state_indices)
-            _refuse(f"num_accepted_tokens needs ssm_state_indices [N, W] (a slot per step); got {got}")
+            refuse(f"num_accepted_tokens needs ssm_state_indices [N, W] (a slot per step); got {got}")
         if not isinstance(q, torch.Tensor) or q.ndim != 4:
-            _refuse(f"q must have shape [B, T, H, K]; got {_shape(q)}")
+            refuse(f"q must have shape [B, T, H, K]; got {_shape(q)}")
         if cu_seqlens is not None:
             offsets = cu_seqlens.tolist()
         else:
             offsets = [n * q.shape[1] for n in range(q.shape[0] + 1)]
         N = len(offsets) - 1
         if ssm_state_indices.shape[0] < N or accepted.ndim != 1 or accepted.shape[0] < N:
-            _refuse(
+            refuse(
                 f"ssm_state_indices and num_accepted_tokens must have at least N = {N} rows (one per "
                 f"request); got {_shape(ssm_state_indices)} and {_shape(accepted)}"
             )
