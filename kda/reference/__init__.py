@@ -33,6 +33,12 @@ NAME = "reference"
 
 complete(
     globals(),
-    extras=("ChunkFactors", "chunk_factors", "chunk_gate_gradient", "chunk_pairs", "chunk_pairs_backward",
-            "unit_lower_inverse"),
-)  # fmt: skip
+    extras=(
+        "ChunkFactors",
+        "chunk_factors",
+        "chunk_gate_gradient",
+        "chunk_pairs",
+        "chunk_pairs_backward",
+        "unit_lower_inverse",
+    ),
+)

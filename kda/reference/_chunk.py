@@ -189,14 +189,26 @@ def chunk_local(q: Any, k: Any, v: Any, g: Any, beta: Any, *, scale: float) -> C
     b = beta[..., None]
     w = xp.matmul(Minv, b * f.kg)
     u0 = xp.matmul(Minv, b * v)
-    return ChunkLocal(qg=f.qg, kg=f.kg, k_suffix=f.k_suffix, total=f.total, A=A, L=L, Minv=Minv, w=w, u0=u0,
-                      private=f)  # fmt: skip
+    return ChunkLocal(
+        qg=f.qg, kg=f.kg, k_suffix=f.k_suffix, total=f.total, A=A, L=L, Minv=Minv, w=w, u0=u0, private=f
+    )
 
 
 def chunk_local_backward(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, boundaries: Any, *, scale: float, local: ChunkLocal,
-    dends: Any, u: Any, du: Any, grad_output: Any,
-) -> LocalGradients:  # fmt: skip
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    boundaries: Any,
+    *,
+    scale: float,
+    local: ChunkLocal,
+    dends: Any,
+    u: Any,
+    du: Any,
+    grad_output: Any,
+) -> LocalGradients:
     """Gradients of every chunk's state-free work, given its states and the state pass's gradients.
 
     Parameters
@@ -216,9 +228,20 @@ def chunk_local_backward(
     import sys
 
     return local_backward(
-        sys.modules[__name__], q, k, v, g, beta, boundaries, scale=scale, local=local, dends=dends, u=u,
-        du=du, grad_output=grad_output,
-    )  # fmt: skip
+        sys.modules[__name__],
+        q,
+        k,
+        v,
+        g,
+        beta,
+        boundaries,
+        scale=scale,
+        local=local,
+        dends=dends,
+        u=u,
+        du=du,
+        grad_output=grad_output,
+    )
 
 
 def local_backward(
@@ -308,9 +331,16 @@ def _stack_states(xp: Any, states: list[Any], like: Any) -> Any:
 
 
 def chunk_state_grad_pass(
-    w: Any, u0: Any, k_suffix: Any, total: Any, qg: Any, A: Any, grad_output: Any, boundaries: Any,
+    w: Any,
+    u0: Any,
+    k_suffix: Any,
+    total: Any,
+    qg: Any,
+    A: Any,
+    grad_output: Any,
+    boundaries: Any,
     dfinal: Any,
-) -> StateGradPass:  # fmt: skip
+) -> StateGradPass:
     """The state-gradient recurrence over chunks, last chunk first, with its local terms fused in.
 
     With ``S`` the state at the start of chunk ``n`` (``boundaries[n]``), ``dO`` its output

@@ -3,8 +3,8 @@
 Request ``n`` starts from row ``start[n]`` of ``pool: [P, HV, K, V]`` (``-1``: a padding request,
 whose output is zeros and which reads and writes no state) and writes its state after step ``t``
 into row ``dest[n, t]`` of the final pool (``dest: [N, 1]``: the final state into ``dest[n, 0]``;
-``-1``: not written). Each step of a block of value heads, with its state ``S`` (``[h, K, V]``)
-and ``e = exp(g_t)``::
+``-1``: not written). Each step of a block of value heads is :func:`._recurrent.step` with
+``read_once=True``: with its state ``S`` (``[h, K, V]``) and ``e = exp(g_t)``::
 
     P   = [k_t * e, q_t * e]^T S        # one read of S: the prediction and the decayed query part
     u   = beta_t * (v_t - P[0])
@@ -22,24 +22,12 @@ from typing import Any
 
 from array_api_compat import array_namespace
 
-from ._blocks import decay
+from ._recurrent import step
 
 __all__ = ["BLOCK_ELEMENTS", "decode_forward"]
 
 # elements of the states of one block of heads (2**17 float32 = 512 KiB, half of a 1 MiB L2)
 BLOCK_ELEMENTS = 1 << 17
-
-
-def _step(xp: Any, S: Any, q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float) -> tuple[Any, Any]:
-    """One step of a block of heads: ``S: [h, K, V]``, ``q, k, g: [h, K]``, ``v: [h, V]``, ``beta: [h]``.
-
-    Returns the new state and the output ``[h, V]``.
-    """
-    e = decay(xp, g)
-    P = xp.matmul(xp.stack([k * e, q * e], axis=1), S)  # [h, 2, V]
-    u = beta[:, None] * (v - P[:, 0, :])
-    o = scale * (P[:, 1, :] + xp.sum(q * k, axis=-1)[:, None] * u)
-    return e[:, :, None] * S + k[:, :, None] * u[:, None, :], o
 
 
 def _stored(xp: Any, S: Any, dtype: Any, v_first: bool) -> Any:
@@ -56,9 +44,21 @@ def _spans(N: int, T: int, offsets: Any) -> list[tuple[int, int, int]]:
 
 
 def decode_forward(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, pool: Any, start: Any, dest: Any, *, scale: float,
-    offsets: Any = None, final_pool: Any = None, out: Any = None, v_first: bool = False,
-) -> Any:  # fmt: skip
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    pool: Any,
+    start: Any,
+    dest: Any,
+    *,
+    scale: float,
+    offsets: Any = None,
+    final_pool: Any = None,
+    out: Any = None,
+    v_first: bool = False,
+) -> Any:
     """Run every request's steps from its start row and write its states to its slots.
 
     Parameters
@@ -102,8 +102,8 @@ def decode_forward(
             row = pool[starts[n], hs, ...]  # read before this block of heads writes
             S = xp.astype(xp.matrix_transpose(row) if v_first else row, v.dtype)
             for t in range(steps):
-                step = (x[b, hs, t0 + t, ...] for x in (q, k, v, g, beta))
-                S, out[b, hs, t0 + t, :] = _step(xp, S, *step, scale)
+                inputs = (x[b, hs, t0 + t, ...] for x in (q, k, v, g, beta))
+                S, out[b, hs, t0 + t, :], *_ = step(xp, S, *inputs, scale, read_once=True)
                 slot = slots[n][0] if final_only else slots[n][t]
                 if slot >= 0 and (t == steps - 1 or not final_only):
                     dst[slot, hs, ...] = _stored(xp, S, dst.dtype, v_first)

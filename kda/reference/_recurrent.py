@@ -7,20 +7,22 @@ Per batch and head, with state ``S: [K, V]`` and for each step ``t``::
     S_t = S' + k_t u_t^T
     o_t = scale * S_t^T q_t
 
-All arrays are vectorised over ``[B, H]``; the loop runs over ``T``.
+All arrays are vectorised over ``[B, H]``; the loop runs over ``T``. :func:`step` is the one
+step of the recurrence in this backend: the forward, the backward's recomputation of states and
+:mod:`._decode` all run it.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 from array_api_compat import array_namespace
 
 from .._backend import Gradients
 from ._blocks import decay
 
-__all__ = ["recurrent_backward", "recurrent_forward"]
+__all__ = ["Step", "recurrent_backward", "recurrent_forward", "step"]
 
 
 def _vecmat(xp: Any, x: Any, M: Any) -> Any:
@@ -38,15 +40,58 @@ def _at(t: int, *arrays: Any) -> list[Any]:
     return [x[:, :, t, ...] for x in arrays]
 
 
-def _decay(xp: Any, g_t: Any, S: Any) -> Any:
-    return decay(xp, g_t)[..., :, None] * S
+class Step(NamedTuple):
+    """One step of the recurrence from ``S_{t-1}``: the new state and output, and the intermediates
+    the backward reads (shapes for states ``[..., K, V]``)."""
+
+    state: Any  # S_t = S' + k_t u_t^T, [..., K, V]
+    output: Any  # o_t = scale S_t^T q_t, [..., V]; None when the step was given no q
+    decay: Any  # exp(g_t), [..., K]
+    decayed: Any  # S' = diag(exp(g_t)) S_{t-1}, [..., K, V]
+    residual: Any  # v_t - S'^T k_t, [..., V]
+    u: Any  # u_t = beta_t (v_t - S'^T k_t), [..., V]
 
 
-def _step(xp: Any, S: Any, q_t: Any, k_t: Any, v_t: Any, g_t: Any, b_t: Any, scale: float):
-    S = _decay(xp, g_t, S)
-    u = b_t[..., None] * (v_t - _vecmat(xp, k_t, S))
-    S = S + k_t[..., :, None] * u[..., None, :]
-    return S, scale * _vecmat(xp, q_t, S)
+def step(
+    xp: Any, S: Any, q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float, *, read_once: bool = False
+) -> Step:
+    """One step of the recurrence, vectorised over the leading dimensions.
+
+    Parameters
+    ----------
+    xp : the array namespace of the arrays.
+    S : ``[..., K, V]``, the state before the step.
+    q, k, g : ``[..., K]``; v : ``[..., V]``; beta : ``[...]``: the step's inputs. ``q`` None: no
+        output (the backward recomputing the states between its checkpoints).
+    scale : float
+    read_once : how the two products with the state are formed. False: as the recurrence is written
+        (the arrangement :func:`recurrent_backward` differentiates), ``S'`` first, then the
+        prediction ``S'^T k_t`` and the output ``scale S_t^T q_t``. True (the decode): both from
+        one product with ``S``, ``[k_t e, q_t e]^T S`` with ``e = exp(g_t)``, which gives the
+        prediction and ``S'^T q_t``; then ``o_t = scale (S'^T q_t + (q_t . k_t) u_t)``, equal to
+        ``scale S_t^T q_t``. The two arrangements agree to rounding, not bit for bit.
+
+    Returns
+    -------
+    Step
+    """
+    e = decay(xp, g)
+    decayed = e[..., :, None] * S
+    if read_once:
+        both = xp.matmul(xp.stack([k * e, q * e], axis=-2), S)  # [..., 2, V]
+        predicted = both[..., 0, :]
+    else:
+        predicted = _vecmat(xp, k, decayed)
+    residual = v - predicted
+    u = beta[..., None] * residual
+    state = decayed + k[..., :, None] * u[..., None, :]
+    if q is None:
+        output = None
+    elif read_once:
+        output = scale * (both[..., 1, :] + xp.sum(q * k, axis=-1)[..., None] * u)
+    else:
+        output = scale * _vecmat(xp, q, state)
+    return Step(state, output, e, decayed, residual, u)
 
 
 def recurrent_forward(
@@ -68,7 +113,7 @@ def recurrent_forward(
     S = state
     outs = []
     for t in range(T):
-        S, o = _step(xp, S, *_at(t, q, k, v, g, beta), scale)
+        S, o, *_ = step(xp, S, *_at(t, q, k, v, g, beta), scale)
         outs.append(o)
     if T == 0:
         return xp.zeros((B, H, 0, v.shape[-1]), dtype=v.dtype, device=v.device), S
@@ -76,8 +121,17 @@ def recurrent_forward(
 
 
 def recurrent_backward(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, grad_output: Any, dfinal: Any, *, scale: float,
-) -> Gradients:  # fmt: skip
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    state: Any,
+    grad_output: Any,
+    dfinal: Any,
+    *,
+    scale: float,
+) -> Gradients:
     """Gradients of the recurrence, stepping backwards through time.
 
     States are kept at every ``ceil(sqrt(T))``-th step and the ones between are recomputed,
@@ -100,7 +154,7 @@ def recurrent_backward(
     for t in range(T):
         if t % stride == 0:
             checkpoints[t] = S
-        S, _ = _step(xp, S, *_at(t, q, k, v, g, beta), scale)
+        S = step(xp, S, None, *_at(t, k, v, g, beta), scale).state
 
     grads: list[list[Any]] = [[] for _ in range(5)]  # dq, dk, dv, dg, dbeta, last step first
     dS = dfinal
@@ -108,15 +162,11 @@ def recurrent_backward(
         stop = min(start + stride, T)
         previous = [checkpoints[start]]  # previous[i]: the state before step start + i
         for t in range(start, stop - 1):
-            S, _ = _step(xp, previous[-1], *_at(t, q, k, v, g, beta), scale)
-            previous.append(S)
+            previous.append(step(xp, previous[-1], None, *_at(t, k, v, g, beta), scale).state)
         for t in reversed(range(start, stop)):
             q_t, k_t, v_t, g_t, b_t, do_t = _at(t, q, k, v, g, beta, grad_output)
-            e = decay(xp, g_t)[..., :, None]
-            Sd = e * previous[t - start]  # S'
-            r = v_t - _vecmat(xp, k_t, Sd)  # residual
-            u = b_t[..., None] * r
-            S_t = Sd + k_t[..., :, None] * u[..., None, :]
+            S_t, _, e, Sd, r, u = step(xp, previous[t - start], None, k_t, v_t, g_t, b_t, scale)
+            e = e[..., :, None]
             # o_t = scale S_t^T q_t
             dq_t = scale * _matvec(xp, S_t, do_t)
             dS = dS + scale * q_t[..., :, None] * do_t[..., None, :]
