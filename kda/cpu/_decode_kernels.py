@@ -20,10 +20,10 @@ differently, where the check fails. The kernel's own vectors and scratch state t
 one private buffer, at fixed offsets with a guard of :data:`GUARD` elements around each, and no
 loop stores to one caller's array while loading another's (but a pool row from a pool row: the
 same pool on every thread): a check's answer then cannot depend on where the heap of the thread
-that runs an item put its allocations. (Before, with the vectors allocated on their own and the
-output loop storing ``pred`` and ``o`` at once, a step's output was seen to depend on where its
-vectors sat, by an ulp (float64, ``K=8, V=24``); the likely cause of a call split over two
-threads that once differed from the one-thread call.)
+that runs an item put its allocations. With the vectors allocated on their own and one loop
+storing ``pred`` and ``o`` at once, a step's output depends on where its vectors sit, by an ulp
+(seen in float64, ``K=8, V=24``), and a call split over two threads can differ from the
+one-thread call.
 """
 
 from __future__ import annotations
