@@ -645,16 +645,33 @@ def chunk_local(q: Any, k: Any, v: Any, g: Any, beta: Any, *, scale: float) -> C
     _launch(CHUNK_LOCAL, dtype, N, LOCAL_THREADS, *args, shared=shared, dims=(Cp, K, V))
     pairs = (*lead, Cp, Cp)
     return ChunkLocal(
-        qg=xp.reshape(qg, q.shape), kg=xp.reshape(kg, q.shape), k_suffix=xp.reshape(k_suffix, q.shape),
-        total=xp.reshape(total, (*lead, K)), A=xp.reshape(A, pairs), L=xp.reshape(L, pairs),
-        Minv=xp.reshape(Minv, pairs), w=xp.reshape(w, q.shape), u0=xp.reshape(u0, v.shape),
-    )  # fmt: skip
+        qg=xp.reshape(qg, q.shape),
+        kg=xp.reshape(kg, q.shape),
+        k_suffix=xp.reshape(k_suffix, q.shape),
+        total=xp.reshape(total, (*lead, K)),
+        A=xp.reshape(A, pairs),
+        L=xp.reshape(L, pairs),
+        Minv=xp.reshape(Minv, pairs),
+        w=xp.reshape(w, q.shape),
+        u0=xp.reshape(u0, v.shape),
+    )
 
 
 def chunk_local_backward(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, boundaries: Any, *, scale: float, local: ChunkLocal,
-    dends: Any, u: Any, du: Any, grad_output: Any,
-) -> LocalGradients:  # fmt: skip
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    boundaries: Any,
+    *,
+    scale: float,
+    local: ChunkLocal,
+    dends: Any,
+    u: Any,
+    du: Any,
+    grad_output: Any,
+) -> LocalGradients:
     """Gradients of every chunk's state-free work in one kernel, one block per chunk.
 
     Returns ``dq, dk, dv, dg, dbeta`` (see :mod:`kda._backend`); ``Cp <= MAX_CHUNK``.
@@ -704,6 +721,9 @@ def chunk_local_backward(
         dims=dims,
     )
     return LocalGradients(
-        dq=xp.reshape(dq, q.shape), dk=xp.reshape(dk, q.shape), dv=xp.reshape(dv, v.shape),
-        dg=xp.reshape(dg, q.shape), dbeta=xp.reshape(dbeta, beta.shape),
-    )  # fmt: skip
+        dq=xp.reshape(dq, q.shape),
+        dk=xp.reshape(dk, q.shape),
+        dv=xp.reshape(dv, v.shape),
+        dg=xp.reshape(dg, q.shape),
+        dbeta=xp.reshape(dbeta, beta.shape),
+    )

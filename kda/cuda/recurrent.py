@@ -220,8 +220,17 @@ def recurrent_forward(
 
 
 def recurrent_backward(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, grad_output: Any, dfinal: Any, *, scale: float,
-) -> Gradients:  # fmt: skip
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    state: Any,
+    grad_output: Any,
+    dfinal: Any,
+    *,
+    scale: float,
+) -> Gradients:
     """Gradients of the recurrence, one kernel: ``(dq, dk, dv, dg, dbeta, dinitial)``.
 
     Keeps ``ceil(sqrt(T))`` checkpoint states and recomputes the steps between them.
@@ -249,5 +258,11 @@ def recurrent_backward(
     if grid == 0:
         dS = xp.asarray(dfinal, copy=True)
     dq, dk, dg = (xp.reshape(x, q.shape) for x in (dq, dk, dg))
-    return Gradients(dq=dq, dk=dk, dv=xp.reshape(dv, v.shape), dg=dg, dbeta=xp.reshape(dbeta, beta.shape),
-                     dinitial=xp.reshape(dS, state.shape))  # fmt: skip
+    return Gradients(
+        dq=dq,
+        dk=dk,
+        dv=xp.reshape(dv, v.shape),
+        dg=dg,
+        dbeta=xp.reshape(dbeta, beta.shape),
+        dinitial=xp.reshape(dS, state.shape),
+    )

@@ -661,14 +661,24 @@ def chunk_state_pass(
     args = (*dense, w, u0, k_suffix, total, state, np.int32(emit), out, boundaries, final)
     _launch(kernel, dtype, grid, block, *args, shared=shared, dims=(BH, NT, Cp, K, V))
     output = xp.reshape(out, u0.shape) if emit else None
-    return StatePass(boundaries=xp.reshape(boundaries, (NT, B, H, K, V)), output=output,
-                     final_state=xp.reshape(final, state.shape))  # fmt: skip
+    return StatePass(
+        boundaries=xp.reshape(boundaries, (NT, B, H, K, V)),
+        output=output,
+        final_state=xp.reshape(final, state.shape),
+    )
 
 
 def chunk_state_grad_pass(
-    w: Any, u0: Any, k_suffix: Any, total: Any, qg: Any, A: Any, grad_output: Any, boundaries: Any,
+    w: Any,
+    u0: Any,
+    k_suffix: Any,
+    total: Any,
+    qg: Any,
+    A: Any,
+    grad_output: Any,
+    boundaries: Any,
     dfinal: Any,
-) -> StateGradPass:  # fmt: skip
+) -> StateGradPass:
     """The state-gradient recurrence over every chunk, last first, in one kernel.
 
     Returns ``dends [NT, B, H, K, V]``, ``U`` and ``dU`` (``[B, H, NT, Cp, V]``) and the
