@@ -6,8 +6,9 @@ __all__ = ["CONVERT_PY", "GREEDY_C"]
 
 #: the converter's process (``python -c CONVERT_PY SPEC_JSON CONVERTER_ARGS...``; nothing of kda
 #: imported): registers the pre-tokenizer answers (``pre``: hash -> name, checked on the tokens of
-#: ``text``) and the architecture ``aliases`` of ``SPEC_JSON`` in the converter's modules, then runs
-#: ``convert_hf_to_gguf.py`` as ``__main__``
+#: ``text``) and the architecture ``aliases`` of ``SPEC_JSON`` in the converter's modules (and, with
+#: ``json_config``, makes its ``AutoConfig`` load fail so that it reads ``config.json`` as written),
+#: then runs ``convert_hf_to_gguf.py`` as ``__main__``
 CONVERT_PY = r"""
 import hashlib, json, runpy, sys
 
@@ -28,6 +29,16 @@ def get_vocab_base_pre(self, tokenizer):
 
 
 base.TextModel.get_vocab_base_pre = get_vocab_base_pre
+if spec.get("json_config"):  # config.json as written: AutoConfig fails, the converter reads the file
+
+
+    class NoAutoConfig:
+        @staticmethod
+        def from_pretrained(*args, **kwargs):
+            raise ValueError("config.json read as written (kda.vllm.llama_cpp.convert(json_config=True))")
+
+
+    base.AutoConfig = NoAutoConfig  # the converter's name only; transformers' AutoTokenizer keeps its own
 for alias, target in spec["aliases"].items():
     if target not in conversion.TEXT_MODEL_MAP:
         sys.exit(f"aliases: {target!r} is not an architecture of the converter")

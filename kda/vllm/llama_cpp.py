@@ -326,6 +326,7 @@ def _gpt2_bytes() -> list[str]:
 def convert(
     model_dir: str | os.PathLike[str], outtype: str = "f32", outfile: str | os.PathLike[str] | None = None,
     aliases: Mapping[str, str] | None = None, python: str | None = None, timeout: float = 3600,
+    json_config: bool = False,
 ) -> Path:  # fmt: skip
     """Convert the checkpoint in ``model_dir`` (``config.json``, safetensors, a tokenizer with
     :data:`PRE_FILE`, see :func:`write_tokenizer`) to a GGUF with llama.cpp's
@@ -333,8 +334,11 @@ def convert(
     ``model_dir/model-<outtype>.gguf``. ``aliases``: architecture names the converter lacks, each
     mapped to one it has (``{"Glm5NextForCausalLM": "Glm5NextForConditionalGeneration"}``).
     ``python``: the interpreter that runs it (this one by default; it needs torch, numpy, PyYAML
-    and transformers). Returns the GGUF's path; :class:`LlamaCppUnavailable` with the converter's
-    last lines when it refuses."""
+    and transformers). ``json_config``: the converter reads ``config.json`` as written instead of
+    through transformers' ``AutoConfig`` (which, where transformers has a class for the
+    ``model_type``, renames or drops fields: transformers 5.24's ``bailing_hybrid`` turns Ling-3's
+    ``norm_topk_prob`` into ``moe_renormalize``, which the converter does not read). Returns the
+    GGUF's path; :class:`LlamaCppUnavailable` with the converter's last lines when it refuses."""
     if outtype not in OUTTYPES:
         raise InvalidInputError(f"outtype: expected one of {list(OUTTYPES)}, got {outtype!r}")
     model = Path(model_dir)
@@ -343,7 +347,8 @@ def convert(
     src = source_dir()
     out = Path(outfile) if outfile is not None else model / f"model-{outtype}.gguf"
     pre = json.loads((model / PRE_FILE).read_text()) if (model / PRE_FILE).is_file() else {}
-    spec = {"source": str(src), "pre": pre, "aliases": dict(aliases or {}), "text": _check_text(src)}
+    spec = {"source": str(src), "pre": pre, "aliases": dict(aliases or {}), "text": _check_text(src),
+            "json_config": json_config}  # fmt: skip
     cmd = [python or sys.executable, "-c", CONVERT_PY, json.dumps(spec), str(model), "--outfile", str(out),
            "--outtype", outtype]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
