@@ -23,6 +23,14 @@ cache (one process per dtype, side by side).
 
 instead runs one cold call and prints where its time goes in each process, on one time line: the
 functions each compiles and when, and how long each waited for the other (:func:`trace`).
+
+    python -m benchmarks.first_call --alternate [--rounds N] [--cores 0]
+
+instead runs, in each round, the cold call as it is and the cold call in one process
+(``KDA_COMPILE_AHEAD=0``), each with an empty cache, the order swapped every other round (so that a
+drift of the machine's speed falls on both). ``--cores`` (a list such as ``0`` or ``0,1``) runs every
+child process on those cores only, as ``taskset -c`` would: ``--cores 0`` is a machine with one
+usable core (the processes that the call starts inherit it).
 """
 
 from __future__ import annotations
@@ -149,22 +157,35 @@ def processor() -> str:
     return f"{name} ({family}{vector}), {cores} cores"
 
 
+# the cores every child process runs on (--cores; None: those this process may use)
+CORES: set[int] | None = None
+
+
+def _pin() -> None:
+    """In a child process before it runs: its cores, :data:`CORES`."""
+    if CORES is not None:
+        os.sched_setaffinity(0, CORES)
+
+
 def _child(T: int, cache: str, tree: str, ahead: bool = True, trace_dir: str = "") -> dict:
-    """One run of :data:`CHILD` on ``cache`` from ``tree``; with ``trace_dir``, that directory first on
-    its path (its ``sitecustomize``) and ``KDA_TRACE_FILE`` there (:func:`trace`)."""
+    """One run of :data:`CHILD` on ``cache`` from ``tree`` (on :data:`CORES`); with ``trace_dir``,
+    that directory first on its path (its ``sitecustomize``) and ``KDA_TRACE_FILE`` there
+    (:func:`trace`)."""
     env = {**os.environ, "NUMBA_CACHE_DIR": cache, "KDA_COMPILE_AHEAD": "1" if ahead else "0"}
     if trace_dir:
         env["KDA_TRACE_FILE"] = os.path.join(trace_dir, "trace")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [trace_dir, tree, env.get("PYTHONPATH")]))
     command = [sys.executable, "-c", CHILD, str(T)]
-    r = subprocess.run(command, env=env, cwd=tree, capture_output=True, text=True, check=True)
+    r = subprocess.run(
+        command, env=env, cwd=tree, capture_output=True, text=True, check=True, preexec_fn=_pin
+    )
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 # --trace: loaded by every Python process started with its directory first on PYTHONPATH (the
 # call's, and the second process compiling the backward beside the forward): records Numba's
-# compile events and the waits for kda.cpu._compile's lock files into KDA_TRACE_FILE, hooking
-# kda.cpu._compile as it is imported (so that nothing is imported earlier than it would be)
+# compile events and the waits for kda.cpu._cache's lock files into KDA_TRACE_FILE, hooking
+# kda.cpu._cache as it is imported (so that nothing is imported earlier than it would be)
 SITECUSTOMIZE = r"""
 import os, sys, time
 
@@ -176,7 +197,7 @@ def _write(kind, what):
         f.write(f"{os.getpid()} {time.time():.4f} {kind} {what}\n")
 
 
-def _hook(compile_module):
+def _hook(cache_module):
     import contextlib
 
     from numba.core import event
@@ -193,7 +214,7 @@ def _hook(compile_module):
             _write("E", name(ev))
 
     event.register("numba:compile", Listen())
-    locked = compile_module._locked
+    locked = cache_module.locked
 
     @contextlib.contextmanager
     def timed(path, exclusive, wait_s=None):
@@ -204,12 +225,12 @@ def _hook(compile_module):
                 _write("W", f"{os.path.basename(path)[:48]} {waited:.2f} s")
             yield
 
-    compile_module._locked = timed
+    cache_module.locked = timed
 
 
 class _Finder:
     def find_spec(self, name, path, target=None):
-        if name != "kda.cpu._compile":
+        if name != "kda.cpu._cache":
             return None
         sys.meta_path.remove(self)
         import importlib.util
@@ -270,6 +291,23 @@ def _line(label: str, r: dict) -> str:
     )
 
 
+def alternate(rounds: int, T: int, tree: str) -> None:
+    """Each round: the cold call as it is and in one process (``KDA_COMPILE_AHEAD=0``), each into an
+    empty cache, the one-process run first in every other round; then each one's range."""
+    runs: dict[str, list[float]] = {"as is": [], "KDA_COMPILE_AHEAD=0": []}
+    for n in range(rounds):
+        order = [True, False] if n % 2 == 0 else [False, True]
+        print(f"round {n + 1}")
+        for ahead in order:
+            label = "as is" if ahead else "KDA_COMPILE_AHEAD=0"
+            with tempfile.TemporaryDirectory(prefix="kda-first-call-") as cache:
+                r = _child(T, cache, tree, ahead=ahead)
+            runs[label].append(r["forward_wall"] + r["backward_wall"])
+            print(f"  {label:<20} {_line('cold', r)}")
+    for label, walls in runs.items():
+        print(f"{label:<20} forward + backward {min(walls):.2f}-{max(walls):.2f} s over {len(walls)} rounds")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.first_call", description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
@@ -283,12 +321,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--every", action="store_true", help="with --trace: every level of compilation")
     p.add_argument("--one-process", action="store_true", help="with --trace: KDA_COMPILE_AHEAD=0")
+    p.add_argument(
+        "--alternate", action="store_true", help="each round: the cold call as is, then KDA_COMPILE_AHEAD=0"
+    )
+    p.add_argument("--cores", help="run the child processes on these cores only (e.g. 0, or 0,1)")
     args = p.parse_args(argv)
+    if args.cores is not None:
+        global CORES
+        CORES = {int(c) for c in args.cores.split(",")}
     if args.trace:
         trace(args.T, args.tree, not args.one_process, args.every)
         return 0
     print(f"# {processor()}; python -m benchmarks.first_call {' '.join(argv or sys.argv[1:])}".rstrip())
     print(f"# B=1 H=4 T={args.T} K=V=64 float32: chunk_kda(save_boundaries=True) + chunk_kda_backward")
+    if CORES is not None:
+        print(f"# the child processes on cores {sorted(CORES)}")
+    if args.alternate:
+        alternate(args.rounds, args.T, args.tree)
+        return 0
     for n in range(args.rounds):
         with tempfile.TemporaryDirectory(prefix="kda-first-call-") as cache:
             load = os.getloadavg()[0]
@@ -333,9 +383,12 @@ def main(argv: list[str] | None = None) -> int:
             env = {**os.environ, "NUMBA_CACHE_DIR": cache, "PYTHONPATH": args.tree}
             start, load = time.perf_counter(), os.getloadavg()[0]
             command = [sys.executable, "-m", "kda", "warmup"]
-            r = subprocess.run(command, env=env, cwd=args.tree, capture_output=True, text=True)
-            print(f"python -m kda warmup, empty cache, load average before {load:.2f}: "
-                  f"{time.perf_counter() - start:.1f} s; {r.stdout.strip()}")  # fmt: skip
+            r = subprocess.run(
+                command, env=env, cwd=args.tree, capture_output=True, text=True, preexec_fn=_pin
+            )
+            spent = time.perf_counter() - start
+            before = f"load average before {load:.2f}"
+            print(f"python -m kda warmup, empty cache, {before}: {spent:.1f} s; {r.stdout.strip()}")
     return 0
 
 

@@ -14,8 +14,13 @@ forward's, so that the helpers both kernels call are mostly in the cache by the 
 backward kernel (each signature compiles in one process; the other waits for it and loads it); it
 ends without the interpreter's teardown.
 
-Only where a cache is writable (:data:`kda.cpu._compile.CACHING`), where this process is a plain
-Python interpreter, once per process and signature, and not with ``KDA_COMPILE_AHEAD=0``. A
+Only where it helps and can work: where this process may run on at least two cores
+(:func:`usable_cores`: on one, the two processes would take turns on it, and the first call would
+wait longer than for one process compiling both kernels), where a cache is writable
+(:data:`kda.cpu._compile.CACHING`) and Numba's internals are the ones kda uses
+(:data:`kda.cpu._internals.SUPPORTED`: the lock files the processes share the cache by), where this
+process is a plain Python interpreter, once per process and signature, and not with
+``KDA_COMPILE_AHEAD=0``. A
 second process that fails, or is wrong about the signature, costs only its time: this process
 then compiles as it would have. It is stopped if this process exits first (its cache entries are
 written whole or not at all). The first compilation's notice on the ``kda.cpu`` logger says that
@@ -41,7 +46,7 @@ from typing import Any
 from numba.core.dispatcher import Dispatcher
 
 from .._backend.expect import setting
-from . import _compile
+from . import _compile, _internals
 
 ENV = "KDA_COMPILE_AHEAD"
 LOG = logging.getLogger("kda.cpu")
@@ -67,11 +72,21 @@ def off() -> contextlib.AbstractContextManager[None]:
     return setting(_OFF, True)
 
 
+def usable_cores() -> int:
+    """The number of cores this process may run on (its affinity, where the system has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def enabled() -> bool:
-    """Whether a kernel may be compiled ahead in a second process: a writable cache (the only way
-    the processes share their work), a Python interpreter to start, ``KDA_COMPILE_AHEAD`` not
-    ``0`` and not within :func:`off`."""
+    """Whether a kernel may be compiled ahead in a second process: at least two usable cores (the
+    processes compile side by side), a writable cache (the only way the processes share their work)
+    and the Numba internals kda shares it by, a Python interpreter to start, ``KDA_COMPILE_AHEAD``
+    not ``0`` and not within :func:`off`."""
     if _OFF.get() or os.environ.get(ENV, "1").strip() == "0" or not _compile.CACHING:
+        return False
+    if not _internals.SUPPORTED or usable_cores() < 2:
         return False
     name = os.path.basename(sys.executable or "").lower()
     return name.startswith(("python", "pypy"))
@@ -121,8 +136,11 @@ def compile_beside(kernel: Any, sig: Signature, first: Sequence[tuple[Any, Signa
     try:
         process = subprocess.Popen(
             [sys.executable, "-m", "kda.cpu._ahead"],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-        )  # fmt: skip
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
+        )
         process.stdin.write(payload)
         process.stdin.close()
     except OSError as e:  # could not start, or it ended before reading what to compile

@@ -16,6 +16,7 @@ import pytest
 from helpers import BACKENDS, ROOT
 
 pytestmark = pytest.mark.skipif("cpu" not in BACKENDS, reason="numba or scipy not installed")
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _inputs(T=150, H=2, K=16, V=8, dtype=np.float32, time_major=False, seed=0):
@@ -150,6 +151,7 @@ def test_the_torch_forward_asks_for_its_backward_only_where_autograd_records_it(
 def test_ahead_is_off_without_a_cache_or_when_asked(monkeypatch):
     from kda.cpu import _ahead, _compile
 
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.setenv(_ahead.ENV, "1")
     monkeypatch.setattr(_compile, "CACHING", True)
     monkeypatch.setattr(sys, "executable", "/usr/bin/python3")
@@ -164,6 +166,23 @@ def test_ahead_is_off_without_a_cache_or_when_asked(monkeypatch):
     assert not _ahead.enabled()
 
 
+@pytest.mark.parametrize(
+    ("cores", "ahead"), [({0}, False), ({3}, False), ({0, 1}, True), (set(range(16)), True)]
+)
+def test_ahead_only_where_this_process_may_use_two_cores(monkeypatch, cores, ahead):
+    """On one usable core (``taskset -c 0``, a container's one CPU) the two processes would take
+    turns on it: the kernels compile in this one alone."""
+    from kda.cpu import _ahead, _compile, _internals
+
+    monkeypatch.setenv(_ahead.ENV, "1")
+    monkeypatch.setattr(_compile, "CACHING", True)
+    monkeypatch.setattr(_internals, "SUPPORTED", True)
+    monkeypatch.setattr(sys, "executable", "/usr/bin/python3")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: cores, raising=False)
+    assert _ahead.usable_cores() == len(cores)
+    assert _ahead.enabled() == ahead
+
+
 def test_the_warm_up_compiles_nothing_ahead(monkeypatch):
     """``python -m kda warmup`` compiles every kernel itself (a process per dtype): its forwards
     that keep boundaries ask for no backward in a second process (``_ahead.off``), and the switch
@@ -174,6 +193,7 @@ def test_the_warm_up_compiles_nothing_ahead(monkeypatch):
 
     asked = []
     monkeypatch.setenv(_ahead.ENV, "1")
+    monkeypatch.setattr(_ahead, "usable_cores", lambda: 2)
     monkeypatch.setattr(cpu, "_AHEAD_ASKED", [])
     monkeypatch.setattr(_ahead, "compile_beside", lambda kernel, sig, first=(): asked.append(sig))
     monkeypatch.setattr(_kernels.backward_heads, "overloads", {})  # as in a fresh process
@@ -211,6 +231,7 @@ def test_a_failing_second_process_leaves_the_compile_to_this_one(tmp_path, monke
     # it reads what to compile, then fails (one that exits before reading can fail the write first)
     monkeypatch.setattr(sys, "executable", _fake_python(tmp_path, "cat >/dev/null; exit 3"))
     monkeypatch.setenv(_ahead.ENV, "1")
+    monkeypatch.setattr(_ahead, "usable_cores", lambda: 2)
     monkeypatch.setattr(_ahead, "_ASKED", set())
     monkeypatch.setattr(_ahead, "_RUNNING", {})
     kernel, sig = _new_kernel(tmp_path, monkeypatch)
@@ -232,6 +253,7 @@ def test_the_second_process_compiles_the_functions_asked_first_then_the_kernel(t
     from kda.cpu import _ahead
 
     monkeypatch.setenv(_ahead.ENV, "1")
+    monkeypatch.setattr(_ahead, "usable_cores", lambda: 2)
     monkeypatch.setattr(_ahead, "_ASKED", set())
     monkeypatch.setattr(_ahead, "_RUNNING", {})
     kernel, sig = _new_kernel(tmp_path, monkeypatch)
@@ -252,6 +274,7 @@ def test_second_processes_still_running_at_exit_are_stopped(tmp_path, monkeypatc
 
     monkeypatch.setattr(sys, "executable", _fake_python(tmp_path, "exec sleep 60"))
     monkeypatch.setenv(_ahead.ENV, "1")
+    monkeypatch.setattr(_ahead, "usable_cores", lambda: 2)
     monkeypatch.setattr(_ahead, "_ASKED", set())
     monkeypatch.setattr(_ahead, "_RUNNING", {})
     kernel, sig = _new_kernel(tmp_path, monkeypatch)
@@ -298,6 +321,7 @@ print(json.dumps({"compiled": compiled, "bits": bits}))
 
 
 @pytest.mark.slow  # two cold forward-and-backward compilations: about 25 s of one core
+@pytest.mark.skipif(_CORES < 2, reason="a second process compiles only beside a second usable core")
 def test_a_cold_forward_compiles_its_backward_in_a_second_process(tmp_path):
     """Into an empty cache, a forward that keeps its boundaries has the backward kernel compiled in
     a second process: this process then loads it (compiles no ``backward_heads``) and gets the
@@ -375,10 +399,10 @@ def test_a_process_waits_for_another_compiling_the_same_function_and_loads_it(tm
     import fcntl
 
     kernel, sig = _new_kernel(tmp_path, monkeypatch)
-    from kda.cpu import _compile
+    from kda.cpu import _cache
 
     index = kernel._cache._cache_file
-    path = _compile.compiling_lock(os.path.join(index._cache_path, index._index_name), sig)
+    path = _cache.compiling_lock(os.path.join(index._cache_path, index._index_name), sig)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:

@@ -1,6 +1,7 @@
-"""Inner functions (``kda.cpu._compile.jit(inner=True)``): the kernels' helpers compile only inside
-the kernels that call them (no module passes or machine code of their own until a call from
-Python asks for them), and every function the backend calls from Python is compiled in full."""
+"""Inner functions (``kda.cpu._compile.jit(inner=True)``, ``kda.cpu._inner``): the kernels' helpers
+compile only inside the kernels that call them (no module passes or machine code of their own until
+a call from Python asks for them), and every function the backend calls from Python is compiled in
+full."""
 
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def test_an_inner_function_compiles_inside_its_caller_and_on_a_call_from_python(
     same result."""
     import numba
 
-    from kda.cpu import _compile
+    from kda.cpu import _compile, _inner
 
     global TWICE
     TWICE = twice = _compile.jit(inner=True)(_twice)
@@ -92,11 +93,11 @@ def test_an_inner_function_compiles_inside_its_caller_and_on_a_call_from_python(
         (compiled,) = f.overloads.values()
         with pytest.raises(RuntimeError, match="no machine code of its own"):
             compiled.library.get_pointer_to_function(compiled.fndesc.llvm_func_name)
-    assert _twice_plus_one not in _compile._FROM_PYTHON
+    assert _twice_plus_one not in _inner.FROM_PYTHON
     assert twice_plus_one(3) == 7.0 and twice_plus_one(4.0) == 9.0  # int64, then float64
-    assert _twice_plus_one in _compile._FROM_PYTHON and _twice not in _compile._FROM_PYTHON
+    assert _twice_plus_one in _inner.FROM_PYTHON and _twice not in _inner.FROM_PYTHON
     assert len(twice_plus_one.overloads) == 1  # Python's calls compiled no inner version
-    assert not _compile.is_inner(_compile._FROM_PYTHON[_twice_plus_one])
+    assert not _compile.is_inner(_inner.FROM_PYTHON[_twice_plus_one])
     assert twice(4.0) == 8.0
     assert caller(4.0) == 8.5
 
@@ -105,7 +106,7 @@ _COLD = """
 import numpy as np
 import kda
 from kda.__main__ import make_inputs, INPUTS
-from kda.cpu import _compile, _fused, _pairs, _passes, _products, _solve
+from kda.cpu import _compile, _fused, _inner, _pairs, _passes, _products, _solve
 x, options = make_inputs(1, 2, 80, 16, 16, "float64")
 inputs = [x[n] for n in INPUTS]
 out = kda.chunk_kda(*inputs, save_boundaries=True, backend="cpu", **options)
@@ -115,7 +116,7 @@ pool = np.zeros((3, 2, 16, 16))
 kda.decode_kda(*[x[n] for n in INPUTS], pool, np.array([1, 2]), backend="cpu", **options)
 modules = (_fused, _pairs, _passes, _products, _solve)
 inner = [c for m in modules for f in vars(m).values() if _compile.is_inner(f) for c in f.overloads.values()]
-print(len(inner), sorted(f.__name__ for f in _compile._FROM_PYTHON))
+print(len(inner), sorted(f.__name__ for f in _inner.FROM_PYTHON))
 """
 
 

@@ -46,14 +46,16 @@ def test_source_stamp_covers_every_kernel_module(tmp_path):
 
 
 def test_every_cached_function_is_stamped_with_how_it_is_compiled():
-    """The kernels carry :data:`SOURCE_STAMP` (every kernel module, ``_compile.py`` among them),
-    the functions of a module that calls no compiled function of another :data:`COMPILE_STAMP`
-    (``_compile.py`` alone): a change to how they are compiled recompiles them too."""
+    """The kernels carry :data:`SOURCE_STAMP` (every kernel module, the modules that say how they
+    compile among them), the functions of a module that calls no compiled function of another
+    :data:`COMPILE_STAMP` (those modules alone): a change to how they are compiled recompiles them
+    too."""
     from kda.cpu import _compile, _decode_kernels, _kernels
 
     if not _compile.CACHING:
         pytest.skip("no cache directory is writable here")
-    assert _compile.COMPILE_STAMP == _compile.source_stamp(str(ROOT / "kda" / "cpu"), ("_compile.py",))
+    assert set(_compile.COMPILE_FILES) <= set(_compile.KERNEL_FILES)
+    assert _compile.COMPILE_STAMP == _compile.source_stamp(str(ROOT / "kda" / "cpu"), _compile.COMPILE_FILES)
     for kernel, stamp in (
         (_kernels.forward_heads, _compile.SOURCE_STAMP),
         (_decode_kernels.decode, _compile.COMPILE_STAMP),
@@ -87,21 +89,21 @@ def test_fallback_dir_is_private_to_its_user(tmp_path):
     """kda's cache where Numba finds none: ``kda-numba-<uid>`` in the given directory, created
     private (``0700``); refused where another user could write it or it is a link (a cache entry is
     a pickle: loading one written by someone else would run their code)."""
-    from kda.cpu import _compile
+    from kda.cpu import _cache
 
-    path = _compile.fallback_dir(str(tmp_path))
+    path = _cache.fallback_dir(str(tmp_path))
     assert path == str(tmp_path / f"kda-numba-{os.getuid()}")
     assert os.stat(path).st_mode & 0o777 == 0o700
-    assert _compile.fallback_dir(str(tmp_path)) == path  # found again
+    assert _cache.fallback_dir(str(tmp_path)) == path  # found again
     os.chmod(path, 0o777)
-    assert _compile.fallback_dir(str(tmp_path)) is None  # writable by others
+    assert _cache.fallback_dir(str(tmp_path)) is None  # writable by others
     os.chmod(path, 0o700)
     other = tmp_path / "other"
     other.mkdir()
     link = other / f"kda-numba-{os.getuid()}"
     link.symlink_to(path)
-    assert _compile.fallback_dir(str(other)) is None  # a link, not a directory
-    assert _compile.fallback_dir("/proc/kda-no-cache") is None  # not creatable
+    assert _cache.fallback_dir(str(other)) is None  # a link, not a directory
+    assert _cache.fallback_dir("/proc/kda-no-cache") is None  # not creatable
 
 
 _FALLBACK = """
