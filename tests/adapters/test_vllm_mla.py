@@ -198,7 +198,7 @@ def test_context_chunk_into_out():
 def test_skip_names(monkeypatch):
     """``KDA_VLLM_SKIP`` (the reproductions in docs/vllm.md leave one completion out): the names it
     lists, and an unknown name refused with the known ones."""
-    comp = pytest.importorskip("kda.vllm.completions")
+    comp = pytest.importorskip("kda.vllm.cpu_fixes")
     monkeypatch.delenv("KDA_VLLM_SKIP", raising=False)
     assert comp.skipped() == frozenset()
     monkeypatch.setenv("KDA_VLLM_SKIP", "zero_blocks, prefix_caching")

@@ -346,29 +346,6 @@ def test_version_check():
         assert isinstance(e.value, kda.KdaError) and "KDA_VLLM=0" in str(e.value)
 
 
-def test_override_scan_skips_odd_namespaces(monkeypatch):
-    """The scan rebinds module attributes and a warmup owner's ``kernel`` (a class's too) and skips
-    a value whose ``__dict__`` is not a mapping (llvmlite's ``ffi.lib``), where vLLM's crashes."""
-    import types
-
-    class LibWrapper:  # llvmlite's _lib_wrapper: any attribute, __dict__ included, is a function wrapper
-        def __getattribute__(self, name):
-            return lambda *a: None
-
-    original, wrapper = object(), object()
-
-    class Owner:
-        kernel = original
-
-    inst = types.SimpleNamespace(kernel=original, _kernel_arg_names=("x",))
-    mod = types.ModuleType("kda_test_fake_module")
-    mod.lib, mod.k, mod.Owner, mod.inst = LibWrapper(), original, Owner, inst
-    monkeypatch.setitem(sys.modules, mod.__name__, mod)
-    kv._safe_rebind_kernels([(original, wrapper)])
-    assert mod.k is wrapper and Owner.kernel is wrapper and inst.kernel is wrapper
-    assert not hasattr(inst, "_kernel_arg_names")
-
-
 def test_import_kda_imports_neither_torch_nor_vllm():
     code = "import sys, kda; bad = [m for m in ('torch', 'vllm') if m in sys.modules]; print(bad)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
