@@ -40,7 +40,7 @@ from ._dask.plan import plan as _plan
 from ._entry.call import Inputs, KdaGradients, KdaOutput
 from ._errors import InvalidInputError
 from ._options.spec import CallSpec
-from ._options.table import Array, Choices, takes_options
+from ._options.table import Array, Choices
 
 __all__ = ["chunk_kda", "chunk_kda_backward"]
 
@@ -51,12 +51,28 @@ def _block_options(scale, chunk_size: int, backend, opts: Choices) -> CallSpec:
     return CallSpec.from_choices(opts, method="chunk", scale=scale, chunk_size=chunk_size, backend=backend)
 
 
-@takes_options()
 def chunk_kda(
-    q: Array, k: Array, v: Array, g: Array, beta: Array, *, initial_state: Array | None = None,
-    scale: float | None = None, chunk_size: int = 64, save_boundaries: bool = False,
-    backend: str | None = None, opts: Choices,
-) -> KdaOutput:  # fmt: skip
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    beta: Array,
+    *,
+    initial_state: Array | None = None,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    save_boundaries: bool = False,
+    backend: str | None = None,
+    layout: str = "head_first",
+    qk_l2norm: bool = False,
+    gate: str = "log",
+    A_log: Array | None = None,
+    dt_bias: Array | None = None,
+    lower_bound: float | None = None,
+    beta_activation: str | None = None,
+    cu_seqlens: Array | None = None,
+    check_finite: bool = True,
+) -> KdaOutput:
     """:func:`kda.chunk_kda` on Dask arrays, split over batch, heads and time.
 
     Parameters
@@ -71,10 +87,37 @@ def chunk_kda(
         Dask, NumPy or CuPy; zeros when None.
     scale, chunk_size, save_boundaries, backend
         As for :func:`kda.chunk_kda`; ``backend`` is applied to every block.
-    {options}
+    layout : {"head_first", "time_major"}, default "head_first"
+        ``"time_major"`` takes and returns ``[B, T, heads, ...]`` arrays. States are always
+        ``[B, HV, K, V]``, boundaries ``[NT, B, HV, K, V]``.
+    qk_l2norm : bool, default False
+        Replace q and k by ``x / sqrt(sum(x**2, over K) + 1e-6)`` per step and head.
+    gate : {"log", "softplus", "lower_bound"}, default "log"
+        The gate law (:mod:`kda._options.gates`), the log decay from ``g``: ``"log"``: ``g`` itself;
+        ``"softplus"``: ``-exp(A_log[h]) * softplus(g + dt_bias[h])``; ``"lower_bound"``:
+        ``lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias[h]))`` (factor 1 when ``A_log`` is
+        None).
+    A_log : Array | None, default None
+        shape ``[HV]``. Required for ``"softplus"``, optional for ``"lower_bound"``, refused
+        for ``"log"``.
+    dt_bias : Array | None, default None
+        shape ``[HV, K]``. Gate bias (zeros when None); refused for ``"log"``.
+    lower_bound : float | None, default None
+        A float < 0, required for ``"lower_bound"`` only.
+    beta_activation : {None, "sigmoid", "sigmoid2"}, default None
+        Use ``beta``, ``sigmoid(beta)`` or ``2 * sigmoid(beta)`` (negative eigenvalues allowed).
+    cu_seqlens : Array | None, default None
+        1-D integer array of ``N + 1`` offsets. With ``B == 1``: the row holds ``N``
+        independent sequences, sequence ``i`` at steps ``cu_seqlens[i]:cu_seqlens[i + 1]``;
+        states are ``[N, HV, K, V]``, boundaries ``[NT, 1, HV, K, V]`` with
+        ``NT = sum(ceil(len_i / C))``, in sequence order.
         ``cu_seqlens`` (packed sequences, ``B == 1``; host offsets) may cross time blocks: only
         the sequence crossing a block boundary carries a state across it. With it,
         ``save_boundaries`` must be False (:class:`~kda.InvalidInputError`).
+    check_finite : bool, default True
+        Refuse NaN or infinite inputs (``-inf`` stays legal in a log gate) with
+        :class:`~kda.InvalidInputError`, and warn with :class:`~kda.KdaWarning` when finite
+        inputs give non-finite results (the delta rule diverged). False skips both.
 
     Returns
     -------
@@ -84,9 +127,20 @@ def chunk_kda(
         Values are those of the single-process :func:`kda.chunk_kda` up to rounding. Bad values
         (positive ``g``, non-finite inputs, wrong dtypes) raise when computed.
     """
-    plan = _plan(q, k, v, g, beta, opts.layout, chunk_size, opts.cu_seqlens)
-    options = _block_options(scale, plan.chunk_size, backend, opts)
-    A_log, dt_bias = opts.A_log, opts.dt_bias
+    choices = Choices(
+        layout=layout,
+        qk_l2norm=qk_l2norm,
+        gate=gate,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+        beta_activation=beta_activation,
+        cu_seqlens=cu_seqlens,
+        check_finite=check_finite,
+    )
+    plan = _plan(q, k, v, g, beta, choices.layout, chunk_size, choices.cu_seqlens)
+    options = _block_options(scale, plan.chunk_size, backend, choices)
+    A_log, dt_bias = choices.A_log, choices.dt_bias
     graph = _graph.Graph(plan)
     x = _graph.inputs(graph, q, k, v, g, beta, A_log, dt_bias, options)
     initial = _graph.states(graph, initial_state, "initial_state")
@@ -118,12 +172,30 @@ def chunk_kda(
     return KdaOutput(output=output, final_state=final, boundaries=boundaries)
 
 
-@takes_options()
 def chunk_kda_backward(
-    q: Array, k: Array, v: Array, g: Array, beta: Array, boundaries: Array, grad_output: Array,
-    grad_final_state: Array | None = None, *, initial_state: Array | None = None,
-    scale: float | None = None, chunk_size: int = 64, backend: str | None = None, opts: Choices,
-) -> KdaGradients:  # fmt: skip
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    beta: Array,
+    boundaries: Array,
+    grad_output: Array,
+    grad_final_state: Array | None = None,
+    *,
+    initial_state: Array | None = None,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    backend: str | None = None,
+    layout: str = "head_first",
+    qk_l2norm: bool = False,
+    gate: str = "log",
+    A_log: Array | None = None,
+    dt_bias: Array | None = None,
+    lower_bound: float | None = None,
+    beta_activation: str | None = None,
+    cu_seqlens: Array | None = None,
+    check_finite: bool = True,
+) -> KdaGradients:
     """:func:`kda.chunk_kda_backward` on Dask arrays, split over batch, heads and time.
 
     Parameters
@@ -140,7 +212,34 @@ def chunk_kda_backward(
         Dask, NumPy or CuPy; zeros when None.
     initial_state, scale, chunk_size, backend
         As for :func:`chunk_kda`.
-    {options}
+    layout : {"head_first", "time_major"}, default "head_first"
+        ``"time_major"`` takes and returns ``[B, T, heads, ...]`` arrays. States are always
+        ``[B, HV, K, V]``, boundaries ``[NT, B, HV, K, V]``.
+    qk_l2norm : bool, default False
+        Replace q and k by ``x / sqrt(sum(x**2, over K) + 1e-6)`` per step and head.
+    gate : {"log", "softplus", "lower_bound"}, default "log"
+        The gate law (:mod:`kda._options.gates`), the log decay from ``g``: ``"log"``: ``g`` itself;
+        ``"softplus"``: ``-exp(A_log[h]) * softplus(g + dt_bias[h])``; ``"lower_bound"``:
+        ``lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias[h]))`` (factor 1 when ``A_log`` is
+        None).
+    A_log : Array | None, default None
+        shape ``[HV]``. Required for ``"softplus"``, optional for ``"lower_bound"``, refused
+        for ``"log"``.
+    dt_bias : Array | None, default None
+        shape ``[HV, K]``. Gate bias (zeros when None); refused for ``"log"``.
+    lower_bound : float | None, default None
+        A float < 0, required for ``"lower_bound"`` only.
+    beta_activation : {None, "sigmoid", "sigmoid2"}, default None
+        Use ``beta``, ``sigmoid(beta)`` or ``2 * sigmoid(beta)`` (negative eigenvalues allowed).
+    cu_seqlens : Array | None, default None
+        1-D integer array of ``N + 1`` offsets. With ``B == 1``: the row holds ``N``
+        independent sequences, sequence ``i`` at steps ``cu_seqlens[i]:cu_seqlens[i + 1]``;
+        states are ``[N, HV, K, V]``, boundaries ``[NT, 1, HV, K, V]`` with
+        ``NT = sum(ceil(len_i / C))``, in sequence order.
+    check_finite : bool, default True
+        Refuse NaN or infinite inputs (``-inf`` stays legal in a log gate) with
+        :class:`~kda.InvalidInputError`, and warn with :class:`~kda.KdaWarning` when finite
+        inputs give non-finite results (the delta rule diverged). False skips both.
 
     Returns
     -------
@@ -148,9 +247,20 @@ def chunk_kda_backward(
         Dask arrays, each gradient chunked like its input (``initial_state``: like batch and value
         heads; ``A_log``, ``dt_bias``: summed over batch and time blocks, None when not given).
     """
-    plan = _plan(q, k, v, g, beta, opts.layout, chunk_size, opts.cu_seqlens)
-    options = _block_options(scale, plan.chunk_size, backend, opts)
-    A_log, dt_bias = opts.A_log, opts.dt_bias
+    choices = Choices(
+        layout=layout,
+        qk_l2norm=qk_l2norm,
+        gate=gate,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+        beta_activation=beta_activation,
+        cu_seqlens=cu_seqlens,
+        check_finite=check_finite,
+    )
+    plan = _plan(q, k, v, g, beta, choices.layout, chunk_size, choices.cu_seqlens)
+    options = _block_options(scale, plan.chunk_size, backend, choices)
+    A_log, dt_bias = choices.A_log, choices.dt_bias
     graph = _graph.Graph(plan)
     x = _graph.inputs(graph, q, k, v, g, beta, A_log, dt_bias, options)
     do = graph.add(_graph.as_dask("grad_output", grad_output), plan.sequence_chunks(plan.heads, plan.V))

@@ -32,8 +32,8 @@ import numpy as np
 
 from ._entry import host as _host
 from ._entry.call import Inputs
-from ._entry.fla import FlaCall, OpOptions
-from ._entry.fla_front import CHUNK_DOC, RECURRENT_DOC, fla_function
+from ._entry.fla import CHUNK_KEYWORDS, RECURRENT_KEYWORDS, FlaCall, OpOptions, check_keywords
+from ._entry.fla_front import CHUNK_DOC, RECURRENT_DOC
 from ._errors import InvalidInputError, InvalidTypeError
 from ._options.gates import PARAMETERS
 from ._options.packing import check_pad_slot_id, check_pool_dtype, num_chunks
@@ -225,19 +225,119 @@ def _call(name: str, q, k, v, g, beta, kw: dict[str, Any]):
     return _apply(x, extra["cu_seqlens"], call)
 
 
-def _chunk(q, k, v, g, beta, kw: dict[str, Any]):
-    return _call("chunk_kda", q, k, v, g, beta, kw)
-
-
-def _recurrent(q, k, v, g, beta, kw: dict[str, Any]):
-    return _call("fused_recurrent_kda", q, k, v, g, beta, kw)
-
-
 _JAX_NOTE = """
     On JAX: differentiable (``jax.grad``) and jittable; under :func:`jax.jit` the keywords that
     are not arrays must be static. float64 needs ``jax_enable_x64``.
 """
-chunk_kda = fla_function(
-    "chunk_kda", _chunk, __name__, CHUNK_DOC.format(array="array", framework="JAX") + _JAX_NOTE
-)
-fused_recurrent_kda = fla_function("fused_recurrent_kda", _recurrent, __name__, RECURRENT_DOC + _JAX_NOTE)
+
+
+# fla 0.6's signatures, written out (kda._entry.fla.CHUNK_PARAMS, RECURRENT_PARAMS; held to them by
+# tests/entry/test_signatures.py); the docstrings are kda._entry.fla_front's, shared by both adapters
+def chunk_kda(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: jax.Array | None = None,
+    cu_seqlens_cpu: Any = None,
+    cp_context: Any = None,
+    use_graph: bool = False,
+    max_num_seqs: int | None = None,
+    **kwargs: Any,
+) -> tuple[jax.Array | None, ...]:
+    if kwargs:
+        check_keywords("chunk_kda", kwargs, CHUNK_KEYWORDS)
+    return _call(
+        "chunk_kda",
+        q,
+        k,
+        v,
+        g,
+        beta,
+        {
+            "scale": scale,
+            "initial_state": initial_state,
+            "output_final_state": output_final_state,
+            "use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel,
+            "use_gate_in_kernel": use_gate_in_kernel,
+            "use_beta_sigmoid_in_kernel": use_beta_sigmoid_in_kernel,
+            "allow_neg_eigval": allow_neg_eigval,
+            "safe_gate": safe_gate,
+            "lower_bound": lower_bound,
+            "disable_recompute": disable_recompute,
+            "return_intermediate_states": return_intermediate_states,
+            "state_v_first": state_v_first,
+            "cu_seqlens": cu_seqlens,
+            "cu_seqlens_cpu": cu_seqlens_cpu,
+            "cp_context": cp_context,
+            "use_graph": use_graph,
+            "max_num_seqs": max_num_seqs,
+            **kwargs,
+        },
+    )
+
+
+chunk_kda.__doc__ = CHUNK_DOC.format(array="array", framework="JAX") + _JAX_NOTE
+
+
+def fused_recurrent_kda(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    A_log: jax.Array | None = None,
+    dt_bias: jax.Array | None = None,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    lower_bound: float | None = None,
+    state_v_first: bool = False,
+    cu_seqlens: jax.Array | None = None,
+    **kwargs: Any,
+) -> tuple[jax.Array | None, ...]:
+    if kwargs:
+        check_keywords("fused_recurrent_kda", kwargs, RECURRENT_KEYWORDS)
+    return _call(
+        "fused_recurrent_kda",
+        q,
+        k,
+        v,
+        g,
+        beta,
+        {
+            "A_log": A_log,
+            "dt_bias": dt_bias,
+            "scale": scale,
+            "initial_state": initial_state,
+            "output_final_state": output_final_state,
+            "use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel,
+            "use_gate_in_kernel": use_gate_in_kernel,
+            "use_beta_sigmoid_in_kernel": use_beta_sigmoid_in_kernel,
+            "allow_neg_eigval": allow_neg_eigval,
+            "lower_bound": lower_bound,
+            "state_v_first": state_v_first,
+            "cu_seqlens": cu_seqlens,
+            **kwargs,
+        },
+    )
+
+
+fused_recurrent_kda.__doc__ = RECURRENT_DOC + _JAX_NOTE

@@ -42,8 +42,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as current_d
 from ._backend.expect import backward_follows
 from ._entry import host as _host
 from ._entry.call import Inputs
-from ._entry.fla import FlaCall
-from ._entry.fla_front import CHUNK_DOC, RECURRENT_DOC, fla_function
+from ._entry.fla import CHUNK_KEYWORDS, RECURRENT_KEYWORDS, FlaCall, check_keywords
+from ._entry.fla_front import CHUNK_DOC, RECURRENT_DOC
 from ._errors import InvalidInputError, InvalidTypeError
 from ._options.packing import check_pad_slot_id, check_pool_dtype, num_chunks
 from ._torch.convert import compute_dtype, gate_params, offsets
@@ -166,16 +166,116 @@ def _apply_pool(x: Inputs, cu_seqlens: Any, call: FlaCall, kw: dict[str, Any]):
     return o, pool
 
 
-def _chunk(q, k, v, g, beta, kw: dict[str, Any]):
-    return _call("chunk", q, k, v, g, beta, kw)
+# fla 0.6's signatures, written out (kda._entry.fla.CHUNK_PARAMS, RECURRENT_PARAMS; held to them by
+# tests/entry/test_signatures.py); the docstrings are kda._entry.fla_front's, shared by both adapters
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: Any = None,
+    cp_context: KdaCPContext | None = None,
+    use_graph: bool = False,
+    max_num_seqs: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor | None, ...]:
+    if kwargs:
+        check_keywords("chunk_kda", kwargs, CHUNK_KEYWORDS)
+    return _call(
+        "chunk",
+        q,
+        k,
+        v,
+        g,
+        beta,
+        {
+            "scale": scale,
+            "initial_state": initial_state,
+            "output_final_state": output_final_state,
+            "use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel,
+            "use_gate_in_kernel": use_gate_in_kernel,
+            "use_beta_sigmoid_in_kernel": use_beta_sigmoid_in_kernel,
+            "allow_neg_eigval": allow_neg_eigval,
+            "safe_gate": safe_gate,
+            "lower_bound": lower_bound,
+            "disable_recompute": disable_recompute,
+            "return_intermediate_states": return_intermediate_states,
+            "state_v_first": state_v_first,
+            "cu_seqlens": cu_seqlens,
+            "cu_seqlens_cpu": cu_seqlens_cpu,
+            "cp_context": cp_context,
+            "use_graph": use_graph,
+            "max_num_seqs": max_num_seqs,
+            **kwargs,
+        },
+    )
 
 
-def _recurrent(q, k, v, g, beta, kw: dict[str, Any]):
-    return _call("recurrent", q, k, v, g, beta, kw)
+chunk_kda.__doc__ = CHUNK_DOC.format(array="Tensor", framework="PyTorch")
 
 
-chunk_kda = fla_function("chunk_kda", _chunk, __name__, CHUNK_DOC.format(array="Tensor", framework="PyTorch"))
-fused_recurrent_kda = fla_function("fused_recurrent_kda", _recurrent, __name__, RECURRENT_DOC)
+def fused_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    lower_bound: float | None = None,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor | None, ...]:
+    if kwargs:
+        check_keywords("fused_recurrent_kda", kwargs, RECURRENT_KEYWORDS)
+    return _call(
+        "recurrent",
+        q,
+        k,
+        v,
+        g,
+        beta,
+        {
+            "A_log": A_log,
+            "dt_bias": dt_bias,
+            "scale": scale,
+            "initial_state": initial_state,
+            "output_final_state": output_final_state,
+            "use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel,
+            "use_gate_in_kernel": use_gate_in_kernel,
+            "use_beta_sigmoid_in_kernel": use_beta_sigmoid_in_kernel,
+            "allow_neg_eigval": allow_neg_eigval,
+            "lower_bound": lower_bound,
+            "state_v_first": state_v_first,
+            "cu_seqlens": cu_seqlens,
+            **kwargs,
+        },
+    )
+
+
+fused_recurrent_kda.__doc__ = RECURRENT_DOC
 
 
 def _call(method: str, q, k, v, g, beta, kw: dict[str, Any]):

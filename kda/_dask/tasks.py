@@ -65,7 +65,7 @@ def check_block(
     call = _open(blocks, options, offsets, scan=True)
     x = blocks
     call.check_inputs_finite(q=x.q, k=x.k, v=x.v, g=x.g, beta=x.beta)
-    p = call.p
+    p = call.problem
     for name, a in zip(names, extras, strict=True):
         if name == "states":  # the packed call's [N, HV, K, V] states: every shard reads some rows
             check_array(

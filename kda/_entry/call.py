@@ -108,24 +108,44 @@ class Inputs(NamedTuple):
 
 
 def open_call(
-    q, k, v, g, beta, scale: Any, opts: Choices, *, backend: str | None, chunk_size: Any = None,
-    defer_gate: bool = False, scan: bool = True,
-) -> Call:  # fmt: skip
-    """A public function's call: its arguments and options (the table's ``opts``) as a
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale: Any,
+    choices: Choices,
+    *,
+    backend: str | None,
+    chunk_size: Any = None,
+    defer_gate: bool = False,
+    scan: bool = True,
+) -> Call:
+    """A public function's call: its arguments and options (the table's ``choices``) as a
     :class:`~kda._options.spec.CallSpec` and arrays, through :func:`build_call` (validated).
     ``chunk_size=None``: the step recurrence."""
     spec = CallSpec.from_choices(
-        opts, method="recurrent" if chunk_size is None else "chunk", scale=scale,
-        chunk_size=64 if chunk_size is None else chunk_size, backend=backend,
-    )  # fmt: skip
-    x = Inputs.of(q, k, v, g, beta, opts)
-    return build_call(spec, x, cu_seqlens=opts.cu_seqlens, defer_gate=defer_gate, scan=scan, choices=opts)
+        choices,
+        method="recurrent" if chunk_size is None else "chunk",
+        scale=scale,
+        chunk_size=64 if chunk_size is None else chunk_size,
+        backend=backend,
+    )
+    x = Inputs.of(q, k, v, g, beta, choices)
+    return build_call(
+        spec, x, cu_seqlens=choices.cu_seqlens, defer_gate=defer_gate, scan=scan, choices=choices
+    )
 
 
 def build_call(
-    spec: CallSpec, x: Inputs, *, cu_seqlens: Any = None, defer_gate: bool = False, scan: bool = True,
+    spec: CallSpec,
+    x: Inputs,
+    *,
+    cu_seqlens: Any = None,
+    defer_gate: bool = False,
+    scan: bool = True,
     choices: Choices | None = None,
-) -> Call:  # fmt: skip
+) -> Call:
     """The validating door: check the arrays ``x`` (``q .. beta`` and the gate law's parameters,
     in ``spec.layout``), ``cu_seqlens`` and the ``spec`` and bind them to a core.
 
@@ -140,15 +160,15 @@ def build_call(
     """
     check_choice("method", spec.method, METHODS)
     xp = namespace_of(["q", "k", "v", "g", "beta"], list(x.steps))
-    ops = get_backend(xp, spec.backend)
-    gate_check = ops.launch_gate_check if defer_gate else None
-    if defer_gate and ops.chunk_forward_heads is not None:
+    backend = get_backend(xp, spec.backend)
+    gate_check = backend.launch_gate_check if defer_gate else None
+    if defer_gate and backend.chunk_forward_heads is not None:
         gate_check = partial(ScreenedGate, xp)  # the fused passes screen g (Call._gate_before)
     if choices is None:
         choices = spec.choices(parameters_of(x), cu_seqlens)
     p, options = check_options_call(*x.steps, spec.scale, choices, gate_check, scan)
     chunk_size = check_chunk_size(spec.chunk_size) if spec.method == "chunk" else None
-    return _call(p, options, ops, chunk_size, check=bool(spec.check_finite))
+    return _call(p, options, backend, chunk_size, check=bool(spec.check_finite))
 
 
 def bind_call(spec: CallSpec, x: Inputs, offsets: tuple[int, ...] | None) -> Call:
@@ -163,34 +183,47 @@ def bind_call(spec: CallSpec, x: Inputs, offsets: tuple[int, ...] | None) -> Cal
     if spec.layout != "head_first":
         H, HV, T = q.shape[2], v.shape[2], q.shape[1]
     problem = Problem(
-        xp=xp, B=B, H=H, HV=HV, T=T, K=q.shape[3], V=v.shape[3], dtype=q.dtype, compute_dtype=q.dtype,
-        scale=spec.scale, layout=spec.layout, offsets=offsets,
-    )  # fmt: skip
+        xp=xp,
+        B=B,
+        H=H,
+        HV=HV,
+        T=T,
+        K=q.shape[3],
+        V=v.shape[3],
+        dtype=q.dtype,
+        compute_dtype=q.dtype,
+        scale=spec.scale,
+        layout=spec.layout,
+        offsets=offsets,
+    )
     options = Options(
-        qk_l2norm=spec.qk_l2norm, gate=spec.gate, lower_bound=spec.lower_bound,
-        beta_activation=spec.beta_activation or None, **parameters_of(x),
-    )  # fmt: skip
-    ops = get_backend(xp, spec.backend)
+        qk_l2norm=spec.qk_l2norm,
+        gate=spec.gate,
+        lower_bound=spec.lower_bound,
+        beta_activation=spec.beta_activation or None,
+        **parameters_of(x),
+    )
+    backend = get_backend(xp, spec.backend)
     chunk_size = spec.chunk_size if spec.method == "chunk" else None
-    return _call(problem, options, ops, chunk_size, check=bool(spec.check_finite))
+    return _call(problem, options, backend, chunk_size, check=bool(spec.check_finite))
 
 
-def _call(p: Problem, options: Options, ops: Any, chunk_size: int | None, *, check: bool) -> Call:
+def _call(p: Problem, options: Options, backend: Any, chunk_size: int | None, *, check: bool) -> Call:
     """The one constructor of a :class:`Call`: the problem, its options, the core (the chunked
     form, or the step recurrence for ``chunk_size=None``) and whether to check finiteness."""
     if chunk_size is None:
-        core: Core = RecurrentCore(ops=ops, scale=p.scale)
+        core: Core = RecurrentCore(ops=backend, scale=p.scale)
     else:
-        core = ChunkCore(ops=ops, scale=p.scale, chunk_size=chunk_size)
-    return Call(p=p, options=options, core=core, check=check)
+        core = ChunkCore(ops=backend, scale=p.scale, chunk_size=chunk_size)
+    return Call(problem=p, options=options, core=core, check=check)
 
 
 @dataclass(frozen=True)
 class Call:
-    """One validated call: the problem ``p``, its validated ``options``, its core and whether to
-    check finiteness."""
+    """One validated call: its ``problem`` (sizes, dtypes, namespace, layout, scale, offsets), its
+    validated ``options``, its core and whether to check finiteness."""
 
-    p: Problem
+    problem: Problem
     options: Options
     core: Core
     check: bool
@@ -200,22 +233,22 @@ class Call:
     def packed(self, offsets: tuple[int, ...]) -> Call:
         """This call on one row of packed sequences at host ``offsets`` (``cu_seqlens``): ``B = 1``,
         ``T = offsets[-1]``; the arrays are this call's, reshaped by the caller to one row."""
-        return replace(self, p=replace(self.p, B=1, T=offsets[-1], offsets=tuple(offsets)))
+        return replace(self, problem=replace(self.problem, B=1, T=offsets[-1], offsets=tuple(offsets)))
 
     def segment(self, a: int, b: int) -> Call:
         """This call on steps ``a:b`` of its (unpacked) sequences; the arrays sliced by the caller
         (:meth:`steps`)."""
-        return replace(self, p=replace(self.p, T=b - a, offsets=None))
+        return replace(self, problem=replace(self.problem, T=b - a, offsets=None))
 
     def widened(self, V: int) -> Call:
         """This call with values ``V`` wide (a transition's ``[0, v]``: ``K + V``)."""
-        return replace(self, p=replace(self.p, V=V))
+        return replace(self, problem=replace(self.problem, V=V))
 
     def steps(self, x: Inputs, a: int, b: int) -> Inputs:
         """Steps ``a:b`` of ``x``'s arrays with a time axis (in this call's layout); the rest as they are."""
         t = (
             (slice(None), slice(None), slice(a, b))
-            if self.p.layout == "head_first"
+            if self.problem.layout == "head_first"
             else (slice(None), slice(a, b))
         )
         return x._replace(**{n: getattr(x, n)[t] for n in ("q", "k", "v", "g", "beta")})
@@ -225,11 +258,13 @@ class Call:
         (no element-wise map of an option, ``HV == H``, the inputs' dtype the compute dtype), so
         results and buffers can be written straight into the caller's arrays. ``packed=False``:
         also no packed sequences."""
-        p = self.p
+        p = self.problem
         return (
-            self.options.is_identity and p.H == p.HV and p.dtype == p.compute_dtype
+            self.options.is_identity
+            and p.H == p.HV
+            and p.dtype == p.compute_dtype
             and (packed or p.offsets is None)
-        )  # fmt: skip
+        )
 
     # --- checks of the other arguments
 
@@ -249,7 +284,7 @@ class Call:
         log_input = self.options.law.log_input
         for name, x in arrays.items():
             if not (name == "g" and log_input):
-                _check_finite(self.p.xp, name, x)
+                _check_finite(self.problem.xp, name, x)
 
     def _check_before(self, arrays: dict | None, screen: Any) -> None:
         """Refuse NaN / inf in ``arrays`` now, but for those a fused pass screens (``screen``)."""
@@ -262,17 +297,17 @@ class Call:
     def _gate_before(self, screen: Any) -> None:
         """Check ``g <= 0`` on the host now where validation left it to a fused pass that this
         call will not run with a screen (:class:`~kda._options.validation.ScreenedGate`)."""
-        if screen is None and isinstance(self.p.gate_flags, ScreenedGate):
-            self.p.gate_flags.raise_if_bad()
+        if screen is None and isinstance(self.problem.gate_flags, ScreenedGate):
+            self.problem.gate_flags.raise_if_bad()
 
     def _screen_sums(self, screen: Any) -> tuple[float, float] | None:
         """A fused pass's ``screen`` summed over heads (None: not screened); a clean input column
         settles a gate check left to the pass (:meth:`_gate_before`)."""
         if screen is None:
             return None
-        seen_in, seen_out = (float(x) for x in self.p.xp.sum(screen, axis=0))
-        if math.isfinite(seen_in) and isinstance(self.p.gate_flags, ScreenedGate):
-            self.p.gate_flags.settle()
+        seen_in, seen_out = (float(x) for x in self.problem.xp.sum(screen, axis=0))
+        if math.isfinite(seen_in) and isinstance(self.problem.gate_flags, ScreenedGate):
+            self.problem.gate_flags.settle()
         return seen_in, seen_out
 
     def _results_finite(self, arrays: dict | None, sums: tuple[float, float] | None) -> bool:
@@ -289,52 +324,64 @@ class Call:
     def _screen(self, q: Any) -> Any:
         """A zeroed float64 ``[B * HV, 2]`` screen for the core's fused pass (head-first ``q``), or
         None where the call does not check or the core does not screen (packed sequences too)."""
-        if not self.check or self.p.offsets is not None or not self.core.screens(q):
+        if not self.check or self.problem.offsets is not None or not self.core.screens(q):
             return None
-        return self.p.xp.zeros((q.shape[0] * q.shape[1], 2), dtype=self.p.xp.float64)
+        return self.problem.xp.zeros((q.shape[0] * q.shape[1], 2), dtype=self.problem.xp.float64)
 
     def state_or_zeros(self, name: str, state: Any) -> Any:
         """A checked ``[N, HV, K, V]`` state, or zeros for None."""
-        state = check_state(name, state, self.p)
+        state = check_state(name, state, self.problem)
         return self.zero_state() if state is None else state
 
     def zero_state(self) -> Any:
         """Zeros ``[N, HV, K, V]`` in the compute dtype."""
-        p = self.p
+        p = self.problem
         return p.xp.zeros((p.N, p.HV, p.K, p.V), dtype=p.compute_dtype)
 
     def grad_output(self, grad_output: Any, check: bool = True) -> Any:
         """The output gradient (checked unless ``check=False``), head-first in the compute dtype."""
-        p = self.p
+        p = self.problem
         if check:
             shape, letters = p.shape(p.HV, p.V), p.letters("HV", "V")
             check_array("grad_output", grad_output, p, shape, letters, p.dtype, "the dtype of q")
         return head_first(p.xp, p.xp.astype(grad_output, p.compute_dtype, copy=False), p.layout)
 
     def boundaries_shape(self) -> tuple[int, ...]:
-        p = self.p
+        p = self.problem
         return (p.num_chunks(self.core.chunk_size), p.B, p.HV, p.K, p.V)
 
     def check_boundaries(self, boundaries: Any) -> None:
         if boundaries is not None:
             why = STATE_DTYPE_RULE
-            check_array("boundaries", boundaries, self.p, self.boundaries_shape(), "NT, B, HV, K, V",
-                        self.p.compute_dtype, why)  # fmt: skip
+            check_array(
+                "boundaries",
+                boundaries,
+                self.problem,
+                self.boundaries_shape(),
+                "NT, B, HV, K, V",
+                self.problem.compute_dtype,
+                why,
+            )
 
     # --- the computation
 
     def core_inputs(self, x: Inputs) -> CoreInputs:
         """The core's inputs from ``x.q .. x.beta``: head-first, in the compute dtype, with every
         option applied."""
-        p, xp = self.p, self.p.xp
+        p, xp = self.problem, self.problem.xp
         arrays = [head_first(xp, xp.astype(a, p.compute_dtype, copy=False), p.layout) for a in x.steps]
         with floating_point_quiet(xp):
             return prepare_core_inputs(xp, *arrays, self.options, p.HV)
 
     def forward(
-        self, inputs: Inputs, state: Any, keep: bool, *, out: KdaOutput | None = None,
+        self,
+        inputs: Inputs,
+        state: Any,
+        keep: bool,
+        *,
+        out: KdaOutput | None = None,
         check_inputs: dict | None = None,
-    ) -> KdaOutput:  # fmt: skip
+    ) -> KdaOutput:
         """The forward of the raw ``inputs`` (``q .. beta`` read) from ``state``.
 
         ``out``: a :class:`KdaOutput` of buffers (the output's dtype and layout; states in the
@@ -345,7 +392,7 @@ class Call:
         and the results are read off its fused pass instead of passes of their own, and looked at
         again, for the message, only when it saw a non-finite value.
         """
-        p, xp = self.p, self.p.xp
+        p, xp = self.problem, self.problem.xp
         core_in = self.core_inputs(inputs)
         screen = self._screen(core_in.q) if check_inputs is not None and out is None else None
         self._check_before(check_inputs, screen)
@@ -353,14 +400,24 @@ class Call:
         direct = out is not None and p.dtype == p.compute_dtype
         bufs = None
         if direct:
-            bufs = KdaOutput(output=head_first(xp, out.output, p.layout), final_state=out.final_state,
-                           boundaries=out.boundaries)  # fmt: skip
+            bufs = KdaOutput(
+                output=head_first(xp, out.output, p.layout),
+                final_state=out.final_state,
+                boundaries=out.boundaries,
+            )
         with floating_point_quiet(xp):
             if p.offsets is None:
                 output, final, boundaries = self.core.forward(
-                    core_in.q, core_in.k, core_in.v, core_in.g, core_in.beta, state, keep=keep, out=bufs,
+                    core_in.q,
+                    core_in.k,
+                    core_in.v,
+                    core_in.g,
+                    core_in.beta,
+                    state,
+                    keep=keep,
+                    out=bufs,
                     screen=screen,
-                )  # fmt: skip
+                )
             else:
                 output, final, boundaries = run_packed_forward(
                     self.core, xp, core_in, state, p.offsets, keep=keep, out=bufs
@@ -378,9 +435,17 @@ class Call:
         return out
 
     def backward(
-        self, inputs: Inputs, state: Any, boundaries: Any, do: Any, dfinal: Any, *,
-        out: KdaGradients | None = None, workspace: Any = None, check_inputs: dict | None = None,
-    ) -> KdaGradients:  # fmt: skip
+        self,
+        inputs: Inputs,
+        state: Any,
+        boundaries: Any,
+        do: Any,
+        dfinal: Any,
+        *,
+        out: KdaGradients | None = None,
+        workspace: Any = None,
+        check_inputs: dict | None = None,
+    ) -> KdaGradients:
         """Gradients of the raw ``inputs`` (``q .. beta``, ``A_log`` and ``dt_bias`` read;
         ``initial_state`` is ``state``).
 
@@ -390,7 +455,7 @@ class Call:
         gradients and are returned; ``workspace`` holds recomputed boundaries on the way.
         ``check_inputs``: as for :meth:`forward`.
         """
-        p, xp, options = self.p, self.p.xp, self.options
+        p, xp, options = self.problem, self.problem.xp, self.options
         core_in = self.core_inputs(inputs)
         screen = self._screen(core_in.q) if check_inputs is not None and out is None else None
         self._check_before(check_inputs, screen)
@@ -405,9 +470,19 @@ class Call:
         with floating_point_quiet(xp):
             if p.offsets is None:
                 grads = self.core.backward(
-                    core_in.q, core_in.k, core_in.v, core_in.g, core_in.beta, state, boundaries, do, dfinal,
-                    out=bufs, workspace=workspace, screen=screen,
-                )  # fmt: skip
+                    core_in.q,
+                    core_in.k,
+                    core_in.v,
+                    core_in.g,
+                    core_in.beta,
+                    state,
+                    boundaries,
+                    do,
+                    dfinal,
+                    out=bufs,
+                    workspace=workspace,
+                    screen=screen,
+                )
             else:
                 grads = run_packed_backward(
                     self.core, xp, core_in, state, boundaries, do, dfinal, p.offsets, out=bufs
@@ -437,12 +512,12 @@ class Call:
 
     def end_state(self, core_in: CoreInputs, start: Any) -> Any:
         """The state after the core inputs ``core_in`` from ``start`` (no outputs formed)."""
-        with floating_point_quiet(self.p.xp):
+        with floating_point_quiet(self.problem.xp):
             return self.core.end_state(core_in.q, core_in.k, core_in.v, core_in.g, core_in.beta, start)
 
     def state_gradient(self, core_in: CoreInputs, do: Any) -> Any:
         """The start-state gradient when the end-state gradient is zero."""
-        with floating_point_quiet(self.p.xp):
+        with floating_point_quiet(self.problem.xp):
             return self.core.state_gradient(core_in.q, core_in.k, core_in.v, core_in.g, core_in.beta, do)
 
 

@@ -199,7 +199,7 @@ def forward_map(p: Partition, x: Any, opts: Any, dtype: Any) -> Any:
     sequence (nobody reads the map).
     """
     call, x = _opened(p, x, opts)
-    xp, HV, K, V = call.p.xp, call.p.HV, call.p.K, call.p.V
+    xp, HV, K, V = call.problem.xp, call.problem.HV, call.problem.K, call.problem.V
     if p.post_num_ranks == 0:
         return xp.zeros((HV, K, K + V), dtype=dtype)
     a, b = p.local_offsets[-2], p.local_offsets[-1]
@@ -272,7 +272,7 @@ def backward_map(p: Partition, x: Any, do: Any, opts: Any, dtype: Any, own_map: 
     first segment is also the last). Zeros when the sequence started on this rank.
     """
     call, x = _opened(p, x, opts)
-    xp, HV, K, V = call.p.xp, call.p.HV, call.p.K, call.p.V
+    xp, HV, K, V = call.problem.xp, call.problem.HV, call.problem.K, call.problem.V
     if p.pre_num_ranks == 0:
         return xp.zeros((HV, K, K + V), dtype=dtype)
     a, b = p.local_offsets[0], p.local_offsets[1]
@@ -314,7 +314,7 @@ def backward_local(
     on rank 0), zeros elsewhere. ``A_log``, ``dt_bias``: this rank's share.
     """
     call, x = _opened(p, x, opts)
-    xp = call.p.xp
+    xp = call.problem.xp
     grads = call.backward(x, starts, boundaries, call.grad_output(do, check=False), dends)
     local = grads.initial_state
     share = xp.zeros((p.num_seqs, *local.shape[1:]), dtype=local.dtype)

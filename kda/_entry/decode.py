@@ -31,7 +31,7 @@ from .._options.arguments import check_array
 from .._options.checks import warn_if_diverged
 from .._options.maps import head_first
 from .._options.packing import PADDING, Slots, check_pad_slot_id, check_pool, check_slots
-from .._options.table import Array, Choices, takes_options
+from .._options.table import Array, Choices
 from .._options.validation import check_state
 from .call import Call, Inputs, KdaOutput, open_call
 from .decode_numpy import numpy_route as _numpy_route
@@ -49,7 +49,7 @@ def _run(
     v_first: bool = False,
 ) -> Any:  # fmt: skip
     """The general route: options mapped, the backend's kernel, the output in the caller's layout."""
-    p, xp = call.p, call.p.xp
+    p, xp = call.problem, call.problem.xp
     c = call.core_inputs(inputs)
     ops = call.core.ops
     o = ops.decode_forward(c.q, c.k, c.v, c.g, c.beta, pool, slots.start, slots.dest, scale=p.scale,
@@ -64,10 +64,63 @@ def _run(
 
 
 def _decode_kda(
-    q: Array, k: Array, v: Array, g: Array, beta: Array, state_pool: Array, state_indices: Array, *,
-    num_accepted_tokens: Array | None = None, state_v_first: bool = False, pad_slot_id: int = PADDING,
-    scale: float | None = None, backend: str | None = None, opts: Choices,
-) -> Any:  # fmt: skip
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    beta: Array,
+    state_pool: Array,
+    state_indices: Array,
+    *,
+    num_accepted_tokens: Array | None,
+    state_v_first: bool,
+    pad_slot_id: int,
+    scale: float | None,
+    backend: str | None,
+    opts: Choices,
+) -> Any:
+    """:func:`decode_kda` with the options gathered (``opts``): what the public function and the
+    fla-style adapters' pool calls (:func:`kda._entry.host.decode`) run."""
+    if opts.cu_seqlens is None and (state_v_first is False or state_v_first is True):
+        out = _numpy_route(q, k, v, g, beta, state_pool, state_indices, scale=scale, backend=backend,
+                           opts=opts, num_accepted_tokens=num_accepted_tokens, v_first=state_v_first,
+                           pad=pad_slot_id)  # fmt: skip
+        if out is not None:
+            return out
+    call = open_call(q, k, v, g, beta, scale, opts, backend=backend)
+    p = call.problem
+    v_first = check_state_v_first(state_v_first)
+    P = check_pool(state_pool, p, v_first)
+    pad = check_pad_slot_id(pad_slot_id, P)
+    slots = check_slots(state_indices, num_accepted_tokens, p.N, p.T, p.offsets, P, pad)
+    call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta)
+    return _run(call, Inputs(q, k, v, g, beta), state_pool, slots, v_first=v_first)
+
+
+def decode_kda(
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    beta: Array,
+    state_pool: Array,
+    state_indices: Array,
+    *,
+    num_accepted_tokens: Array | None = None,
+    state_v_first: bool = False,
+    pad_slot_id: int = PADDING,
+    scale: float | None = None,
+    backend: str | None = None,
+    layout: str = "head_first",
+    qk_l2norm: bool = False,
+    gate: str = "log",
+    A_log: Array | None = None,
+    dt_bias: Array | None = None,
+    lower_bound: float | None = None,
+    beta_activation: str | None = None,
+    cu_seqlens: Array | None = None,
+    check_finite: bool = True,
+) -> Any:
     """A few KDA steps of a batch of requests, each continuing a state held in a pool row.
 
     With 1-D ``state_indices``, request ``n`` starts from ``state_pool[state_indices[n]]``, runs
@@ -116,7 +169,34 @@ def _decode_kda(
         Query scale; default ``K ** -0.5``.
     backend : {None, "reference", "cpu", "cuda"}
         ``None`` picks from the arrays' namespace; CuPy arrays run one CUDA kernel.
-    {options}
+    layout : {"head_first", "time_major"}, default "head_first"
+        ``"time_major"`` takes and returns ``[B, T, heads, ...]`` arrays. States are always
+        ``[B, HV, K, V]``, boundaries ``[NT, B, HV, K, V]``.
+    qk_l2norm : bool, default False
+        Replace q and k by ``x / sqrt(sum(x**2, over K) + 1e-6)`` per step and head.
+    gate : {"log", "softplus", "lower_bound"}, default "log"
+        The gate law (:mod:`kda._options.gates`), the log decay from ``g``: ``"log"``: ``g`` itself;
+        ``"softplus"``: ``-exp(A_log[h]) * softplus(g + dt_bias[h])``; ``"lower_bound"``:
+        ``lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias[h]))`` (factor 1 when ``A_log`` is
+        None).
+    A_log : Array | None, default None
+        shape ``[HV]``. Required for ``"softplus"``, optional for ``"lower_bound"``, refused
+        for ``"log"``.
+    dt_bias : Array | None, default None
+        shape ``[HV, K]``. Gate bias (zeros when None); refused for ``"log"``.
+    lower_bound : float | None, default None
+        A float < 0, required for ``"lower_bound"`` only.
+    beta_activation : {None, "sigmoid", "sigmoid2"}, default None
+        Use ``beta``, ``sigmoid(beta)`` or ``2 * sigmoid(beta)`` (negative eigenvalues allowed).
+    cu_seqlens : Array | None, default None
+        1-D integer array of ``N + 1`` offsets. With ``B == 1``: the row holds ``N``
+        independent sequences, sequence ``i`` at steps ``cu_seqlens[i]:cu_seqlens[i + 1]``;
+        states are ``[N, HV, K, V]``, boundaries ``[NT, 1, HV, K, V]`` with
+        ``NT = sum(ceil(len_i / C))``, in sequence order.
+    check_finite : bool, default True
+        Refuse NaN or infinite inputs (``-inf`` stays legal in a log gate) with
+        :class:`~kda.InvalidInputError`, and warn with :class:`~kda.KdaWarning` when finite
+        inputs give non-finite results (the delta rule diverged). False skips both.
         (``check_finite`` scans the inputs, not the pool: that would read every row.)
 
     Returns
@@ -132,20 +212,32 @@ def _decode_kda(
     InvalidTypeError
         Wrong dtypes (the pool must be the compute dtype) or array types.
     """
-    if opts.cu_seqlens is None and (state_v_first is False or state_v_first is True):
-        out = _numpy_route(q, k, v, g, beta, state_pool, state_indices, scale=scale, backend=backend,
-                           opts=opts, num_accepted_tokens=num_accepted_tokens, v_first=state_v_first,
-                           pad=pad_slot_id)  # fmt: skip
-        if out is not None:
-            return out
-    call = open_call(q, k, v, g, beta, scale, opts, backend=backend)
-    p = call.p
-    v_first = check_state_v_first(state_v_first)
-    P = check_pool(state_pool, p, v_first)
-    pad = check_pad_slot_id(pad_slot_id, P)
-    slots = check_slots(state_indices, num_accepted_tokens, p.N, p.T, p.offsets, P, pad)
-    call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta)
-    return _run(call, Inputs(q, k, v, g, beta), state_pool, slots, v_first=v_first)
+    choices = Choices(
+        layout=layout,
+        qk_l2norm=qk_l2norm,
+        gate=gate,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+        beta_activation=beta_activation,
+        cu_seqlens=cu_seqlens,
+        check_finite=check_finite,
+    )
+    return _decode_kda(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        state_pool,
+        state_indices,
+        num_accepted_tokens=num_accepted_tokens,
+        state_v_first=state_v_first,
+        pad_slot_id=pad_slot_id,
+        scale=scale,
+        backend=backend,
+        opts=choices,
+    )
 
 
 _ROWS: dict[int, Slots] = {}  # N -> request n on row n (arange(N), int64, read-only): decode_states
@@ -164,9 +256,18 @@ def _rows(N: int) -> Slots:
 
 
 def _decode_states(
-    q: Array, k: Array, v: Array, g: Array, beta: Array, initial_state: Array | None = None, *,
-    state_v_first: bool = False, scale: float | None = None, backend: str | None = None, opts: Choices,
-) -> KdaOutput:  # fmt: skip
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    beta: Array,
+    initial_state: Array | None,
+    *,
+    state_v_first: bool,
+    scale: float | None,
+    backend: str | None,
+    opts: Choices,
+) -> KdaOutput:
     """:func:`kda.recurrent_kda`'s forward through the decode kernel: ``(output, final_state, None)``.
 
     Request ``n`` (batch row, or packed sequence with ``cu_seqlens``) starts from
@@ -191,7 +292,7 @@ def _decode_states(
             if out is not None:
                 return KdaOutput(out, final, None)
     call = open_call(q, k, v, g, beta, scale, opts, backend=backend)
-    p, xp = call.p, call.p.xp
+    p, xp = call.problem, call.problem.xp
     v_first = check_state_v_first(state_v_first)
     call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta)
     shape = (p.N, p.HV, p.V, p.K) if v_first else (p.N, p.HV, p.K, p.V)
@@ -209,7 +310,48 @@ def _decode_states(
     return KdaOutput(o, final, None)
 
 
-# the public entry points; their bodies (which take the options as one Choices) are what the
-# fla-style adapters' host layer calls
-decode_kda = takes_options(name="decode_kda")(_decode_kda)
-decode_states = takes_options(name="decode_states")(_decode_states)
+def decode_states(
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    beta: Array,
+    initial_state: Array | None = None,
+    *,
+    state_v_first: bool = False,
+    scale: float | None = None,
+    backend: str | None = None,
+    layout: str = "head_first",
+    qk_l2norm: bool = False,
+    gate: str = "log",
+    A_log: Array | None = None,
+    dt_bias: Array | None = None,
+    lower_bound: float | None = None,
+    beta_activation: str | None = None,
+    cu_seqlens: Array | None = None,
+    check_finite: bool = True,
+) -> KdaOutput:
+    """:func:`_decode_states` with the options as keywords (those of :func:`decode_kda`)."""
+    choices = Choices(
+        layout=layout,
+        qk_l2norm=qk_l2norm,
+        gate=gate,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+        beta_activation=beta_activation,
+        cu_seqlens=cu_seqlens,
+        check_finite=check_finite,
+    )
+    return _decode_states(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state,
+        state_v_first=state_v_first,
+        scale=scale,
+        backend=backend,
+        opts=choices,
+    )

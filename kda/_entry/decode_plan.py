@@ -13,7 +13,7 @@ from .._errors import InvalidInputError
 from .._options.arguments import c_contiguous, check_array
 from .._options.maps import head_first
 from .._options.packing import PADDING, SMALL, Slots, _check_rows, check_pad_slot_id, check_pool, check_slots
-from .._options.table import Array, Choices, takes_options
+from .._options.table import Array, Choices
 from .._options.validation import recheck_gate
 from .call import Call, Inputs, open_call
 from .decode import _run
@@ -43,7 +43,7 @@ class DecodePlan:
     pad: int = PADDING  # pad_slot_id
 
     def __post_init__(self) -> None:
-        p, xp = self.call.p, self.call.p.xp
+        p, xp = self.call.problem, self.call.problem.xp
         # what runs read: head-first views of the bound buffers (valid while they are refilled)
         self._views = tuple(head_first(xp, x, p.layout) for x in self.inputs.steps)
         self._buffer = head_first(xp, self.out, p.layout)
@@ -61,7 +61,7 @@ class DecodePlan:
         ``num_accepted_tokens``: range, repeats, counts; O(N T), the pool is not read) and, for
         a log gate on host arrays, ``max(g) <= 0``. Shapes, dtypes and options are not re-checked.
         """
-        p = self.call.p
+        p = self.call.problem
         if self._rows is not None and p.N <= SMALL:
             _check_rows(
                 "state_indices", self._rows.start.tolist(), self.P, "two requests cannot share a state"
@@ -83,7 +83,7 @@ class DecodePlan:
         return self.out
 
     def _recheck_gate(self) -> None:
-        recheck_gate(self.call.options, self.call.p.xp, self.inputs.g)
+        recheck_gate(self.call.options, self.call.problem.xp, self.inputs.g)
 
 
 def _is_int64_vector(x: Any, N: int) -> bool:
@@ -92,12 +92,31 @@ def _is_int64_vector(x: Any, N: int) -> bool:
     return type(x) is np.ndarray and x.dtype == np.int64 and x.shape == (N,) and c_contiguous(x)
 
 
-@takes_options()
 def prepare_decode_kda(
-    q: Array, k: Array, v: Array, g: Array, beta: Array, state_pool: Array, state_indices: Array, *,
-    num_accepted_tokens: Array | None = None, state_v_first: bool = False, pad_slot_id: int = PADDING,
-    out: Array | None = None, scale: float | None = None, backend: str | None = None, opts: Choices,
-) -> DecodePlan:  # fmt: skip
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    beta: Array,
+    state_pool: Array,
+    state_indices: Array,
+    *,
+    num_accepted_tokens: Array | None = None,
+    state_v_first: bool = False,
+    pad_slot_id: int = PADDING,
+    out: Array | None = None,
+    scale: float | None = None,
+    backend: str | None = None,
+    layout: str = "head_first",
+    qk_l2norm: bool = False,
+    gate: str = "log",
+    A_log: Array | None = None,
+    dt_bias: Array | None = None,
+    lower_bound: float | None = None,
+    beta_activation: str | None = None,
+    cu_seqlens: Array | None = None,
+    check_finite: bool = True,
+) -> DecodePlan:
     """Validate a :func:`decode_kda` call once and bind its arrays: ``plan.run()`` runs it again.
 
     The arguments are those of :func:`decode_kda`, plus ``out``: a writable output buffer
@@ -114,14 +133,52 @@ def prepare_decode_kda(
         As for :func:`decode_kda` (and ``backend``); the inputs must be C-contiguous.
     out : array, optional
         The output buffer.
-    {options}
+    layout : {"head_first", "time_major"}, default "head_first"
+        ``"time_major"`` takes and returns ``[B, T, heads, ...]`` arrays. States are always
+        ``[B, HV, K, V]``, boundaries ``[NT, B, HV, K, V]``.
+    qk_l2norm : bool, default False
+        Replace q and k by ``x / sqrt(sum(x**2, over K) + 1e-6)`` per step and head.
+    gate : {"log", "softplus", "lower_bound"}, default "log"
+        The gate law (:mod:`kda._options.gates`), the log decay from ``g``: ``"log"``: ``g`` itself;
+        ``"softplus"``: ``-exp(A_log[h]) * softplus(g + dt_bias[h])``; ``"lower_bound"``:
+        ``lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias[h]))`` (factor 1 when ``A_log`` is
+        None).
+    A_log : Array | None, default None
+        shape ``[HV]``. Required for ``"softplus"``, optional for ``"lower_bound"``, refused
+        for ``"log"``.
+    dt_bias : Array | None, default None
+        shape ``[HV, K]``. Gate bias (zeros when None); refused for ``"log"``.
+    lower_bound : float | None, default None
+        A float < 0, required for ``"lower_bound"`` only.
+    beta_activation : {None, "sigmoid", "sigmoid2"}, default None
+        Use ``beta``, ``sigmoid(beta)`` or ``2 * sigmoid(beta)`` (negative eigenvalues allowed).
+    cu_seqlens : Array | None, default None
+        1-D integer array of ``N + 1`` offsets. With ``B == 1``: the row holds ``N``
+        independent sequences, sequence ``i`` at steps ``cu_seqlens[i]:cu_seqlens[i + 1]``;
+        states are ``[N, HV, K, V]``, boundaries ``[NT, 1, HV, K, V]`` with
+        ``NT = sum(ceil(len_i / C))``, in sequence order.
+    check_finite : bool, default True
+        Refuse NaN or infinite inputs (``-inf`` stays legal in a log gate) with
+        :class:`~kda.InvalidInputError`, and warn with :class:`~kda.KdaWarning` when finite
+        inputs give non-finite results (the delta rule diverged). False skips both.
 
     Returns
     -------
     DecodePlan
     """
-    call = open_call(q, k, v, g, beta, scale, opts, backend=backend)
-    p = call.p
+    choices = Choices(
+        layout=layout,
+        qk_l2norm=qk_l2norm,
+        gate=gate,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+        beta_activation=beta_activation,
+        cu_seqlens=cu_seqlens,
+        check_finite=check_finite,
+    )
+    call = open_call(q, k, v, g, beta, scale, choices, backend=backend)
+    p = call.problem
     v_first = check_state_v_first(state_v_first)
     P = check_pool(state_pool, p, v_first)
     pad = check_pad_slot_id(pad_slot_id, P)

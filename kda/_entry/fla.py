@@ -119,9 +119,10 @@ KEYWORD_TABLE: dict[str, tuple[str, str]] = {
 # fused_recurrent_kda's pool keywords (vLLM's): refused by chunk_kda
 DECODE_KEYWORDS = ("ssm_state_indices", "num_accepted_tokens", "inplace_final_state", "pad_slot_id")
 
-# fla 0.6's named parameters after ``q, k, v, g, beta``, in its order, with their defaults; the
-# adapters' signatures are generated from these (:func:`kda._entry.fla_front.fla_function`).
-# Keywords fla reads from ``**kwargs`` are the rest of KEYWORD_TABLE.
+# fla 0.6's named parameters after ``q, k, v, g, beta``, in its order, with their defaults: the
+# adapters' functions (kda.torch's and kda.jax's chunk_kda, fused_recurrent_kda) write them out,
+# and tests/entry/test_signatures.py holds their signatures to these. Keywords fla reads from
+# ``**kwargs`` are the rest of KEYWORD_TABLE.
 CHUNK_PARAMS: tuple[tuple[str, Any], ...] = (
     ("scale", None), ("initial_state", None), ("output_final_state", False),
     ("use_qk_l2norm_in_kernel", False), ("use_gate_in_kernel", False), ("use_beta_sigmoid_in_kernel", False),
@@ -146,10 +147,6 @@ RECURRENT_KEYWORDS = frozenset(
     {*(n for n, _ in RECURRENT_PARAMS), "transpose_state_layout", "gate", *RECURRENT_NO_EFFECT,
      *DECODE_KEYWORDS}
 )  # fmt: skip
-SIGNATURES = {
-    "chunk_kda": (CHUNK_PARAMS, CHUNK_KEYWORDS),
-    "fused_recurrent_kda": (RECURRENT_PARAMS, RECURRENT_KEYWORDS),
-}
 
 
 class OpOptions(NamedTuple):

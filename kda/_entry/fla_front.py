@@ -1,14 +1,10 @@
-"""The fla-style functions of the adapters (:mod:`kda.torch`, :mod:`kda.jax`): fla 0.6's exact
-signatures, generated from the parameter declarations of :mod:`kda._entry.fla`, and their
-docstrings."""
+"""The docstrings of the fla-style functions of the adapters (:func:`kda.torch.chunk_kda`,
+:func:`kda.torch.fused_recurrent_kda` and :mod:`kda.jax`'s), which write out fla 0.6's exact
+signatures (:data:`kda._entry.fla.CHUNK_PARAMS`, :data:`~kda._entry.fla.RECURRENT_PARAMS`)."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from .fla import SIGNATURES, check_keywords
-
-__all__ = ["CHUNK_DOC", "RECURRENT_DOC", "fla_function"]
+__all__ = ["CHUNK_DOC", "RECURRENT_DOC"]
 
 CHUNK_DOC = """KDA, chunked, differentiable; fla 0.6's ``fla.ops.kda.chunk_kda`` signature and semantics
 ({framework}).
@@ -70,27 +66,3 @@ RECURRENT_DOC = """KDA step by step (:func:`kda.recurrent_kda`), differentiable;
     fla's), the final state float32 (float64 for float64 inputs). Unlike fla's, this one has a
     backward (:func:`kda.recurrent_kda_backward`).
     """
-
-
-def fla_function(name: str, call: Any, module: str, doc: str) -> Any:
-    """fla's ``name`` (``"chunk_kda"`` or ``"fused_recurrent_kda"``) with its exact signature.
-
-    The function is generated from :data:`CHUNK_PARAMS` / :data:`RECURRENT_PARAMS` as plain
-    Python (``torch.compile`` traces it): it collects the named parameters and the extra
-    keywords, refuses unknown keywords with ``TypeError`` and calls
-    ``call(q, k, v, g, beta, keywords)``.
-    """
-    params, allowed = SIGNATURES[name]
-    named = ", ".join(f"{n}={d!r}" for n, d in params)
-    collected = ", ".join(f"{n!r}: {n}" for n, _ in params)
-    source = (
-        f"def {name}(q, k, v, g, beta, {named}, **kwargs):\n"
-        f"    if kwargs:\n"
-        f"        _check(_name, kwargs, _allowed)\n"
-        f"    return _call(q, k, v, g, beta, {{{collected}, **kwargs}})\n"
-    )
-    namespace = {"_check": check_keywords, "_name": name, "_allowed": allowed, "_call": call}
-    exec(compile(source, f"<kda.fla {name}>", "exec"), namespace)
-    function = namespace[name]
-    function.__module__, function.__qualname__, function.__doc__ = module, name, doc
-    return function

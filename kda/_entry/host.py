@@ -223,7 +223,8 @@ def backward(
     else:
         NT = boundaries.shape[0] if offsets is None else num_chunks(static.chunk_size, offsets=offsets)
         boundaries = boundaries[:NT, ...]
-        if dboundaries is not None and bool(call.p.xp.any(dboundaries[:NT, ...])):  # they reached the loss
+        # the chunk-start states' gradients reached the loss
+        if dboundaries is not None and bool(call.problem.xp.any(dboundaries[:NT, ...])):
             dboundaries = dboundaries[:NT, ...]
             call.check_finite(grad_output=do, grad_final_state=dfinal, grad_boundaries=dboundaries)
             return functools.partial(

@@ -36,7 +36,7 @@ import array_api_compat
 from .._errors import InvalidInputError, InvalidTypeError
 from .._options.gates import PARAMETER_NAMES, PARAMETERS
 from .._options.maps import Options, head_first
-from .._options.table import Array, Choices, takes_options
+from .._options.table import Array, Choices
 from .._options.validation import STATE_DTYPE_RULE, Problem, c_contiguous, check_array, recheck_gate
 from .call import Call, Inputs, KdaGradients, KdaOutput, open_call
 
@@ -96,7 +96,7 @@ class _Runner:
 
     @property
     def xp(self) -> Any:
-        return self.call.p.xp
+        return self.call.problem.xp
 
     def recheck_gate(self) -> None:
         """``max(g) <= 0`` on host arrays with a log gate (see the module notes)."""
@@ -177,7 +177,7 @@ class BackwardPlan:
         return self.out
 
     def _compute(self) -> None:
-        r, p = self._r, self._r.call.p
+        r, p = self._r, self._r.call.problem
         boundaries, do, dfinal = self._bound
         do = head_first(r.xp, r.xp.astype(do, p.compute_dtype, copy=False), p.layout)
         r.call.backward(r.inputs, r.state, boundaries, do, dfinal, out=self.out, workspace=self._workspace)
@@ -192,16 +192,33 @@ def _prepare(q, k, v, g, beta, scale, chunk_size, backend, initial_state, opts: 
     state = call.state_or_zeros("initial_state", initial_state)
     call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
     # refuses pair matrices that cannot fit
-    call.core.route(head_first(call.p.xp, q, call.p.layout))
+    call.core.route(head_first(call.problem.xp, q, call.problem.layout))
     return replace(call, check=False), state
 
 
-@takes_options()
 def prepare_chunk_kda(
-    q: Array, k: Array, v: Array, g: Array, beta: Array, *, initial_state: Array | None = None,
-    out: KdaOutput | None = None, scale: float | None = None, chunk_size: int = 64,
-    save_boundaries: bool = False, backend: str | None = None, opts: Choices,
-) -> ForwardPlan:  # fmt: skip
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    beta: Array,
+    *,
+    initial_state: Array | None = None,
+    out: KdaOutput | None = None,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    save_boundaries: bool = False,
+    backend: str | None = None,
+    layout: str = "head_first",
+    qk_l2norm: bool = False,
+    gate: str = "log",
+    A_log: Array | None = None,
+    dt_bias: Array | None = None,
+    lower_bound: float | None = None,
+    beta_activation: str | None = None,
+    cu_seqlens: Array | None = None,
+    check_finite: bool = True,
+) -> ForwardPlan:
     """Prepare :func:`kda.chunk_kda` on bound arrays, to run many times.
 
     The arguments are those of :func:`kda.chunk_kda` (validated here, once, with the same
@@ -216,7 +233,34 @@ def prepare_chunk_kda(
         ``final_state`` (``[B, HV, K, V]``, ``[N, HV, K, V]`` with ``cu_seqlens``) and
         ``boundaries`` (``[NT, B, HV, K, V]``, required with ``save_boundaries=True``, filled
         whenever given); states float32 (float64 for float64 inputs). None: the plan allocates.
-    {options}
+    layout : {"head_first", "time_major"}, default "head_first"
+        ``"time_major"`` takes and returns ``[B, T, heads, ...]`` arrays. States are always
+        ``[B, HV, K, V]``, boundaries ``[NT, B, HV, K, V]``.
+    qk_l2norm : bool, default False
+        Replace q and k by ``x / sqrt(sum(x**2, over K) + 1e-6)`` per step and head.
+    gate : {"log", "softplus", "lower_bound"}, default "log"
+        The gate law (:mod:`kda._options.gates`), the log decay from ``g``: ``"log"``: ``g`` itself;
+        ``"softplus"``: ``-exp(A_log[h]) * softplus(g + dt_bias[h])``; ``"lower_bound"``:
+        ``lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias[h]))`` (factor 1 when ``A_log`` is
+        None).
+    A_log : Array | None, default None
+        shape ``[HV]``. Required for ``"softplus"``, optional for ``"lower_bound"``, refused
+        for ``"log"``.
+    dt_bias : Array | None, default None
+        shape ``[HV, K]``. Gate bias (zeros when None); refused for ``"log"``.
+    lower_bound : float | None, default None
+        A float < 0, required for ``"lower_bound"`` only.
+    beta_activation : {None, "sigmoid", "sigmoid2"}, default None
+        Use ``beta``, ``sigmoid(beta)`` or ``2 * sigmoid(beta)`` (negative eigenvalues allowed).
+    cu_seqlens : Array | None, default None
+        1-D integer array of ``N + 1`` offsets. With ``B == 1``: the row holds ``N``
+        independent sequences, sequence ``i`` at steps ``cu_seqlens[i]:cu_seqlens[i + 1]``;
+        states are ``[N, HV, K, V]``, boundaries ``[NT, 1, HV, K, V]`` with
+        ``NT = sum(ceil(len_i / C))``, in sequence order.
+    check_finite : bool, default True
+        Refuse NaN or infinite inputs (``-inf`` stays legal in a log gate) with
+        :class:`~kda.InvalidInputError`, and warn with :class:`~kda.KdaWarning` when finite
+        inputs give non-finite results (the delta rule diverged). False skips both.
 
     Returns
     -------
@@ -244,8 +288,19 @@ def prepare_chunk_kda(
     one slab's work per run, nothing that grows with ``T``. On CuPy the first run also captures
     a CUDA graph that later runs replay.
     """
-    call, state = _prepare(q, k, v, g, beta, scale, chunk_size, backend, initial_state, opts)
-    p = call.p
+    choices = Choices(
+        layout=layout,
+        qk_l2norm=qk_l2norm,
+        gate=gate,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+        beta_activation=beta_activation,
+        cu_seqlens=cu_seqlens,
+        check_finite=check_finite,
+    )
+    call, state = _prepare(q, k, v, g, beta, scale, chunk_size, backend, initial_state, choices)
+    p = call.problem
     out = KdaOutput(None, None, None) if out is None else out
     if not isinstance(out, KdaOutput):
         msg = f"out must be a kda.KdaOutput of buffers or None; got {type(out).__name__}"
@@ -268,12 +323,31 @@ def prepare_chunk_kda(
     return ForwardPlan(runner, KdaOutput(output, final, boundaries))
 
 
-@takes_options()
 def prepare_chunk_kda_backward(
-    q: Array, k: Array, v: Array, g: Array, beta: Array, boundaries: Array, grad_output: Array,
-    grad_final_state: Array | None = None, *, out: KdaGradients | None = None, scale: float | None = None,
-    initial_state: Array | None = None, chunk_size: int = 64, backend: str | None = None, opts: Choices,
-) -> BackwardPlan:  # fmt: skip
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    beta: Array,
+    boundaries: Array,
+    grad_output: Array,
+    grad_final_state: Array | None = None,
+    *,
+    out: KdaGradients | None = None,
+    scale: float | None = None,
+    initial_state: Array | None = None,
+    chunk_size: int = 64,
+    backend: str | None = None,
+    layout: str = "head_first",
+    qk_l2norm: bool = False,
+    gate: str = "log",
+    A_log: Array | None = None,
+    dt_bias: Array | None = None,
+    lower_bound: float | None = None,
+    beta_activation: str | None = None,
+    cu_seqlens: Array | None = None,
+    check_finite: bool = True,
+) -> BackwardPlan:
     """Prepare :func:`kda.chunk_kda_backward` on bound arrays, to run many times.
 
     The arguments are those of :func:`kda.chunk_kda_backward`, plus ``out``; as for
@@ -287,31 +361,69 @@ def prepare_chunk_kda_backward(
         Caller-owned gradient buffers, each with its input's shape and dtype (``initial_state``:
         ``[B, HV, K, V]`` in the states' dtype; ``A_log`` and ``dt_bias`` only where the gate
         uses them, else None). None: the plan allocates.
-    {options}
+    layout : {"head_first", "time_major"}, default "head_first"
+        ``"time_major"`` takes and returns ``[B, T, heads, ...]`` arrays. States are always
+        ``[B, HV, K, V]``, boundaries ``[NT, B, HV, K, V]``.
+    qk_l2norm : bool, default False
+        Replace q and k by ``x / sqrt(sum(x**2, over K) + 1e-6)`` per step and head.
+    gate : {"log", "softplus", "lower_bound"}, default "log"
+        The gate law (:mod:`kda._options.gates`), the log decay from ``g``: ``"log"``: ``g`` itself;
+        ``"softplus"``: ``-exp(A_log[h]) * softplus(g + dt_bias[h])``; ``"lower_bound"``:
+        ``lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias[h]))`` (factor 1 when ``A_log`` is
+        None).
+    A_log : Array | None, default None
+        shape ``[HV]``. Required for ``"softplus"``, optional for ``"lower_bound"``, refused
+        for ``"log"``.
+    dt_bias : Array | None, default None
+        shape ``[HV, K]``. Gate bias (zeros when None); refused for ``"log"``.
+    lower_bound : float | None, default None
+        A float < 0, required for ``"lower_bound"`` only.
+    beta_activation : {None, "sigmoid", "sigmoid2"}, default None
+        Use ``beta``, ``sigmoid(beta)`` or ``2 * sigmoid(beta)`` (negative eigenvalues allowed).
+    cu_seqlens : Array | None, default None
+        1-D integer array of ``N + 1`` offsets. With ``B == 1``: the row holds ``N``
+        independent sequences, sequence ``i`` at steps ``cu_seqlens[i]:cu_seqlens[i + 1]``;
+        states are ``[N, HV, K, V]``, boundaries ``[NT, 1, HV, K, V]`` with
+        ``NT = sum(ceil(len_i / C))``, in sequence order.
+    check_finite : bool, default True
+        Refuse NaN or infinite inputs (``-inf`` stays legal in a log gate) with
+        :class:`~kda.InvalidInputError`, and warn with :class:`~kda.KdaWarning` when finite
+        inputs give non-finite results (the delta rule diverged). False skips both.
 
     Returns
     -------
     BackwardPlan
         ``plan.run()`` returns ``plan.out``, a :class:`~kda.KdaGradients` of the plan's buffers.
     """
-    call, state = _prepare(q, k, v, g, beta, scale, chunk_size, backend, initial_state, opts)
-    p, o = call.p, call.options
+    choices = Choices(
+        layout=layout,
+        qk_l2norm=qk_l2norm,
+        gate=gate,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+        beta_activation=beta_activation,
+        cu_seqlens=cu_seqlens,
+        check_finite=check_finite,
+    )
+    call, state = _prepare(q, k, v, g, beta, scale, chunk_size, backend, initial_state, choices)
+    p, o = call.problem, call.options
     call.check_boundaries(boundaries)
     check_array(
         "grad_output", grad_output, p, p.shape(p.HV, p.V), p.letters("HV", "V"), p.dtype, "the dtype of q"
     )
     dfinal = call.state_or_zeros("grad_final_state", grad_final_state)
     finite = {"boundaries": boundaries, "grad_output": grad_output, "grad_final_state": grad_final_state}
-    replace(call, check=opts.check_finite).check_inputs_finite(**finite)
+    replace(call, check=choices.check_finite).check_inputs_finite(**finite)
     make = _Buffers(p, array_api_compat.device(q))
-    like = Inputs.of(q, k, v, g, beta, opts, initial_state=state)
+    like = Inputs.of(q, k, v, g, beta, choices, initial_state=state)
     grads = _gradient_buffers(p, o, make, out, like)
     bound = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state, **finite}
     _check_bindings({**bound, **{f"out.{n}": x for n, x in zip(KdaGradients._fields, grads)}})
     workspace = None
     if boundaries is None and call.plain(packed=False):  # recomputed boundaries, written in place
         workspace = make.state("boundaries workspace", None, call.boundaries_shape(), "NT, B, HV, K, V")
-    runner = _Runner(call=call, inputs=Inputs.of(q, k, v, g, beta, opts), state=state)
+    runner = _Runner(call=call, inputs=Inputs.of(q, k, v, g, beta, choices), state=state)
     return BackwardPlan(runner, grads, (boundaries, grad_output, dfinal), workspace)
 
 

@@ -38,7 +38,7 @@ def backward_with_state_gradients(
     Parameters
     ----------
     call : Call
-        The forward's validated call (time-major; host ``cu_seqlens`` in ``call.p.offsets``).
+        The forward's validated call (time-major; host ``cu_seqlens`` in ``call.problem.offsets``).
     x : Inputs
         ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g [B, T, HV, K]``, ``beta [B, T, HV]``,
         ``initial_state [N, HV, K, V]`` or None (zeros), ``A_log``, ``dt_bias``.
@@ -55,7 +55,7 @@ def backward_with_state_gradients(
     KdaGradients
         Shaped like the inputs; ``initial_state`` ``[N, HV, K, V]`` (also when it was None).
     """
-    xp, offsets = call.p.xp, call.p.offsets
+    xp, offsets = call.problem.xp, call.problem.offsets
     B, T = x.q.shape[:2]
     C = call.core.chunk_size
     steps = x.steps

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import array_api_compat
 
 from .._options.checks import warn_if_diverged
-from .._options.table import Array, Choices, takes_options
+from .._options.table import Array, Choices
 from .call import Call, Inputs, open_call
 
 __all__ = [
@@ -44,11 +44,26 @@ class KdaTransition(NamedTuple):
     N: Any
 
 
-@takes_options()
 def chunk_kda_transition(
-    q: Array, k: Array, v: Array, g: Array, beta: Array, *, scale: float | None = None,
-    chunk_size: int = 64, backend: str | None = None, opts: Choices,
-) -> KdaTransition:  # fmt: skip
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    beta: Array,
+    *,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    backend: str | None = None,
+    layout: str = "head_first",
+    qk_l2norm: bool = False,
+    gate: str = "log",
+    A_log: Array | None = None,
+    dt_bias: Array | None = None,
+    lower_bound: float | None = None,
+    beta_activation: str | None = None,
+    cu_seqlens: Array | None = None,
+    check_finite: bool = True,
+) -> KdaTransition:
     """The affine state map of a segment of steps: ``S_end = A @ S_start + N``.
 
     For a sequence cut into consecutive segments (shards), every segment's map can be computed
@@ -63,8 +78,35 @@ def chunk_kda_transition(
         value heads ``HV``). ``v`` does not enter ``A``; it only enters ``N``.
     scale, chunk_size, backend
         As for :func:`kda.chunk_kda`. The result does not depend on ``chunk_size`` beyond rounding.
-    {options}
+    layout : {"head_first", "time_major"}, default "head_first"
+        ``"time_major"`` takes and returns ``[B, T, heads, ...]`` arrays. States are always
+        ``[B, HV, K, V]``, boundaries ``[NT, B, HV, K, V]``.
+    qk_l2norm : bool, default False
+        Replace q and k by ``x / sqrt(sum(x**2, over K) + 1e-6)`` per step and head.
+    gate : {"log", "softplus", "lower_bound"}, default "log"
+        The gate law (:mod:`kda._options.gates`), the log decay from ``g``: ``"log"``: ``g`` itself;
+        ``"softplus"``: ``-exp(A_log[h]) * softplus(g + dt_bias[h])``; ``"lower_bound"``:
+        ``lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias[h]))`` (factor 1 when ``A_log`` is
+        None).
+    A_log : Array | None, default None
+        shape ``[HV]``. Required for ``"softplus"``, optional for ``"lower_bound"``, refused
+        for ``"log"``.
+    dt_bias : Array | None, default None
+        shape ``[HV, K]``. Gate bias (zeros when None); refused for ``"log"``.
+    lower_bound : float | None, default None
+        A float < 0, required for ``"lower_bound"`` only.
+    beta_activation : {None, "sigmoid", "sigmoid2"}, default None
+        Use ``beta``, ``sigmoid(beta)`` or ``2 * sigmoid(beta)`` (negative eigenvalues allowed).
+    cu_seqlens : Array | None, default None
+        1-D integer array of ``N + 1`` offsets. With ``B == 1``: the row holds ``N``
+        independent sequences, sequence ``i`` at steps ``cu_seqlens[i]:cu_seqlens[i + 1]``;
+        states are ``[N, HV, K, V]``, boundaries ``[NT, 1, HV, K, V]`` with
+        ``NT = sum(ceil(len_i / C))``, in sequence order.
         With ``cu_seqlens``: one map per sequence, ``A: [N, HV, K, K]``.
+    check_finite : bool, default True
+        Refuse NaN or infinite inputs (``-inf`` stays legal in a log gate) with
+        :class:`~kda.InvalidInputError`, and warn with :class:`~kda.KdaWarning` when finite
+        inputs give non-finite results (the delta rule diverged). False skips both.
 
     Returns
     -------
@@ -78,16 +120,27 @@ def chunk_kda_transition(
     ``[0, v]`` from the start state ``[I, 0]``, whose end state is ``[A, N]``), without forming
     outputs. With ``cu_seqlens`` it runs the ordinary forward so widened.
     """
-    call = open_call(q, k, v, g, beta, scale, opts, backend=backend, chunk_size=chunk_size)
+    choices = Choices(
+        layout=layout,
+        qk_l2norm=qk_l2norm,
+        gate=gate,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+        beta_activation=beta_activation,
+        cu_seqlens=cu_seqlens,
+        check_finite=check_finite,
+    )
+    call = open_call(q, k, v, g, beta, scale, choices, backend=backend, chunk_size=chunk_size)
     call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta)
-    return transition_map(call, Inputs.of(q, k, v, g, beta, opts))
+    return transition_map(call, Inputs.of(q, k, v, g, beta, choices))
 
 
 def transition_map(call: Call, x: Inputs) -> KdaTransition:
     """:func:`chunk_kda_transition` of a validated (and scanned) ``call`` on the raw ``x.q .. x.beta``
     of its layout: what the public function and every composition (packed chunks, context
     parallelism, Dask shards) run, checking nothing again."""
-    p, xp = call.p, call.p.xp
+    p, xp = call.problem, call.problem.xp
     if p.offsets is not None:  # one map per sequence: the ordinary forward, widened
         wide_v, start = _widened(xp, x.v, p.N, p.HV, p.K, p.compute_dtype)  # V is last in either layout
         out = call.widened(p.K + p.V).forward(x._replace(v=wide_v), start, False)
@@ -108,11 +161,27 @@ def _widened(xp: Any, v: Any, N: int, HV: int, K: int, dtype: Any) -> tuple[Any,
     return wide_v, xp.broadcast_to(eye, (N, HV, K, K + v.shape[-1]))
 
 
-@takes_options()
 def chunk_kda_transition_backward(
-    q: Array, k: Array, v: Array, g: Array, beta: Array, grad_output: Array, *, scale: float | None = None,
-    chunk_size: int = 64, backend: str | None = None, opts: Choices,
-) -> Any:  # fmt: skip
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    beta: Array,
+    grad_output: Array,
+    *,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    backend: str | None = None,
+    layout: str = "head_first",
+    qk_l2norm: bool = False,
+    gate: str = "log",
+    A_log: Array | None = None,
+    dt_bias: Array | None = None,
+    lower_bound: float | None = None,
+    beta_activation: str | None = None,
+    cu_seqlens: Array | None = None,
+    check_finite: bool = True,
+) -> Any:
     """The start-state gradient of a segment when its end-state gradient is zero: ``D``.
 
     With ``A`` from :func:`chunk_kda_transition`, the gradient of a segment's start state is
@@ -129,7 +198,34 @@ def chunk_kda_transition_backward(
         Gradient of the segment's output, shaped and typed like that output.
     scale, chunk_size, backend
         As for :func:`chunk_kda_transition`.
-    {options}
+    layout : {"head_first", "time_major"}, default "head_first"
+        ``"time_major"`` takes and returns ``[B, T, heads, ...]`` arrays. States are always
+        ``[B, HV, K, V]``, boundaries ``[NT, B, HV, K, V]``.
+    qk_l2norm : bool, default False
+        Replace q and k by ``x / sqrt(sum(x**2, over K) + 1e-6)`` per step and head.
+    gate : {"log", "softplus", "lower_bound"}, default "log"
+        The gate law (:mod:`kda._options.gates`), the log decay from ``g``: ``"log"``: ``g`` itself;
+        ``"softplus"``: ``-exp(A_log[h]) * softplus(g + dt_bias[h])``; ``"lower_bound"``:
+        ``lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias[h]))`` (factor 1 when ``A_log`` is
+        None).
+    A_log : Array | None, default None
+        shape ``[HV]``. Required for ``"softplus"``, optional for ``"lower_bound"``, refused
+        for ``"log"``.
+    dt_bias : Array | None, default None
+        shape ``[HV, K]``. Gate bias (zeros when None); refused for ``"log"``.
+    lower_bound : float | None, default None
+        A float < 0, required for ``"lower_bound"`` only.
+    beta_activation : {None, "sigmoid", "sigmoid2"}, default None
+        Use ``beta``, ``sigmoid(beta)`` or ``2 * sigmoid(beta)`` (negative eigenvalues allowed).
+    cu_seqlens : Array | None, default None
+        1-D integer array of ``N + 1`` offsets. With ``B == 1``: the row holds ``N``
+        independent sequences, sequence ``i`` at steps ``cu_seqlens[i]:cu_seqlens[i + 1]``;
+        states are ``[N, HV, K, V]``, boundaries ``[NT, 1, HV, K, V]`` with
+        ``NT = sum(ceil(len_i / C))``, in sequence order.
+    check_finite : bool, default True
+        Refuse NaN or infinite inputs (``-inf`` stays legal in a log gate) with
+        :class:`~kda.InvalidInputError`, and warn with :class:`~kda.KdaWarning` when finite
+        inputs give non-finite results (the delta rule diverged). False skips both.
 
     Returns
     -------
@@ -142,16 +238,27 @@ def chunk_kda_transition_backward(
     chunk and one ``[K, V]`` product pair per chunk): no states, no gradients of the inputs. With
     ``cu_seqlens`` it runs the ordinary backward and returns its initial-state gradient.
     """
-    call = open_call(q, k, v, g, beta, scale, opts, backend=backend, chunk_size=chunk_size)
+    choices = Choices(
+        layout=layout,
+        qk_l2norm=qk_l2norm,
+        gate=gate,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+        beta_activation=beta_activation,
+        cu_seqlens=cu_seqlens,
+        check_finite=check_finite,
+    )
+    call = open_call(q, k, v, g, beta, scale, choices, backend=backend, chunk_size=chunk_size)
     do = call.grad_output(grad_output)
     call.check_inputs_finite(q=q, k=k, v=v, g=g, beta=beta, grad_output=grad_output)
-    return transition_gradient(call, Inputs.of(q, k, v, g, beta, opts), do)
+    return transition_gradient(call, Inputs.of(q, k, v, g, beta, choices), do)
 
 
 def transition_gradient(call: Call, x: Inputs, do: Any) -> Any:
     """:func:`chunk_kda_transition_backward` of a validated (and scanned) ``call`` on the raw
     ``x.q .. x.beta`` (``x.A_log``, ``x.dt_bias`` too) and the head-first output gradient ``do``
     in the compute dtype (:meth:`~kda._entry.call.Call.grad_output`), checking nothing again."""
-    if call.p.offsets is not None:  # one D per sequence: the ordinary backward's initial-state gradient
+    if call.problem.offsets is not None:  # one D per sequence: the ordinary backward's initial-state gradient
         return call.backward(x, call.zero_state(), None, do, call.zero_state()).initial_state
     return call.state_gradient(call.core_inputs(x), do)

@@ -20,10 +20,21 @@ import numpy as np
 from .._errors import InvalidInputError, InvalidTypeError
 
 __all__ = [
-    "STATE_DTYPE_RULE", "c_contiguous", "check_array", "check_choice", "check_chunk_size", "check_dtype",
-    "check_log_decay", "check_lower_bound", "check_scale", "check_shape", "dtype_name", "host_integers",
-    "namespace_of", "slot_stride",
-]  # fmt: skip
+    "STATE_DTYPE_RULE",
+    "c_contiguous",
+    "check_array",
+    "check_choice",
+    "check_chunk_size",
+    "check_dtype",
+    "check_log_decay",
+    "check_lower_bound",
+    "check_scale",
+    "check_shape",
+    "dtype_name",
+    "host_integers",
+    "namespace_of",
+    "slot_stride",
+]
 
 STATE_DTYPE_RULE = "states are float64 for float64 inputs, float32 otherwise"
 _NDARRAY = np.ndarray

@@ -30,9 +30,18 @@ from .._errors import InvalidInputError
 from .arguments import check_lower_bound
 
 __all__ = [
-    "A_LOG", "DT_BIAS", "LAWS", "PARAMETERS", "GateLaw", "GateParam", "law", "register", "sigmoid",
-    "softplus", "unregister",
-]  # fmt: skip
+    "A_LOG",
+    "DT_BIAS",
+    "LAWS",
+    "PARAMETERS",
+    "GateLaw",
+    "GateParam",
+    "law",
+    "register",
+    "sigmoid",
+    "softplus",
+    "unregister",
+]
 
 
 class GateParam(NamedTuple):

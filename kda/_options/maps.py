@@ -13,12 +13,11 @@ backend (and the recurrence, the oracle) gets every option without new kernels:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from . import gates
 from .gates import sigmoid as _sigmoid
-from .table import plain_predicate
 
 __all__ = [
     "L2NORM_EPS",
@@ -61,12 +60,16 @@ class Options:
     @property
     def is_identity(self) -> bool:
         """No element-wise map at all: the core's inputs are the raw inputs (every option held here
-        at a plain value of the table, :func:`kda._options.table.is_plain`)."""
-        return _plain_maps(self)
-
-
-# the table's plain-call test over the options this record holds
-_plain_maps = plain_predicate(tuple(f.name for f in fields(Options)))
+        at a plain value of the table: :func:`kda._options.table.is_plain`'s tests of these
+        fields; ``tests/entry/test_signatures.py`` holds the two together)."""
+        return (
+            self.qk_l2norm is False
+            and self.gate == "log"
+            and self.A_log is None
+            and self.dt_bias is None
+            and self.lower_bound is None
+            and self.beta_activation is None
+        )
 
 
 def head_first(xp: Any, x: Any, layout: str) -> Any:
@@ -157,9 +160,18 @@ def prepare_core_inputs(xp: Any, q, k, v, g, beta, o: Options, HV: int) -> CoreI
     log_decay, gate_saved = o.law.log_decay(xp, g, o.gate_params(), o.lower_bound)
     activated, beta_sig = _activate_beta(xp, beta, o)
     return CoreInputs(
-        q=expand_heads(xp, q, HV), k=expand_heads(xp, k, HV), v=v, g=log_decay, beta=activated,
-        q_unit=q_unit, k_unit=k_unit, q_norm=q_norm, k_norm=k_norm, gate_saved=gate_saved, beta_sig=beta_sig,
-    )  # fmt: skip
+        q=expand_heads(xp, q, HV),
+        k=expand_heads(xp, k, HV),
+        v=v,
+        g=log_decay,
+        beta=activated,
+        q_unit=q_unit,
+        k_unit=k_unit,
+        q_norm=q_norm,
+        k_norm=k_norm,
+        gate_saved=gate_saved,
+        beta_sig=beta_sig,
+    )
 
 
 def qk_backward(xp: Any, dq: Any, dk: Any, c: CoreInputs, o: Options, H: int) -> tuple[Any, Any]:

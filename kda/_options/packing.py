@@ -22,9 +22,20 @@ from .._errors import InvalidInputError, InvalidTypeError
 from .arguments import check_array, host_integers
 
 __all__ = [
-    "HALF_POOLS", "PADDING", "POOL_DTYPE_RULE", "SMALL", "Slots", "check_cu_seqlens", "check_pad_slot_id",
-    "check_pool", "check_pool_dtype", "check_slots", "is_half_pool", "num_chunks", "pool_dtype_ok",
-]  # fmt: skip
+    "HALF_POOLS",
+    "PADDING",
+    "POOL_DTYPE_RULE",
+    "SMALL",
+    "Slots",
+    "check_cu_seqlens",
+    "check_pad_slot_id",
+    "check_pool",
+    "check_pool_dtype",
+    "check_slots",
+    "is_half_pool",
+    "num_chunks",
+    "pool_dtype_ok",
+]
 
 
 def check_cu_seqlens(cu_seqlens: Any, B: int, T: int | None, *, sequences: int = 0) -> tuple[int, ...] | None:
@@ -255,9 +266,14 @@ def _lengths(N: int, T: int, offsets: tuple[int, ...] | None) -> list[int]:
 
 
 def check_slots(
-    state_indices: Any, num_accepted_tokens: Any, N: int, T: int, offsets: tuple[int, ...] | None, P: int,
+    state_indices: Any,
+    num_accepted_tokens: Any,
+    N: int,
+    T: int,
+    offsets: tuple[int, ...] | None,
+    P: int,
     pad_slot_id: int = PADDING,
-) -> Slots:  # fmt: skip
+) -> Slots:
     """Validate the slots of ``N`` requests of ``T`` steps (per request with ``offsets``).
 
     Entries equal to ``pad_slot_id`` (checked by the caller: :func:`check_pad_slot_id`) or

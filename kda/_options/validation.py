@@ -38,9 +38,18 @@ from .packing import check_cu_seqlens, num_chunks
 from .table import OPTIONS, Choices
 
 __all__ = [
-    "STATE_DTYPE_RULE", "Problem", "c_contiguous", "check_array", "check_chunk_size", "check_options_call",
-    "check_scale", "check_state", "namespace_of", "validate_options", "validate_problem",
-]  # fmt: skip
+    "STATE_DTYPE_RULE",
+    "Problem",
+    "c_contiguous",
+    "check_array",
+    "check_chunk_size",
+    "check_options_call",
+    "check_scale",
+    "check_state",
+    "namespace_of",
+    "validate_options",
+    "validate_problem",
+]
 
 
 @dataclass(frozen=True)
@@ -242,16 +251,21 @@ def validate_options(p: Problem, opts: Choices) -> tuple[Problem, Options]:
         raise InvalidTypeError(msg)
     gate = _check_gate(p, opts)
     offsets = check_cu_seqlens(opts.cu_seqlens, p.B, p.T)
-    options = Options(
-        qk_l2norm=opts.qk_l2norm, gate=opts.gate, beta_activation=opts.beta_activation, **gate
-    )  # fmt: skip
+    options = Options(qk_l2norm=opts.qk_l2norm, gate=opts.gate, beta_activation=opts.beta_activation, **gate)
     return replace(p, offsets=offsets), options
 
 
 def check_options_call(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, scale: Any, opts: Choices, gate_check: Any = None,
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    scale: Any,
+    opts: Choices,
+    gate_check: Any = None,
     scan: bool = True,
-) -> tuple[Problem, Options]:  # fmt: skip
+) -> tuple[Problem, Options]:
     """:func:`validate_problem` then :func:`validate_options`: everything about the inputs.
 
     ``gate_check``: the backend's deferred device gate check, if any (see :func:`validate_problem`).

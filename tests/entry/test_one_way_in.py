@@ -154,9 +154,8 @@ def test_transitions_go_through_the_core(monkeypatch):
 
 
 # ---------------------------------------------------------------------------- short call paths
-# kda's frames on the stack when a call reaches its first backend primitive (/work/frames_probe.py's
-# count: frames whose module is kda or kda.*; the signature wrappers that takes_options and
-# fla_function generate are the public names themselves, "kda.chunk_kda", and not counted). The
+# kda's frames on the stack when a call reaches its first backend primitive (frames whose module
+# is kda or kda.*, the public function's own first: kda._entry.api.chunk_kda). The
 # engine's share is the frames in kda/_engine/chunked.py, from the function the core calls down
 # to the primitive call; the entry layers' share (adapter, entry, core) is everything above it.
 
