@@ -13,24 +13,13 @@ It runs NumPy arrays (the default backend for them when Numba and SciPy are inst
   per-chunk kernels (decay factors, the pairs ``A`` and ``L`` by sub-blocks, the unit-lower
   inverse by rows, ``[W, U0]`` by BLAS); the engine uses them for the state-gradient pass alone.
 
-``RECURRENT_MAX_T`` is the measured length up to which the step recurrence is faster than the
-chunked form here, forward and backward (the core routes there).
+``RECURRENT_MAX_T``: the measured length up to which the step recurrence is faster here (the
+core routes there).
 
-Numba is imported on the first call of a primitive, not by ``import kda``. Kernels are compiled
-once per dtype (float32, float64) and cached on disk (``cache=True``); where no cache directory
-is writable (a read-only install) they are compiled per process instead.
+Numba is imported on the first call of a primitive, not by ``import kda``. Kernels are compiled once
+per dtype and cached on disk; where no cache directory is writable, per process.
 
-Threads: the kernels are serial Numba functions that release the GIL; a call splits its
-independent chunks or heads into one range per usable core (:func:`threads`, which honours
-``taskset``) and runs the ranges on the backend's one thread pool (:mod:`._pool`, which the
-decode kernel shares). Each kernel's outputs are a record of :mod:`._outputs`, passed
-positionally. Numba's own parallel layer is not used: its ``workqueue`` layer aborts on
-concurrent calls, and ``parallel=True`` kernels took over a minute to compile. So concurrent
-calls from Python threads are safe, no Numba setting is read or changed, and since no sum
-crosses items the results do not depend on the number of threads, bitwise. BLAS (called from
-inside the kernels on every thread) is pinned to one thread for the duration of a call through
-the process-wide, reference-counted pin of :mod:`kda._threads` (restored by the last call to
-leave).
+Threads, the pool and BLAS pinning: :mod:`._pool`.
 """
 
 from __future__ import annotations
@@ -493,4 +482,19 @@ def recurrent_backward(
 # over threads themselves; nothing to set around head groups, each kernel call pins what it needs;
 # the gate checked on the host)
 
-complete(globals())
+
+def kernel_cache() -> str | None:
+    """Where kernels are cached: ``None`` (nowhere), ``"numba"`` or kda's fallback directory."""
+    from ._cache import CACHE
+
+    return CACHE
+
+
+def compile_ahead_off() -> contextlib.AbstractContextManager[None]:
+    """A block within which no kernel is compiled ahead in a second process (``kda warmup``)."""
+    from . import _ahead
+
+    return _ahead.off()
+
+
+complete(globals(), extras=("compile_ahead_off", "kernel_cache"))

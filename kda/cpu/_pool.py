@@ -4,6 +4,15 @@ The kernels are serial Numba functions that release the GIL; a call splits its i
 (chunks, heads, requests) into ranges and runs them on this pool's threads (and the calling
 one). The pool is made on first use with as many threads as the largest call asked for, and
 forgotten in a forked child (which has none of the parent's threads).
+
+A call makes one range per usable core (:func:`threads`, which honours ``taskset``). Numba's own
+parallel layer is not used: its ``workqueue`` layer aborts on concurrent calls, and
+``parallel=True`` kernels took over a minute to compile. So concurrent calls from Python threads
+are safe, no Numba setting is read or changed, and since no sum crosses items the results do not
+depend on the number of threads, bitwise. BLAS (called from inside the kernels on every thread) is
+pinned to one thread for the duration of a call through the process-wide, reference-counted pin
+of :mod:`kda._threads` (restored by the last call to leave). Each kernel's outputs are a record of
+:mod:`._outputs`, passed positionally.
 """
 
 from __future__ import annotations
