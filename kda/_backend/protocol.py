@@ -185,17 +185,37 @@ class Backend(Protocol):
 
     # --- backward
     def chunk_state_grad_pass(
-        self, w: Any, u0: Any, k_suffix: Any, total: Any, qg: Any, A: Any, grad_output: Any, boundaries: Any,
+        self,
+        w: Any,
+        u0: Any,
+        k_suffix: Any,
+        total: Any,
+        qg: Any,
+        A: Any,
+        grad_output: Any,
+        boundaries: Any,
         dfinal: Any,
-    ) -> StateGradPass:  # fmt: skip
+    ) -> StateGradPass:
         """The state-gradient recurrence, last chunk first: ``dU = A^T dO + k_suffix dS`` and
         ``dS <- total * dS + qg^T dO - w^T dU``. Returns each chunk's end-state gradient, ``U`` and
-        ``dU`` and the gradient of the state before the first chunk (:class:`StateGradPass`)."""  # fmt: skip
+        ``dU`` and the gradient of the state before the first chunk (:class:`StateGradPass`)."""
 
     def chunk_local_backward(
-        self, q: Any, k: Any, v: Any, g: Any, beta: Any, boundaries: Any, *, scale: float, local: ChunkLocal,
-        dends: Any, u: Any, du: Any, grad_output: Any,
-    ) -> LocalGradients:  # fmt: skip
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        g: Any,
+        beta: Any,
+        boundaries: Any,
+        *,
+        scale: float,
+        local: ChunkLocal,
+        dends: Any,
+        u: Any,
+        du: Any,
+        grad_output: Any,
+    ) -> LocalGradients:
         """Gradients of every chunk's state-free work (:class:`LocalGradients`). ``boundaries``:
         the chunk-start states; ``local``: :meth:`chunk_local`'s record of the same inputs;
         ``dends, u, du``: what :meth:`chunk_state_grad_pass` returns;
@@ -209,25 +229,48 @@ class Backend(Protocol):
     # check, likewise). None: no screen (the caller checks the arrays itself). Which inputs are
     # screened: ``FUSED_SCREENS``.
     def chunk_forward_heads(
-        self, q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, *, scale: float, chunk_size: int,
-        output: Any, boundaries: Any, screen: Any = None,
-    ) -> Any:  # fmt: skip
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        g: Any,
+        beta: Any,
+        state: Any,
+        *,
+        scale: float,
+        chunk_size: int,
+        output: Any,
+        boundaries: Any,
+        screen: Any = None,
+    ) -> Any:
         """The whole chunked forward of ``[B, H, T, *]`` inputs (any strides) from ``state
         [B, H, K, V]``, the chunk primitives above fused per head and chunk; writes ``output
         [B, H, T, V]`` and ``boundaries [NT, B, H, K, V]`` where they are not None and returns the
         final state. ``screen``: the inputs are ``q, k, v`` (and ``g``), the results the output and
         the final state. A backend may set it to None: the engine then runs the chunk primitives
-        slab by slab (``kda/_engine/chunked.py``)."""  # fmt: skip
+        slab by slab (``kda/_engine/chunked.py``)."""
 
     def chunk_backward_heads(
-        self, q: Any, k: Any, v: Any, g: Any, beta: Any, boundaries: Any, grad_output: Any, dfinal: Any, *,
-        scale: float, chunk_size: int, grads: Gradients, screen: Any = None,
-    ) -> None:  # fmt: skip
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        g: Any,
+        beta: Any,
+        boundaries: Any,
+        grad_output: Any,
+        dfinal: Any,
+        *,
+        scale: float,
+        chunk_size: int,
+        grads: Gradients,
+        screen: Any = None,
+    ) -> None:
         """The whole chunked backward, last chunk first, from the forward's ``boundaries`` and the
         final state's gradient ``dfinal [B, H, K, V]``; writes the six gradients into the buffers
         ``grads`` (a :class:`Gradients` of writable arrays of the inputs' shapes). ``screen``: the
         inputs are ``q, k, v, grad_output`` and the boundaries (and ``g``), the results the six
-        gradients. None: composed by the engine, as for :meth:`chunk_forward_heads`."""  # fmt: skip
+        gradients. None: composed by the engine, as for :meth:`chunk_forward_heads`."""
 
     # --- the step recurrence (the oracle, T == 1, decoding)
     def recurrent_forward(
@@ -236,16 +279,38 @@ class Backend(Protocol):
         """``[B, H, T, *]`` inputs from ``state [B, H, K, V]``: ``(output [B, H, T, V], final)``."""
 
     def recurrent_backward(
-        self, q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, grad_output: Any, dfinal: Any, *,
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        g: Any,
+        beta: Any,
+        state: Any,
+        grad_output: Any,
+        dfinal: Any,
+        *,
         scale: float,
-    ) -> Gradients:  # fmt: skip
+    ) -> Gradients:
         """The gradients of the recurrence from ``state`` (:class:`Gradients`), given the output's
-        gradient and the final state's, ``dfinal [B, H, K, V]``."""  # fmt: skip
+        gradient and the final state's, ``dfinal [B, H, K, V]``."""
 
     def decode_forward(
-        self, q: Any, k: Any, v: Any, g: Any, beta: Any, pool: Any, start: Any, dest: Any, *, scale: float,
-        offsets: Any = None, final_pool: Any = None, out: Any = None, v_first: bool = False,
-    ) -> Any:  # fmt: skip
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        g: Any,
+        beta: Any,
+        pool: Any,
+        start: Any,
+        dest: Any,
+        *,
+        scale: float,
+        offsets: Any = None,
+        final_pool: Any = None,
+        out: Any = None,
+        v_first: bool = False,
+    ) -> Any:
         """Steps of ``N`` requests from rows of ``pool [P, H, K, V]``; returns ``output [B, H, T, V]``.
 
         Request ``n`` is batch row ``n`` of ``[B, H, T, *]`` inputs, or steps

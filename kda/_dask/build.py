@@ -16,8 +16,13 @@ from .graph import Blocks, Graph, sequence_index
 from .plan import shards as _shards
 
 __all__ = [
-    "backward_scan", "check_with_blocks", "forward_scan", "gradients", "packed_backward", "packed_forward",
-]  # fmt: skip
+    "backward_scan",
+    "check_with_blocks",
+    "forward_scan",
+    "gradients",
+    "packed_backward",
+    "packed_forward",
+]
 
 
 def forward_scan(x: Blocks, ib: int, ih: int, start: Any, options: CallSpec) -> tuple[list, list]:
@@ -89,10 +94,11 @@ def _packed_forward_scan(x: Blocks, ih: int, shards: list, states: Any, options:
             continue
         a = shard.local[-2]
         tmap = g.task(
-            "pmap", (0, ih, it),
+            "pmap",
+            (0, ih, it),
             partial(_tasks.packed_transition, a=a, b=shard.local[-1], shard=shard, options=options),
             *x.args(0, ih, it),
-        )  # fmt: skip
+        )
         step = partial(_tasks.packed_carry, n=shard.seqs[-1], through=shard.through)
         carried.append(g.task("pcarry", (0, ih, it + 1), step, tmap, carried[-1], states))
     return carried
@@ -108,10 +114,12 @@ def _packed_backward_scan(x: Blocks, ih: int, shards: list, dfinal: Any, do: Any
             continue
         do_key = g.key(do, *sequence_index(plan, 0, ih, it, 4))
         tmap = g.task(
-            "pdmap", (0, ih, it),
+            "pdmap",
+            (0, ih, it),
             partial(_tasks.packed_state_gradient, a=0, b=shard.local[1], shard=shard, options=options),
-            *x.args(0, ih, it), do_key,
-        )  # fmt: skip
+            *x.args(0, ih, it),
+            do_key,
+        )
         step = partial(_tasks.packed_dcarry, n=shard.seqs[0], through=shard.through)
         dcarried[it - 1] = g.task("pdcarry", (0, ih, it - 1), step, tmap, dcarried[it], dfinal)
     return dcarried

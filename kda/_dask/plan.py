@@ -122,9 +122,21 @@ def plan(q, k, v, g, beta, layout: str, chunk_size: int, cu_seqlens: Any) -> Pla
     times = _moved(q.chunks[t_axis], chunk_size, T)
     offsets = _packed_offsets(cu_seqlens, B, T)
     return Plan(
-        layout=layout, chunk_size=chunk_size, B=B, H=H, HV=HV, T=T, K=K, V=V, dtype=np.dtype(q.dtype),
-        batch=q.chunks[0], heads=heads, times=times, meta=meta, offsets=offsets,
-    )  # fmt: skip
+        layout=layout,
+        chunk_size=chunk_size,
+        B=B,
+        H=H,
+        HV=HV,
+        T=T,
+        K=K,
+        V=V,
+        dtype=np.dtype(q.dtype),
+        batch=q.chunks[0],
+        heads=heads,
+        times=times,
+        meta=meta,
+        offsets=offsets,
+    )
 
 
 def _packed_offsets(cu_seqlens: Any, B: int, T: int) -> tuple[int, ...] | None:

@@ -25,11 +25,25 @@ from .._options.validation import STATE_DTYPE_RULE, check_array
 from .plan import Shard
 
 __all__ = [
-    "Retreat", "advance", "backward_block", "block_inputs", "check_block", "field", "forward_block",
-    "packed_backward_block", "packed_carry", "packed_collect", "packed_dcarry", "packed_forward_block",
-    "packed_state_gradient", "packed_transition", "retreat", "state_gradient_block", "total",
+    "Retreat",
+    "advance",
+    "backward_block",
+    "block_inputs",
+    "check_block",
+    "field",
+    "forward_block",
+    "packed_backward_block",
+    "packed_carry",
+    "packed_collect",
+    "packed_dcarry",
+    "packed_forward_block",
+    "packed_state_gradient",
+    "packed_transition",
+    "retreat",
+    "state_gradient_block",
+    "total",
     "transition_block",
-]  # fmt: skip
+]
 
 
 class Retreat(NamedTuple):
@@ -220,9 +234,17 @@ def packed_forward_block(
 
 
 def packed_backward_block(
-    checked: None, blocks: Inputs, states: Any, carried: Any, do: Any, dfinal: Any, dcarried: Any, *,
-    shard: Shard, options: CallSpec,
-) -> KdaGradients:  # fmt: skip
+    checked: None,
+    blocks: Inputs,
+    states: Any,
+    carried: Any,
+    do: Any,
+    dfinal: Any,
+    dcarried: Any,
+    *,
+    shard: Shard,
+    options: CallSpec,
+) -> KdaGradients:
     """The shard's backward: ``states`` the initial states, ``carried`` the carried state, ``do``
     the output gradient, ``dfinal`` the final states' gradient and ``dcarried`` the carried
     end-state gradient."""

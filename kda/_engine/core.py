@@ -63,9 +63,21 @@ class Core(Protocol):
     ) -> KdaOutput: ...
 
     def backward(
-        self, q, k, v, g, beta, state, boundaries, do, dfinal, *, out: Gradients | None = None,
-        workspace=None, screen=None,
-    ) -> Gradients: ...  # fmt: skip
+        self,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        state,
+        boundaries,
+        do,
+        dfinal,
+        *,
+        out: Gradients | None = None,
+        workspace=None,
+        screen=None,
+    ) -> Gradients: ...
 
 
 @dataclass(frozen=True)
@@ -86,9 +98,21 @@ class RecurrentCore:
         return _into(out, KdaOutput(output=o, final_state=final, boundaries=None))
 
     def backward(
-        self, q, k, v, g, beta, state, boundaries, do, dfinal, *, out: Gradients | None = None,
-        workspace=None, screen=None,
-    ) -> Gradients:  # fmt: skip
+        self,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        state,
+        boundaries,
+        do,
+        dfinal,
+        *,
+        out: Gradients | None = None,
+        workspace=None,
+        screen=None,
+    ) -> Gradients:
         return _into(out, self.ops.recurrent_backward(q, k, v, g, beta, state, do, dfinal, scale=self.scale))
 
 
@@ -176,14 +200,30 @@ class ChunkCore:
         xp = _namespace(q)
         if route.dtype == q.dtype:
             return chunk_forward(
-                route.ops, xp, q, k, v, g, beta, state, scale=self.scale, chunk_size=route.chunk_size,
-                out=out, keep=keep, screen=screen,
-            )  # fmt: skip
+                route.ops,
+                xp,
+                q,
+                k,
+                v,
+                g,
+                beta,
+                state,
+                scale=self.scale,
+                chunk_size=route.chunk_size,
+                out=out,
+                keep=keep,
+                screen=screen,
+            )
         wide = _Steps.cast(xp, route.dtype, q, k, v, g, beta)
         result = chunk_forward(
-            route.ops, xp, *wide, _cast(xp, route.dtype, state), scale=self.scale,
-            chunk_size=route.chunk_size, keep=keep,
-        )  # fmt: skip
+            route.ops,
+            xp,
+            *wide,
+            _cast(xp, route.dtype, state),
+            scale=self.scale,
+            chunk_size=route.chunk_size,
+            keep=keep,
+        )
         back = KdaOutput(
             output=_cast(xp, q.dtype, result.output),
             final_state=_cast(xp, q.dtype, result.final_state),
@@ -192,9 +232,21 @@ class ChunkCore:
         return _into(out, back)
 
     def backward(
-        self, q, k, v, g, beta, state, boundaries, do, dfinal, *, out: Gradients | None = None,
-        workspace=None, screen=None,
-    ) -> Gradients:  # fmt: skip
+        self,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        state,
+        boundaries,
+        do,
+        dfinal,
+        *,
+        out: Gradients | None = None,
+        workspace=None,
+        screen=None,
+    ) -> Gradients:
         """The six gradients. ``out``: a :class:`~kda._backend.Gradients` of buffers of their
         shapes that receive them; ``workspace``: a ``[NT, B, HV, K, V]`` buffer for the recomputed
         boundaries (with ``boundaries=None`` and ``out``); ``screen``: as for :meth:`forward`, over
@@ -207,15 +259,35 @@ class ChunkCore:
         xp = _namespace(q)
         if route.dtype == q.dtype:
             return chunk_backward(
-                route.ops, xp, q, k, v, g, beta, state, boundaries, grad_output=do, dfinal=dfinal,
-                scale=self.scale, chunk_size=route.chunk_size, out=out, workspace=workspace, screen=screen,
-            )  # fmt: skip
+                route.ops,
+                xp,
+                q,
+                k,
+                v,
+                g,
+                beta,
+                state,
+                boundaries,
+                grad_output=do,
+                dfinal=dfinal,
+                scale=self.scale,
+                chunk_size=route.chunk_size,
+                out=out,
+                workspace=workspace,
+                screen=screen,
+            )
         wide = route.dtype
         grads = chunk_backward(
-            route.ops, xp, *_Steps.cast(xp, wide, q, k, v, g, beta), _cast(xp, wide, state),
-            _cast(xp, wide, boundaries), grad_output=_cast(xp, wide, do), dfinal=_cast(xp, wide, dfinal),
-            scale=self.scale, chunk_size=route.chunk_size,
-        )  # fmt: skip
+            route.ops,
+            xp,
+            *_Steps.cast(xp, wide, q, k, v, g, beta),
+            _cast(xp, wide, state),
+            _cast(xp, wide, boundaries),
+            grad_output=_cast(xp, wide, do),
+            dfinal=_cast(xp, wide, dfinal),
+            scale=self.scale,
+            chunk_size=route.chunk_size,
+        )
         back = Gradients(
             dq=_cast(xp, q.dtype, grads.dq),
             dk=_cast(xp, q.dtype, grads.dk),
@@ -236,9 +308,13 @@ class ChunkCore:
         wide = route.dtype
         with route.ops.worker_context():  # one BLAS thread: small products
             end = chunk_end_state(
-                route.ops, xp, *_Steps.cast(xp, wide, q, k, v, g, beta), _cast(xp, wide, start),
-                scale=self.scale, chunk_size=route.chunk_size,
-            )  # fmt: skip
+                route.ops,
+                xp,
+                *_Steps.cast(xp, wide, q, k, v, g, beta),
+                _cast(xp, wide, start),
+                scale=self.scale,
+                chunk_size=route.chunk_size,
+            )
         return xp.astype(end, q.dtype, copy=False)
 
     def state_gradient(self, q, k, v, g, beta, do) -> Any:
@@ -252,9 +328,13 @@ class ChunkCore:
         wide = route.dtype
         with route.ops.worker_context():
             D = chunk_state_gradient(
-                route.ops, xp, *_Steps.cast(xp, wide, q, k, v, g, beta), _cast(xp, wide, do),
-                scale=self.scale, chunk_size=route.chunk_size,
-            )  # fmt: skip
+                route.ops,
+                xp,
+                *_Steps.cast(xp, wide, q, k, v, g, beta),
+                _cast(xp, wide, do),
+                scale=self.scale,
+                chunk_size=route.chunk_size,
+            )
         return xp.astype(D, q.dtype, copy=False)
 
 
@@ -269,8 +349,13 @@ class _Steps(NamedTuple):
 
     @classmethod
     def cast(cls, xp: Any, dtype: Any, q, k, v, g, beta) -> _Steps:
-        return cls(q=_cast(xp, dtype, q), k=_cast(xp, dtype, k), v=_cast(xp, dtype, v), g=_cast(xp, dtype, g),
-                   beta=_cast(xp, dtype, beta))  # fmt: skip
+        return cls(
+            q=_cast(xp, dtype, q),
+            k=_cast(xp, dtype, k),
+            v=_cast(xp, dtype, v),
+            g=_cast(xp, dtype, g),
+            beta=_cast(xp, dtype, beta),
+        )
 
 
 def _into(out: Any, results: Any) -> Any:

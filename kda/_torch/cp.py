@@ -171,9 +171,11 @@ class _ContextParallel(torch.autograd.Function):
             else:
                 final = q.new_empty((0,), dtype=cd)
             saved = _Residuals(
-                *inputs, own_map=tensor(own, cd, inputs), starts=tensor(starts, cd, inputs),
+                *inputs,
+                own_map=tensor(own, cd, inputs),
+                starts=tensor(starts, cd, inputs),
                 boundaries=tensor(out.boundaries, cd, inputs),
-            )  # fmt: skip
+            )
         ctx.save_for_backward(*saved)
         ctx.cp_ctx, ctx.rank_call, ctx.want_final = cp_ctx, rank.call, want_final
         if not want_final:

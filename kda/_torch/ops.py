@@ -26,10 +26,19 @@ from .._entry.fla import OpOptions
 from .convert import array, compute_dtype, fresh, offsets, on_stream, pool_array, tensor
 
 __all__ = [
-    "BACKWARD_SCHEMA", "DECODE_SCHEMA", "FORWARD_SCHEMA", "RECURRENT_INFERENCE_SCHEMA", "BackwardArgs",
-    "DecodeArgs", "ForwardArgs", "RecurrentInferenceArgs", "Residuals", "decode", "forward_op",
+    "BACKWARD_SCHEMA",
+    "DECODE_SCHEMA",
+    "FORWARD_SCHEMA",
+    "RECURRENT_INFERENCE_SCHEMA",
+    "BackwardArgs",
+    "DecodeArgs",
+    "ForwardArgs",
+    "RecurrentInferenceArgs",
+    "Residuals",
+    "decode",
+    "forward_op",
     "recurrent_inference",
-]  # fmt: skip
+]
 
 _SCHEMA_TYPES = {"str": "str", "float": "float", "int": "int", "bool": "bool", "float | None": "float?"}
 
@@ -125,9 +134,14 @@ def _backward_op(*args):
     with on_stream(a.q):
         x = Inputs._make(map(array, inputs))
         grads = _host.backward(
-            _options(a), x, offsets(a.cu_seqlens), array(a.boundaries), array(a.grad_output),
-            array(a.grad_final_state), array(a.grad_boundaries),
-        )()  # fmt: skip
+            _options(a),
+            x,
+            offsets(a.cu_seqlens),
+            array(a.boundaries),
+            array(a.grad_output),
+            array(a.grad_final_state),
+            array(a.grad_boundaries),
+        )()
         return [
             a.q.new_empty((0,)) if t is None or gr is None else tensor(gr, t.dtype, inputs)
             for t, gr in zip(inputs, grads)
@@ -164,9 +178,14 @@ def _backward(ctx, do, dfinal, dboundaries):
         dtype = x.q.dtype if options.method == "chunk" else x.v.dtype
         do = x.v.new_zeros(x.v.shape, dtype=dtype)
     args = BackwardArgs(
-        **x._asdict(), cu_seqlens=res.cu_seqlens, boundaries=res.boundaries, grad_output=do,
-        grad_final_state=dfinal, grad_boundaries=dboundaries, **options._asdict(),
-    )  # fmt: skip
+        **x._asdict(),
+        cu_seqlens=res.cu_seqlens,
+        boundaries=res.boundaries,
+        grad_output=do,
+        grad_final_state=dfinal,
+        grad_boundaries=dboundaries,
+        **options._asdict(),
+    )
     grads = _backward_op(*args)  # the op's own record, in its schema's order
     grad = {n: None if t is None else gr for n, t, gr in zip(Inputs._fields, x, grads)}
     # one gradient per argument of kda::forward, by name: none for cu_seqlens and the options
@@ -206,14 +225,24 @@ def decode(a: Any) -> torch.Tensor:
     implementation, which eager inference calls directly."""
     with on_stream(a.q):
         x = Inputs(
-            q=array(a.q), k=array(a.k), v=array(a.v), g=array(a.g), beta=array(a.beta),
-            A_log=array(a.A_log), dt_bias=array(a.dt_bias),
-        )  # fmt: skip
+            q=array(a.q),
+            k=array(a.k),
+            v=array(a.v),
+            g=array(a.g),
+            beta=array(a.beta),
+            A_log=array(a.A_log),
+            dt_bias=array(a.dt_bias),
+        )
         o = _host.decode(
-            _options(a), x, pool_array(a.state_pool), array(a.state_indices),
-            num_accepted_tokens=array(a.num_accepted_tokens), offsets=offsets(a.cu_seqlens),
-            v_first=a.state_v_first, pad_slot_id=a.pad_slot_id,
-        )  # fmt: skip
+            _options(a),
+            x,
+            pool_array(a.state_pool),
+            array(a.state_indices),
+            num_accepted_tokens=array(a.num_accepted_tokens),
+            offsets=offsets(a.cu_seqlens),
+            v_first=a.state_v_first,
+            pad_slot_id=a.pad_slot_id,
+        )
         return fresh(o, a.v.dtype)
 
 
