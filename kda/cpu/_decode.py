@@ -100,9 +100,21 @@ def pool_bits(pool: np.ndarray) -> np.ndarray:
 
 
 def decode_forward(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, pool: Any, start: Any, dest: Any, *, scale: float,
-    offsets: Any = None, final_pool: Any = None, out: Any = None, v_first: bool = False,
-) -> np.ndarray:  # fmt: skip
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    pool: Any,
+    start: Any,
+    dest: Any,
+    *,
+    scale: float,
+    offsets: Any = None,
+    final_pool: Any = None,
+    out: Any = None,
+    v_first: bool = False,
+) -> np.ndarray:
     """``T`` steps of ``N`` requests from ``pool [P, HV, K, V]`` (see :class:`kda._backend.Backend`).
 
     ``q, k, g: [B, HV, T, K]``, ``v: [B, HV, T, V]``, ``beta: [B, HV, T]``; ``start [N]`` and
@@ -195,8 +207,22 @@ def _through_copies(kernel, args, scale, pool, dst, start, dest, offs, out, item
         src_work, dst_work = np.ascontiguousarray(pool[read]), np.ascontiguousarray(dst[written])
     starts, dests = _renumber(start, src_rows), _renumber(dest, dst_rows)
     src_slot, dst_slot = src_work[0].size if len(src_work) else 1, dst_work[0].size if len(dst_work) else 1
-    _fpenv.run(kernel, *args, scale, src_work.reshape(-1), max(src_slot, 1), dst_work.reshape(-1),
-               max(dst_slot, 1), starts, dests, offs, out, v_first, 0, items)  # fmt: skip
+    _fpenv.run(
+        kernel,
+        *args,
+        scale,
+        src_work.reshape(-1),
+        max(src_slot, 1),
+        dst_work.reshape(-1),
+        max(dst_slot, 1),
+        starts,
+        dests,
+        offs,
+        out,
+        v_first,
+        0,
+        items,
+    )
     dst[written] = dst_work[np.searchsorted(dst_rows, written)]
 
 

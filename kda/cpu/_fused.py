@@ -125,11 +125,24 @@ def _chunk_scratch(x, Cp, K, V):
     A, L, Minv = _three(x, Cp, Cp)
     pre, suf, k_suffix = _three(x, Cp, K)
     return ChunkScratch(
-        q=qc, k=kc, g=gc, v=empty2(Cp, V, dt), beta=np.empty(Cp, dt), KQ=empty2(2 * Cp, K, dt),
-        k_suffix=k_suffix, total=np.empty(K, dt), A=A, L=L, Minv=Minv, pre=pre, suf=suf,
-        kd=np.empty(K, dt), Td=empty2(Cp, cfg.SOLVE_BLOCK, dt), Wb=empty2(cfg.SOLVE_BLOCK, V, dt),
+        q=qc,
+        k=kc,
+        g=gc,
+        v=empty2(Cp, V, dt),
+        beta=np.empty(Cp, dt),
+        KQ=empty2(2 * Cp, K, dt),
+        k_suffix=k_suffix,
+        total=np.empty(K, dt),
+        A=A,
+        L=L,
+        Minv=Minv,
+        pre=pre,
+        suf=suf,
+        kd=np.empty(K, dt),
+        Td=empty2(Cp, cfg.SOLVE_BLOCK, dt),
+        Wb=empty2(cfg.SOLVE_BLOCK, V, dt),
         S=empty2(K, V, dt),
-    )  # fmt: skip
+    )
 
 
 @jit(inner=True)
@@ -142,7 +155,7 @@ def _three(x, rows, cols):
 @jit()
 def forward_heads(
     q, k, v, g, beta, scale, state, C, with_output, with_boundaries, out, boundaries, final, screen, lo, hi
-):  # fmt: skip
+):
     """Heads ``[lo, hi)`` of ``B * H``: the chunked forward.
 
     Per chunk: its decay factors and pairs (:func:`_local_pairs`), then with the chunk-start
@@ -222,7 +235,7 @@ def forward_heads(
 @jit()
 def backward_heads(
     q, k, v, g, beta, scale, boundaries, dO, dfinal, C, dq, dk, dv, dg, dbeta, dinit, screen, lo, hi
-):  # fmt: skip
+):
     """Heads ``[lo, hi)`` of ``B * H``: the chunked backward, last chunk first.
 
     Per chunk, with its chunk-start state ``S`` (from ``boundaries``) and the gradient ``dS`` of its
@@ -318,9 +331,29 @@ def backward_heads(
                     dS[d, c] *= t
             _mm(KQ, True, ROT, True, dS, 1.0)  # dS <- total dS + [kg; qg]^T [dR; dO]
             _fused_local_backward(
-                qc, kc, e, pre, suf, vc, bc, s, L, S, dSend, ROT, Z, UT, dY, gq, gk, gv, gg, gb,
-                zero_s, zero_ds,
-            )  # fmt: skip
+                qc,
+                kc,
+                e,
+                pre,
+                suf,
+                vc,
+                bc,
+                s,
+                L,
+                S,
+                dSend,
+                ROT,
+                Z,
+                UT,
+                dY,
+                gq,
+                gk,
+                gv,
+                gg,
+                gb,
+                zero_s,
+                zero_ds,
+            )
             seen_out += _store(gq, dq, b, h, t0, m) + _store(gk, dk, b, h, t0, m)
             seen_out += _store(gg, dg, b, h, t0, m) + _store(gv, dv, b, h, t0, m)
             for i in range(m):
@@ -366,7 +399,7 @@ def _store(x, out, b, h, t0, m):
 @jit(inner=True)
 def _fused_local_backward(
     q, k, e, pre, suf, v, beta, s, L, S, dS, ROT, Z, UT, dY, dq, dk, dv, dg, dbeta, zero_s, zero_ds
-):  # fmt: skip
+):
     """A chunk's local gradients in :func:`backward_heads` (``U = Minv beta Z``, ``Z = v - kg S``;
     ``UT = U^T``).
 

@@ -64,9 +64,27 @@ def local_forward(q, k, g, v, beta, scale, qg, kg, k_suffix, total, A, L, Minv, 
         bk = np.empty((Cp, K), q.dtype)
         bv = np.empty((Cp, V), q.dtype)
         _local_one(
-            q[n], k[n], g[n], v[n], beta[n], s, qg[n], kg[n], k_suffix[n], total[n], A[n], L[n], Minv[n],
-            w[n], u0[n], pre, suf, kd, bk, bv,
-        )  # fmt: skip
+            q[n],
+            k[n],
+            g[n],
+            v[n],
+            beta[n],
+            s,
+            qg[n],
+            kg[n],
+            k_suffix[n],
+            total[n],
+            A[n],
+            L[n],
+            Minv[n],
+            w[n],
+            u0[n],
+            pre,
+            suf,
+            kd,
+            bk,
+            bv,
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -140,9 +158,7 @@ def state_grad_pass(w, u0, k_suffix, total, qg, A, dO, boundaries, dfinal, ends,
 
 
 @jit(inner=True)
-def _local_backward_one(
-    q, k, g, v, beta, s, kg, w, u0, L, Minv, S, dS, U, dU, dO, dq, dk, dv, dg, dbeta
-):  # fmt: skip
+def _local_backward_one(q, k, g, v, beta, s, kg, w, u0, L, Minv, S, dS, U, dU, dO, dq, dk, dv, dg, dbeta):
     Cp, K = q.shape
     pre = np.empty((Cp, K), q.dtype)
     suf = np.empty((Cp, K), q.dtype)
@@ -156,7 +172,7 @@ def _local_backward_one(
 @jit(inner=True)
 def _local_backward_core(
     q, k, e, pre, suf, v, beta, s, kg, w, u0, L, Minv, S, dS, U, dU, dO, dq, dk, dv, dg, dbeta
-):  # fmt: skip
+):
     """Gradients of one chunk's state-free work given its factors ``e = exp(g)``, ``pre``, ``suf``."""
     Cp, K = q.shape
     V = v.shape[1]
@@ -199,9 +215,28 @@ def local_backward(
         bh = n // NT
         t = n - bh * NT
         _local_backward_one(
-            q[n], k[n], g[n], v[n], beta[n], s, kg[n], w[n], u0[n], L[n], Minv[n], boundaries[t, bh],
-            ends[t, bh], u[n], du[n], dO[n], dq[n], dk[n], dv[n], dg[n], dbeta[n],
-        )  # fmt: skip
+            q[n],
+            k[n],
+            g[n],
+            v[n],
+            beta[n],
+            s,
+            kg[n],
+            w[n],
+            u0[n],
+            L[n],
+            Minv[n],
+            boundaries[t, bh],
+            ends[t, bh],
+            u[n],
+            du[n],
+            dO[n],
+            dq[n],
+            dk[n],
+            dv[n],
+            dg[n],
+            dbeta[n],
+        )
 
 
 # --------------------------------------------------------------------------------------------

@@ -47,9 +47,14 @@ def pool(n: int) -> ThreadPoolExecutor:
 
 
 def run_ranges(
-    run: Callable[..., Any], kernel: Any, args: tuple, bounds: Sequence[int], *, threads: int,
+    run: Callable[..., Any],
+    kernel: Any,
+    args: tuple,
+    bounds: Sequence[int],
+    *,
+    threads: int,
     on_caller: bool = False,
-) -> None:  # fmt: skip
+) -> None:
     """``run(kernel, *args, lo, hi)`` for every range ``[lo, hi)`` between consecutive ``bounds``,
     on the pool (of at least ``threads`` threads), taken in turn by whichever thread is free;
     ``on_caller``: the first range on the calling thread while the pool runs the others. Returns

@@ -190,11 +190,20 @@ def _xxgemm(typingctx, ta, tb, m, n, k, a, ia, lda, b, ib, ldb, beta, c, ic, ldc
             return cell(builder.trunc(value, i32))
 
         call = (
-            cell(builder.trunc(vta, ir.IntType(8))), cell(builder.trunc(vtb, ir.IntType(8))),
-            integer(vm), integer(vn), integer(vk), cell(ir.Constant(context.get_value_type(dtype), 1.0)),
-            at(5, via), integer(vlda), at(8, vib), integer(vldb), real(vbeta, tys[11]), at(12, vic),
+            cell(builder.trunc(vta, ir.IntType(8))),
+            cell(builder.trunc(vtb, ir.IntType(8))),
+            integer(vm),
+            integer(vn),
+            integer(vk),
+            cell(ir.Constant(context.get_value_type(dtype), 1.0)),
+            at(5, via),
+            integer(vlda),
+            at(8, vib),
+            integer(vldb),
+            real(vbeta, tys[11]),
+            at(12, vic),
             integer(vldc),
-        )  # fmt: skip
+        )
         builder.call(fn, call)
         return context.get_dummy_value()
 

@@ -244,9 +244,21 @@ def _needs_scratch(start: Any, dest: Any, offsets: Any, T: int, same: bool) -> b
 
 
 def decode_forward(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, pool: Any, start: Any, dest: Any, *, scale: float,
-    offsets: Any = None, final_pool: Any = None, out: Any = None, v_first: bool = False,
-) -> Any:  # fmt: skip
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    pool: Any,
+    start: Any,
+    dest: Any,
+    *,
+    scale: float,
+    offsets: Any = None,
+    final_pool: Any = None,
+    out: Any = None,
+    v_first: bool = False,
+) -> Any:
     """The CUDA backend of :func:`kda.reference.decode_forward`, in one kernel launch.
 
     ``q, k, g: [B, HV, T, K]``, ``v: [B, HV, T, V]``, ``beta: [B, HV, T]`` of one dtype (float32
@@ -284,8 +296,10 @@ def decode_forward(
     if out.size == 0:
         return out
     dev = device(pool)
-    ints = [xp.asarray(np.array(x, np.int64).reshape(-1), device=dev)  # copies: the simulator writes back
-            for x in (start, dest, np.zeros(0, np.int64) if offsets is None else offsets)]  # fmt: skip
+    ints = [
+        xp.asarray(np.array(x, np.int64).reshape(-1), device=dev)  # copies: the simulator writes back
+        for x in (start, dest, np.zeros(0, np.int64) if offsets is None else offsets)
+    ]
     holes = _needs_scratch(start, dest, offsets, T, same)
     scratch = xp.empty((N, HV, K, V) if holes else (1,), dtype=q.dtype, device=dev)
     dst = pool if final_pool is None else final_pool
