@@ -95,3 +95,51 @@ def test_kimi_linear_f32_greedy_equals_transformers(tmp_path):
             want = model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, pad_token_id=0)
         assert g.tokens == want[0, len(p) :].tolist()
         assert min(g.margins) > 0
+
+
+def _glm_text_config() -> dict:
+    """A tiny GLM-5.3-Flash text model as llama.cpp's converter takes it: mHC on, layers KDA, MLA
+    with the DSA indexer (nope only), KDA, KDA; a dense first layer, then MoE."""
+    return dict(
+        hidden_size=64, num_hidden_layers=4, vocab_size=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        layer_types=["linear_attention", "deepseek_sparse_attention", "linear_attention", "linear_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"], indexer_types=["full"] * 4,
+        first_k_dense_replace=1, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=0, v_head_dim=16, head_dim=16, index_topk=2048, index_n_heads=2,
+        index_head_dim=16, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-5, swiglu_limit=10.0,
+        mla_use_nope=True,
+        linear_attn_config={"num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4,
+                            "gate_lower_bound": -5.0, "kda_layers": [0, 2, 3], "full_attn_layers": [1]},
+    )  # fmt: skip
+
+
+@pytest.mark.skipif(not _have_build(), reason="llama.cpp is not built (python -m kda.vllm.llama_cpp build)")
+def test_glm5_next_f32_greedy_equals_transformers(tmp_path):
+    """A tiny random GLM-5.3-Flash (transformers' Glm5NextForConditionalGeneration, saved as it
+    saves it, a tiny vision tower the converter leaves out): llama.cpp's converter takes it with
+    the GLM special tokens in the tokenizer, and llama.cpp's F32 greedy tokens equal transformers'
+    float32 ones (its own torch path)."""
+    pytest.importorskip("transformers.models.glm5_next")
+    import torch
+    from transformers.models.glm5_next.configuration_glm5_next import Glm5NextConfig
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextForConditionalGeneration
+
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    torch.manual_seed(0)
+    model = Glm5NextForConditionalGeneration(
+        Glm5NextConfig(text_config=_glm_text_config(), vision_config=vision)
+    )
+    model = model.float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(25.0)  # clear greedy margins
+    model.save_pretrained(str(tmp_path))
+    llama_cpp.write_tokenizer(tmp_path, 512, llama_cpp.GLM_SPECIALS)
+    gguf = llama_cpp.convert(tmp_path, "f32")
+    prompts = [[5, 17, 33, 90, 4, 61, 7, 100], list(range(3, 60))]
+    got = llama_cpp.greedy(gguf, prompts, 12, threads=1)
+    for p, g in zip(prompts, got):
+        with torch.inference_mode():
+            want = model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert g.tokens == want[0, len(p) :].tolist()
