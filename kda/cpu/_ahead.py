@@ -20,12 +20,11 @@ wait longer than for one process compiling both kernels), where a cache is writa
 (:data:`kda.cpu._compile.CACHING`) and Numba's internals are the ones kda uses
 (:data:`kda.cpu._internals.SUPPORTED`: the lock files the processes share the cache by), where this
 process is a plain Python interpreter, once per process and signature, and not with
-``KDA_COMPILE_AHEAD=0``. A
-second process that fails, or is wrong about the signature, costs only its time: this process
-then compiles as it would have. It is stopped if this process exits first (its cache entries are
-written whole or not at all). The first compilation's notice on the ``kda.cpu`` logger says that
-it runs (:func:`running`); ``python -m kda warmup`` remains the way to compile everything ahead of
-time.
+``KDA_COMPILE_AHEAD=0``. A second process that fails, or is wrong about the signature, costs only
+its time: this process then compiles as it would have. It is stopped if this process exits first
+(its cache entries are written whole or not at all). The first compilation's notice on the
+``kda.cpu`` logger says that it runs (:func:`running`); ``python -m kda warmup`` remains the way to
+compile everything ahead of time.
 """
 
 from __future__ import annotations
