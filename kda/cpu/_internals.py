@@ -9,8 +9,9 @@ parameters kda calls them with or overrides, and the attributes Numba's own meth
 where kda reads, writes or wraps them. They hold for the Numba versions ``pyproject.toml`` allows
 (its bounds, both of which CI runs). Where one is missing or has changed (another Numba), a single
 ``RuntimeWarning`` names it and every function compiles as a plain Numba function (``numba.njit``
-cached by Numba alone): the same results, a slower first call, no second compile process
-(:mod:`._ahead`).
+cached by Numba alone, which checks only each function's own file: in a source tree, a change to a
+helper in another file then needs the cache cleared): the same results, a slower first call, no
+second compile process (:mod:`._ahead`).
 """
 
 from __future__ import annotations
