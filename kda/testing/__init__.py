@@ -35,8 +35,9 @@ from ._check import (
     reproducer,
 )
 from ._compare import TOLERANCES, Mismatch, assert_close, compare, to_numpy, tolerance
+from ._draw import problems
 from ._fla import load_fla_naive
-from ._problems import DTYPES, LOG_REGIMES, REGIMES, SIZE_CLASSES, Problem, gates, problems, round_to
+from ._problems import DTYPES, LOG_REGIMES, REGIMES, SIZE_CLASSES, Problem, gates, round_to
 from ._reference import GRADIENTS, Reference, log_decay, reference
 from ._scale import IMPRECISE_BAND, YARDSTICK_MARGIN, error_scales, yardstick
 

@@ -118,8 +118,12 @@ def main(argv: list[str] | None = None) -> int:
         flag = "--" + name.replace("_", "-") if name not in ("K", "V", "T") else "--" + name
         sp.add_argument(flag, dest=name, type=kind, nargs=nargs, help=text)
     for name in _BOOLS:
-        sp.add_argument("--no-" + name.replace("_", "-"), dest="no_" + name, action="store_true",
-                        help=f"the same as --{name.replace('_', '-')} false")  # fmt: skip
+        sp.add_argument(
+            "--no-" + name.replace("_", "-"),
+            dest="no_" + name,
+            action="store_true",
+            help=f"the same as --{name.replace('_', '-')} false",
+        )
     a = ap.parse_args(argv)
     space = _space(a)
     if a.convention == "fla":
@@ -132,10 +136,16 @@ def main(argv: list[str] | None = None) -> int:
         backward = _load(a.backward) if a.backward else None
     try:
         summary = check_kernel(
-            fn, convention=a.convention, problems=problems(**space), backward=backward,
-            max_examples=a.examples, seed=a.seed, device=a.device, deterministic=not a.nondeterministic,
+            fn,
+            convention=a.convention,
+            problems=problems(**space),
+            backward=backward,
+            max_examples=a.examples,
+            seed=a.seed,
+            device=a.device,
+            deterministic=not a.nondeterministic,
             strict=a.strict,
-        )  # fmt: skip
+        )
     except KernelCheckFailed as err:
         print(err)
         return 1

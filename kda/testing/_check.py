@@ -1,339 +1,30 @@
-"""check_kernel: run a candidate KDA kernel on drawn problems and check it against the reference."""
+"""check_kernel: run a candidate KDA kernel on drawn problems and check it against the reference.
+
+The checks of one problem (:func:`check_problem`) and the run over drawn problems
+(:func:`check_kernel`); how a kernel is called is in :mod:`._conventions`, what a run reports in
+:mod:`._summary`.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .._errors import InvalidInputError, InvalidTypeError
-from ._compare import Mismatch, to_numpy
-from ._problems import Problem, problems
+from ._compare import Mismatch
+from ._conventions import CONVENTIONS, INPUTS, Run, Runner, runner_for, snapshot
+from ._draw import problems
+from ._problems import Problem
 from ._reference import GRADIENTS, reference
 from ._scale import IMPRECISE_BAND, error_scales, judge, verdict
+from ._summary import Imprecise, KernelCheckFailed, Summary, record
 
 __all__ = ["CONVENTIONS", "Imprecise", "KernelCheckFailed", "Summary", "check_kernel", "check_problem"]
 
-CONVENTIONS = ("fla", "kda")
 CHECKS = ("call", "inputs unmodified", "finite", "causal", "accuracy", "deterministic")
-_INPUTS = ("q", "k", "v", "g", "beta")
-
-
-class KernelCheckFailed(AssertionError):
-    """A check failed. Attributes: ``check`` (one of ``call``, ``inputs unmodified``, ``finite``,
-    ``accuracy``, ``deterministic``, ``causal``), ``problem`` (the shrunk problem), ``examples``
-    (examples run up to the first failure), ``seconds``, ``reproducer`` (Python source)."""
-
-    def __init__(self, message: str, *, check: str, problem: Problem | None = None) -> None:
-        super().__init__(message)
-        self.check = check
-        self.problem = problem
-        self.examples = 0
-        self.seconds = 0.0
-        self.reproducer = ""
-
-
-@dataclass
-class Imprecise:
-    """A tensor judged imprecise: in how many ``examples``, the ``worst`` ratio of error to its scale,
-    that example's ``detail`` (the element, both values, the scale) and ``problem``."""
-
-    examples: int
-    worst: float
-    detail: str
-    problem: Problem
-
-
-# problems() narrowing for each feature tag a rejected draw had
-_NARROW = {
-    "scale": "scale=('default',)",
-    "packed": "packed=(False,)",
-    "gva": "groups=(1,)",
-    "qk_l2norm": "qk_l2norm=(False,)",
-    "initial_state": "initial_state=(False,)",
-}
-_NARROW_PREFIX = {
-    "gate": "gates",
-    "beta": "beta_activations",
-    "regime": "regimes",
-    "dtype": "dtypes",
-    "layout": "layouts",
-    "chunk": "chunk_sizes",
-    "size": "T",
-}
-
-
-@dataclass
-class Summary:
-    """What :func:`check_kernel` ran.
-
-    Attributes
-    ----------
-    examples : int
-        Examples checked (rejected draws not counted).
-    worst : dict
-        The worst ratio of error to error scale per tensor (``<= 1``: accurate).
-    imprecise : dict
-        Per tensor judged imprecise in some example: :class:`Imprecise`.
-    rejected : int
-        Draws the kernel rejected by raising ``NotImplementedError``.
-    rejected_features, features : dict
-        Feature tags (:attr:`Problem.features`) of the rejected draws and of the examples checked.
-    checks : tuple of str
-    seconds : float
-    """
-
-    examples: int = 0
-    worst: dict[str, float] = field(default_factory=dict)
-    imprecise: dict[str, Imprecise] = field(default_factory=dict)
-    rejected: int = 0
-    rejected_features: dict[str, int] = field(default_factory=dict)
-    checks: tuple[str, ...] = ()
-    features: dict[str, int] = field(default_factory=dict)
-    seconds: float = 0.0
-    reasons: dict[str, int] = field(default_factory=dict)
-
-    def narrowing(self) -> list[str]:
-        """The ``problems(...)`` arguments that would avoid most rejected draws: features that were
-        in at least a quarter of the rejected draws and were rejected at least 9 times in 10."""
-        out = []
-        for tag, n in sorted(self.rejected_features.items(), key=lambda x: -x[1]):
-            rate = n / (n + self.features.get(tag, 0))
-            if rate < 0.9 or n < self.rejected / 4:
-                continue
-            if tag in _NARROW:
-                hint = _NARROW[tag]
-            elif tag.split("=")[0] in _NARROW_PREFIX:
-                key, _, value = tag.partition("=")
-                hint = f"{_NARROW_PREFIX[key]} without {value}"
-            else:
-                continue
-            out.append(f"{hint} ({n} of {n + self.features.get(tag, 0)} draws with {tag!r} rejected)")
-        return out
-
-    def __str__(self) -> str:
-        rej = ""
-        if self.rejected:
-            top = sorted(self.reasons.items(), key=lambda x: -x[1])[:3]
-            why = "; ".join(f"{r!r} x {c}" for r, c in top)
-            rej = f" ({self.rejected} draws rejected with NotImplementedError: {why})"
-        lines = [f"{self.examples} examples passed in {self.seconds:.1f} s{rej}"]
-        lines[0] += f"; checks: {', '.join(self.checks)}"
-        if self.rejected > self.examples:
-            hints = self.narrowing()
-            lines.append(
-                "most draws were rejected: narrow problems(...) by "
-                + ("; ".join(hints) if hints else "the options the kernel lacks")
-            )
-        lines.append("worst error / error scale per tensor (<= 1: accurate):")
-        for n, r in sorted(self.worst.items()):
-            line = f"  {n:<16} {r:.3g}"
-            if n in self.imprecise:
-                im = self.imprecise[n]
-                line += f"  IMPRECISE in {im.examples} examples; worst: {im.detail}\n    in {im.problem!r}"
-            lines.append(line)
-        return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------------------------
-# Conventions: how a kernel is called. Each returns head-first float64 NumPy results.
-
-
-def _time_major(x: np.ndarray | None) -> np.ndarray | None:
-    return None if x is None else np.ascontiguousarray(np.swapaxes(x, 1, 2))
-
-
-def _head_first(x: np.ndarray | None) -> np.ndarray | None:
-    return None if x is None else np.swapaxes(x, 1, 2)
-
-
-class _Run:
-    """One call's results, head-first NumPy arrays; ``inputs`` are what was passed (for the
-    unmodified check) as ``name -> (live array, NumPy copy taken before the call)``."""
-
-    def __init__(self) -> None:
-        self.results: dict[str, np.ndarray | None] = {}
-        self.inputs: dict[str, tuple[Any, bytes]] = {}
-
-
-class _Fla:
-    """flash-linear-attention's ``chunk_kda`` signature: time-major torch tensors, autograd."""
-
-    name = "fla"
-
-    def __init__(self, fn: Callable, backward: bool, device: Any) -> None:
-        import torch
-
-        self.torch, self.fn, self.backward = torch, fn, bool(backward)
-        self.device = torch.device("cpu" if device is None else device)
-
-    def dtype(self, name: str) -> Any:
-        return getattr(self.torch, name)
-
-    def run(self, p: Problem, arrays: dict[str, Any], backward: bool) -> _Run:
-        torch = self.torch
-        run = _Run()
-        grad = backward and self.backward
-        ts: dict[str, Any] = {}
-        for n in (*_INPUTS, "initial_state", "A_log", "dt_bias"):
-            x = arrays[n]
-            if x is None:
-                continue
-            if n in _INPUTS:
-                x = _time_major(x)
-            if n == "dt_bias":
-                x = x.reshape(-1)
-            t = torch.tensor(x, dtype=self.dtype(p.dtype_of(n)), device=self.device)
-            run.inputs[n] = (t, _snapshot(t))
-            ts[n] = t.requires_grad_(grad)
-        kw: dict[str, Any] = {"output_final_state": True}
-        if p.scale is not None:
-            kw["scale"] = p.scale
-        kw["initial_state"] = ts.get("initial_state")  # None too: some kernels take it positionally
-        if p.chunk_size is not None:
-            kw["chunk_size"] = p.chunk_size
-        if p.cu_seqlens is not None:
-            cu = torch.tensor(p.cu_seqlens, dtype=torch.int64, device=self.device)
-            run.inputs["cu_seqlens"] = (cu, _snapshot(cu))
-            kw["cu_seqlens"] = cu
-        if p.qk_l2norm:
-            kw["use_qk_l2norm_in_kernel"] = True
-        if p.gate != "log":
-            kw["use_gate_in_kernel"] = True
-            for n in ("A_log", "dt_bias"):
-                if n in ts:
-                    kw[n] = ts[n]
-            if p.gate == "lower_bound":
-                kw["lower_bound"] = p.lower_bound
-        if p.beta_activation is not None:
-            kw["use_beta_sigmoid_in_kernel"] = True
-            if p.beta_activation == "sigmoid2":
-                kw["allow_neg_eigval"] = True
-        o, S = self.fn(*(ts[n] for n in _INPUTS), **kw)
-        run.results["output"] = _head_first(to_numpy(o).astype(np.float64))
-        run.results["final_state"] = None if S is None else to_numpy(S).astype(np.float64)
-        if grad:
-            do = torch.tensor(_time_major(arrays["grad_output"]), dtype=o.dtype, device=o.device)
-            outs, gos = [o], [do]
-            if S is not None:
-                outs.append(S)
-                gos.append(torch.tensor(arrays["grad_final_state"], dtype=S.dtype, device=S.device))
-            names = list(ts)
-            gr = torch.autograd.grad(outs, [ts[n] for n in names], gos, allow_unused=True)
-            for n, d in zip(names, gr):
-                if d is None:
-                    d = torch.zeros_like(ts[n])
-                d = to_numpy(d).astype(np.float64)
-                if n in _INPUTS:
-                    d = _head_first(d)
-                if n == "dt_bias":
-                    d = d.reshape(p.HV, p.K)
-                run.results["d" + n] = d
-        return run
-
-
-class _Kda:
-    """kda's ``chunk_kda`` signature on an array-API namespace; backward a second callable."""
-
-    name = "kda"
-
-    def __init__(self, fn: Callable, backward: Any, device: Any, xp: Any) -> None:
-        if xp is None:
-            xp = np
-        self.fn, self.bwd, self.device, self.xp = fn, backward if callable(backward) else None, device, xp
-
-    def dtype(self, name: str) -> Any:
-        d = getattr(self.xp, name, None)
-        if d is None:
-            raise InvalidInputError(
-                f"problems: the namespace {self.xp.__name__} has no {name}; narrow dtypes"
-            )
-        return d
-
-    def asarray(self, x: np.ndarray, dtype: str) -> Any:
-        xp = self.xp
-        if xp is np:
-            return np.array(x, dtype=dtype)
-        kw = {} if self.device is None else {"device": self.device}
-        if dtype == "bfloat16":
-            return xp.astype(xp.asarray(x.astype(np.float32), **kw), self.dtype(dtype))
-        return xp.asarray(x.astype(dtype), **kw)
-
-    def run(self, p: Problem, arrays: dict[str, Any], backward: bool) -> _Run:
-        run = _Run()
-        grad = backward and self.bwd is not None
-        tm = p.layout == "time_major"
-        xs: dict[str, Any] = {}
-        for n in (*_INPUTS, "initial_state", "A_log", "dt_bias", "grad_output", "grad_final_state"):
-            x = arrays[n]
-            if x is None or (not grad and n.startswith("grad_")):
-                continue
-            if tm and n in (*_INPUTS, "grad_output"):
-                x = _time_major(x)
-            a = self.asarray(x, p.dtype_of(n))
-            run.inputs[n] = (a, _snapshot(a))
-            xs[n] = a
-        kw: dict[str, Any] = {}
-        if p.scale is not None:
-            kw["scale"] = p.scale
-        if "initial_state" in xs:
-            kw["initial_state"] = xs["initial_state"]
-        if p.chunk_size is not None:
-            kw["chunk_size"] = p.chunk_size
-        if tm:
-            kw["layout"] = "time_major"
-        opts = p.options()
-        for n in ("A_log", "dt_bias"):
-            if n in opts:
-                opts[n] = xs[n]
-        if "cu_seqlens" in opts:
-            cu = self.xp.asarray(opts["cu_seqlens"]) if self.xp is not np else opts["cu_seqlens"]
-            run.inputs["cu_seqlens"] = (cu, _snapshot(cu))
-            opts["cu_seqlens"] = cu
-        kw |= opts
-        args = [xs[n] for n in _INPUTS]
-        out = self.fn(*args, **kw, **({"save_boundaries": True} if grad else {}))
-        o, S = out[0], out[1]
-        bounds = out[2] if len(out) > 2 else None
-        conv = (lambda x: _head_first(x)) if tm else (lambda x: x)
-        run.results["output"] = conv(to_numpy(o).astype(np.float64))
-        run.results["final_state"] = to_numpy(S).astype(np.float64)
-        if bounds is not None:
-            run.results["boundaries"] = to_numpy(bounds).astype(np.float64)
-        if grad:
-            gr = self.bwd(*args, bounds, xs["grad_output"], xs["grad_final_state"], **kw)
-            for n, d in zip(GRADIENTS, gr):
-                if n in xs and d is not None:
-                    d = to_numpy(d).astype(np.float64)
-                    run.results["d" + n] = conv(d) if n in _INPUTS else d
-                elif n in xs:
-                    run.results["d" + n] = np.zeros_like(arrays[n])
-        return run
-
-
-def _runner(fn: Any, convention: Any, backward: Any, device: Any, xp: Any) -> _Fla | _Kda:
-    if not callable(fn):
-        raise InvalidTypeError(f"fn must be callable; got {type(fn).__name__}")
-    if convention == "fla":
-        if not isinstance(backward, bool):
-            raise InvalidTypeError(
-                f"backward must be a bool for convention='fla'; got {type(backward).__name__}"
-            )
-        if xp is not None:
-            raise InvalidInputError("xp is for convention='kda' only")
-        return _Fla(fn, backward, device)
-    if convention == "kda":
-        if not (backward is None or isinstance(backward, bool) or callable(backward)):
-            raise InvalidTypeError(
-                "backward must be a callable (chunk_kda_backward's signature), False or None"
-            )
-        if backward is True:
-            raise InvalidInputError("backward=True needs a callable for convention='kda' (or False / None)")
-        return _Kda(fn, backward, device, xp)
-    raise InvalidInputError(f"convention must be one of {CONVENTIONS}; got {convention!r}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -349,26 +40,17 @@ def _same_bits(a: Any, b: Any) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 
-def _snapshot(x: Any) -> bytes:
-    """The raw bytes of an array of any namespace (torch bfloat16 included)."""
-    if type(x).__module__.startswith("torch"):
-        import torch
-
-        return x.detach().cpu().reshape(-1).clone().view(torch.uint8).numpy().tobytes()
-    return np.ascontiguousarray(to_numpy(x)).tobytes()
-
-
 def _perturbed(p: Problem, arrays: dict[str, Any]) -> dict[str, Any]:
     """The arrays with every input changed at steps ``>= p.causal_step`` (same validity)."""
     t = p.causal_step
     out = dict(arrays)
-    q, k, v, g, beta = (np.array(arrays[n], copy=True) for n in _INPUTS)
+    q, k, v, g, beta = (np.array(arrays[n], copy=True) for n in INPUTS)
     q[:, :, t:] = q[:, :, t:] * -0.5 + 0.25
     k[:, :, t:] = -k[:, :, t:]
     v[:, :, t:] = v[:, :, t:] + 1.0
     g[:, :, t:] = g[:, :, t:] * 0.5 - 0.125 if p.gate == "log" else g[:, :, t:] + 1.0
     beta[:, :, t:] = beta[:, :, t:] * 0.5 + 0.25
-    for n, x in zip(_INPUTS, (q, k, v, g, beta)):
+    for n, x in zip(INPUTS, (q, k, v, g, beta)):
         out[n] = x
     return out
 
@@ -397,14 +79,14 @@ def check_problem(
     """
     if not isinstance(problem, Problem):
         raise InvalidTypeError(f"problem must be a kda.testing.Problem; got {type(problem).__name__}")
-    runner = _runner(fn, convention, backward, device, xp)
+    runner = runner_for(fn, convention, backward, device, xp)
     try:
         return _check(runner, problem, backward, deterministic, strict, summary)
     except Rejected as err:
         raise _fail("call", f"the kernel rejected the problem: {err}", problem) from None
 
 
-def _call(runner: _Fla | _Kda, p: Problem, arrays: dict[str, Any], grad: bool, first: bool) -> _Run:
+def _call(runner: Runner, p: Problem, arrays: dict[str, Any], grad: bool, first: bool) -> Run:
     try:
         return runner.run(p, arrays, grad)
     except NotImplementedError as err:
@@ -431,7 +113,7 @@ def _expected(p: Problem, got: dict[str, Any], grad: bool) -> tuple[dict[str, np
     return expected, ref
 
 
-def _check_causal(runner: _Fla | _Kda, p: Problem, got: dict[str, Any]) -> None:
+def _check_causal(runner: Runner, p: Problem, got: dict[str, Any]) -> None:
     t = p.causal_step
     other = _call(runner, p, _perturbed(p, p.arrays), False, False).results["output"]
     a, b = got["output"][:, :, :t], other[:, :, :t]
@@ -447,13 +129,13 @@ def _check_causal(runner: _Fla | _Kda, p: Problem, got: dict[str, Any]) -> None:
 
 
 def _check(
-    runner: _Fla | _Kda, p: Problem, backward: Any, deterministic: bool, strict: bool, summary: Summary | None
+    runner: Runner, p: Problem, backward: Any, deterministic: bool, strict: bool, summary: Summary | None
 ) -> dict[str, float]:
     arrays = p.arrays
     grad = bool(backward)
     run = _call(runner, p, arrays, grad, True)
     for n, (live, before) in run.inputs.items():
-        if _snapshot(live) != before:
+        if snapshot(live) != before:
             raise _fail("inputs unmodified", f"the kernel modified its input {n!r}", p)
     got = run.results
     expected, ref = _expected(p, got, grad)
@@ -488,24 +170,8 @@ def _check(
                 where = tuple(int(i) for i in diff[0]) if diff.size else "(shape or NaN pattern)"
                 raise _fail("deterministic", f"a repeated call changed {n} at {where}", p)
     if summary is not None:
-        _record(summary, p, ratios, details)
+        record(summary, p, ratios, details)
     return ratios
-
-
-def _record(summary: Summary, p: Problem, ratios: dict[str, float], details: dict[str, str]) -> None:
-    summary.examples += 1
-    for n, r in ratios.items():
-        summary.worst[n] = max(summary.worst.get(n, 0.0), r)
-        if verdict(r, p.dtype) == "imprecise":
-            im = summary.imprecise.get(n)
-            if im is None:
-                summary.imprecise[n] = Imprecise(1, r, details[n], p)
-            else:
-                im.examples += 1
-                if r > im.worst:
-                    im.worst, im.detail, im.problem = r, details[n], p
-    for f in p.features:
-        summary.features[f] = summary.features.get(f, 0) + 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -635,7 +301,7 @@ def check_kernel(
     from hypothesis import seed as hseed
     from hypothesis.errors import FlakyFailure, FlakyReplay, Unsatisfiable
 
-    runner = _runner(fn, convention, backward, device, xp)
+    runner = runner_for(fn, convention, backward, device, xp)
     strategy = _checked_arguments(
         max_examples, seed, strict, default_problems(convention, xp) if problems is None else problems
     )
@@ -670,9 +336,13 @@ def check_kernel(
         if not isinstance(err, KernelCheckFailed):
             raise
         repro = reproducer(
-            fn, err.problem, convention=convention, backward=backward, deterministic=deterministic,
+            fn,
+            err.problem,
+            convention=convention,
+            backward=backward,
+            deterministic=deterministic,
             strict=strict,
-        )  # fmt: skip
+        )
         raise _reported(err, caught, state, repro) from None
     summary.seconds = time.perf_counter() - state["start"]
     return summary

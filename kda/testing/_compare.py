@@ -56,6 +56,7 @@ from typing import Any
 
 import numpy as np
 
+from .._dtypes import dtype_name
 from .._errors import InvalidInputError, InvalidTypeError
 
 __all__ = ["TOLERANCES", "Mismatch", "assert_close", "compare", "to_numpy", "tolerance"]
@@ -73,19 +74,12 @@ class Mismatch(AssertionError):
         self.check = check
 
 
-def _dtype_name(dtype: Any) -> str:
-    if isinstance(dtype, str):
-        name = dtype
-    else:
-        name = getattr(dtype, "name", None) or str(dtype).rsplit(".", 1)[-1]
-    if name not in TOLERANCES:
-        raise InvalidTypeError(f"dtype must be one of {tuple(TOLERANCES)}; got {dtype!r}")
-    return name
-
-
 def tolerance(dtype: Any) -> float:
     """The relative tolerance of inputs of ``dtype`` (a name, NumPy or torch dtype)."""
-    return TOLERANCES[_dtype_name(dtype)]
+    name = dtype_name(dtype)
+    if name not in TOLERANCES:
+        raise InvalidTypeError(f"dtype must be one of {tuple(TOLERANCES)}; got {dtype!r}")
+    return TOLERANCES[name]
 
 
 def to_numpy(x: Any) -> np.ndarray:
@@ -135,8 +129,10 @@ def shapes_and_finite(actual: Any, expected: Any, name: str) -> tuple[np.ndarray
         raise Mismatch(
             f"{name}: {int(bad.sum())} non-finite elements where the reference is finite; first at "
             f"{idx}: got {a[idx]!r}, expected {e[idx]!r}",
-            name=name, ratio=np.inf, check="finite",
-        )  # fmt: skip
+            name=name,
+            ratio=np.inf,
+            check="finite",
+        )
     return a, e, finite
 
 
@@ -173,8 +169,9 @@ def compare(
             f"{label}: error {float(err[worst]):.3e} at {idx} is {r:.3g} x the tolerance "
             f"{float(allowed[worst]):.3e} ({tol:.0e} x {basis}); "
             f"got {a[worst]!r}, expected {e[worst]!r}",
-            name=label, ratio=r,
-        )  # fmt: skip
+            name=label,
+            ratio=r,
+        )
     return r
 
 

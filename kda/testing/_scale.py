@@ -76,9 +76,14 @@ def yardstick(problem: Problem, names: tuple[str, ...], backward: bool) -> dict[
         res["boundaries"] = _boundaries(problem, kw, problem.scale, arrays=f32)
     if backward and any(n.startswith("d") for n in names):
         gr = kda.recurrent_kda_backward(
-            *x, f32["grad_output"], f32["grad_final_state"], initial_state=s0, scale=problem.scale,
-            backend="reference", **kw,
-        )  # fmt: skip
+            *x,
+            f32["grad_output"],
+            f32["grad_final_state"],
+            initial_state=s0,
+            scale=problem.scale,
+            backend="reference",
+            **kw,
+        )
         for n, d in zip(GRADIENTS, gr):
             if d is not None and "d" + n in names:
                 res["d" + n] = d

@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 
 from ._compare import TOLERANCES, compare
-from ._problems import Problem, problems, round_to
+from ._draw import problems
+from ._problems import Problem, round_to
 from ._reference import GRADIENTS, reference
 
 
@@ -47,10 +48,15 @@ def _kda(p: Problem) -> dict[str, np.ndarray]:
     extra = {} if p.chunk_size is None else {"chunk_size": p.chunk_size}
     out = kda.chunk_kda(*x, initial_state=s0, scale=p.scale, save_boundaries=True, **extra, **kw)
     gr = kda.chunk_kda_backward(
-        *x, out.boundaries, a["grad_output"].astype(dt),
+        *x,
+        out.boundaries,
+        a["grad_output"].astype(dt),
         a["grad_final_state"].astype(p.dtype_of("grad_final_state")),
-        initial_state=s0, scale=p.scale, **extra, **kw,
-    )  # fmt: skip
+        initial_state=s0,
+        scale=p.scale,
+        **extra,
+        **kw,
+    )
     res = {"output": out.output, "final_state": out.final_state}
     res |= {"d" + n: d for n, d in zip(GRADIENTS, gr) if d is not None and a[n] is not None}
     if p.dtype == "bfloat16":
@@ -64,8 +70,13 @@ def _kda(p: Problem) -> dict[str, np.ndarray]:
 def _measure_dtype(dtype: str, examples: int, w: dict[str, float]) -> None:
     from hypothesis import HealthCheck, given, settings
 
-    @settings(max_examples=examples, derandomize=True, database=None, deadline=None,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=examples,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(problems(dtypes=(dtype,)))
     def run(p: Problem) -> None:
         ref = reference(p, boundaries=False)
@@ -74,8 +85,9 @@ def _measure_dtype(dtype: str, examples: int, w: dict[str, float]) -> None:
         got = _kda(p)
         for n, e in exp.items():
             scale = ref.grad_scales.get(n[1:])
-            perfect = round_to(e, p.dtype_of(n[1:] if n.startswith("d") else "initial_state")
-                               if n != "output" else p.dtype)  # fmt: skip
+            perfect = round_to(
+                e, p.dtype_of(n[1:] if n.startswith("d") else "initial_state") if n != "output" else p.dtype
+            )
             for kind, x in (("perfect", perfect), ("kda", got[n])):
                 # tol=1: measure, do not judge (the ratio is the relative error)
                 w[kind] = max(w[kind], compare(x, e, dtype="float64", name=n, scale=scale, tol=1.0))
@@ -121,8 +133,11 @@ def _kda_kernel(backend: str) -> tuple[Any, str, Any]:
 
     import kda
 
-    return (functools.partial(kda.chunk_kda, backend=backend), "kda",
-            functools.partial(kda.chunk_kda_backward, backend=backend))  # fmt: skip
+    return (
+        functools.partial(kda.chunk_kda, backend=backend),
+        "kda",
+        functools.partial(kda.chunk_kda_backward, backend=backend),
+    )
 
 
 def _kda_torch() -> tuple[Any, str, Any]:
@@ -159,16 +174,23 @@ def measure_kernel(name: str, examples: int) -> tuple[dict[str, tuple[float, Pro
 
     from hypothesis import HealthCheck, Phase, given, settings
 
-    from ._check import _expected, _runner
+    from ._check import _expected
+    from ._conventions import runner_for
     from ._scale import YARDSTICK_MARGIN, error_scales, judge
 
     load, space = KERNELS[name]
     fn, convention, backward = load()
-    runner = _runner(fn, convention, backward, None, None)
+    runner = runner_for(fn, convention, backward, None, None)
     worst: dict[str, tuple[float, Problem]] = {}
 
-    @settings(max_examples=examples, derandomize=True, database=None, deadline=None,
-              suppress_health_check=list(HealthCheck), phases=(Phase.generate,))  # fmt: skip
+    @settings(
+        max_examples=examples,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        phases=(Phase.generate,),
+    )
     @given(problems(dtypes=("float32",), **space))
     def run(p: Problem) -> None:
         got = runner.run(p, p.arrays, True).results
