@@ -22,6 +22,10 @@ import numpy as np
 
 import kda
 
+from ._backend import cpu_available, get_backend
+from ._options import gates
+from ._options.table import OPTIONS, Option
+
 try:
     import resource  # the CPU time of the warm-up's processes (POSIX)
 except ImportError:  # pragma: no cover - Windows
@@ -30,20 +34,43 @@ except ImportError:  # pragma: no cover - Windows
 # the default problem of the check
 DEFAULTS = {"B": 1, "H": 4, "T": 1024, "K": 64, "V": 64, "chunk_size": 64}
 TOLERANCE = {"float32": 1e-5, "float64": 1e-10}
-GRADIENTS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+# the fields of KdaGradients: the inputs, the initial state and every gate parameter of the laws
+GRADIENTS = ("q", "k", "v", "g", "beta", "initial_state", *gates.PARAMETER_NAMES)
 INPUTS = ("q", "k", "v", "g", "beta")
 
 
+# how the check draws each gate parameter (in this order; a parameter not named here: N(0, 1))
+_PARAMETER_DRAWS = {
+    "dt_bias": lambda rng, shape: rng.standard_normal(shape),
+    "A_log": lambda rng, shape: rng.uniform(-2.0, 0.5, shape),
+}
+# the lower_bound of the laws that take one
+_LOWER_BOUND = -5.0
+
+
 def _gate_inputs(rng: np.random.Generator, shape: tuple[int, ...], gate: str) -> dict[str, Any]:
-    """``g`` and the gate's keyword options: log decays in [log 0.5, 0], or raw gates."""
-    if gate == "log":
-        return {"g": np.log(rng.uniform(0.5, 1.0, shape))}
+    """``g`` and the gate's keyword options, as the law ``gate`` of the option table takes them:
+    log decays in [log 0.5, 0] for a law whose ``g`` is the log decay, raw gates ``N(0, 1)``
+    otherwise, with every parameter the law takes and its ``lower_bound``."""
+    law = gates.law(gate)
+    options: dict[str, Any] = {} if gate == _option("gate").default else {"gate": gate}
+    if law.log_input:
+        return {"g": np.log(rng.uniform(0.5, 1.0, shape)), **options}
     HV, K = shape[1], shape[3]
-    options = {"g": rng.standard_normal(shape), "gate": gate, "dt_bias": rng.standard_normal((HV, K))}
-    options["A_log"] = rng.uniform(-2.0, 0.5, HV)
-    if gate == "lower_bound":
-        options["lower_bound"] = -5.0
+    options["g"] = rng.standard_normal(shape)
+    taken = {p.name: p for p in law.params}
+    order = [n for n in _PARAMETER_DRAWS if n in taken] + [n for n in taken if n not in _PARAMETER_DRAWS]
+    for name in order:
+        draw = _PARAMETER_DRAWS.get(name, lambda rng, shape: rng.standard_normal(shape))
+        options[name] = draw(rng, taken[name].shape(HV, K))
+    if law.lower_bound:
+        options["lower_bound"] = _LOWER_BOUND
     return options
+
+
+def _option(name: str) -> Option:
+    """The option table's row ``name``."""
+    return next(o for o in OPTIONS if o.name == name)
 
 
 def _offsets(rng: np.random.Generator, T: int, n: int) -> np.ndarray:
@@ -53,9 +80,19 @@ def _offsets(rng: np.random.Generator, T: int, n: int) -> np.ndarray:
 
 
 def make_inputs(
-    B: int, H: int, T: int, K: int, V: int, dtype: str, seed: int = 0, *, gva: int = 1, gate: str = "log",
-    varlen: int = 0, layout: str = "head_first",
-) -> tuple[dict[str, np.ndarray], dict[str, Any]]:  # fmt: skip
+    B: int,
+    H: int,
+    T: int,
+    K: int,
+    V: int,
+    dtype: str,
+    seed: int = 0,
+    *,
+    gva: int = 1,
+    gate: str = "log",
+    varlen: int = 0,
+    layout: str = "head_first",
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """A KDA problem as models feed it, and its keyword options.
 
     L2-normalised keys, log decays in [log 0.5, 0] (or raw gates with ``A_log``/``dt_bias``),
@@ -94,8 +131,6 @@ def make_inputs(
 
 def available_backends() -> dict[str, Any]:
     """Backend name -> a function that moves a NumPy array to that backend's arrays."""
-    from ._backend import cpu_available
-
     backends: dict[str, Any] = {}
     if cpu_available():  # NumPy's default: the Numba backend
         backends["cpu"] = lambda x: x
@@ -104,7 +139,7 @@ def available_backends() -> dict[str, Any]:
         import cupy
 
         cupy.zeros(1)  # raises where there is no usable GPU
-        import kda.cuda  # noqa: F401
+        get_backend(cupy, "cuda")  # the dispatch imports the backend; raises where it cannot run
 
         backends["cuda"] = cupy.asarray
     except Exception:
@@ -131,7 +166,7 @@ def _oracle(x: dict[str, np.ndarray], options: dict[str, Any]) -> tuple[Any, Any
     """Forward and backward of the float64 recurrence, with their times (of this call: the
     caller warms it up first, so that no compile time is counted)."""
     x64 = {n: a.astype(np.float64) for n, a in x.items()}
-    opts = {n: (a.astype(np.float64) if n in ("A_log", "dt_bias") else a) for n, a in options.items()}
+    opts = {n: (a.astype(np.float64) if n in gates.PARAMETER_NAMES else a) for n, a in options.items()}
     inputs = [x64[n] for n in INPUTS]
     ref, t_fwd = _timed(lambda: kda.recurrent_kda(*inputs, initial_state=x64["initial_state"], **opts))
     ref_grads, t_bwd = _timed(
@@ -146,7 +181,7 @@ def _check_backend(name: str, to_backend, x, options, chunk_size: int, ref, ref_
     """Times and worst errors of one backend's chunked forward and backward (the second call's
     times: the first compiles where the backend compiles)."""
     dev = {n: to_backend(a) for n, a in x.items()}
-    opts = {n: (to_backend(a) if n in ("A_log", "dt_bias") else a) for n, a in options.items()}
+    opts = {n: (to_backend(a) if n in gates.PARAMETER_NAMES else a) for n, a in options.items()}
     call = {"chunk_size": chunk_size, "initial_state": dev["initial_state"], "backend": name, **opts}
     inputs = [dev[n] for n in INPUTS]
     warm = kda.chunk_kda(*inputs, **call, save_boundaries=True)  # warm-up (compiles, on cpu)
@@ -169,9 +204,17 @@ def _check_backend(name: str, to_backend, x, options, chunk_size: int, ref, ref_
 def check(args: argparse.Namespace) -> int:
     B = 1 if args.varlen else args.B
     x, options = make_inputs(
-        B, args.H, args.T, args.K, args.V, args.dtype, gva=args.gva, gate=args.gate, varlen=args.varlen,
+        B,
+        args.H,
+        args.T,
+        args.K,
+        args.V,
+        args.dtype,
+        gva=args.gva,
+        gate=args.gate,
+        varlen=args.varlen,
         layout=args.layout,
-    )  # fmt: skip
+    )
     shown = {n: v for n, v in options.items() if not hasattr(v, "shape")}
     if args.varlen:
         shown["sequences"] = len(options["cu_seqlens"]) - 1
@@ -219,9 +262,14 @@ def _warm_calls(dtype: str) -> None:
         *inputs, initial_state=x["initial_state"], save_boundaries=True, backend="cpu", **options
     )
     kda.chunk_kda_backward(
-        *inputs, out.boundaries, x["grad_output"], x["grad_final_state"], initial_state=x["initial_state"],
-        backend="cpu", **options,
-    )  # fmt: skip
+        *inputs,
+        out.boundaries,
+        x["grad_output"],
+        x["grad_final_state"],
+        initial_state=x["initial_state"],
+        backend="cpu",
+        **options,
+    )
 
 
 def _warm_chunked(dtype: str, layout: str, B: int) -> None:
@@ -277,18 +325,15 @@ def warmup(args: argparse.Namespace) -> int:
     than one job (``args.jobs``; default: one per dtype, at most one per core, and one where no
     cache is writable), each dtype compiles in a process of its own (``python -m kda warmup
     --dtype D --jobs 1``), side by side: Numba compiles on one core per process."""
-    from ._backend import cpu_available
-
     if not cpu_available():
         print("kda: the cpu backend is not available here (it needs numba and scipy); nothing to compile")
         return 1
-    from .cpu import _compile
-
+    kept = get_backend(np, "cpu").kernel_cache()
     where = {None: "none (every process compiles)", "numba": "Numba's cache directory"}
-    cache = where.get(_compile.CACHE, _compile.CACHE)
+    cache = where.get(kept, kept)
     jobs = args.jobs if args.jobs is not None else (os.cpu_count() or 1)
     # processes share their work only through a cache: without one, compile here, once
-    jobs = min(jobs, len(args.dtype)) if _compile.CACHING else 1
+    jobs = min(jobs, len(args.dtype)) if kept is not None else 1
     started = time.perf_counter()
     if jobs > 1:
         compiled, cpu = _warm_in_processes(args.dtype, jobs)
@@ -324,12 +369,10 @@ def _warm_here(dtypes: list[str]) -> tuple[int, float]:
             if self.depth == 0:
                 compiled.append(getattr(ev.data["dispatcher"], "__qualname__", "?"))
 
-    from .cpu import _ahead
-
     # the warm-up compiles every kernel itself (its processes, one per dtype, are its parallelism):
-    # no backward compiled ahead in a second process of the first call's (kda/cpu/_ahead.py)
+    # no backward compiled ahead in a second process of the first call's
     cpu = time.process_time()
-    with _ahead.off(), event.install_listener("numba:compile", Count()):
+    with get_backend(np, "cpu").compile_ahead_off(), event.install_listener("numba:compile", Count()):
         for dtype in dtypes:
             _warm_calls(dtype)
     return len(compiled), time.process_time() - cpu
@@ -396,9 +439,10 @@ def _parser() -> argparse.ArgumentParser:
     for name, value in DEFAULTS.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
     parser.add_argument("--dtype", choices=sorted(TOLERANCE), default="float32")
-    parser.add_argument("--layout", choices=["head_first", "time_major"], default="head_first")
+    layout, gate = _option("layout"), _option("gate")  # their values: the table's (every registered law)
+    parser.add_argument("--layout", choices=list(layout.choices), default=layout.default)
+    parser.add_argument("--gate", choices=list(gate.choices), default=gate.default)
     parser.add_argument("--gva", type=int, default=1, help="value heads per q/k head (HV = H * GVA)")
-    parser.add_argument("--gate", choices=["log", "softplus", "lower_bound"], default="log")
     parser.add_argument("--varlen", type=int, default=0, help="pack this many sequences into one row (B = 1)")
     return parser
 
