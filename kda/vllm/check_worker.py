@@ -38,11 +38,9 @@ def arm() -> None:
     """Fill uninitialized memory with NaN and scan the model after loading, in this process (once)."""
     if _armed:
         return
-    import torch
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    fill_uninitialized_with_nan()
 
     def scanned(load: Callable[..., None]) -> Callable[..., None]:
         def load_model(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -57,6 +55,17 @@ def arm() -> None:
 
     _patch.wrap(CPUModelRunner, "load_model", scanned, signature="(self, load_dummy_weights=False)")
     _armed.append(True)
+
+
+def fill_uninitialized_with_nan() -> None:
+    """From now on, in this process, PyTorch fills the memory it hands out uninitialized
+    (``torch.empty`` and its kin, on the CPU too) with NaN (integers: their largest value): its
+    deterministic fill, which needs deterministic mode as well as the flag (``warn_only``: an op
+    without a deterministic implementation warns instead of raising)."""
+    import torch
+
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def first_nonfinite(model: Any) -> str | None:

@@ -205,6 +205,24 @@ def test_scan_names_the_first_nonfinite_weight():
     assert first_nonfinite(m) == "buffer scale (5,): 1 of 5 non-finite"
 
 
+def test_uninitialized_memory_filled_with_nan():
+    """What every vLLM process of the check runs before the model is built: PyTorch's deterministic
+    fill, so that ``torch.empty`` (and a parameter made from it) holds NaN on the CPU, integers
+    their largest value. Run in a child: the switch is process-wide."""
+    code = (
+        "import torch\n"
+        "from kda.vllm.check_worker import fill_uninitialized_with_nan\n"
+        "before = torch.empty(1 << 16).isnan().all().item()\n"
+        "fill_uninitialized_with_nan()\n"
+        "p = torch.nn.Parameter(torch.empty(8, 512, 16))\n"
+        "print(before, p.isnan().all().item(), torch.empty(4, dtype=torch.bfloat16).isnan().all().item(),\n"
+        "      (torch.empty(3, dtype=torch.int64) == torch.iinfo(torch.int64).max).all().item())\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split()[-3:] == ["True", "True", "True"], p.stdout
+
+
 def test_kda_only_model_and_reference(tmp_path):
     """The all-KDA model in the format vLLM reads, and its reference (token by token through the
     cache that is told the length) equal to greedy decoding without a cache."""
