@@ -1,4 +1,5 @@
-"""Shared test helpers: hypothesis profiles, problem generation, ``assert_close``."""
+"""The suite's setup: the CUDA simulator where no GPU is present, hypothesis profiles, the
+backend fixtures; the shared helpers (problem generation, ``assert_within``) are in tests/helpers.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """Fixed-case problem generation for the test suite; regimes, gates and the comparison come from
-kda.testing (the strategies and the comparison kernel authors use)."""
+kda.testing (the strategies and the comparison kernel authors use). No name here is one that
+kda.testing exports (tests/tools/test_no_shadowing.py): a test that imports ``assert_close`` or
+``Problem`` gets kda.testing's."""
 
 from __future__ import annotations
 
@@ -13,9 +15,6 @@ import kda.testing as kt
 
 # the repository root (tests are grouped in folders below tests/)
 ROOT = Path(__file__).resolve().parents[1]
-
-# The log-gate regimes of kda.testing, all eight (zero, weak, mild, steep, kimi, strong, hard, reset)
-REGIMES = kt.LOG_REGIMES
 
 
 def _backends() -> tuple[str, ...]:
@@ -46,21 +45,20 @@ HAS_GPU = has_gpu()
 # tolerances, stricter than kda.testing's problem-dependent float32 error scale (docs/testing.md)
 TOLERANCE = {np.dtype(np.float64): 1e-10, np.dtype(np.float32): 1e-5}
 
-to_numpy = kt.to_numpy
 
-
-def assert_close(
+def assert_within(
     actual: Any, expected: Any, *, tol: float, dtype: Any = None, name: str = "", floor: float = 0.0
 ) -> float:
-    """Check shape, then dtype, then kda.testing's comparison with tolerance ``tol``
-    (``max|actual - expected| <= tol * max|expected|``, actual finite where expected is).
+    """Check shape, then dtype, then kda.testing's comparison with the fixed tolerance ``tol``
+    (``max|actual - expected| <= tol * max|expected|``, actual finite where expected is), where
+    :func:`kda.testing.assert_close` takes the tolerance of a dtype and checks no dtype.
 
     ``dtype`` is the dtype ``actual`` must have (default: that of ``expected``; ``"any"``: not
     checked). ``floor``: an absolute error up to it passes whatever ``max|expected|`` is (e.g.
     float32's smallest normal, where results below it are flushed to zero). Returns the relative
     error (over ``max(max|expected|, floor / tol)``).
     """
-    a, e = to_numpy(actual), to_numpy(expected)
+    a, e = kt.to_numpy(actual), kt.to_numpy(expected)
     label = f"{name}: " if name else ""
     assert a.shape == e.shape, f"{label}shape {a.shape} != expected {e.shape}"
     if not (isinstance(dtype, str) and dtype == "any"):
@@ -71,7 +69,10 @@ def assert_close(
 
 
 @dataclass
-class Problem:
+class FixedProblem:
+    """A float64 problem of :func:`make_problem`: the arrays themselves (where
+    :class:`kda.testing.Problem` describes a call by its seed, shapes and options)."""
+
     q: np.ndarray
     k: np.ndarray
     v: np.ndarray
@@ -85,24 +86,19 @@ class Problem:
     def inputs(self) -> tuple[np.ndarray, ...]:
         return self.q, self.k, self.v, self.g, self.beta
 
-    def astype(self, dtype: Any) -> Problem:
+    def astype(self, dtype: Any) -> FixedProblem:
         """Inputs in ``dtype``; states in float64 for float64, float32 otherwise."""
         state_dtype = np.float64 if np.dtype(dtype) == np.float64 else np.float32
 
         def cast(x, d):
             return None if x is None else x.astype(d)
 
-        return Problem(
+        return FixedProblem(
             *(x.astype(dtype) for x in self.inputs),
             cast(self.initial_state, state_dtype),
             self.grad_output.astype(dtype),
             cast(self.grad_final_state, state_dtype),
         )
-
-
-def gates(rng: np.random.Generator, shape: tuple[int, ...], regime: str) -> np.ndarray:
-    """Log decays ``g <= 0`` of one regime (:func:`kda.testing.gates`)."""
-    return kt.gates(rng, shape, regime)
 
 
 def make_problem(
@@ -116,19 +112,19 @@ def make_problem(
     *,
     with_state: bool = True,
     with_grad_state: bool = True,
-) -> Problem:
+) -> FixedProblem:
     """A float64 problem; keys L2-normalised per step, queries and values not."""
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((B, H, T, K))
     k = rng.standard_normal((B, H, T, K))
     k /= np.maximum(np.linalg.norm(k, axis=-1, keepdims=True), 1e-6)
     v = rng.standard_normal((B, H, T, V))
-    g = gates(rng, (B, H, T, K), regime)
+    g = kt.gates(rng, (B, H, T, K), regime)
     beta = rng.uniform(0.0, 2.0, (B, H, T))
     s0 = rng.standard_normal((B, H, K, V)) if with_state else None
     do = rng.standard_normal((B, H, T, V))
     ds = rng.standard_normal((B, H, K, V)) if with_grad_state else None
-    return Problem(q, k, v, g, beta, s0, do, ds)
+    return FixedProblem(q, k, v, g, beta, s0, do, ds)
 
 
 @dataclass
@@ -157,10 +153,22 @@ class ModelProblem:
 
 
 def make_model_problem(
-    seed: int, B: int, H: int, T: int, K: int, V: int, *, G: int = 1, layout: str = "head_first",
-    gate: str = "log", qk_l2norm: bool = False, beta_activation: str | None = None,
-    cu_seqlens: tuple[int, ...] | None = None, regime: str = "mild", no_A_log: bool = False,
-) -> ModelProblem:  # fmt: skip
+    seed: int,
+    B: int,
+    H: int,
+    T: int,
+    K: int,
+    V: int,
+    *,
+    G: int = 1,
+    layout: str = "head_first",
+    gate: str = "log",
+    qk_l2norm: bool = False,
+    beta_activation: str | None = None,
+    cu_seqlens: tuple[int, ...] | None = None,
+    regime: str = "mild",
+    no_A_log: bool = False,
+) -> ModelProblem:
     """Inputs as a layer feeds them: raw gates and beta logits where the options take them."""
     rng = np.random.default_rng(seed)
     HV = H * G
@@ -174,7 +182,7 @@ def make_model_problem(
     v = rng.standard_normal((B, HV, T, V))
     kwargs: dict[str, Any] = {"layout": layout}
     if gate == "log":
-        g = gates(rng, (B, HV, T, K), regime)
+        g = kt.gates(rng, (B, HV, T, K), regime)
     else:
         g = 3 * rng.standard_normal((B, HV, T, K))
         kwargs.update(gate=gate, dt_bias=rng.standard_normal((HV, K)))

@@ -2,7 +2,7 @@
 
 A scenario is a packed ``B == 1`` batch (sequence lengths), a world size, an option set and a
 dtype. :func:`problem` draws the global inputs (the same on every rank from the seed);
-:func:`reference` is the single-process ``kda.torch.chunk_kda`` with autograd; :func:`check_rank`
+:func:`single_process` is the single-process ``kda.torch.chunk_kda`` with autograd; :func:`check_rank`
 compares one rank's context-parallel result with it: the output and every input gradient on the
 rank's slice, the complete final states, and the replicated inputs' gradients (``initial_state``,
 ``A_log``, ``dt_bias``) summed over ranks. The loss on rank ``r`` is
@@ -28,13 +28,18 @@ OPTION_SETS: dict[str, dict[str, Any]] = {
     "plain": {},
     "gva_softplus_l2": {"use_gate_in_kernel": True, "use_qk_l2norm_in_kernel": True, "HV": 4},
     "lower_bound_sigmoid": {
-        "use_gate_in_kernel": True, "safe_gate": True, "lower_bound": -5.0,
+        "use_gate_in_kernel": True,
+        "safe_gate": True,
+        "lower_bound": -5.0,
         "use_beta_sigmoid_in_kernel": True,
     },
     "neg_eigval_v_first": {
-        "use_beta_sigmoid_in_kernel": True, "allow_neg_eigval": True, "state_v_first": True, "HV": 4,
+        "use_beta_sigmoid_in_kernel": True,
+        "allow_neg_eigval": True,
+        "state_v_first": True,
+        "HV": 4,
     },
-}  # fmt: skip
+}
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10}
 
@@ -85,7 +90,7 @@ def dfinal(scenario: dict[str, Any], rank: int) -> torch.Tensor:
     return torch.randn(s0.shape, generator=gen, dtype=torch.float64).to(s0.dtype)
 
 
-def reference(scenario: dict[str, Any], world_size: int) -> dict[str, torch.Tensor]:
+def single_process(scenario: dict[str, Any], world_size: int) -> dict[str, torch.Tensor]:
     """Single-process output, final states and gradients."""
     import kda.torch as kt
 
@@ -93,9 +98,14 @@ def reference(scenario: dict[str, Any], world_size: int) -> dict[str, torch.Tens
     leaves = _leaves(x)
     extra = {n: leaves[n] for n in ("A_log", "dt_bias") if n in leaves}
     o, final = kt.chunk_kda(
-        *(leaves[n] for n in ("q", "k", "v", "g", "beta")), initial_state=leaves["initial_state"],
-        output_final_state=True, cu_seqlens=x["cu_seqlens"], chunk_size=CHUNK, **extra, **opts,
-    )  # fmt: skip
+        *(leaves[n] for n in ("q", "k", "v", "g", "beta")),
+        initial_state=leaves["initial_state"],
+        output_final_state=True,
+        cu_seqlens=x["cu_seqlens"],
+        chunk_size=CHUNK,
+        **extra,
+        **opts,
+    )
     dF = sum(dfinal(scenario, r) for r in range(world_size))
     ((o * x["do"]).sum() + (final * dF).sum()).backward()
     return {"o": o.detach(), "final": final.detach(), **{f"d{n}": t.grad for n, t in leaves.items()}}
@@ -118,9 +128,14 @@ def run_rank(
     extra = {n: leaves[n] for n in ("A_log", "dt_bias") if n in leaves}
     ctx = kt.build_cp_context(x["cu_seqlens"], group=group)
     o, final = kt.chunk_kda(
-        *(leaves[n] for n in ("q", "k", "v", "g", "beta")), initial_state=leaves["initial_state"],
-        output_final_state=True, cp_context=ctx, chunk_size=CHUNK, **extra, **opts,
-    )  # fmt: skip
+        *(leaves[n] for n in ("q", "k", "v", "g", "beta")),
+        initial_state=leaves["initial_state"],
+        output_final_state=True,
+        cp_context=ctx,
+        chunk_size=CHUNK,
+        **extra,
+        **opts,
+    )
     ((o * x["do"][:, sl]).sum() + (final * dfinal(scenario, rank)).sum()).backward()
     out = {"o": o.detach(), "final": final.detach()}
     for n, t in leaves.items():
@@ -131,7 +146,7 @@ def run_rank(
     return out
 
 
-def compare(
+def rank_errors(
     got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rank: int, world_size: int, tol: float
 ):
     """``max|got - want| <= tol * max|want|`` for every field (slices of the sequence fields)."""
@@ -186,16 +201,19 @@ def worker(rank: int, world_size: int, port: int, options: Any, result_dir: str)
 
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
         timeout=timedelta(seconds=60),
-    )  # fmt: skip
+    )
     try:
         lines = []
         for name, lengths, option, dtype in cases(world_size, options):
             scenario = problem(lengths, option, dtype)
-            want = reference(scenario, world_size)
+            want = single_process(scenario, world_size)
             got = run_rank(scenario, rank, world_size)
-            errors = compare(got, want, rank, world_size, TOLERANCE[dtype])
+            errors = rank_errors(got, want, rank, world_size, TOLERANCE[dtype])
             lines.append(f"{name} {option} {dtype} {max(errors.values()):.2e}")
         with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
             f.write("\n".join(lines))
@@ -254,7 +272,7 @@ def simulate(scenario: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
 
 def simulated_errors(scenario: dict[str, Any], world_size: int) -> float:
     """Worst relative error of :func:`simulate` against the single-process float64 reference."""
-    want = reference(scenario, world_size)
+    want = single_process(scenario, world_size)
     res = simulate(scenario, world_size)
     got = {
         "o": np.concatenate([r["o"] for r in res], axis=1),

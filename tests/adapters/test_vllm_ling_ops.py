@@ -15,7 +15,7 @@ import inspect
 
 import numpy as np
 import pytest
-from helpers import assert_close
+from helpers import assert_within
 
 import kda
 
@@ -105,7 +105,7 @@ def test_gate(lower_bound, dtype):
     y = ling.fused_kda_gate(g, A_log, K, g_bias=dt_bias, lower_bound=lower_bound)
     assert y.shape == (T, H, K) and y.dtype == torch.float32
     assert bool((y <= 0).all())
-    assert_close(y.double(), _gate64(g, A_log, dt_bias, lower_bound), tol=1e-6, name="log decay")
+    assert_within(y.double(), _gate64(g, A_log, dt_bias, lower_bound), tol=1e-6, name="log decay")
     if lower_bound is not None:
         assert bool((y >= lower_bound).all())
 
@@ -120,7 +120,7 @@ def test_gate_softplus_beta_threshold_and_shapes():
     y = ling.fused_kda_gate(g, A_log, K, beta=2.0, threshold=3.0)
     assert y.shape == (2, 5, H, K)
     expect = _gate64(g, A_log, torch.zeros(H * K), None, beta=2.0, threshold=3.0)
-    assert_close(y.double(), expect, tol=1e-6)
+    assert_within(y.double(), expect, tol=1e-6)
     assert bool((2.0 * g > 3.0).any()), "the threshold must be crossed somewhere"
 
 
@@ -162,8 +162,8 @@ def test_prefill(dtype):
         for j in range(start, start + L):
             S, out = _step(S, qq[0, j], kk[0, j], vv[0, j], gg[0, j], bb[0, j], K**-0.5)
             outs.append(out)
-        assert_close(o[0, start : start + L].double(), torch.stack(outs), tol=tol, name=f"o of {n}")
-        assert_close(final[n].double(), S, tol=tol, name=f"final state of {n}")
+        assert_within(o[0, start : start + L].double(), torch.stack(outs), tol=tol, name=f"o of {n}")
+        assert_within(final[n].double(), S, tol=tol, name=f"final state of {n}")
 
 
 def test_prefill_without_state_and_scale():
@@ -177,7 +177,7 @@ def test_prefill_without_state_and_scale():
         S = torch.zeros(H, V, K, dtype=torch.float64)
         for t in range(T):
             S, out = _step(S, qq[b, t], kk[b, t], vv[b, t], gg[b, t], bb[b, t], 0.3)
-            assert_close(o[b, t].double(), out, tol=TOL, name=f"o[{b}, {t}]")
+            assert_within(o[b, t].double(), out, tol=TOL, name=f"o[{b}, {t}]")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -205,8 +205,8 @@ def test_decode_from_pool(dtype):
             assert torch.equal(o[0, n], torch.zeros_like(o[0, n])), "padding must give zeros"
             continue
         S, out = _step(before[r].double(), qq[0, n], kk[0, n], vv[0, n], gg[0, n], bb[0, n], K**-0.5)
-        assert_close(o[0, n].double(), out, tol=tol, name=f"o[{n}]")
-        assert_close(pool[r].double(), S, tol=TOL, name=f"pool[{r}]")
+        assert_within(o[0, n].double(), out, tol=tol, name=f"o[{n}]")
+        assert_within(pool[r].double(), S, tol=TOL, name=f"pool[{r}]")
     for r in set(range(P)) - set(rows):
         assert torch.equal(pool[r], before[r]), f"row {r} is named by no request"
 
@@ -233,8 +233,8 @@ def test_prefill_then_decode_continues_the_state():
     S = torch.zeros(H, V, K, dtype=torch.float64)
     for t in range(T + steps):
         S, out = _step(S, qq[0, t], kk[0, t], vv[0, t], gg[0, t], bb[0, t], K**-0.5)
-        assert_close(got[t].double(), out, tol=TOL, name=f"token {t}")
-    assert_close(pool[slot].double(), S, tol=TOL)
+        assert_within(got[t].double(), out, tol=TOL, name=f"token {t}")
+    assert_within(pool[slot].double(), S, tol=TOL)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -273,13 +273,13 @@ def test_verify():
         for t in range(L):
             j = start + t
             S, out = _step(S, qq[0, j], kk[0, j], vv[0, j], gg[0, j], bb[0, j], K**-0.5)
-            assert_close(o[0, j].double(), out, tol=TOL, name=f"o[{j}]")
+            assert_within(o[0, j].double(), out, tol=TOL, name=f"o[{j}]")
             if slots[n][t] > 0:
                 expect[slots[n][t]] = S
                 written.add(slots[n][t])
     for r in range(P):
         if r in written:
-            assert_close(pool[r].double(), expect[r], tol=TOL, name=f"pool[{r}]")
+            assert_within(pool[r].double(), expect[r], tol=TOL, name=f"pool[{r}]")
         else:
             assert torch.equal(pool[r], before[r]), f"row {r} must not be written"
 

@@ -41,7 +41,6 @@ pytestmark = [
 ]
 
 TOL = {np.float32: 1e-5, np.float64: 1e-10}
-REGIMES = kt.LOG_REGIMES  # kda.testing's gate regimes, drawn by kt.gates
 # worst relative error seen per (check, regime, dtype), printed at the end of the module
 WORST: dict = {}
 
@@ -86,18 +85,13 @@ def check(name, got, want, dtype, regime="-"):
     assert err <= TOL[dtype], f"{name} ({regime}, {np.dtype(dtype).name}): relative error {err:.2e}"
 
 
-def gates(rng, shape, regime):
-    """Log decays of one of kda.testing's regimes (:func:`kda.testing.gates`)."""
-    return kt.gates(rng, shape, regime)
-
-
 def problem(rng, B, H, T, K, V, regime):
     """float64 inputs of one KDA problem (keys L2-normalised per step, as in KDA models)."""
     q = rng.standard_normal((B, H, T, K))
     k = rng.standard_normal((B, H, T, K))
     k /= np.linalg.norm(k, axis=-1, keepdims=True)
     v = rng.standard_normal((B, H, T, V))
-    g = gates(rng, (B, H, T, K), regime)
+    g = kt.gates(rng, (B, H, T, K), regime)
     beta = rng.uniform(0.0, 1.0, (B, H, T))
     state = rng.standard_normal((B, H, K, V))
     do = rng.standard_normal((B, H, T, V))
@@ -138,7 +132,8 @@ def oracle(arrays):
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dstate")
 
 
-def compare(prefix, got_out, got_grads, want_out, want_grads, dtype, regime):
+def check_all(prefix, got_out, got_grads, want_out, want_grads, dtype, regime):
+    """:func:`check` the output, the final state and every gradient."""
     check(f"{prefix} output", got_out.output, want_out.output, dtype, regime)
     check(f"{prefix} final_state", got_out.final_state, want_out.final_state, dtype, regime)
     for name, got, want in zip(GRAD_NAMES, got_grads, want_grads):
@@ -158,18 +153,18 @@ def test_exports():
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("regime", REGIMES)
+@pytest.mark.parametrize("regime", kt.LOG_REGIMES)
 def test_regimes(regime, dtype):
     """Chunked and recurrent forward and backward in every gate regime (T spans 3 chunks)."""
-    rng = np.random.default_rng(REGIMES.index(regime))
+    rng = np.random.default_rng(kt.LOG_REGIMES.index(regime))
     arrays = problem(rng, 1, 2, 19, 8, 8, regime)
     want_out, want_grads = oracle(arrays)
     out, grads = run_chunked(arrays, dtype, 7)
-    compare("chunk", out, grads, want_out, want_grads, dtype, regime)
+    check_all("chunk", out, grads, want_out, want_grads, dtype, regime)
     q, k, v, g, beta, state, do, dstate = (to_dev(x.astype(dtype)) for x in arrays)
     rout = kda.recurrent_kda(q, k, v, g, beta, initial_state=state, backend="cuda")
     rgrads = kda.recurrent_kda_backward(q, k, v, g, beta, do, dstate, initial_state=state, backend="cuda")
-    compare("recurrent", rout, rgrads, want_out, want_grads, dtype, regime)
+    check_all("recurrent", rout, rgrads, want_out, want_grads, dtype, regime)
 
 
 shapes = st.tuples(
@@ -185,7 +180,7 @@ shapes = st.tuples(
 @given(
     shape=shapes,
     chunk_size=st.integers(1, 8),
-    regime=st.sampled_from(REGIMES),
+    regime=st.sampled_from(kt.LOG_REGIMES),
     dtype=st.sampled_from([np.float32, np.float64]),
     seed=st.integers(0, 2**32 - 1),
 )
@@ -195,13 +190,13 @@ def test_chunked_property(shape, chunk_size, regime, dtype, seed):
     want_out, want_grads = oracle(arrays)
     chunk_size = max(chunk_size, -(-shape[2] // 3))
     out, grads = run_chunked(arrays, dtype, chunk_size)
-    compare("chunk", out, grads, want_out, want_grads, dtype, regime)
+    check_all("chunk", out, grads, want_out, want_grads, dtype, regime)
 
 
 @settings(max_examples=20, deadline=None, derandomize=True)
 @given(
     shape=shapes,
-    regime=st.sampled_from(REGIMES),
+    regime=st.sampled_from(kt.LOG_REGIMES),
     dtype=st.sampled_from([np.float32, np.float64]),
     seed=st.integers(0, 2**32 - 1),
 )
@@ -211,7 +206,7 @@ def test_recurrent_property(shape, regime, dtype, seed):
     q, k, v, g, beta, state, do, dstate = (to_dev(x.astype(dtype)) for x in arrays)
     out = kda.recurrent_kda(q, k, v, g, beta, initial_state=state, backend="cuda")
     grads = kda.recurrent_kda_backward(q, k, v, g, beta, do, dstate, initial_state=state, backend="cuda")
-    compare("recurrent", out, grads, want_out, want_grads, dtype, regime)
+    check_all("recurrent", out, grads, want_out, want_grads, dtype, regime)
 
 
 @pytest.mark.parametrize(("chunk_size", "regime"), [(16, "strong"), (33, "reset")])
@@ -221,7 +216,7 @@ def test_long_chunks(chunk_size, regime):
     want_out, want_grads = oracle(arrays)
     for dtype in (np.float32, np.float64):
         out, grads = run_chunked(arrays, dtype, chunk_size)
-        compare("chunk", out, grads, want_out, want_grads, dtype, regime)
+        check_all("chunk", out, grads, want_out, want_grads, dtype, regime)
 
 
 def test_empty_sequence():
@@ -229,7 +224,7 @@ def test_empty_sequence():
     want_out, want_grads = oracle(arrays)
     for dtype in (np.float32, np.float64):
         out, grads = run_chunked(arrays, dtype, 4)
-        compare("chunk", out, grads, want_out, want_grads, dtype, "T=0")
+        check_all("chunk", out, grads, want_out, want_grads, dtype, "T=0")
 
 
 def test_launches_do_not_grow_with_length(monkeypatch):
@@ -362,7 +357,7 @@ def test_index_type_by_size():
 def chunked_inputs(rng, regime, B=2, H=1, NT=3, Cp=8, K=5):
     q = rng.standard_normal((B, H, NT, Cp, K))
     k = rng.standard_normal((B, H, NT, Cp, K)) / np.sqrt(K)
-    g = gates(rng, (B, H, NT, Cp, K), regime)
+    g = kt.gates(rng, (B, H, NT, Cp, K), regime)
     return q, k, g
 
 
@@ -397,7 +392,7 @@ def test_chunk_local_backward_tiles(Cp, K, V):
     B, H, NT = 1, 1, (1 if Cp > 8 else 2)  # one block of 32 steps: the simulator is slow
     q = rng.standard_normal((B, H, NT, Cp, K))
     k = rng.standard_normal((B, H, NT, Cp, K)) / np.sqrt(K)
-    g = gates(rng, (B, H, NT, Cp, K), "kimi")
+    g = kt.gates(rng, (B, H, NT, Cp, K), "kimi")
     v = rng.standard_normal((B, H, NT, Cp, V))
     beta = rng.uniform(0, 1, (B, H, NT, Cp))
     S, dS = (rng.standard_normal((NT, B, H, K, V)) for _ in range(2))
@@ -426,7 +421,7 @@ def test_chunks_longer_than_a_block_run_on_the_reference(monkeypatch):
     want_out, want_grads = oracle(arrays)
     kc._launch.LAUNCHES.clear()
     out, grads = run_chunked(arrays, np.float64, kc.MAX_CHUNK + 1)
-    compare("chunk", out, grads, want_out, want_grads, np.float64, "mild")
+    check_all("chunk", out, grads, want_out, want_grads, np.float64, "mild")
     assert not any(name.startswith("chunk_") for name in kc._launch.LAUNCHES)
     q = np.zeros((1, 1, 1, 2 * kc.MAX_CHUNK, 3))
     with pytest.raises(ValueError, match="at most 64 steps"):
@@ -560,7 +555,7 @@ def test_staged_state_pass_falls_back_and_runs_end_to_end(monkeypatch):
     out, grads = run_chunked(arrays, np.float32, 7)
     assert LAUNCHES["chunk_state_pass_staged"] == 1 and "chunk_state_pass" not in LAUNCHES
     assert LAUNCHES["chunk_state_grad_pass_staged"] == 1 and "chunk_state_grad_pass" not in LAUNCHES
-    compare("chunk (staged state pass)", out, grads, *oracle(arrays), np.float32, "reset")
+    check_all("chunk (staged state pass)", out, grads, *oracle(arrays), np.float32, "reset")
     monkeypatch.setattr(kc.state_pass, "SHARED_LIMIT", 4 * (8 * 16 + 2 * 8 * 17 + 2 * 16 * 9) - 1)
     LAUNCHES.clear()
     shapes = [(1, 1, 1, 8, 8)] * 3 + [(1, 1, 1, 8), (1, 1, 8, 8)]  # w, u0, kt, total, state

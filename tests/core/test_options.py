@@ -13,7 +13,7 @@ import itertools
 
 import numpy as np
 import pytest
-from helpers import ModelProblem, assert_close, fla_naive, fla_naive_gates, make_model_problem
+from helpers import ModelProblem, assert_within, fla_naive, fla_naive_gates, make_model_problem
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -68,12 +68,12 @@ def oracle(p: ModelProblem):
 
 def check(p: ModelProblem, out, grads, ref_out, ref_grads, dtype, tol=None) -> None:
     tol = TOL[np.dtype(dtype)] if tol is None else tol
-    assert_close(out.output, ref_out.output, tol=tol, dtype="any", name="output")
-    assert_close(out.final_state, ref_out.final_state, tol=tol, dtype="any", name="final_state")
+    assert_within(out.output, ref_out.output, tol=tol, dtype="any", name="output")
+    assert_within(out.final_state, ref_out.final_state, tol=tol, dtype="any", name="final_state")
     for name, got, want in zip(GRADS, grads, ref_grads, strict=True):
         assert (got is None) == (want is None), name
         if got is not None:
-            assert_close(got, want, tol=tol, dtype="any", name=f"d{name}")
+            assert_within(got, want, tol=tol, dtype="any", name=f"d{name}")
 
 
 def _offsets(draw, T: int) -> tuple[int, ...]:
@@ -176,16 +176,16 @@ def test_packed_sequences_equal_each_sequence_alone(fn, dtype):
         )
         alone, alone_grads = run(piece, fn, **({"chunk_size": 16} if fn == "chunk_kda" else {}))
         tol = 1e-6 if dtype == np.float32 else 1e-12
-        assert_close(out.output[:, :, a:b], alone.output, tol=tol, name=f"output {i}")
-        assert_close(out.final_state[i : i + 1], alone.final_state, tol=tol, name=f"final {i}")
+        assert_within(out.output[:, :, a:b], alone.output, tol=tol, name=f"output {i}")
+        assert_within(out.final_state[i : i + 1], alone.final_state, tol=tol, name=f"final {i}")
         for n in GRADS[:5]:
-            assert_close(
+            assert_within(
                 getattr(grads, n)[..., a:b, :] if n != "beta" else grads.beta[..., a:b],
                 getattr(alone_grads, n),
                 tol=tol,
                 name=f"d{n} {i}",
             )
-        assert_close(grads.initial_state[i : i + 1], alone_grads.initial_state, tol=tol, name=f"dstate {i}")
+        assert_within(grads.initial_state[i : i + 1], alone_grads.initial_state, tol=tol, name=f"dstate {i}")
     # the shared parameters' gradients are the sums over the sequences: checked by the oracle test
 
 
@@ -204,7 +204,7 @@ def test_packed_boundaries_are_in_sequence_order():
     np.testing.assert_array_equal(out.final_state[1], p.initial_state[1])
     # the second boundary of sequence 2 is the state after its first 8 steps
     alone = kda.recurrent_kda(*(x[:, :, 5:13] for x in p.inputs), initial_state=p.initial_state[2:3])
-    assert_close(out.boundaries[2], alone.final_state, tol=1e-12)
+    assert_within(out.boundaries[2], alone.final_state, tol=1e-12)
 
 
 def _softplus_exact(x: np.ndarray) -> np.ndarray:
@@ -274,8 +274,8 @@ def test_gates_and_core_match_fla_naive():
     out = kda.chunk_kda(q, k, v, g, beta, initial_state=s0, layout="time_major", chunk_size=4)
     # fla's naive recurrence computes in float32 (x.to(torch.float)) whatever the input dtype:
     # agreement is to float32 rounding, about 1e-7 here
-    assert_close(out.output, o_fla.numpy(), tol=1e-6, dtype="any")
-    assert_close(out.final_state, s_fla.numpy(), tol=1e-6, dtype="any")
+    assert_within(out.output, o_fla.numpy(), tol=1e-6, dtype="any")
+    assert_within(out.final_state, s_fla.numpy(), tol=1e-6, dtype="any")
 
 
 @pytest.mark.parametrize("name", ["array_api_strict", "torch"])
@@ -307,7 +307,7 @@ def test_short_sequences_clamp_the_chunk():
     out = kda.chunk_kda(*p.inputs, initial_state=p.initial_state, chunk_size=10**6, save_boundaries=True)
     assert out.boundaries.shape == (1, 1, 2, 4, 3)
     ref = kda.recurrent_kda(*p.inputs, initial_state=p.initial_state)
-    assert_close(out.output, ref.output, tol=1e-12)
+    assert_within(out.output, ref.output, tol=1e-12)
     one = make_model_problem(8, 2, 2, 1, 4, 3)
     out = kda.chunk_kda(*one.inputs, initial_state=one.initial_state, save_boundaries=True)
     ref = kda.recurrent_kda(*one.inputs, initial_state=one.initial_state)
@@ -431,7 +431,7 @@ def test_gate_check_deferred_to_the_device(monkeypatch):
     p = make_model_problem(3, 1, 1, 12, 4, 3)
     out = kda.chunk_kda(*p.inputs, chunk_size=4, backend="cuda")
     ref = kda.recurrent_kda(*p.inputs)
-    assert_close(out.output, ref.output, tol=1e-12)
+    assert_within(out.output, ref.output, tol=1e-12)
     q, k, v, g, beta = p.inputs
     bad = g.copy()
     bad[0, 0, 5, 1] = 0.5
@@ -516,9 +516,14 @@ def _new_law_oracle(q, k, v, g, beta, A_log, dt_bias, do):
     grads = kda.recurrent_kda_backward(q, k, v, log, beta, do)
     dx = grads.g * (-a * s * (1 - s))
     return out.output, {
-        "q": grads.q, "k": grads.k, "v": grads.v, "g": dx, "beta": grads.beta,
-        "A_log": (grads.g * log).sum(axis=(0, 2, 3)), "dt_bias": dx.sum(axis=(0, 2)),
-    }  # fmt: skip
+        "q": grads.q,
+        "k": grads.k,
+        "v": grads.v,
+        "g": dx,
+        "beta": grads.beta,
+        "A_log": (grads.g * log).sum(axis=(0, 2, 3)),
+        "dt_bias": dx.sum(axis=(0, 2)),
+    }
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -529,10 +534,10 @@ def test_a_new_gate_law_runs_through_chunk_kda(scaled_sigmoid_gate, dtype):
     want_o, want = _new_law_oracle(q, k, v, g, beta, A_log, dt_bias, do)
     options = dict(gate=scaled_sigmoid_gate, A_log=A_log, dt_bias=dt_bias)
     out = kda.chunk_kda(q, k, v, g, beta, chunk_size=16, save_boundaries=True, **options)
-    assert_close(out.output, want_o, tol=TOL[np.dtype(dtype)], dtype="any")
+    assert_within(out.output, want_o, tol=TOL[np.dtype(dtype)], dtype="any")
     grads = kda.chunk_kda_backward(q, k, v, g, beta, out.boundaries, do, chunk_size=16, **options)
     for name, expected in want.items():
-        assert_close(getattr(grads, name), expected, tol=TOL[np.dtype(dtype)], dtype="any", name=name)
+        assert_within(getattr(grads, name), expected, tol=TOL[np.dtype(dtype)], dtype="any", name=name)
     # its check: A_log is required, lower_bound refused
     with pytest.raises(kda.InvalidInputError, match=r"A_log .* is required"):
         kda.chunk_kda(q, k, v, g, beta, gate=scaled_sigmoid_gate)
@@ -572,12 +577,12 @@ def test_a_new_gate_law_runs_through_kda_torch(scaled_sigmoid_gate):
     o, _ = kt.chunk_kda(
         *steps.values(), use_gate_in_kernel=True, gate=scaled_sigmoid_gate, chunk_size=16, **params
     )
-    assert_close(_time_major(o.detach().numpy()), want_o, tol=1e-5, dtype="any")
+    assert_within(_time_major(o.detach().numpy()), want_o, tol=1e-5, dtype="any")
     (o * torch.from_numpy(_time_major(do))).sum().backward()
     for name, t in steps.items():
-        assert_close(_time_major(t.grad.numpy()), want[name], tol=1e-5, dtype="any", name=name)
+        assert_within(_time_major(t.grad.numpy()), want[name], tol=1e-5, dtype="any", name=name)
     for name, t in params.items():
-        assert_close(t.grad.numpy(), want[name], tol=1e-5, dtype="any", name=name)
+        assert_within(t.grad.numpy(), want[name], tol=1e-5, dtype="any", name=name)
 
 
 def test_a_new_gate_law_runs_through_kda_jax(scaled_sigmoid_gate):
@@ -598,15 +603,23 @@ def test_a_new_gate_law_runs_through_kda_jax(scaled_sigmoid_gate):
 
     def f(q, k, v, g, beta, A_log, dt_bias):
         return kj.chunk_kda(
-            q, k, v, g, beta, use_gate_in_kernel=True, gate=scaled_sigmoid_gate, chunk_size=16, A_log=A_log,
+            q,
+            k,
+            v,
+            g,
+            beta,
+            use_gate_in_kernel=True,
+            gate=scaled_sigmoid_gate,
+            chunk_size=16,
+            A_log=A_log,
             dt_bias=dt_bias,
-        )[0]  # fmt: skip
+        )[0]
 
     o, vjp = jax.vjp(f, *arrays)
-    assert_close(_time_major(np.asarray(o)), want_o, tol=1e-5, dtype="any")
+    assert_within(_time_major(np.asarray(o)), want_o, tol=1e-5, dtype="any")
     for name, got in zip(names, vjp(jnp.asarray(_time_major(do)))):
         got = np.asarray(got)
-        assert_close(
+        assert_within(
             got if name in ("A_log", "dt_bias") else _time_major(got),
             want[name],
             tol=1e-5,

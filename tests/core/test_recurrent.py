@@ -4,27 +4,32 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import assert_close, make_problem
+from helpers import assert_within, make_problem
 
 import kda
 
 
-def loss(p, q, k, v, g, beta, s0, scale=None):
-    out = kda.recurrent_kda(q, k, v, g, beta, initial_state=s0, scale=scale)
+def loss(p, q, k, v, g, beta, s0, scale=None, backend=None):
+    out = kda.recurrent_kda(q, k, v, g, beta, initial_state=s0, scale=scale, backend=backend)
     return float(np.sum(out.output * p.grad_output) + np.sum(out.final_state * p.grad_final_state))
 
 
 @pytest.mark.parametrize("regime", ["zero", "weak", "mild", "reset"])
 @pytest.mark.parametrize(("seed", "scale"), [(0, None), (1, 0.37)])
-def test_backward_matches_central_differences(regime, seed, scale):
+def test_backward_matches_central_differences(regime, seed, scale, backend):
     """Directional derivatives of <o, dO> + <S_T, dS_T> along a random direction per input
-    (with the default and with a custom ``scale``)."""
+    (with the default and with a custom ``scale``), on each backend."""
     p = make_problem(seed, 1, 2, 6, 3, 2, regime)
     # keep g a valid log decay under the perturbation: mild values in [-1, -0.1], resets untouched
     p.g = np.where(np.isinf(p.g), p.g, np.minimum(p.g, -0.1))
     x = [*p.inputs, p.initial_state]
     grads = kda.recurrent_kda_backward(
-        *p.inputs, p.grad_output, p.grad_final_state, initial_state=p.initial_state, scale=scale
+        *p.inputs,
+        p.grad_output,
+        p.grad_final_state,
+        initial_state=p.initial_state,
+        scale=scale,
+        backend=backend,
     )
     rng = np.random.default_rng(seed + 100)
     eps = 1e-6
@@ -34,7 +39,9 @@ def test_backward_matches_central_differences(regime, seed, scale):
             d = np.where(np.isinf(p.g), 0.0, d)
         plus = [a + eps * d if j == i else a for j, a in enumerate(x)]
         minus = [a - eps * d if j == i else a for j, a in enumerate(x)]
-        numeric = (loss(p, *plus, scale=scale) - loss(p, *minus, scale=scale)) / (2 * eps)
+        numeric = (
+            loss(p, *plus, scale=scale, backend=backend) - loss(p, *minus, scale=scale, backend=backend)
+        ) / (2 * eps)
         analytic = float(np.sum(grads[i] * d))
         assert abs(numeric - analytic) <= 1e-7 * max(1.0, abs(analytic)), (name, numeric, analytic)
 
@@ -57,13 +64,21 @@ def test_hard_reset_forgets_the_past():
     np.testing.assert_array_equal(grads.v[:, :, :5], 0.0)
 
 
-def test_one_step_by_hand():
-    """T = 1 from the definition, written out."""
-    p = make_problem(4, 1, 1, 1, 3, 2, "mild")
-    S = np.exp(p.g[0, 0, 0])[:, None] * p.initial_state[0, 0]
-    u = p.beta[0, 0, 0] * (p.v[0, 0, 0] - S.T @ p.k[0, 0, 0])
-    S = S + np.outer(p.k[0, 0, 0], u)
-    o = 0.5 * S.T @ p.q[0, 0, 0]
-    out = kda.recurrent_kda(*p.inputs, initial_state=p.initial_state, scale=0.5)
-    assert_close(out.output[0, 0, 0], o, tol=1e-15)
-    assert_close(out.final_state[0, 0], S, tol=1e-15)
+def test_steps_by_hand(backend):
+    """T = 2 from the definition, written out: the recurrence, and decode from a pool row (which
+    the reference backend forms in another arrangement, one product with the state per step)."""
+    p = make_problem(4, 1, 1, 2, 3, 2, "mild")
+    S = p.initial_state[0, 0]
+    outs = []
+    for t in range(2):
+        S = np.exp(p.g[0, 0, t])[:, None] * S
+        u = p.beta[0, 0, t] * (p.v[0, 0, t] - S.T @ p.k[0, 0, t])
+        S = S + np.outer(p.k[0, 0, t], u)
+        outs.append(0.5 * S.T @ p.q[0, 0, t])
+    out = kda.recurrent_kda(*p.inputs, initial_state=p.initial_state, scale=0.5, backend=backend)
+    assert_within(out.output[0, 0], np.stack(outs), tol=1e-14)
+    assert_within(out.final_state[0, 0], S, tol=1e-14)
+    pool = np.concatenate([np.zeros_like(p.initial_state), p.initial_state])  # the state in row 1
+    o = kda.decode_kda(*p.inputs, pool, np.array([1], np.int32), scale=0.5, backend=backend)
+    assert_within(o[0, 0], np.stack(outs), tol=1e-14)
+    assert_within(pool[1, 0], S, tol=1e-14)

@@ -8,11 +8,12 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import BACKENDS, HAS_GPU, REGIMES, ROOT, TOLERANCE, assert_close, gates
+from helpers import BACKENDS, HAS_GPU, ROOT, TOLERANCE, assert_within
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kda
+from kda.testing import LOG_REGIMES, gates
 
 
 def _request_problem(rng, N, H, G, T, K, V, P, regime="mild"):
@@ -50,8 +51,8 @@ def _alone(inputs, pool, indices, **options):
 
 
 def _check(got_out, got_pool, want_out, want_pool, pool_before, indices, tol):
-    assert_close(got_out, want_out, tol=tol, name="output")
-    assert_close(got_pool, want_pool, tol=tol, name="state_pool")
+    assert_within(got_out, want_out, tol=tol, name="output")
+    assert_within(got_pool, want_pool, tol=tol, name="state_pool")
     touched = {int(i) for i in indices if i >= 0}
     for row in range(pool_before.shape[0]):
         if row not in touched:
@@ -71,7 +72,7 @@ def _check(got_out, got_pool, want_out, want_pool, pool_before, indices, tol):
     V=st.integers(1, 8),
     extra_rows=st.integers(0, 3),
     n_pad=st.integers(0, 2),
-    regime=st.sampled_from(REGIMES),
+    regime=st.sampled_from(LOG_REGIMES),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_pool_matches_each_request_alone(N, H, G, T, K, V, extra_rows, n_pad, regime, seed):
@@ -89,10 +90,10 @@ def test_pool_matches_each_request_alone(N, H, G, T, K, V, extra_rows, n_pad, re
         assert np.array_equal(x, c), "an input was modified"
 
 
-@pytest.mark.parametrize("regime", REGIMES)
+@pytest.mark.parametrize("regime", LOG_REGIMES)
 def test_float32_against_float64(regime):
     """float32 inputs and pool: within 1e-5 of the float64 run; float16 inputs use a float32 pool."""
-    rng = np.random.default_rng(REGIMES.index(regime))
+    rng = np.random.default_rng(LOG_REGIMES.index(regime))
     *inputs, pool = _request_problem(rng, 5, 2, 2, 3, 16, 12, 9, regime)
     idx = np.array([4, -1, 0, 8, 2])
     want_out, want_pool = _alone(inputs, pool, idx)
@@ -194,8 +195,8 @@ def test_array_api_strict_pool():
     want_out, want_pool = _alone(inputs, pool, [2, -1, 0])
     spool = xps.asarray(pool)
     out = kda.decode_kda(*(xps.asarray(x) for x in inputs), spool, xps.asarray([2, -1, 0]))
-    assert_close(np.asarray(out), want_out, tol=1e-10, name="output")
-    assert_close(np.asarray(spool), want_pool, tol=1e-10, name="state_pool")
+    assert_within(np.asarray(out), want_out, tol=1e-10, name="output")
+    assert_within(np.asarray(spool), want_pool, tol=1e-10, name="state_pool")
 
 
 # ---------------------------------------------------------------- the CUDA kernel

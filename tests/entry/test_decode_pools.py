@@ -12,11 +12,12 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import BACKENDS, gates
+from helpers import BACKENDS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kda
+from kda.testing import gates
 
 try:
     import ml_dtypes
@@ -146,8 +147,9 @@ def _pool(rng, P, HV, K, V, dtype, v_first, poison=True):
     regime=st.sampled_from(["mild", "strong", "reset"]),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_pools_match_the_recurrence(backend, dtype, v_first, N, HV, T, K, V, per_step, own_repeats, pad,
-                                    n_pad, regime, seed):  # fmt: skip
+def test_pools_match_the_recurrence(
+    backend, dtype, v_first, N, HV, T, K, V, per_step, own_repeats, pad, n_pad, regime, seed
+):
     """Every pool layout and dtype, 1-D and per-step slots (verify), own slots repeated, either
     padding id: the recurrence from the rounded start rows; unnamed rows bitwise kept."""
     rng = np.random.default_rng(seed)
@@ -280,8 +282,9 @@ def test_backends_agree_and_routes_are_bitwise(dtype, v_first):
     out = kda.decode_kda(*x, pools[0], slots, num_accepted_tokens=accepted, state_v_first=v_first)
     plan = kda.prepare_decode_kda(*x, pools[1], slots, num_accepted_tokens=accepted, state_v_first=v_first)
     assert np.array_equal(plan.run(), out) and np.array_equal(_bits(pools[1]), _bits(pools[0]))
-    ref = kda.decode_kda(*x, pools[2], slots, num_accepted_tokens=accepted, state_v_first=v_first,
-                         backend="reference")  # fmt: skip
+    ref = kda.decode_kda(
+        *x, pools[2], slots, num_accepted_tokens=accepted, state_v_first=v_first, backend="reference"
+    )
     assert np.abs(ref - out).max() <= 1e-5 * np.abs(ref).max()
 
 
@@ -331,7 +334,7 @@ def _small(dtype="float32", v_first=False, K=4, V=6):
         ({"slots": [3, 3]}, IIE, r"\[3\] named by requests 0 and 1"),
         ({"slots": [[1, 0], [0, 2]], "pad_slot_id": 0}, IIE, r"state_indices\[1\] starts from slot 0"),
     ],
-)  # fmt: skip
+)
 def test_bad_pools_and_ids_write_nothing(backend, change, error, match):
     inputs, pool = _small(change.get("pool_dtype", "float32"))
     if change.get("pool_dtype") == "int32":
@@ -382,8 +385,9 @@ def test_torch_pool_call(dtype, v_first, pad):
     accepted = np.array([1, 1, 2])
     pool = _pool(rng, P, HV, K, V, dtype, v_first)
     want_pool = pool.copy()
-    want = kda.decode_kda(*x, want_pool, slots, num_accepted_tokens=accepted, state_v_first=v_first,
-                          pad_slot_id=pad)  # fmt: skip
+    want = kda.decode_kda(
+        *x, want_pool, slots, num_accepted_tokens=accepted, state_v_first=v_first, pad_slot_id=pad
+    )
     tdt = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
     if dtype == "bfloat16":
         t_pool = torch.from_numpy(pool.view(np.int16).copy()).view(torch.bfloat16)
@@ -394,10 +398,18 @@ def test_torch_pool_call(dtype, v_first, pad):
     tq, tk, tv, tg, tb = (torch.from_numpy(np.ascontiguousarray(np.swapaxes(a, 1, 2))) for a in x)
     with torch.inference_mode():
         o, final = fused_recurrent_kda(
-            tq, tk, tv, tg, tb, initial_state=t_pool, inplace_final_state=True, state_v_first=v_first,
+            tq,
+            tk,
+            tv,
+            tg,
+            tb,
+            initial_state=t_pool,
+            inplace_final_state=True,
+            state_v_first=v_first,
             ssm_state_indices=torch.from_numpy(slots.astype(np.int32)),
-            num_accepted_tokens=torch.from_numpy(accepted), pad_slot_id=pad,
-        )  # fmt: skip
+            num_accepted_tokens=torch.from_numpy(accepted),
+            pad_slot_id=pad,
+        )
     assert final is t_pool and t_pool.data_ptr() == ptr
     assert np.array_equal(o.numpy(), np.swapaxes(want, 1, 2))
     got = t_pool.view(torch.int16).numpy() if dtype == "bfloat16" else t_pool.numpy()
@@ -416,13 +428,30 @@ def test_torch_pool_refusals():
         match=r"initial_state \(the state pool, updated in place\) must have dtype float32, float16 or "
         r"bfloat16",
     ):
-        fused_recurrent_kda(tq, tk, tv, tg, tb, initial_state=pool, inplace_final_state=True,
-                            ssm_state_indices=torch.tensor([0, 1]))  # fmt: skip
+        fused_recurrent_kda(
+            tq,
+            tk,
+            tv,
+            tg,
+            tb,
+            initial_state=pool,
+            inplace_final_state=True,
+            ssm_state_indices=torch.tensor([0, 1]),
+        )
     pool = torch.zeros((3, 1, 4, 4))
     for pad, err in ((torch.tensor(0), kda.InvalidTypeError), (7, kda.InvalidInputError)):
         with pytest.raises(err, match="pad_slot_id"):
-            fused_recurrent_kda(tq, tk, tv, tg, tb, initial_state=pool, inplace_final_state=True,
-                                ssm_state_indices=torch.tensor([0, 1]), pad_slot_id=pad)  # fmt: skip
+            fused_recurrent_kda(
+                tq,
+                tk,
+                tv,
+                tg,
+                tb,
+                initial_state=pool,
+                inplace_final_state=True,
+                ssm_state_indices=torch.tensor([0, 1]),
+                pad_slot_id=pad,
+            )
     assert torch.count_nonzero(pool) == 0
     from kda.torch import chunk_kda
 
@@ -500,11 +529,15 @@ def test_cuda_bfloat16_conversions_match_ml_dtypes():
     assert np.array_equal(got, want, equal_nan=True) and np.array_equal(np.signbit(got), np.signbit(want))
     rng = np.random.default_rng(13)
     ties = every[every >= 0].view(ml_dtypes.bfloat16).astype(np.float32).view(np.int32) + 0x8000
-    xs = np.concatenate([
-        np.ldexp(rng.uniform(-1, 1, 3000).astype(np.float32), rng.integers(-140, 128, 3000).astype(np.int32)),
-        ties.view(np.float32),
-        np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 3.4e38, -3.4e38, 1e-45, 1.1754942e-38], np.float32),
-    ])  # fmt: skip
+    xs = np.concatenate(
+        [
+            np.ldexp(
+                rng.uniform(-1, 1, 3000).astype(np.float32), rng.integers(-140, 128, 3000).astype(np.int32)
+            ),
+            ties.view(np.float32),
+            np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 3.4e38, -3.4e38, 1e-45, 1.1754942e-38], np.float32),
+        ]
+    )
     got = np.array([_float_to_bfloat(np.float32(x)) for x in xs], np.int64).astype(np.int16)
     with np.errstate(invalid="ignore", over="ignore"):  # NaN and overflow are what is tested
         want = xs.astype(ml_dtypes.bfloat16)
@@ -558,8 +591,11 @@ def test_torch_eager_calls_are_the_ops():
     s0 = torch.from_numpy((0.5 * rng.standard_normal((2, 2, 8, 8))).astype(np.float32))
     pools = [torch.from_numpy(_pool(rng, 5, 2, 8, 8, "float32", True, poison=False)) for _ in range(2)]
     pools[1].copy_(pools[0])
-    kw = {"ssm_state_indices": torch.tensor([3, 1], dtype=torch.int32), "inplace_final_state": True,
-          "state_v_first": True}  # fmt: skip
+    kw = {
+        "ssm_state_indices": torch.tensor([3, 1], dtype=torch.int32),
+        "inplace_final_state": True,
+        "state_v_first": True,
+    }
     with torch.inference_mode():
         o1, f1 = fused_recurrent_kda(*tx, initial_state=s0, output_final_state=True)
         p1, _ = fused_recurrent_kda(*tx, initial_state=pools[0], **kw)
@@ -604,19 +640,34 @@ def test_jax_pool_call_keeps_the_pool_dtype(dtype, v_first):
     slots, accepted = np.array([[1, 1], [0, 0], [5, 3]]), np.array([1, 1, 2])
     pool = _pool(rng, P, HV, K, V, dtype, v_first)
     want_pool = pool.copy()
-    want = kda.decode_kda(*x, want_pool, slots, num_accepted_tokens=accepted, state_v_first=v_first,
-                          pad_slot_id=0)  # fmt: skip
+    want = kda.decode_kda(
+        *x, want_pool, slots, num_accepted_tokens=accepted, state_v_first=v_first, pad_slot_id=0
+    )
     _check(want, want_pool, pool, x, slots, accepted, 0, dtype, v_first)
 
     def run(q, k, v, g, beta, pool, slots, accepted):
-        return fused_recurrent_kda(q, k, v, g, beta, initial_state=pool, inplace_final_state=True,
-                                   ssm_state_indices=slots, num_accepted_tokens=accepted,
-                                   state_v_first=v_first, pad_slot_id=0)  # fmt: skip
+        return fused_recurrent_kda(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state=pool,
+            inplace_final_state=True,
+            ssm_state_indices=slots,
+            num_accepted_tokens=accepted,
+            state_v_first=v_first,
+            pad_slot_id=0,
+        )
 
     j_pool = jnp.asarray(pool)
     assert j_pool.dtype == pool.dtype
-    args = (*(jnp.asarray(np.swapaxes(a, 1, 2)) for a in x), j_pool, jnp.asarray(slots, jnp.int32),
-            jnp.asarray(accepted, jnp.int32))  # fmt: skip
+    args = (
+        *(jnp.asarray(np.swapaxes(a, 1, 2)) for a in x),
+        j_pool,
+        jnp.asarray(slots, jnp.int32),
+        jnp.asarray(accepted, jnp.int32),
+    )
     for f in (run, jax.jit(run)):
         o, new = f(*args)
         assert new.dtype == pool.dtype and new.shape == pool.shape

@@ -7,18 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import (
-    BACKENDS,
-    REGIMES,
-    assert_close,
-    decline_direct_decode_route,
-    gates,
-    spy_direct_decode_route,
-)
+from helpers import BACKENDS, assert_within, decline_direct_decode_route, spy_direct_decode_route
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kda
+from kda.testing import LOG_REGIMES, gates
 
 
 def oracle(q, k, v, g, beta, pool, slots, accepted, lengths, offsets=None, scale=None):
@@ -96,7 +90,7 @@ def _pools(rng, P, HV, K, V):
     V=st.integers(1, 5),
     holes=st.sampled_from([0.0, 0.5]),
     n_pad=st.integers(0, 1),
-    regime=st.sampled_from(REGIMES),
+    regime=st.sampled_from(LOG_REGIMES),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_verify_matches_the_recurrence(backend, N, HV, T, K, V, holes, n_pad, regime, seed):
@@ -109,8 +103,8 @@ def test_verify_matches_the_recurrence(backend, N, HV, T, K, V, holes, n_pad, re
     want_out, want_pool = oracle(*inputs, pool, slots, accepted, [T] * N)
     got = pool.copy()
     out = kda.decode_kda(*inputs, got, slots, num_accepted_tokens=accepted, backend=backend)
-    assert_close(out, want_out, tol=1e-10, name="output")
-    assert_close(got, want_pool, tol=1e-10, name="state_pool")
+    assert_within(out, want_out, tol=1e-10, name="output")
+    assert_within(got, want_pool, tol=1e-10, name="state_pool")
     _untouched(got, pool, slots)
 
 
@@ -118,18 +112,19 @@ def test_verify_matches_the_recurrence(backend, N, HV, T, K, V, holes, n_pad, re
 @pytest.mark.parametrize("regime", ["mild", "reset", "strong"])
 def test_verify_float32_against_float64(backend, regime):
     """float32 inputs and pool: within 1e-5 of the float64 oracle, at K = V = 32."""
-    rng = np.random.default_rng(REGIMES.index(regime))
+    rng = np.random.default_rng(LOG_REGIMES.index(regime))
     N, HV, T, K, V, P = 3, 2, 4, 32, 32, 16
     inputs = _inputs(rng, N, HV, T, K, V, regime)
     pool = _pools(rng, P, HV, K, V)
     slots, accepted = _verify_slots(rng, N, T, P, [T] * N, 0.3, 0)
     want_out, want_pool = oracle(*inputs, pool, slots, accepted, [T] * N)
     got = pool.astype(np.float32)
-    out = kda.decode_kda(*(x.astype(np.float32) for x in inputs), got, slots, num_accepted_tokens=accepted,
-                         backend=backend)  # fmt: skip
+    out = kda.decode_kda(
+        *(x.astype(np.float32) for x in inputs), got, slots, num_accepted_tokens=accepted, backend=backend
+    )
     assert out.dtype == np.float32
-    assert_close(out, want_out.astype(np.float32), tol=1e-5, name="output")
-    assert_close(got, want_pool.astype(np.float32), tol=1e-5, name="state_pool")
+    assert_within(out, want_out.astype(np.float32), tol=1e-5, name="output")
+    assert_within(got, want_pool.astype(np.float32), tol=1e-5, name="state_pool")
     _untouched(got, pool.astype(np.float32), slots)
 
 
@@ -150,10 +145,17 @@ def test_packed_requests(backend, per_step):
     want_out, want_pool = oracle(q, k, v, g, beta, pool, slots, accepted, lengths, offsets)
     tm = [np.ascontiguousarray(np.swapaxes(x, 1, 2)) for x in (q, k, v, g, beta)]
     got = pool.copy()
-    out = kda.decode_kda(*tm, got, slots, num_accepted_tokens=accepted, cu_seqlens=offsets,
-                         layout="time_major", backend=backend)  # fmt: skip
-    assert_close(out, np.swapaxes(want_out, 1, 2), tol=1e-10, name="output")
-    assert_close(got, want_pool, tol=1e-10, name="state_pool")
+    out = kda.decode_kda(
+        *tm,
+        got,
+        slots,
+        num_accepted_tokens=accepted,
+        cu_seqlens=offsets,
+        layout="time_major",
+        backend=backend,
+    )
+    assert_within(out, np.swapaxes(want_out, 1, 2), tol=1e-10, name="output")
+    assert_within(got, want_pool, tol=1e-10, name="state_pool")
     _untouched(got, pool, slots)
 
 
@@ -167,8 +169,8 @@ def test_one_d_indices_keep_their_meaning(backend):
     want_out, want_pool = oracle(*inputs, pool, idx, None, [3, 3, 3])
     got = pool.copy()
     out = kda.decode_kda(*inputs, got, idx, backend=backend)
-    assert_close(out, want_out, tol=1e-10, name="output")
-    assert_close(got, want_pool, tol=1e-10, name="state_pool")
+    assert_within(out, want_out, tol=1e-10, name="output")
+    assert_within(got, want_pool, tol=1e-10, name="state_pool")
     assert not out[1].any()
     _untouched(got, pool, idx)
 
@@ -185,7 +187,7 @@ def test_untouched_rows_are_not_read(backend):
     got = pool.copy()
     out = kda.decode_kda(*inputs, got, slots, num_accepted_tokens=[2, 1], backend=backend)
     assert np.isfinite(out).all()
-    assert_close(got[[2, 5, 6]], want_pool[[2, 5, 6]], tol=1e-10, name="state_pool")
+    assert_within(got[[2, 5, 6]], want_pool[[2, 5, 6]], tol=1e-10, name="state_pool")
     assert np.isnan(got[[0, 1, 3, 4, 7]]).all()
 
 
@@ -199,7 +201,7 @@ SLOT_FORMS = {
     "strided int64 [N]": (np.array([8, 7, 0, 7, -1, 7, 3, 7], np.int64)[::2], None),
     "int64 [N, T]": (np.array([[8, 1], [0, -1], [-1, -1], [3, 5]], np.int64), [2, 1, 1, 2]),
     "int32 [N, T]": (np.array([[8, 1], [0, -1], [-1, -1], [3, 5]], np.int32), np.array([1, 1, 1, 2])),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("form", list(SLOT_FORMS))
@@ -258,7 +260,7 @@ def test_decode_states_direct_route_is_the_general_route(layout, read_only, monk
         (np.array([[0, 3], [1, 2]], np.int32), np.array([1, 3]), r"num_accepted_tokens must be in 1..T"),
         (np.array([0, 1], np.int64), [1, 1], r"num_accepted_tokens needs 2-D state_indices"),
     ],
-)  # fmt: skip
+)
 def test_direct_route_refusals_name_the_argument(slots, accepted, match, monkeypatch):
     """Bad slots of a call the direct route would serve (float32, plain): the named KdaError, nothing
     written; the direct route declined the call (the general route words the error)."""
@@ -335,7 +337,7 @@ IIE, ITE = kda.InvalidInputError, kda.InvalidTypeError
         ([0, 1], [1, 1], IIE, r"num_accepted_tokens needs 2-D state_indices"),
         ([[[0]]], None, ITE, r"state_indices must be a 1-D integer array or list"),
     ],
-)  # fmt: skip
+)
 def test_bad_slots_write_nothing(slots, accepted, error, match):
     inputs, pool = _small()
     before = pool.copy()
@@ -392,8 +394,9 @@ def test_plan_runs_refilled_slots(backend):
             buf[...] = x
         slots[...] = np.array([[step + 6, 1, 2], [3, -1, 0]]) if step % 2 else slots
         accepted[...] = [1 + step % 3, 1]
-        want = kda.decode_kda(q, k, v, g, beta, plain_pool, slots, num_accepted_tokens=accepted,
-                              backend=backend)  # fmt: skip
+        want = kda.decode_kda(
+            q, k, v, g, beta, plain_pool, slots, num_accepted_tokens=accepted, backend=backend
+        )
         got = plan.run()
         assert got is plan.out
         assert np.array_equal(got, want) and np.array_equal(pool, plain_pool)
@@ -466,14 +469,17 @@ def test_torch_verify_as_vllm_calls_it(dtype, v_first):
     tpool = torch.from_numpy(pool)
     with torch.inference_mode():
         o, final = fused_recurrent_kda(
-            *(torch.from_numpy(x) for x in tm), initial_state=tpool, inplace_final_state=True,
+            *(torch.from_numpy(x) for x in tm),
+            initial_state=tpool,
+            inplace_final_state=True,
             ssm_state_indices=torch.from_numpy(slots).to(torch.int32),
             num_accepted_tokens=torch.from_numpy(accepted).to(torch.int32),
-            cu_seqlens=torch.from_numpy(offsets), state_v_first=v_first,
-        )  # fmt: skip
+            cu_seqlens=torch.from_numpy(offsets),
+            state_v_first=v_first,
+        )
     assert final is tpool
-    assert_close(o.numpy(), want_out.astype(dtype), tol=tol, name="output")
-    assert_close(pool, want_pool.astype(dtype), tol=tol, name="state_pool")
+    assert_within(o.numpy(), want_out.astype(dtype), tol=tol, name="output")
+    assert_within(pool, want_pool.astype(dtype), tol=tol, name="state_pool")
     _untouched(pool, before, slots)
 
 
@@ -520,12 +526,17 @@ def test_jax_verify_returns_the_new_pool():
         keywords = dict(ssm_state_indices=slots, num_accepted_tokens=accepted, cu_seqlens=offsets)
         return fused_recurrent_kda(q, k, v, g, beta, initial_state=pool, inplace_final_state=True, **keywords)
 
-    args = (*(jnp.asarray(x) for x in tm), jnp.asarray(pool), jnp.asarray(slots, jnp.int32),
-            jnp.asarray(accepted, jnp.int32), jnp.asarray(offsets, jnp.int32))  # fmt: skip
+    args = (
+        *(jnp.asarray(x) for x in tm),
+        jnp.asarray(pool),
+        jnp.asarray(slots, jnp.int32),
+        jnp.asarray(accepted, jnp.int32),
+        jnp.asarray(offsets, jnp.int32),
+    )
     for f in (run, jax.jit(run)):
         o, new = f(*args)
-        assert_close(np.asarray(o), want_out.astype(np.float32), tol=1e-5, name="output")
-        assert_close(np.asarray(new), want_pool.astype(np.float32), tol=1e-5, name="state_pool")
+        assert_within(np.asarray(o), want_out.astype(np.float32), tol=1e-5, name="output")
+        assert_within(np.asarray(new), want_pool.astype(np.float32), tol=1e-5, name="state_pool")
         _untouched(np.asarray(new), pool, slots)
     assert np.array_equal(np.asarray(args[5]), pool), "the input pool changed"
 
@@ -568,8 +579,8 @@ def test_strided_pool_is_written_in_place(backend):
     view = buffer[::2]
     assert not view.flags.c_contiguous
     out = kda.decode_kda(*inputs, view, slots, num_accepted_tokens=accepted, backend=backend)
-    assert_close(out, want_out, tol=1e-10, name="output")
-    assert_close(view, want_pool, tol=1e-10, name="state_pool")
+    assert_within(out, want_out, tol=1e-10, name="output")
+    assert_within(view, want_pool, tol=1e-10, name="state_pool")
     _untouched(np.ascontiguousarray(view), pool, slots)
     assert np.all(buffer[1::2] == 7.0), "rows outside the view changed"
 
@@ -593,8 +604,8 @@ def test_decode_states_is_the_recurrence(backend, packed):
             q, k, v, g, beta, initial_state=state, cu_seqlens=offsets, backend="reference"
         )
         got = decode_states(q, k, v, g, beta, state, cu_seqlens=offsets, backend=backend)
-        assert_close(got.output, want.output, tol=1e-10, name="output")
-        assert_close(got.final_state, want.final_state, tol=1e-10, name="final_state")
+        assert_within(got.output, want.output, tol=1e-10, name="output")
+        assert_within(got.final_state, want.final_state, tol=1e-10, name="final_state")
     assert np.array_equal(s0, kept)
 
 

@@ -129,8 +129,9 @@ def test_plans_are_bitwise_the_plain_call(options, dtype, with_out):
 
 
 def test_reported_plan_case_is_accurate():
-    """The issue's case: B=1, H=2, T=300, K=2, V=8, chunk 128, float32, zero decay. The plan now
-    has the plain call's error against the float64 recurrence (it had 5.7e-7 against 3.0e-8)."""
+    """B=1, H=2, T=300, K=2, V=8, chunk 128, float32, zero decay (keys this small with a chunk this
+    large compute in float64): a plan computes as the plain call does, bitwise, and both are within
+    2e-7 of the float64 recurrence."""
     p = make_model_problem(0, 1, 2, 300, 2, 8, regime="zero").astype(np.float32)
     want = kda.recurrent_kda(*(x.astype(np.float64) for x in p.inputs)).output
     got = kda.prepare_chunk_kda(*p.inputs, chunk_size=128).run().output
