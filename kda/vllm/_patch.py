@@ -177,14 +177,14 @@ def _check(owner: Any, name: str, raw: Any, signature: str | Callable[..., Any] 
     found = shown if names is None else f"{name}{shown}"
     if signature is None:
         if callable(_function(raw)):
-            _refuse(owner, name, "a value (not a function)", found)
+            _version_mismatch(owner, name, "a value (not a function)", found)
         return
     expected = _expected(signature)
     if names != expected:
-        _refuse(owner, name, f"{name}{expected}", found)
+        _version_mismatch(owner, name, f"{name}{expected}", found)
 
 
-def _refuse(owner: Any, name: str, expected: str, found: str) -> NoReturn:
+def _version_mismatch(owner: Any, name: str, expected: str, found: str) -> NoReturn:
     msg = (
         f"kda.vllm cannot patch {_owner_name(owner)}.{name}: written against {expected}, found {found}; "
         f"this vLLM differs from the one kda.vllm was checked against (kda.vllm.SUPPORTED_VLLM); set "
@@ -232,7 +232,7 @@ def _original(owner: Any, name: str, signature: str | Callable[..., Any] | None)
         found = _lookup(owner, name)
         if found is None:
             expected = "a value" if signature is None else f"{name}{_expected(signature)}"
-            _refuse(owner, name, expected, "no such attribute")
+            _version_mismatch(owner, name, expected, "no such attribute")
         original, owned = found
         if is_replacement(original) and id(original) in _replaced:
             original = _replaced[id(original)][1]
