@@ -6,8 +6,7 @@ A patch names what it replaces and the signature it was written against::
             signature="(state, indices, has_initial_state)")
     wrap(CpuPlatform, "check_and_update_config", keep_prefix_caching, signature="(cls, vllm_config)")
 
-- :func:`replace` installs a value; :func:`wrap` installs ``make(original)``, built on vLLM's own
-  function (for a classmethod or staticmethod, its function; the result is wrapped back).
+- :func:`replace` installs a value; :func:`wrap` installs ``make(original)`` (vLLM's own function).
 - The attribute must exist and its parameters (names and kinds: positional-only, ``*args``,
   keyword-only, ``**kwargs``; not defaults nor annotations) must be the ``signature`` given: a
   parameter list as written in a ``def`` line, or a callable whose own signature is the one written
