@@ -1,0 +1,56 @@
+"""kda.vllm.ling_model: the tiny Ling-3's layer grouping, config fields and checkpoint names (no vLLM)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("safetensors")
+lm = pytest.importorskip("kda.vllm.ling_model")
+
+
+@pytest.mark.parametrize(("layers", "group"), [(5, 4), (20, 5), (4, 8), (9, 3)])
+def test_grouping(layers, group):
+    """vLLM's rule (``_is_kda_layer``) and llama.cpp's (``is_full_attention``), written out here."""
+    kda = [lm.is_kda_layer(i, layers, group) for i in range(layers)]
+    full = [i >= layers or (i + 1) % group == 0 or i >= layers // group * group for i in range(layers)]
+    assert kda == [not f for f in full]
+    if layers == 5 and group == 4:
+        assert kda == [True, True, True, False, False]
+
+
+def test_checkpoint(tmp_path):
+    from safetensors.torch import load_file
+
+    cfg = lm.build_model(str(tmp_path), seed=1)
+    on_disk = json.loads((tmp_path / "config.json").read_text())
+    assert on_disk == cfg and cfg["model_type"] == "bailing_hybrid"
+    # what llama.cpp's converter (conversion/bailingmoe3.py) requires
+    assert cfg["no_kda_lora"] and cfg["kda_safe_gate"] and cfg["kda_lower_bound"] == -5.0
+    assert cfg["gated_attention_proj_granularity_type"] == "head_wise"
+    assert os.path.exists(tmp_path / "configuration_bailing_moe_v3.py")
+    t = load_file(str(tmp_path / "model.safetensors"))
+    H, K, D = lm.HEADS, lm.HEAD_DIM, lm.HIDDEN
+    for i in range(lm.LAYERS):
+        a = f"model.layers.{i}.attention."
+        if lm.is_kda_layer(i):
+            assert t[a + "f_proj.weight"].shape == (H * K, D) and t[a + "b_proj.weight"].shape == (H, D)
+            assert t[a + "q_conv1d.weight"].shape == (H * K, 1, 4) and t[a + "A_log"].shape == (H,)
+            assert a + "kv_b_proj.weight" not in t
+        else:
+            assert t[a + "g_proj.weight"].shape == (H, D)  # head-wise output gate
+            assert t[a + "kv_b_proj.weight"].shape == (H * (lm.NOPE + lm.V_DIM), lm.KV_LORA)
+            assert t[a + "q_b_proj.weight"].shape == (H * (lm.NOPE + lm.ROPE), lm.Q_LORA)
+            assert a + "f_proj.weight" not in t
+        mlp = f"model.layers.{i}.mlp."
+        if i < cfg["first_k_dense_replace"]:
+            assert mlp + "gate_proj.weight" in t and mlp + "gate.weight" not in t
+        else:
+            assert t[mlp + "gate.expert_bias"].shape == (lm.EXPERTS,)
+            assert {f"{mlp}experts.{e}.down_proj.weight" for e in range(lm.EXPERTS)} <= set(t)
+    again = str(tmp_path / "again")
+    lm.build_model(again, seed=1)
+    assert all((load_file(os.path.join(again, "model.safetensors"))[k] == v).all() for k, v in t.items())
