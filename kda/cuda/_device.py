@@ -26,6 +26,7 @@ exact 0 and no difference of cumulative sums is ever formed.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -58,22 +59,31 @@ DTYPES = ("float32", "float64")
 INDEX_TYPES = {"uint32": "uint32", "uint64": "int64"}
 INDEX32_LIMIT = 2**32
 
-# argument kinds of a family's signatures: "a" a C-contiguous 1-D array of the floating dtype (a
-# flattened C-contiguous array), "s" a floating scalar, "i" an int64 scalar, "j" an int32 scalar,
-# "f" a C-contiguous 1-D int32 array, then ":n" for the trailing tuple of n dimensions
-KINDS = {"a": "{dtype}[::1]", "s": "{dtype}", "i": "int64", "j": "int32", "f": "int32[::1]"}
+# the Numba types a kernel parameter may have ({dtype}: the kernel's floating dtype); a parameter is
+# an ARRAY unless its Kernel names another type for it
+ARRAY = "{dtype}[::1]"  # a C-contiguous 1-D array of the floating dtype (a flattened array)
+SCALAR = "{dtype}"  # a floating scalar
+INT64 = "int64"
+INT32 = "int32"
+INT32_ARRAY = "int32[::1]"
 
 
-def signature(spec: str, dtype: str, index: str = "uint32") -> str:
-    """The explicit Numba signature of argument kinds ``spec`` for ``dtype`` and ``index``.
+def signature(parameters: list[str], types: dict[str, str], dims: int, dtype: str, index: str) -> str:
+    """The explicit Numba signature of a kernel with ``parameters`` (its Python function's, ending
+    in ``dims``) for ``dtype`` and ``index``: each parameter of the type ``types`` names (an
+    :data:`ARRAY` where it names none), and ``dims`` a tuple of ``dims`` dimensions in the index
+    type.
 
     Every array is C-contiguous and one-dimensional (a flattened view): an element is an offset
     computed in ``index`` arithmetic from the trailing tuple of dimensions, with no stride loads
     and no negative-index selects.
     """
-    kinds, ndims = spec.split(":")
-    args = [KINDS[c].format(dtype=dtype) for c in kinds] + [f"UniTuple({INDEX_TYPES[index]}, {int(ndims)})"]
-    return f"void({', '.join(args)})"
+    *arguments, last = parameters
+    unknown = set(types) - set(arguments)
+    if last != "dims" or unknown:
+        raise AssertionError(f"a kernel's parameters end in dims and include {sorted(types)}: {parameters}")
+    args = [types.get(name, ARRAY).format(dtype=dtype) for name in arguments]
+    return f"void({', '.join([*args, f'UniTuple({INDEX_TYPES[index]}, {dims})'])})"
 
 
 def constants(dtype: str) -> tuple:
@@ -85,16 +95,26 @@ def constants(dtype: str) -> tuple:
 class Kernel:
     """One kernel: its ``builder(dtype, index)``, which returns the kernel's Python function closed
     over the constants of ``dtype`` and the offsets of ``index`` (builders share device functions
-    through cached factories of their own), and its argument kinds ``spec`` (:func:`signature`).
+    through cached factories of their own), the number ``dims`` of dimensions its last parameter
+    holds, and the ``types`` of its parameters that are not arrays of the floating dtype
+    (:func:`signature`).
     A family's module makes each of its kernels once and its wrappers launch that object
     (:func:`kda.cuda._launch.launcher`): no name chooses a kernel. ``name`` labels it (the
     launch counts, the PTX report). Compiled lazily, once per (dtype, index type), and cached.
     """
 
-    def __init__(self, name: str, builder: Callable[[str, str], Callable], spec: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        builder: Callable[[str, str], Callable],
+        *,
+        dims: int,
+        types: dict[str, str] | None = None,
+    ) -> None:
         self.name = name
         self.builder = builder
-        self.spec = spec
+        self.dims = dims
+        self.types = dict(types or {})
         self._functions: dict[tuple[str, str], Callable] = {}
         self._compiled: dict[tuple[str, str], Any] = {}
 
@@ -102,7 +122,9 @@ class Kernel:
         return f"Kernel({self.name!r})"
 
     def signature(self, dtype: str, index: str = "uint32") -> str:
-        return signature(self.spec, dtype, index)
+        """The explicit Numba signature of this kernel for ``dtype`` and ``index`` (:func:`signature`)."""
+        parameters = list(inspect.signature(self.function(dtype, index)).parameters)
+        return signature(parameters, self.types, self.dims, dtype, index)
 
     def function(self, dtype: str, index: str = "uint32") -> Callable:
         """The Python function of this kernel for ``dtype`` and ``index``, built once."""

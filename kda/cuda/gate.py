@@ -9,7 +9,7 @@ import numba
 from array_api_compat import array_namespace, device
 from numba import cuda
 
-from ._device import Family, Kernel, constants, inline, offset_functions
+from ._device import INT32_ARRAY, Family, Kernel, constants, inline, offset_functions
 from ._launch import THREADS_PER_BLOCK, _grid, launcher
 
 __all__ = ["gate_flags", "raise_for_gates"]
@@ -57,7 +57,7 @@ def _gate_flags_kernel(dtype: str, index: str) -> Any:
 # g's dtypes the check takes (float16 compared in float32)
 GATE_DTYPES = ("float16", "float32", "float64")
 
-GATE_FLAGS = Kernel("gate_flags", _gate_flags_kernel, "af:1")
+GATE_FLAGS = Kernel("gate_flags", _gate_flags_kernel, dims=1, types={"flags": INT32_ARRAY})
 KERNELS = Family("gate", (GATE_FLAGS,), dtypes=GATE_DTYPES)
 _launch = launcher(KERNELS)
 

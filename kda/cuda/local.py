@@ -17,7 +17,7 @@ from array_api_compat import array_namespace
 from numba import cuda
 
 from .._backend import ChunkLocal, LocalGradients
-from ._device import Family, Kernel, constants, inline, offset_functions
+from ._device import SCALAR, Family, Kernel, constants, inline, offset_functions
 from ._launch import _check_ndim, _check_shape, _common_dtype, _empty, launcher
 
 __all__ = ["MAX_CHUNK", "chunk_local", "chunk_local_backward"]
@@ -29,30 +29,29 @@ LOCAL_TILE_ROW = LOCAL_TILE_K + 1
 # threads of chunk_local's block and of chunk_local_backward's (one block per chunk)
 LOCAL_THREADS = 128
 LOCAL_BACKWARD_THREADS = 64
-# chunk_local_backward's products over V and K (phases 1 and 3) run by output tiles of
-# BACKWARD_TILE_ROWS rows x BACKWARD_TILE_COLS columns (a warp's lanes across the columns, each
-# thread BACKWARD_TILE_ROWS / 2 rows), the operands staged in shared memory BACKWARD_TILE_DEPTH
-# terms at a time by coalesced loads, at row stride BACKWARD_TILE_DEPTH + 1 (conflict-free)
-BACKWARD_TILE_ROWS = 16
-BACKWARD_TILE_COLS = 32
-BACKWARD_TILE_DEPTH = 16
+# chunk_local_backward's products over V and K (phases 1 and 3) run by output tiles of TILE_ROWS
+# rows x TILE_COLS columns (a warp's lanes across the columns, each thread TILE_ROWS / 2 rows), the
+# operands staged in shared memory TILE_DEPTH terms at a time by coalesced loads, at row stride
+# TILE_DEPTH + 1 (conflict-free)
+TILE_ROWS = 16
+TILE_COLS = 32
+TILE_DEPTH = 16
 # lanes per row of phase 4's per-row sums (dbeta)
-BACKWARD_ROW_LANES = 16
-_GROUPS = LOCAL_BACKWARD_THREADS // BACKWARD_TILE_COLS
-if LOCAL_BACKWARD_THREADS % BACKWARD_TILE_COLS or BACKWARD_TILE_ROWS % _GROUPS:
+ROW_LANES = 16
+# a tile's rows in groups, one group per warp of the block, each thread ROWS_PER_THREAD of them
+ROW_GROUPS = LOCAL_BACKWARD_THREADS // TILE_COLS
+ROWS_PER_THREAD = TILE_ROWS // ROW_GROUPS
+# a staged row's stride in shared memory, and the elements of a staged left operand tile (TILE_ROWS
+# rows) and of a right one (TILE_COLS rows)
+STAGED_STRIDE = TILE_DEPTH + 1
+LEFT_TILE = TILE_ROWS * STAGED_STRIDE
+RIGHT_TILE = TILE_COLS * STAGED_STRIDE
+if LOCAL_BACKWARD_THREADS % TILE_COLS or TILE_ROWS % ROW_GROUPS:
     raise AssertionError("chunk_local_backward's tiles must divide its block")
 # the longest padded chunk whose work fits chunk_local's and chunk_local_backward's blocks in
 # SHARED_LIMIT, in float32 and float64 (float32 at 128 steps needs 49 KiB in chunk_local);
 # longer chunks run on the array-API reference backend (kda._backend.resolve)
 MAX_CHUNK = 64
-
-
-# the constants of chunk_local_backward's tiles
-TI, TJ, TX = BACKWARD_TILE_ROWS, BACKWARD_TILE_COLS, BACKWARD_TILE_DEPTH
-TR = TX + 1  # a staged row's stride
-RS = LOCAL_BACKWARD_THREADS // TJ  # row groups of a tile (the warps of the block)
-RI = TI // RS  # rows of a tile per thread
-RL = BACKWARD_ROW_LANES
 
 
 @functools.cache
@@ -84,8 +83,8 @@ def _forward_factors(dtype: str, index: str) -> tuple:
         by tiles of ``LOCAL_TILE_K`` channels staged in ``P`` and ``Q`` (rows ``LOCAL_TILE_ROW`` apart)."""
         tid = cuda.threadIdx.x
         nth = cuda.blockDim.x
-        TK = LOCAL_TILE_K
-        TR = LOCAL_TILE_ROW  # lanes on consecutive rows (the pair loop's j) read distinct banks
+        tile_k = LOCAL_TILE_K
+        row_stride = LOCAL_TILE_ROW  # lanes on consecutive rows (the pair loop's j) read distinct banks
         for idx in range(tid, Cp * Cp, nth):
             i = idx // Cp
             j = idx % Cp
@@ -99,10 +98,10 @@ def _forward_factors(dtype: str, index: str) -> tuple:
         h = 1
         while h < Cp:
             nb = Cp // (2 * h)
-            for d0 in range(0, K, TK):
-                for item in range(tid, nb * TK, nth):
-                    start = (item // TK) * 2 * h
-                    dd = item % TK
+            for d0 in range(0, K, tile_k):
+                for item in range(tid, nb * tile_k, nth):
+                    start = (item // tile_k) * 2 * h
+                    dd = item % tile_k
                     d = d0 + dd
                     mid = start + h
                     c = one
@@ -111,15 +110,15 @@ def _forward_factors(dtype: str, index: str) -> tuple:
                         j = mid - 1 - m
                         i = mid + m
                         if d < K:
-                            P[j * TR + dd] = k[at3(n, j, d, Cp, K)] * c
+                            P[j * row_stride + dd] = k[at3(n, j, d, Cp, K)] * c
                             c *= math.exp(g[at3(n, j, d, Cp, K)])
                             r *= math.exp(g[at3(n, i, d, Cp, K)])
-                            P[i * TR + dd] = q[at3(n, i, d, Cp, K)] * r
-                            Q[i * TR + dd] = k[at3(n, i, d, Cp, K)] * r
+                            P[i * row_stride + dd] = q[at3(n, i, d, Cp, K)] * r
+                            Q[i * row_stride + dd] = k[at3(n, i, d, Cp, K)] * r
                         else:
-                            P[j * TR + dd] = zero
-                            P[i * TR + dd] = zero
-                            Q[i * TR + dd] = zero
+                            P[j * row_stride + dd] = zero
+                            P[i * row_stride + dd] = zero
+                            Q[i * row_stride + dd] = zero
                 cuda.syncthreads()
                 for pair in range(tid, nb * h * h, nth):
                     start = (pair // (h * h)) * 2 * h
@@ -127,10 +126,10 @@ def _forward_factors(dtype: str, index: str) -> tuple:
                     j = start + pair % h
                     sa = zero
                     sl = zero
-                    for dd in range(TK):
-                        c = P[j * TR + dd]
-                        sa += P[i * TR + dd] * c
-                        sl += Q[i * TR + dd] * c
+                    for dd in range(tile_k):
+                        c = P[j * row_stride + dd]
+                        sa += P[i * row_stride + dd] * c
+                        sl += Q[i * row_stride + dd] * c
                     if d0 == 0:
                         A[at3(n, i, j, Cp, Cp)] = scale * sa
                         L[at3(n, i, j, Cp, Cp)] = sl
@@ -269,55 +268,56 @@ def _backward_tiles(dtype: str, index: str) -> tuple:
 
     @inline
     def stage(dst, src, base, r0, x0, tile_rows, rows, D):
-        """Stage rows ``r0 ..`` (``tile_rows`` of them) and terms ``x0 .. x0 + TX`` of ``src[base]``,
-        a ``[., rows, D]`` array, into ``dst`` at row stride ``TR`` (zero outside ``rows`` and ``D``)."""
-        for e in range(cuda.threadIdx.x, tile_rows * TX, cuda.blockDim.x):
-            r = e // TX
-            cc = e % TX
+        """Stage rows ``r0 ..`` (``tile_rows`` of them) and terms ``x0 .. x0 + TILE_DEPTH`` of
+        ``src[base]``, a ``[., rows, D]`` array, into ``dst`` at row stride ``STAGED_STRIDE`` (zero
+        outside ``rows`` and ``D``)."""
+        for e in range(cuda.threadIdx.x, tile_rows * TILE_DEPTH, cuda.blockDim.x):
+            r = e // TILE_DEPTH
+            cc = e % TILE_DEPTH
             i = r0 + r
             x = x0 + cc
-            dst[r * TR + cc] = src[at3(base, i, x, rows, D)] if i < rows and x < D else zero
+            dst[r * STAGED_STRIDE + cc] = src[at3(base, i, x, rows, D)] if i < rows and x < D else zero
 
     @inline
     def accumulate(acc, sa, sd, left, right, n, i0, j0, Cp, D):
         """``acc[m] += left[i] . right[j]`` over ``D`` terms for the thread's rows ``i`` and column
         ``j`` of the tile at ``(i0, j0)``; ``left, right: [., Cp, D]``, staged through ``sa, sd``."""
-        lane = cuda.threadIdx.x % TJ
-        grp = cuda.threadIdx.x // TJ
-        for x0 in range(0, D, TX):
+        lane = cuda.threadIdx.x % TILE_COLS
+        grp = cuda.threadIdx.x // TILE_COLS
+        for x0 in range(0, D, TILE_DEPTH):
             cuda.syncthreads()  # the previous tiles are read
-            stage(sa, left, n, i0, x0, TI, Cp, D)
-            stage(sd, right, n, j0, x0, TJ, Cp, D)
+            stage(sa, left, n, i0, x0, TILE_ROWS, Cp, D)
+            stage(sd, right, n, j0, x0, TILE_COLS, Cp, D)
             cuda.syncthreads()
-            for xx in range(TX):
-                u = sd[lane * TR + xx]
-                for m in range(RI):
-                    acc[m] += sa[(grp + RS * m) * TR + xx] * u
+            for xx in range(TILE_DEPTH):
+                u = sd[lane * STAGED_STRIDE + xx]
+                for m in range(ROWS_PER_THREAD):
+                    acc[m] += sa[(grp + ROW_GROUPS * m) * STAGED_STRIDE + xx] * u
 
     @inline
     def tril_product(dst, l1, r1, D1, l2, r2, D2, strict, n, Cp, F):
-        """``dst = tril(l1 r1^T + l2 r2^T)`` by tiles of ``TI`` rows x ``TJ`` columns; with
-        ``strict``, ``-tril(..., -1)``; ``F``: the block's shared memory (the staged tiles)."""
+        """``dst = tril(l1 r1^T + l2 r2^T)`` by tiles of ``TILE_ROWS`` rows x ``TILE_COLS`` columns;
+        with ``strict``, ``-tril(..., -1)``; ``F``: the block's shared memory (the staged tiles)."""
         tid = cuda.threadIdx.x
-        lane = tid % TJ
-        grp = tid // TJ
-        sa = F[: TI * TR]
-        sd = F[3 * TI * TR : 3 * TI * TR + TJ * TR]
-        acc = cuda.local.array(RI, nbtype)
+        lane = tid % TILE_COLS
+        grp = tid // TILE_COLS
+        sa = F[:LEFT_TILE]
+        sd = F[3 * LEFT_TILE : 3 * LEFT_TILE + RIGHT_TILE]
+        acc = cuda.local.array(ROWS_PER_THREAD, nbtype)
         for idx in range(tid, Cp * Cp, cuda.blockDim.x):
             i = idx // Cp
             j = idx % Cp
             if j > i or (strict and j == i):
                 dst[at3(n, i, j, Cp, Cp)] = zero
-        for i0 in range(0, Cp, TI):
-            for j0 in range(0, min(i0 + TI, Cp), TJ):
-                for m in range(RI):
+        for i0 in range(0, Cp, TILE_ROWS):
+            for j0 in range(0, min(i0 + TILE_ROWS, Cp), TILE_COLS):
+                for m in range(ROWS_PER_THREAD):
                     acc[m] = zero
                 accumulate(acc, sa, sd, l1, r1, n, i0, j0, Cp, D1)
                 accumulate(acc, sa, sd, l2, r2, n, i0, j0, Cp, D2)
                 j = j0 + lane
-                for m in range(RI):
-                    i = i0 + grp + RS * m
+                for m in range(ROWS_PER_THREAD):
+                    i = i0 + grp + ROW_GROUPS * m
                     if i < Cp and j < i:
                         dst[at3(n, i, j, Cp, Cp)] = -acc[m] if strict else acc[m]
                     elif i < Cp and j == i and not strict:
@@ -337,47 +337,48 @@ def _backward_state_products(dtype: str, index: str) -> Callable:
     @inline
     def state_products(do, U, dU, S, dS, dqg, dk_suffix, dg, dtot, n, sn, Cp, K, V, F):
         """``dqg = dO S^T``, ``dk_suffix = U dS^T``, ``dW = -dU S^T`` (into ``dg``) and ``dtotal``, by
-        output tiles of ``TI`` rows x ``TJ`` channels: ``dO, U, dU [TI, TX]`` and ``S, dS [TJ, TX]``
-        (``S[sn], dS[sn]``: ``[K, V]``) staged by coalesced loads at row stride ``TR``."""
+        output tiles of ``TILE_ROWS`` rows x ``TILE_COLS`` channels: ``dO, U, dU [TILE_ROWS,
+        TILE_DEPTH]`` and ``S, dS [TILE_COLS, TILE_DEPTH]`` (``S[sn], dS[sn]``: ``[K, V]``) staged
+        by coalesced loads at row stride ``STAGED_STRIDE``."""
         tid = cuda.threadIdx.x
-        lane = tid % TJ  # a row of the output tile's right side (channel d)
-        grp = tid // TJ  # rows i0 + grp + RS m of the tile's left side, m < RI
-        sa = F[: TI * TR]
-        sb = F[TI * TR : 2 * TI * TR]
-        sc = F[2 * TI * TR : 3 * TI * TR]
-        sd = F[3 * TI * TR : 3 * TI * TR + TJ * TR]
-        se = F[3 * TI * TR + TJ * TR : 3 * TI * TR + 2 * TJ * TR]
-        acc_a = cuda.local.array(RI, nbtype)
-        acc_b = cuda.local.array(RI, nbtype)
-        acc_e = cuda.local.array(RI, nbtype)
-        for i0 in range(0, Cp, TI):
-            for d0 in range(0, K, TJ):
-                for m in range(RI):
+        lane = tid % TILE_COLS  # a row of the output tile's right side (channel d)
+        grp = tid // TILE_COLS  # rows i0 + grp + ROW_GROUPS m of the tile's left side, m < ROWS_PER_THREAD
+        sa = F[:LEFT_TILE]  # three left tiles, then two right ones
+        sb = F[LEFT_TILE : 2 * LEFT_TILE]
+        sc = F[2 * LEFT_TILE : 3 * LEFT_TILE]
+        sd = F[3 * LEFT_TILE : 3 * LEFT_TILE + RIGHT_TILE]
+        se = F[3 * LEFT_TILE + RIGHT_TILE : 3 * LEFT_TILE + 2 * RIGHT_TILE]
+        acc_a = cuda.local.array(ROWS_PER_THREAD, nbtype)
+        acc_b = cuda.local.array(ROWS_PER_THREAD, nbtype)
+        acc_e = cuda.local.array(ROWS_PER_THREAD, nbtype)
+        for i0 in range(0, Cp, TILE_ROWS):
+            for d0 in range(0, K, TILE_COLS):
+                for m in range(ROWS_PER_THREAD):
                     acc_a[m] = zero
                     acc_b[m] = zero
                     acc_e[m] = zero
                 tacc = zero
-                for x0 in range(0, V, TX):
+                for x0 in range(0, V, TILE_DEPTH):
                     cuda.syncthreads()  # the previous tiles are read
-                    stage(sa, do, n, i0, x0, TI, Cp, V)
-                    stage(sb, U, n, i0, x0, TI, Cp, V)
-                    stage(sc, dU, n, i0, x0, TI, Cp, V)
-                    stage(sd, S, sn, d0, x0, TJ, K, V)
-                    stage(se, dS, sn, d0, x0, TJ, K, V)
+                    stage(sa, do, n, i0, x0, TILE_ROWS, Cp, V)
+                    stage(sb, U, n, i0, x0, TILE_ROWS, Cp, V)
+                    stage(sc, dU, n, i0, x0, TILE_ROWS, Cp, V)
+                    stage(sd, S, sn, d0, x0, TILE_COLS, K, V)
+                    stage(se, dS, sn, d0, x0, TILE_COLS, K, V)
                     cuda.syncthreads()
-                    for xx in range(TX):
-                        s = sd[lane * TR + xx]
-                        ds = se[lane * TR + xx]
+                    for xx in range(TILE_DEPTH):
+                        s = sd[lane * STAGED_STRIDE + xx]
+                        ds = se[lane * STAGED_STRIDE + xx]
                         tacc += s * ds
-                        for m in range(RI):
-                            o = (grp + RS * m) * TR + xx
+                        for m in range(ROWS_PER_THREAD):
+                            o = (grp + ROW_GROUPS * m) * STAGED_STRIDE + xx
                             acc_a[m] += sa[o] * s
                             acc_b[m] += sb[o] * ds
                             acc_e[m] += sc[o] * s
                 d = d0 + lane
                 if d < K:
-                    for m in range(RI):
-                        i = i0 + grp + RS * m
+                    for m in range(ROWS_PER_THREAD):
+                        i = i0 + grp + ROW_GROUPS * m
                         if i < Cp:
                             o = at3(n, i, d, Cp, K)
                             dqg[o] = acc_a[m]
@@ -417,27 +418,28 @@ def _backward_rows(dtype: str, index: str) -> tuple:
 
     @inline
     def row_sums(beta, L, kg, v, dX, dkw, dku, dv, dbeta, n, Cp, K, V, F):
-        """Per row: ``dbeta`` (``RL`` lanes of a row's group over ``j``, ``d`` and ``x``, partial
-        sums in ``F`` at row stride ``RL + 1``), then ``dL = beta dX`` in place; ``dv = beta dku``."""
+        """Per row: ``dbeta`` (``ROW_LANES`` lanes of a row's group over ``j``, ``d`` and ``x``,
+        partial sums in ``F`` at row stride ``ROW_LANES + 1``), then ``dL = beta dX`` in place;
+        ``dv = beta dku``."""
         tid = cuda.threadIdx.x
         nth = cuda.blockDim.x
-        red = F[: Cp * (RL + 1)]
-        rl = tid % RL
-        for i in range(tid // RL, Cp, nth // RL):
+        red = F[: Cp * (ROW_LANES + 1)]
+        rl = tid % ROW_LANES
+        for i in range(tid // ROW_LANES, Cp, nth // ROW_LANES):
             bi = beta[at2(n, i, Cp)]
             a = zero
-            for j in range(rl, i, RL):
+            for j in range(rl, i, ROW_LANES):
                 ij = at3(n, i, j, Cp, Cp)
                 x = dX[ij]
                 a += x * L[ij]
                 dX[ij] = bi * x
-            for d in range(rl, K, RL):
+            for d in range(rl, K, ROW_LANES):
                 o = at3(n, i, d, Cp, K)
                 a += kg[o] * dkw[o]
-            for x in range(rl, V, RL):
+            for x in range(rl, V, ROW_LANES):
                 ix = at3(n, i, x, Cp, V)
                 a += v[ix] * dku[ix]
-            red[i * (RL + 1) + rl] = a
+            red[i * (ROW_LANES + 1) + rl] = a
         for idx in range(tid, Cp * V, nth):
             i = idx // V
             x = idx % V
@@ -446,8 +448,8 @@ def _backward_rows(dtype: str, index: str) -> tuple:
         cuda.syncthreads()
         for i in range(tid, Cp, nth):
             a = zero
-            for p in range(RL):
-                a += red[i * (RL + 1) + p]
+            for p in range(ROW_LANES):
+                a += red[i * (ROW_LANES + 1) + p]
             dbeta[at2(n, i, Cp)] = a
         cuda.syncthreads()  # red is read: phase 5 reuses F
 
@@ -592,9 +594,9 @@ def _chunk_local_backward_kernel(dtype: str, index: str) -> Callable:
     return chunk_local_backward
 
 
-CHUNK_LOCAL = Kernel("chunk_local", _chunk_local_kernel, "aaaaasaaaaaaaaa:3")
+CHUNK_LOCAL = Kernel("chunk_local", _chunk_local_kernel, dims=3, types={"scale": SCALAR})
 CHUNK_LOCAL_BACKWARD = Kernel(
-    "chunk_local_backward", _chunk_local_backward_kernel, "aaaaasaaaaaaaaaaaaaaaaaaaaaaaaa:5"
+    "chunk_local_backward", _chunk_local_backward_kernel, dims=5, types={"scale": SCALAR}
 )
 KERNELS = Family("local", (CHUNK_LOCAL, CHUNK_LOCAL_BACKWARD))
 _launch = launcher(KERNELS)
@@ -608,9 +610,8 @@ def _local_shared(Cp: int, itemsize: int) -> int:
 def _local_backward_shared(Cp: int, itemsize: int) -> int:
     """Bytes of dynamic shared memory of :func:`chunk_local_backward`'s block: the largest of
     phase 5's factor columns, phases 1 and 3's staged tiles and phase 4's partial row sums."""
-    rows = BACKWARD_TILE_DEPTH + 1
-    tiles = (3 * BACKWARD_TILE_ROWS + 2 * BACKWARD_TILE_COLS) * rows
-    return max(Cp * LOCAL_BACKWARD_THREADS, tiles, Cp * (BACKWARD_ROW_LANES + 1)) * itemsize
+    tiles = 3 * LEFT_TILE + 2 * RIGHT_TILE
+    return max(Cp * LOCAL_BACKWARD_THREADS, tiles, Cp * (ROW_LANES + 1)) * itemsize
 
 
 def chunk_local(q: Any, k: Any, v: Any, g: Any, beta: Any, *, scale: float) -> ChunkLocal:

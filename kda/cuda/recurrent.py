@@ -13,7 +13,7 @@ from array_api_compat import array_namespace
 from numba import cuda
 
 from .._backend import Gradients
-from ._device import Family, Kernel, constants, inline, offset_functions
+from ._device import INT64, SCALAR, Family, Kernel, constants, inline, offset_functions
 from ._launch import (
     THREADS_PER_BLOCK,
     _check_ndim,
@@ -29,8 +29,9 @@ __all__ = ["recurrent_backward", "recurrent_forward"]
 
 
 @functools.cache
-def _step(dtype: str, index: str) -> Callable:
-    """``decay_and_predict``, the device function both recurrence kernels share."""
+def _decay_and_predict(dtype: str, index: str) -> Callable:
+    """The device function ``decay_and_predict`` of ``dtype`` and ``index``, shared by both recurrence
+    kernels."""
     _, _, zero, _ = constants(dtype)
     at2, at3, _ = offset_functions(index)
 
@@ -54,7 +55,7 @@ def _recurrent_forward_kernel(dtype: str, index: str) -> Callable:
     """The Python function of ``recurrent_forward`` for ``dtype`` and ``index``."""
     _, _, zero, _ = constants(dtype)
     at2, at3, _ = offset_functions(index)
-    decay_and_predict = _step(dtype, index)
+    decay_and_predict = _decay_and_predict(dtype, index)
 
     def recurrent_forward(q, k, g, v, beta, scale, state, o, final, dims):
         """One thread per (head, value column v): every column of the state evolves alone.
@@ -91,7 +92,7 @@ def _recurrent_backward_kernel(dtype: str, index: str) -> Callable:
     """The Python function of ``recurrent_backward`` for ``dtype`` and ``index``."""
     _, _, zero, _ = constants(dtype)
     at2, at3, at4 = offset_functions(index)
-    decay_and_predict = _step(dtype, index)
+    decay_and_predict = _decay_and_predict(dtype, index)
 
     def recurrent_backward(
         q, k, g, v, beta, scale, state, do, dfinal, stride, ckpt, seg, dq, dk, dg, dbeta, dv, dS, dims
@@ -181,8 +182,10 @@ def _recurrent_backward_kernel(dtype: str, index: str) -> Callable:
     return recurrent_backward
 
 
-RECURRENT_FORWARD = Kernel("recurrent_forward", _recurrent_forward_kernel, "aaaaasaaa:4")
-RECURRENT_BACKWARD = Kernel("recurrent_backward", _recurrent_backward_kernel, "aaaaasaaaiaaaaaaaa:4")
+RECURRENT_FORWARD = Kernel("recurrent_forward", _recurrent_forward_kernel, dims=4, types={"scale": SCALAR})
+RECURRENT_BACKWARD = Kernel(
+    "recurrent_backward", _recurrent_backward_kernel, dims=4, types={"scale": SCALAR, "stride": INT64}
+)
 KERNELS = Family("recurrent", (RECURRENT_FORWARD, RECURRENT_BACKWARD))
 _launch = launcher(KERNELS)
 

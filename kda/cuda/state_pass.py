@@ -20,7 +20,7 @@ from array_api_compat import array_namespace
 from numba import cuda
 
 from .._backend import StateGradPass, StatePass
-from ._device import Family, Kernel, constants, inline, offset_functions
+from ._device import INT32, Family, Kernel, constants, inline, offset_functions
 from ._launch import (
     SHARED_LIMIT,
     _check_ndim,
@@ -570,12 +570,12 @@ def _state_grad_pass_staged_kernel(dtype: str, index: str) -> Callable:
 
 # the state pass and its gradient pass: (broadcast kernel, staged kernel) each
 STATE_PASSES = (
-    Kernel("chunk_state_pass", _state_pass_kernel, "aaaaaaajaaa:5"),
-    Kernel("chunk_state_pass_staged", _state_pass_staged_kernel, "aaaaaaajaaa:5"),
+    Kernel("chunk_state_pass", _state_pass_kernel, dims=5, types={"emit": INT32}),
+    Kernel("chunk_state_pass_staged", _state_pass_staged_kernel, dims=5, types={"emit": INT32}),
 )
 STATE_GRAD_PASSES = (
-    Kernel("chunk_state_grad_pass", _state_grad_pass_kernel, "aaaaaaaaaaaaa:5"),
-    Kernel("chunk_state_grad_pass_staged", _state_grad_pass_staged_kernel, "aaaaaaaaaaaaa:5"),
+    Kernel("chunk_state_grad_pass", _state_grad_pass_kernel, dims=5),
+    Kernel("chunk_state_grad_pass_staged", _state_grad_pass_staged_kernel, dims=5),
 )
 KERNELS = Family("state_pass", (*STATE_PASSES, *STATE_GRAD_PASSES))
 _launch = launcher(KERNELS)
