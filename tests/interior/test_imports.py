@@ -18,6 +18,15 @@ from helpers import ROOT
 
 KDA = ROOT / "kda"
 MAX_POSITIONAL = 10
+# functions whose positional parameters are another library's public signature, kept exactly:
+# fla 0.6's chunk_kda and fused_recurrent_kda (kda.torch's and kda.jax's, held to
+# kda._entry.fla.CHUNK_PARAMS / RECURRENT_PARAMS by tests/entry/test_signatures.py)
+FOREIGN_SIGNATURES = {
+    ("torch.py", "chunk_kda"),
+    ("torch.py", "fused_recurrent_kda"),
+    ("jax.py", "chunk_kda"),
+    ("jax.py", "fused_recurrent_kda"),
+}
 # the host layers: the entry points, the engine, the options, the backend interface, the adapters' host code
 HOST_LAYERS = ("_entry", "_engine", "_options", "_backend", "torch.py", "jax.py", "dask.py")
 
@@ -160,7 +169,7 @@ def test_host_functions_take_at_most_ten_positional_parameters():
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 names = _positional(node)
-                if len(names) > MAX_POSITIONAL:
+                if len(names) > MAX_POSITIONAL and (path.name, node.name) not in FOREIGN_SIGNATURES:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({len(names)})")
     assert len(_host_files()) > 20
     assert not long, "functions with more than 10 positional parameters:\n" + "\n".join(long)
