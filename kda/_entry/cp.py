@@ -151,8 +151,16 @@ def partition(offsets: Any, world_size: int, rank: int) -> Partition:
     lo, hi = rank * part, (rank + 1) * part
     seqs = tuple(n for n, (a, b) in enumerate(itertools.pairwise(offsets)) if b > a and a < hi and b > lo)
     local = (0, *(min(offsets[n + 1], hi) - lo for n in seqs))
-    return Partition(world_size=world_size, rank=rank, offsets=offsets, part_len=part, local_seqs=seqs,
-                     local_offsets=local, first_rank=first, last_rank=last)  # fmt: skip
+    return Partition(
+        world_size=world_size,
+        rank=rank,
+        offsets=offsets,
+        part_len=part,
+        local_seqs=seqs,
+        local_offsets=local,
+        first_rank=first,
+        last_rank=last,
+    )
 
 
 def _xp(x: Any) -> Any:

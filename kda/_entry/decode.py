@@ -45,15 +45,33 @@ __all__ = ["Slots", "decode_kda", "decode_states"]
 
 
 def _run(
-    call: Call, inputs: Inputs, pool: Any, slots: Slots, *, out: Any = None, final_pool: Any = None,
+    call: Call,
+    inputs: Inputs,
+    pool: Any,
+    slots: Slots,
+    *,
+    out: Any = None,
+    final_pool: Any = None,
     v_first: bool = False,
-) -> Any:  # fmt: skip
+) -> Any:
     """The general route: options mapped, the backend's kernel, the output in the caller's layout."""
     p, xp = call.problem, call.problem.xp
     c = call.core_inputs(inputs)
     ops = call.core.ops
-    o = ops.decode_forward(c.q, c.k, c.v, c.g, c.beta, pool, slots.start, slots.dest, scale=p.scale,
-                           offsets=p.offsets, final_pool=final_pool, v_first=v_first)  # fmt: skip
+    o = ops.decode_forward(
+        c.q,
+        c.k,
+        c.v,
+        c.g,
+        c.beta,
+        pool,
+        slots.start,
+        slots.dest,
+        scale=p.scale,
+        offsets=p.offsets,
+        final_pool=final_pool,
+        v_first=v_first,
+    )
     o = head_first(xp, xp.astype(o, p.dtype, copy=False), p.layout)
     if call.check:
         warn_if_diverged(xp, o)
@@ -82,9 +100,21 @@ def _decode_kda(
     """:func:`decode_kda` with the options gathered (``opts``): what the public function and the
     fla-style adapters' pool calls (:func:`kda._entry.host.decode`) run."""
     if opts.cu_seqlens is None and (state_v_first is False or state_v_first is True):
-        out = _numpy_route(q, k, v, g, beta, state_pool, state_indices, scale=scale, backend=backend,
-                           opts=opts, num_accepted_tokens=num_accepted_tokens, v_first=state_v_first,
-                           pad=pad_slot_id)  # fmt: skip
+        out = _numpy_route(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            state_pool,
+            state_indices,
+            scale=scale,
+            backend=backend,
+            opts=opts,
+            num_accepted_tokens=num_accepted_tokens,
+            v_first=state_v_first,
+            pad=pad_slot_id,
+        )
         if out is not None:
             return out
     call = open_call(q, k, v, g, beta, scale, opts, backend=backend)
@@ -287,8 +317,21 @@ def _decode_states(
         if plain and getattr(q, "ndim", 0) == 4 and initial_state.shape[0] == q.shape[0]:
             final = np.empty(initial_state.shape, initial_state.dtype)
             rows = _rows(initial_state.shape[0])
-            out = _numpy_route(q, k, v, g, beta, initial_state, rows.start, scale=scale, backend=backend,
-                               opts=opts, final_pool=final, slots=rows, v_first=v_first)  # fmt: skip
+            out = _numpy_route(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                initial_state,
+                rows.start,
+                scale=scale,
+                backend=backend,
+                opts=opts,
+                final_pool=final,
+                slots=rows,
+                v_first=v_first,
+            )
             if out is not None:
                 return KdaOutput(out, final, None)
     call = open_call(q, k, v, g, beta, scale, opts, backend=backend)
@@ -302,8 +345,15 @@ def _decode_states(
         return KdaOutput(_run(call, Inputs(q, k, v, g, beta), final, slots, v_first=v_first), final, None)
     if v_first:
         rows = "B" if p.offsets is None else "N"
-        check_array("initial_state", initial_state, p, shape, f"{rows}, HV, V, K", p.compute_dtype,
-                    "states are float64 for float64 inputs, float32 otherwise")  # fmt: skip
+        check_array(
+            "initial_state",
+            initial_state,
+            p,
+            shape,
+            f"{rows}, HV, V, K",
+            p.compute_dtype,
+            "states are float64 for float64 inputs, float32 otherwise",
+        )
     else:
         check_state("initial_state", initial_state, p)
     o = _run(call, Inputs(q, k, v, g, beta), initial_state, slots, final_pool=final, v_first=v_first)

@@ -45,9 +45,23 @@ def _numpy_backend(backend: Any) -> Any:
 
 
 def numpy_route(
-    q, k, v, g, beta, pool, state_indices, *, scale, backend, opts, final_pool=None, num_accepted_tokens=None,
-    slots=None, v_first=False, pad=PADDING,
-) -> Any:  # fmt: skip
+    q,
+    k,
+    v,
+    g,
+    beta,
+    pool,
+    state_indices,
+    *,
+    scale,
+    backend,
+    opts,
+    final_pool=None,
+    num_accepted_tokens=None,
+    slots=None,
+    v_first=False,
+    pad=PADDING,
+) -> Any:
     """The output of a plain NumPy call, or None to take the general route.
 
     A plain call (:func:`~kda._options.table.is_plain`: the options leave the inputs as they are)
@@ -65,8 +79,14 @@ def numpy_route(
     import numpy as np
 
     nd = np.ndarray
-    if not (type(q) is nd and type(k) is nd and type(v) is nd and type(g) is nd and type(beta) is nd
-            and type(pool) is nd):  # fmt: skip
+    if not (
+        type(q) is nd
+        and type(k) is nd
+        and type(v) is nd
+        and type(g) is nd
+        and type(beta) is nd
+        and type(pool) is nd
+    ):
         return None
     if not is_plain(opts):
         return None
@@ -75,8 +95,16 @@ def numpy_route(
         return None
     dt, shape, head_major = q.dtype, q.shape, opts.layout == "head_first"
     pool_dt = pool.dtype is dt or (dt.type is np.float32 and is_half_pool(pool.dtype))
-    if not (pool_dt and k.shape == shape and g.shape == shape and len(shape) == 4 and v.ndim == 4
-            and v.shape[:3] == shape[:3] and beta.shape == shape[:3] and pool.ndim == 4):  # fmt: skip
+    if not (
+        pool_dt
+        and k.shape == shape
+        and g.shape == shape
+        and len(shape) == 4
+        and v.ndim == 4
+        and v.shape[:3] == shape[:3]
+        and beta.shape == shape[:3]
+        and pool.ndim == 4
+    ):
         return None
     N, K, V = shape[0], shape[3], v.shape[3]
     H, T = (shape[1], shape[2]) if head_major else (shape[2], shape[1])
@@ -114,10 +142,14 @@ def _direct_slots(
     import numpy as np
 
     if (
-        pad == PADDING and num_accepted_tokens is None and type(state_indices) is np.ndarray
-        and state_indices.dtype == np.int64 and state_indices.shape == (N,)
-        and c_contiguous(state_indices) and 0 < N <= SMALL
-    ):  # fmt: skip
+        pad == PADDING
+        and num_accepted_tokens is None
+        and type(state_indices) is np.ndarray
+        and state_indices.dtype == np.int64
+        and state_indices.shape == (N,)
+        and c_contiguous(state_indices)
+        and 0 < N <= SMALL
+    ):
         rows = state_indices.tolist()
         named = [r for r in rows if r >= 0]
         if min(rows) < PADDING or max(rows) >= P or len(set(named)) != len(named):

@@ -49,9 +49,11 @@ class DecodePlan:
         self._buffer = head_first(xp, self.out, p.layout)
         idx = self.state_indices
         one_d = (
-            _is_int64_vector(idx, p.N) and self.num_accepted_tokens is None and p.offsets is None
+            _is_int64_vector(idx, p.N)
+            and self.num_accepted_tokens is None
+            and p.offsets is None
             and self.pad == PADDING
-        )  # fmt: skip
+        )
         self._rows = Slots(idx, idx.reshape(p.N, 1)) if one_d else None
 
     def run(self) -> Any:
@@ -76,8 +78,16 @@ class DecodePlan:
             return _run(self.call, self.inputs, self.pool, slots, out=self.out, v_first=self.v_first)
         buffer = self._buffer
         ops = self.call.core.ops
-        o = ops.decode_forward(*self._views, self.pool, slots.start, slots.dest, scale=p.scale,
-                               offsets=p.offsets, out=buffer, v_first=self.v_first)  # fmt: skip
+        o = ops.decode_forward(
+            *self._views,
+            self.pool,
+            slots.start,
+            slots.dest,
+            scale=p.scale,
+            offsets=p.offsets,
+            out=buffer,
+            v_first=self.v_first,
+        )
         if o is not buffer:
             buffer[...] = o
         return self.out
@@ -198,6 +208,14 @@ def prepare_decode_kda(
             raise InvalidInputError(msg)
     direct = call.plain()
     return DecodePlan(
-        call=call, inputs=Inputs(q, k, v, g, beta), pool=state_pool, state_indices=state_indices,
-        num_accepted_tokens=num_accepted_tokens, out=out, P=P, direct=direct, v_first=v_first, pad=pad,
-    )  # fmt: skip
+        call=call,
+        inputs=Inputs(q, k, v, g, beta),
+        pool=state_pool,
+        state_indices=state_indices,
+        num_accepted_tokens=num_accepted_tokens,
+        out=out,
+        P=P,
+        direct=direct,
+        v_first=v_first,
+        pad=pad,
+    )

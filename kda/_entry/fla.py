@@ -38,8 +38,13 @@ from .._options.spec import CallSpec
 from .._options.validation import check_chunk_size, check_scale
 
 __all__ = [
-    "KEYWORD_TABLE", "FlaCall", "OpOptions", "boundary_bound", "check_gate_sizes", "translate",
-]  # fmt: skip
+    "KEYWORD_TABLE",
+    "FlaCall",
+    "OpOptions",
+    "boundary_bound",
+    "check_gate_sizes",
+    "translate",
+]
 
 # keyword -> (class, what kda does with it); the README's table restates it
 KEYWORD_TABLE: dict[str, tuple[str, str]] = {
@@ -124,29 +129,60 @@ DECODE_KEYWORDS = ("ssm_state_indices", "num_accepted_tokens", "inplace_final_st
 # and tests/entry/test_signatures.py holds their signatures to these. Keywords fla reads from
 # ``**kwargs`` are the rest of KEYWORD_TABLE.
 CHUNK_PARAMS: tuple[tuple[str, Any], ...] = (
-    ("scale", None), ("initial_state", None), ("output_final_state", False),
-    ("use_qk_l2norm_in_kernel", False), ("use_gate_in_kernel", False), ("use_beta_sigmoid_in_kernel", False),
-    ("allow_neg_eigval", False), ("safe_gate", False), ("lower_bound", None), ("disable_recompute", False),
-    ("return_intermediate_states", False), ("state_v_first", False), ("cu_seqlens", None),
-    ("cu_seqlens_cpu", None), ("cp_context", None), ("use_graph", False), ("max_num_seqs", None),
-)  # fmt: skip
-RECURRENT_PARAMS: tuple[tuple[str, Any], ...] = (
-    ("A_log", None), ("dt_bias", None), ("scale", None), ("initial_state", None),
+    ("scale", None),
+    ("initial_state", None),
     ("output_final_state", False),
-    ("use_qk_l2norm_in_kernel", False), ("use_gate_in_kernel", False), ("use_beta_sigmoid_in_kernel", False),
-    ("allow_neg_eigval", False), ("lower_bound", None), ("state_v_first", False), ("cu_seqlens", None),
-)  # fmt: skip
+    ("use_qk_l2norm_in_kernel", False),
+    ("use_gate_in_kernel", False),
+    ("use_beta_sigmoid_in_kernel", False),
+    ("allow_neg_eigval", False),
+    ("safe_gate", False),
+    ("lower_bound", None),
+    ("disable_recompute", False),
+    ("return_intermediate_states", False),
+    ("state_v_first", False),
+    ("cu_seqlens", None),
+    ("cu_seqlens_cpu", None),
+    ("cp_context", None),
+    ("use_graph", False),
+    ("max_num_seqs", None),
+)
+RECURRENT_PARAMS: tuple[tuple[str, Any], ...] = (
+    ("A_log", None),
+    ("dt_bias", None),
+    ("scale", None),
+    ("initial_state", None),
+    ("output_final_state", False),
+    ("use_qk_l2norm_in_kernel", False),
+    ("use_gate_in_kernel", False),
+    ("use_beta_sigmoid_in_kernel", False),
+    ("allow_neg_eigval", False),
+    ("lower_bound", None),
+    ("state_v_first", False),
+    ("cu_seqlens", None),
+)
 CHUNK_KEYWORDS = frozenset(KEYWORD_TABLE) - frozenset(DECODE_KEYWORDS)
 # chunk_kda's keywords that do not change a recurrence (kernel choices, chunking), and the two
 # whose defaults are accepted: one keyword dict serves both ops
 RECURRENT_NO_EFFECT = (
-    "safe_gate", "disable_recompute", "cu_seqlens_cpu", "use_graph", "max_num_seqs", "chunk_size",
-    "return_intermediate_states", "cp_context",
-)  # fmt: skip
+    "safe_gate",
+    "disable_recompute",
+    "cu_seqlens_cpu",
+    "use_graph",
+    "max_num_seqs",
+    "chunk_size",
+    "return_intermediate_states",
+    "cp_context",
+)
 RECURRENT_KEYWORDS = frozenset(
-    {*(n for n, _ in RECURRENT_PARAMS), "transpose_state_layout", "gate", *RECURRENT_NO_EFFECT,
-     *DECODE_KEYWORDS}
-)  # fmt: skip
+    {
+        *(n for n, _ in RECURRENT_PARAMS),
+        "transpose_state_layout",
+        "gate",
+        *RECURRENT_NO_EFFECT,
+        *DECODE_KEYWORDS,
+    }
+)
 
 
 class OpOptions(NamedTuple):
@@ -180,10 +216,15 @@ class OpOptions(NamedTuple):
 @functools.lru_cache(maxsize=256)
 def _spec(options: OpOptions) -> CallSpec:
     return CallSpec(
-        method=options.method, scale=options.scale, chunk_size=options.chunk_size, layout="time_major",
-        qk_l2norm=options.qk_l2norm, gate=options.gate, lower_bound=options.lower_bound,
+        method=options.method,
+        scale=options.scale,
+        chunk_size=options.chunk_size,
+        layout="time_major",
+        qk_l2norm=options.qk_l2norm,
+        gate=options.gate,
+        lower_bound=options.lower_bound,
         beta_activation=options.beta_activation or None,
-    )  # fmt: skip
+    )
 
 
 @dataclass(frozen=True)
@@ -309,10 +350,19 @@ def _check_shapes(q: tuple[int, ...], v: tuple[int, ...], cu_seqlens: bool) -> t
 # the keywords translate reads by value (the arrays are read by presence only), and the plain
 # types a memo key may hold: a key of these compares by value and type, never by an array's ==
 TRANSLATED = (
-    "scale", "chunk_size", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
-    "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "safe_gate", "lower_bound", "state_v_first",
-    "return_intermediate_states", "gate",
-)  # fmt: skip
+    "scale",
+    "chunk_size",
+    "output_final_state",
+    "use_qk_l2norm_in_kernel",
+    "use_gate_in_kernel",
+    "use_beta_sigmoid_in_kernel",
+    "allow_neg_eigval",
+    "safe_gate",
+    "lower_bound",
+    "state_v_first",
+    "return_intermediate_states",
+    "gate",
+)
 
 
 class _Absent:
@@ -374,9 +424,14 @@ def translate(
 
 
 def _translate(
-    function: str, q_shape: tuple[int, ...], v_shape: tuple[int, ...], kw: dict[str, Any],
-    has_A_log: bool, has_dt_bias: bool, has_cu_seqlens: bool,
-) -> FlaCall:  # fmt: skip
+    function: str,
+    q_shape: tuple[int, ...],
+    v_shape: tuple[int, ...],
+    kw: dict[str, Any],
+    has_A_log: bool,
+    has_dt_bias: bool,
+    has_cu_seqlens: bool,
+) -> FlaCall:
     _check_unsupported(function, kw)
     HV, K = _check_shapes(q_shape, v_shape, has_cu_seqlens)
     gate = _gate(kw, has_A_log, has_dt_bias)

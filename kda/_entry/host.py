@@ -42,9 +42,16 @@ from .fla import (
 from .states import backward_with_state_gradients
 
 __all__ = [
-    "Inputs", "Route", "backward", "check_pool_call", "decode", "forward", "route", "shapes",
+    "Inputs",
+    "Route",
+    "backward",
+    "check_pool_call",
+    "decode",
+    "forward",
+    "route",
+    "shapes",
     "validated_call",
-]  # fmt: skip
+]
 
 # the bodies of kda.decode_kda and of the decode kernel's recurrent forward, which take the
 # options as one Choices
@@ -60,9 +67,15 @@ class Route(NamedTuple):
 
 
 def route(
-    function: str, q_shape: tuple[int, ...], v_shape: tuple[int, ...], kw: dict[str, Any], A_log: Any,
-    dt_bias: Any, has_cu_seqlens: bool, cp: bool = False,
-) -> Route:  # fmt: skip
+    function: str,
+    q_shape: tuple[int, ...],
+    v_shape: tuple[int, ...],
+    kw: dict[str, Any],
+    A_log: Any,
+    dt_bias: Any,
+    has_cu_seqlens: bool,
+    cp: bool = False,
+) -> Route:
     """The one hand-off of an adapter's call (``function``: ``"chunk_kda"`` or
     ``"fused_recurrent_kda"``, fla's keywords ``kw``): the keywords translated
     (:func:`~kda._entry.fla.translate`), ``A_log`` and ``dt_bias`` checked by element count
@@ -71,17 +84,23 @@ def route(
     (``inplace_final_state``, ``ssm_state_indices`` or ``num_accepted_tokens``; those keywords
     checked to fit together, :func:`check_pool_call`), else ``"forward"``."""
     call = translate(
-        function, q_shape, v_shape, kw,
-        has_A_log=A_log is not None, has_dt_bias=dt_bias is not None, has_cu_seqlens=has_cu_seqlens,
-    )  # fmt: skip
+        function,
+        q_shape,
+        v_shape,
+        kw,
+        has_A_log=A_log is not None,
+        has_dt_bias=dt_bias is not None,
+        has_cu_seqlens=has_cu_seqlens,
+    )
     if A_log is not None or dt_bias is not None:
         check_gate_sizes(A_log, dt_bias, call)
     if cp:
         return Route("cp", call)
     if function == "fused_recurrent_kda" and (
-        kw.get("inplace_final_state") or kw.get("ssm_state_indices") is not None
+        kw.get("inplace_final_state")
+        or kw.get("ssm_state_indices") is not None
         or kw.get("num_accepted_tokens") is not None
-    ):  # fmt: skip
+    ):
         pool, indices = kw.get("initial_state"), kw.get("ssm_state_indices")
         check_pool_call(kw, pool, indices, kw.get("num_accepted_tokens"))
         return Route("pool", call)
@@ -150,18 +169,33 @@ def _plain_choices(static: OpOptions) -> Any:
 
 
 def decode(
-    static: OpOptions, x: Inputs, pool: Any, state_indices: Any, *, num_accepted_tokens: Any,
-    offsets: tuple[int, ...] | None, v_first: bool = False, pad_slot_id: int = -1,
-) -> Any:  # fmt: skip
+    static: OpOptions,
+    x: Inputs,
+    pool: Any,
+    state_indices: Any,
+    *,
+    num_accepted_tokens: Any,
+    offsets: tuple[int, ...] | None,
+    v_first: bool = False,
+    pad_slot_id: int = -1,
+) -> Any:
     """``fused_recurrent_kda`` from a state pool (vLLM's call): :func:`kda.decode_kda` on ``pool``
     (``[P, HV, K, V]``, ``[P, HV, V, K]`` with ``v_first``; updated in place) with
     ``state_indices`` (``[N]`` or ``[N, T]``), ``num_accepted_tokens`` and ``pad_slot_id``;
     returns the output ``[B, T, HV, V]``. ``x.initial_state`` is unused: the pool is the state."""
     static = OpOptions.of(static)
     opts = _call_options(static, x, offsets)
-    return _DECODE(*x.steps, pool, state_indices, num_accepted_tokens=num_accepted_tokens,
-                   state_v_first=v_first, pad_slot_id=pad_slot_id, scale=static.scale, backend=None,
-                   opts=opts)  # fmt: skip
+    return _DECODE(
+        *x.steps,
+        pool,
+        state_indices,
+        num_accepted_tokens=num_accepted_tokens,
+        state_v_first=v_first,
+        pad_slot_id=pad_slot_id,
+        scale=static.scale,
+        backend=None,
+        opts=opts,
+    )
 
 
 def check_pool_call(kw: dict[str, Any], pool: Any, indices: Any, accepted: Any) -> None:

@@ -24,9 +24,12 @@ from .._options.table import Array, Choices
 from .call import Call, Inputs, open_call
 
 __all__ = [
-    "KdaTransition", "chunk_kda_transition", "chunk_kda_transition_backward", "transition_gradient",
+    "KdaTransition",
+    "chunk_kda_transition",
+    "chunk_kda_transition_backward",
+    "transition_gradient",
     "transition_map",
-]  # fmt: skip
+]
 
 
 class KdaTransition(NamedTuple):
