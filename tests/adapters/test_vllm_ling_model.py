@@ -54,3 +54,20 @@ def test_checkpoint(tmp_path):
     again = str(tmp_path / "again")
     lm.build_model(again, seed=1)
     assert all((load_file(os.path.join(again, "model.safetensors"))[k] == v).all() for k, v in t.items())
+
+
+def test_family_spec():
+    """``check --model ling``'s spec: every phase's prompts exist, engine names unique, the spec
+    module within the family interface's 150 lines."""
+    fam = pytest.importorskip("kda.vllm.families.ling").FAMILY
+    prompts = fam.prompts(0)
+    names = [e.name for e in fam.engines]
+    assert len(set(names)) == len(names) and fam.name == "ling"
+    for engine in fam.engines:
+        assert engine.args.get("trust_remote_code") is True, engine.name
+        for phase in engine.phases:
+            assert phase.prompts in prompts, (engine.name, phase.name)
+    assert [len(p) for p in prompts["concurrent"]] == [50, 120, 200, 275, 348]
+    path = fam.reference.__code__.co_filename
+    with open(path) as f:
+        assert len(f.read().splitlines()) < 150
