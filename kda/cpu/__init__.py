@@ -19,7 +19,7 @@ core routes there).
 Numba is imported on the first call of a primitive, not by ``import kda``. Kernels are compiled once
 per dtype and cached on disk; where no cache directory is writable, per process.
 
-Threads, the pool and BLAS pinning: :mod:`._pool`.
+Threads, the pool and BLAS pinning: :mod:`._pool`; the arrays laid out for the kernels: :mod:`._layout`.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from .._backend.expect import BACKWARD_FOLLOWS
 from .._threads import PIN
 from . import _fpenv, _pool
 from ._decode import decode_finite, decode_forward, decode_screen  # noqa: F401  (complete writes __all__)
+from ._layout import as_heads, compute_dtype, contiguous, in_place, scalar, to_chunks  # noqa: F401  (as above)
 from ._outputs import (
     BackwardHeadsOut,
     ForwardHeadsOut,
@@ -107,43 +108,6 @@ def _on_worker(kernel: Any, *args: Any) -> None:
         _fpenv.run(kernel, *args)
 
 
-def _c(x: Any, dtype: Any) -> np.ndarray:
-    return np.ascontiguousarray(x, dtype=dtype)
-
-
-def _scale(scale: float, dtype: Any) -> np.ndarray:
-    return np.full(1, scale, dtype=dtype)
-
-
-def _dtype(x: Any) -> np.dtype:
-    dtype = np.asarray(x).dtype
-    if dtype not in (np.float32, np.float64):
-        from .._errors import InvalidInputError
-
-        msg = f"the cpu backend computes float32 or float64 arrays; got {dtype}"
-        raise InvalidInputError(msg)
-    return dtype
-
-
-# ----------------------------------------------------------------------------------------------
-# layout
-
-
-def to_chunks(x: Any, *, chunk_size: int, padded_size: int) -> np.ndarray:
-    """``[B, H, T, D]`` -> C-contiguous ``[B, H, NT, Cp, D]``, zero-padded (one copy at most)."""
-    B, H, T, D = x.shape
-    C, Cp = chunk_size, padded_size
-    NT = -(-T // C)
-    full = T // C
-    if full == NT and Cp == C:
-        return np.ascontiguousarray(np.reshape(x, (B, H, NT, C, D)))
-    out = np.zeros((B, H, NT, Cp, D), dtype=x.dtype)
-    out[:, :, :full, :C, :] = np.reshape(x[:, :, : full * C, :], (B, H, full, C, D))
-    if full < NT:
-        out[:, :, full, : T - full * C, :] = x[:, :, full * C :, :]
-    return out
-
-
 # ----------------------------------------------------------------------------------------------
 # forward
 
@@ -156,12 +120,12 @@ def chunk_local(q: Any, k: Any, v: Any, g: Any, beta: Any, *, scale: float) -> C
     """
     from ._kernels import local_forward  # imports Numba on the first call
 
-    dt = _dtype(q)
+    dt = compute_dtype(q)
     *lead, Cp, K = q.shape
     V = v.shape[-1]
     N = int(np.prod(lead))
-    qc, kc, gc = (_c(x, dt).reshape(N, Cp, K) for x in (q, k, g))
-    vc, bc = _c(v, dt).reshape(N, Cp, V), _c(beta, dt).reshape(N, Cp)
+    qc, kc, gc = (contiguous(x, dt).reshape(N, Cp, K) for x in (q, k, g))
+    vc, bc = contiguous(v, dt).reshape(N, Cp, V), contiguous(beta, dt).reshape(N, Cp)
     qg, kg, k_suffix, w = (np.empty((N, Cp, K), dt) for _ in range(4))
     A, L, Minv = (np.empty((N, Cp, Cp), dt) for _ in range(3))
     total, u0 = np.empty((N, K), dt), np.empty((N, Cp, V), dt)
@@ -169,7 +133,7 @@ def chunk_local(q: Any, k: Any, v: Any, g: Any, beta: Any, *, scale: float) -> C
         outputs = LocalForwardOut(
             qg=qg, kg=kg, k_suffix=k_suffix, total=total, A=A, L=L, Minv=Minv, w=w, u0=u0
         )
-        _run(local_forward, N, qc, kc, gc, vc, bc, _scale(scale, dt), outputs=outputs)
+        _run(local_forward, N, qc, kc, gc, vc, bc, scalar(scale, dt), outputs=outputs)
     else:
         for x in (qg, kg, k_suffix, w, A, L, Minv, total, u0):
             x[...] = 0
@@ -180,14 +144,17 @@ def chunk_local(q: Any, k: Any, v: Any, g: Any, beta: Any, *, scale: float) -> C
         return x.reshape(*lead, *x.shape[1:])
 
     return ChunkLocal(
-        qg=back(qg), kg=back(kg), k_suffix=back(k_suffix), total=back(total), A=back(A), L=back(L),
-        Minv=back(Minv), w=back(w), u0=back(u0), private=None,
-    )  # fmt: skip
-
-
-def _heads(x: Any, dt: Any) -> np.ndarray:
-    """``[B, H, ...]`` -> C-contiguous ``[B * H, ...]``."""
-    return _c(x, dt).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+        qg=back(qg),
+        kg=back(kg),
+        k_suffix=back(k_suffix),
+        total=back(total),
+        A=back(A),
+        L=back(L),
+        Minv=back(Minv),
+        w=back(w),
+        u0=back(u0),
+        private=None,
+    )
 
 
 def chunk_state_pass(
@@ -201,7 +168,7 @@ def chunk_state_pass(
     """
     from ._kernels import state_pass  # imports Numba on the first call
 
-    dt = _dtype(w)
+    dt = compute_dtype(w)
     B, H, NT, Cp, K = w.shape
     V = u0.shape[-1]
     BH = B * H
@@ -209,12 +176,12 @@ def chunk_state_pass(
     final = np.empty((BH, K, V), dt)
     with_output = qg is not None
     out = np.zeros((BH, NT, Cp, V), dt) if with_output else np.zeros((1, 1, 1, 1), dt)
-    qgc = _heads(qg, dt) if with_output else np.zeros((1, 1, 1, 1), dt)
-    Ac = _heads(A, dt) if with_output else np.zeros((1, 1, 1, 1), dt)
-    args = [_heads(x, dt) for x in (w, u0, k_suffix, total, state)]
+    qgc = as_heads(qg, dt) if with_output else np.zeros((1, 1, 1, 1), dt)
+    Ac = as_heads(A, dt) if with_output else np.zeros((1, 1, 1, 1), dt)
+    args = [as_heads(x, dt) for x in (w, u0, k_suffix, total, state)]
     if BH * K * V:
-        _run(state_pass, BH, *args, qgc, Ac, with_output,
-             outputs=StatePassOut(boundaries=bounds, out=out, final=final))  # fmt: skip
+        outputs = StatePassOut(boundaries=bounds, out=out, final=final)
+        _run(state_pass, BH, *args, qgc, Ac, with_output, outputs=outputs)
     else:
         final[...] = args[4]
     return StatePass(
@@ -242,16 +209,16 @@ def chunk_state_grad_pass(
     """
     from ._kernels import state_grad_pass  # imports Numba on the first call
 
-    dt = _dtype(w)
+    dt = compute_dtype(w)
     B, H, NT, Cp, K = w.shape
     V = u0.shape[-1]
     BH = B * H
     ends = np.empty((NT, BH, K, V), dt)
     u, du = np.empty((BH, NT, Cp, V), dt), np.empty((BH, NT, Cp, V), dt)
     dinit = np.empty((BH, K, V), dt)
-    args = [_heads(x, dt) for x in (w, u0, k_suffix, total, qg, A, grad_output)]
-    bounds = _c(boundaries, dt).reshape(NT, BH, K, V)
-    dS = _heads(dfinal, dt)
+    args = [as_heads(x, dt) for x in (w, u0, k_suffix, total, qg, A, grad_output)]
+    bounds = contiguous(boundaries, dt).reshape(NT, BH, K, V)
+    dS = as_heads(dfinal, dt)
     if BH * K * V:
         outputs = StateGradPassOut(ends=ends, u=u, du=du, dinit=dinit)
         _run(state_grad_pass, BH, *args, bounds, dS, outputs=outputs)
@@ -272,9 +239,20 @@ def chunk_state_grad_pass(
 
 
 def chunk_local_backward(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, boundaries: Any, *, scale: float, local: ChunkLocal,
-    dends: Any, u: Any, du: Any, grad_output: Any,
-) -> LocalGradients:  # fmt: skip
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    boundaries: Any,
+    *,
+    scale: float,
+    local: ChunkLocal,
+    dends: Any,
+    u: Any,
+    du: Any,
+    grad_output: Any,
+) -> LocalGradients:
     """Gradients of every chunk's state-free work (see the interface).
 
     ``q, k, g: [B, H, NT, Cp, K]``, ``v, u, du, grad_output: [B, H, NT, Cp, V]``,
@@ -284,23 +262,22 @@ def chunk_local_backward(
     """
     from ._kernels import local_backward  # imports Numba on the first call
 
-    dt = _dtype(q)
+    dt = compute_dtype(q)
     B, H, NT, Cp, K = q.shape
     V = v.shape[-1]
     N = B * H * NT
-    qc, kc, gc, kg, w = (_c(x, dt).reshape(N, Cp, K) for x in (q, k, g, local.kg, local.w))
-    vc, u0, uc, duc, dO = (_c(x, dt).reshape(N, Cp, V) for x in (v, local.u0, u, du, grad_output))
-    L, Minv = (_c(x, dt).reshape(N, Cp, Cp) for x in (local.L, local.Minv))
-    bc = _c(beta, dt).reshape(N, Cp)
-    bounds, ends = (_c(x, dt).reshape(NT, B * H, K, V) for x in (boundaries, dends))
+    qc, kc, gc, kg, w = (contiguous(x, dt).reshape(N, Cp, K) for x in (q, k, g, local.kg, local.w))
+    vc, u0, uc, duc, dO = (contiguous(x, dt).reshape(N, Cp, V) for x in (v, local.u0, u, du, grad_output))
+    L, Minv = (contiguous(x, dt).reshape(N, Cp, Cp) for x in (local.L, local.Minv))
+    bc = contiguous(beta, dt).reshape(N, Cp)
+    bounds, ends = (contiguous(x, dt).reshape(NT, B * H, K, V) for x in (boundaries, dends))
     dq, dk, dg = (np.zeros((N, Cp, K), dt) for _ in range(3))
     dv, dbeta = np.zeros((N, Cp, V), dt), np.zeros((N, Cp), dt)
     if N * Cp * K * V:
-        _run(
-            local_backward, N,
-            qc, kc, gc, vc, bc, _scale(scale, dt), kg, w, u0, L, Minv, bounds, ends, uc, duc, dO,
-            outputs=LocalBackwardOut(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta),
-        )  # fmt: skip
+        inputs = (qc, kc, gc, vc, bc, scalar(scale, dt))
+        forward = (kg, w, u0, L, Minv, bounds, ends, uc, duc, dO)  # the forward's work, states, U and dU, dO
+        outputs = LocalBackwardOut(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta)
+        _run(local_backward, N, *inputs, *forward, outputs=outputs)
     lead = (B, H, NT)
     return LocalGradients(
         dq=dq.reshape(*lead, Cp, K),
@@ -315,16 +292,20 @@ def chunk_local_backward(
 # the fused passes (what the engine calls; the chunk primitives above remain for the finer paths)
 
 
-def _view(x: Any, dt: Any) -> np.ndarray:
-    """``x`` as a NumPy array of ``dt``, read in place when it already is one (any strides)."""
-    x = np.asarray(x)
-    return x if x.dtype == dt else x.astype(dt)
-
-
 def chunk_forward_heads(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, *, scale: float, chunk_size: int, output: Any,
-    boundaries: Any, screen: Any = None,
-) -> np.ndarray:  # fmt: skip
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    state: Any,
+    *,
+    scale: float,
+    chunk_size: int,
+    output: Any,
+    boundaries: Any,
+    screen: Any = None,
+) -> np.ndarray:
     """The chunked forward, one head per worker from its first chunk to its last.
 
     ``q, k, g: [B, H, T, K]``, ``v: [B, H, T, V]``, ``beta: [B, H, T]`` (read in place, any
@@ -336,21 +317,22 @@ def chunk_forward_heads(
     """
     from ._kernels import forward_heads  # imports Numba on the first call
 
-    dt = _dtype(q)
+    dt = compute_dtype(q)
     B, H, T, K = q.shape
     V = v.shape[-1]
     final = np.empty((B, H, K, V), dt)
     with_output, with_bounds = output is not None, boundaries is not None
     out = output if with_output else np.zeros((1, 1, 1, 1), dt)
     bounds = boundaries if with_bounds else np.zeros((1, 1, 1, 1, 1), dt)
-    ins = [_view(x, dt) for x in (q, k, v, g, beta)]
-    start = _c(state, dt)
+    ins = [in_place(x, dt) for x in (q, k, v, g, beta)]
+    start = contiguous(state, dt)
     screened = np.zeros((0, 2)) if screen is None else screen
     if with_bounds and not _AHEAD_ASKED and BACKWARD_FOLLOWS.get():
         _backward_ahead(ins, bounds, chunk_size, screened)
     if B * H * K * V and T:
-        _run(forward_heads, B * H, *ins, _scale(scale, dt), start, chunk_size, with_output, with_bounds,
-             outputs=ForwardHeadsOut(out=out, boundaries=bounds, final=final, screen=screened))  # fmt: skip
+        outputs = ForwardHeadsOut(out=out, boundaries=bounds, final=final, screen=screened)
+        flags = (chunk_size, with_output, with_bounds)
+        _run(forward_heads, B * H, *ins, scalar(scale, dt), start, *flags, outputs=outputs)
     else:
         final[...] = start
         screened[...] = 0.0
@@ -379,15 +361,29 @@ def _backward_ahead(ins: list[np.ndarray], bounds: np.ndarray, chunk_size: int, 
     q, k, v, g, beta = (typeof(x) for x in ins)
     like = [typeof(np.empty((0,) * x.ndim, x.dtype)) for x in ins]  # new C-contiguous arrays
     state, scale = like[0], typeof(np.empty(1, ins[0].dtype))
-    sig = (q, k, v, g, beta, scale, typeof(bounds), v, state, typeof(chunk_size), *like[:4], like[4], state,
-           typeof(screen), typeof(0), typeof(0))  # fmt: skip
+    # backward_heads' parameters: the inputs (grad_output laid out as v, dfinal as a new state), the
+    # outputs (new gradients; dinit as a new state; the screen) and the range lo, hi
+    inputs = (q, k, v, g, beta, scale, typeof(bounds), v, state, typeof(chunk_size))
+    outputs = (*like[:4], like[4], state, typeof(screen))
+    sig = (*inputs, *outputs, typeof(0), typeof(0))
     _ahead.compile_beside(backward_heads, sig, first=backward_own_helpers(q.dtype))
 
 
 def chunk_backward_heads(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, boundaries: Any, grad_output: Any, dfinal: Any, *,
-    scale: float, chunk_size: int, grads: Gradients, screen: Any = None,
-) -> None:  # fmt: skip
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    boundaries: Any,
+    grad_output: Any,
+    dfinal: Any,
+    *,
+    scale: float,
+    chunk_size: int,
+    grads: Gradients,
+    screen: Any = None,
+) -> None:
     """The chunked backward, one head per worker from its last chunk to its first.
 
     Inputs as :func:`chunk_forward_heads`; ``boundaries [NT, B, H, K, V]`` from the forward,
@@ -399,16 +395,16 @@ def chunk_backward_heads(
     """
     from ._kernels import backward_heads  # imports Numba on the first call
 
-    dt = _dtype(q)
+    dt = compute_dtype(q)
     B, H, T, K = q.shape
     V = v.shape[-1]
-    ins = [_view(x, dt) for x in (q, k, v, g, beta)]
-    bounds, dO, dS = _view(boundaries, dt), _view(grad_output, dt), _c(dfinal, dt)
+    ins = [in_place(x, dt) for x in (q, k, v, g, beta)]
+    bounds, dO, dS = in_place(boundaries, dt), in_place(grad_output, dt), contiguous(dfinal, dt)
     screened = np.zeros((0, 2)) if screen is None else screen
     if B * H * K * V and T:
-        outputs = BackwardHeadsOut(dq=grads.dq, dk=grads.dk, dv=grads.dv, dg=grads.dg, dbeta=grads.dbeta,
-                                   dinit=grads.dinitial, screen=screened)  # fmt: skip
-        _run(backward_heads, B * H, *ins, _scale(scale, dt), bounds, dO, dS, chunk_size, outputs=outputs)
+        dq, dk, dv, dg, dbeta, dinit = grads
+        outputs = BackwardHeadsOut(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, dinit=dinit, screen=screened)
+        _run(backward_heads, B * H, *ins, scalar(scale, dt), bounds, dO, dS, chunk_size, outputs=outputs)
     else:
         screened[...] = 0.0
         grads.dinitial[...] = dS
@@ -424,19 +420,19 @@ def recurrent_forward(
     q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, *, scale: float
 ) -> tuple[np.ndarray, np.ndarray]:
     """The recurrence: ``[B, H, T, *]`` inputs from ``state [B, H, K, V]`` ->
-    ``(output [B, H, T, V], final [B, H, K, V])``."""  # fmt: skip
+    ``(output [B, H, T, V], final [B, H, K, V])``."""
     from ._kernels import recurrent_forward as kernel  # imports Numba on the first call
 
-    dt = _dtype(q)
+    dt = compute_dtype(q)
     B, H, T, K = q.shape
     V = v.shape[-1]
     out = np.zeros((B * H, T, V), dt)
     final = np.empty((B * H, K, V), dt)
-    args = [_heads(x, dt) for x in (q, k, v, g, beta)]
-    S0 = _heads(state, dt)
+    args = [as_heads(x, dt) for x in (q, k, v, g, beta)]
+    S0 = as_heads(state, dt)
     if B * H * K * V:
-        _run(kernel, B * H, *args, _scale(scale, dt), S0, outputs=RecurrentForwardOut(out=out, final=final),
-             blas=False)  # fmt: skip
+        outputs = RecurrentForwardOut(out=out, final=final)
+        _run(kernel, B * H, *args, scalar(scale, dt), S0, outputs=outputs, blas=False)
     else:
         final[...] = S0
     return out.reshape(B, H, T, V), final.reshape(B, H, K, V)
@@ -447,23 +443,21 @@ def recurrent_backward(
 ) -> Gradients:
     """The gradients (:class:`~kda._backend.Gradients`) of the recurrence given the output's and the
     final state's (``dfinal``) (states kept every ``ceil(sqrt(T))`` steps, the ones between
-    recomputed)."""  # fmt: skip
+    recomputed)."""
     from ._kernels import recurrent_backward as kernel  # imports Numba on the first call
 
-    dt = _dtype(q)
+    dt = compute_dtype(q)
     B, H, T, K = q.shape
     V = v.shape[-1]
     BH = B * H
-    args = [_heads(x, dt) for x in (q, k, v, g, beta)]
-    S0, do, dS = _heads(state, dt), _heads(grad_output, dt), _heads(dfinal, dt)
+    args = [as_heads(x, dt) for x in (q, k, v, g, beta)]
+    S0, do, dS = as_heads(state, dt), as_heads(grad_output, dt), as_heads(dfinal, dt)
     dq, dk, dg = (np.zeros((BH, T, K), dt) for _ in range(3))
     dv, dbeta = np.zeros((BH, T, V), dt), np.zeros((BH, T), dt)
     dinit = np.empty((BH, K, V), dt)
     if BH * K * V:
-        _run(
-            kernel, BH, *args, _scale(scale, dt), S0, do, dS,
-            outputs=RecurrentBackwardOut(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, dinit=dinit), blas=False,
-        )  # fmt: skip
+        outputs = RecurrentBackwardOut(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, dinit=dinit)
+        _run(kernel, BH, *args, scalar(scale, dt), S0, do, dS, outputs=outputs, blas=False)
     else:
         dinit[...] = dS
     shape = (B, H, T)
