@@ -103,7 +103,9 @@ class Family:
     ``"module:function"`` called in the engine's process before the engine starts, returning a
     callable that gives (and resets) the facts of each phase; ``verify(facts)``: failures;
     ``engine_reference``: the reference reads the engine's record (computed for every run, not once
-    per prompts, dtype and token count)."""
+    per prompts, dtype and token count); ``fixes``: every CPU fix of :mod:`kda.vllm.cpu_fixes` must be
+    in place in every rank (those ``KDA_VLLM_SKIP`` names aside): the released Kimi Linear's
+    engines, which import every module a fix patches."""
 
     name: str
     models: tuple[Model, ...]
@@ -114,6 +116,7 @@ class Family:
     child_hook: str | None = None
     verify: Callable[[dict[str, Any]], list[str]] | None = None
     engine_reference: bool = False
+    fixes: bool = False
     doc: str = ""
 
     def engine(self, name: str) -> Engine:

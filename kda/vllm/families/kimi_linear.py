@@ -89,5 +89,6 @@ FAMILY = Family(
     ),
     prompts=prompts,
     reference=reference,
+    fixes=True,
     doc="KDA + MLA (dense, MoE), against transformers on kda",
 )
