@@ -90,7 +90,7 @@ FAMILY = Family(
             tag="tp2",
             env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
         ),
-        # not run by default: tokens equal, but no draft token accepted (docs/vllm.md)
+        # not run by default: tokens equal, no draft accepted (none is right on these prompts: docs/vllm.md)
         Engine("spec", (CONCURRENT_16,), SPEC, tag="spec", against="default", default=False),
         # preemption; the KDA state pools filled with NaN when allocated
         Engine(
