@@ -355,7 +355,7 @@ def _update_rows(D, S, e, kk, u):
 
 
 @_jit
-def _step(S, D, write, q, k, v, g, b, scale, o, w, zero):
+def _decode_step(S, D, write, q, k, v, g, b, scale, o, w, zero):
     """One step from ``S: [K, V]`` into ``D`` (``write``; ``D`` may be ``S``); ``o: [V]`` output.
     ``w``: the private vectors ``(e, ke, qe, kk, pred, qs)``."""
     e, _ke, _qe, _kk, pred, qs = w
@@ -407,8 +407,8 @@ def _step(S, D, write, q, k, v, g, b, scale, o, w, zero):
 
 
 @_jit
-def _step_v(S, D, write, q, k, v, g, b, scale, o, w, zero):
-    """:func:`_step` for V-major states ``S, D: [V, K]`` (row ``c`` holds column ``c`` of the
+def _decode_step_v(S, D, write, q, k, v, g, b, scale, o, w, zero):
+    """:func:`_decode_step` for V-major states ``S, D: [V, K]`` (row ``c`` holds column ``c`` of the
     ``[K, V]`` state): the products are dot products along the contiguous rows, four rows a
     sweep, and the update runs along them."""
     e, ke, qe, kk, pred, qs = w
@@ -466,7 +466,7 @@ def _update_v(D, S, e, kk, u):
     and columns past whole groups) by the scalar loop, whose arithmetic is the same."""
     V, K = S.shape
     rows, cols = update_rows(D, S, e, kk, u)
-    if D.ctypes.data == S.ctypes.data:  # in place, written as such (see _step)
+    if D.ctypes.data == S.ctypes.data:  # in place, written as such (see _decode_step)
         for c in range(V):
             x = u[c]
             Dc = D[c]
@@ -483,9 +483,9 @@ def _update_v(D, S, e, kk, u):
 @_jit
 def _advance(v_first, S, D, write, q, k, v, g, b, scale, o, w, zero):
     if v_first:
-        _step_v(S, D, write, q, k, v, g, b, scale, o, w, zero)
+        _decode_step_v(S, D, write, q, k, v, g, b, scale, o, w, zero)
     else:
-        _step(S, D, write, q, k, v, g, b, scale, o, w, zero)
+        _decode_step(S, D, write, q, k, v, g, b, scale, o, w, zero)
 
 
 @_jit

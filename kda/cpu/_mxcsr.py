@@ -18,7 +18,9 @@ from ._compile import jit
 __all__ = ["MxcsrFunctions", "compile_functions"]
 
 
-def _call(builder: ir.IRBuilder, name: str, slot: ir.Value) -> None:
+def _call_mxcsr_intrinsic(builder: ir.IRBuilder, name: str, slot: ir.Value) -> None:
+    """A call of the MXCSR intrinsic ``name`` (``stmxcsr`` stores MXCSR into ``slot``, ``ldmxcsr``
+    loads it from there) on the 32-bit ``slot``'s address."""
     i8p = ir.IntType(8).as_pointer()
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p]), name)
     builder.call(fn, [builder.bitcast(slot, i8p)])
@@ -30,7 +32,7 @@ def _stmxcsr(typingctx):
 
     def codegen(context, builder, signature, args):
         slot = cgutils.alloca_once(builder, ir.IntType(32))
-        _call(builder, "llvm.x86.sse.stmxcsr", slot)
+        _call_mxcsr_intrinsic(builder, "llvm.x86.sse.stmxcsr", slot)
         return builder.load(slot)
 
     return types.uint32(), codegen
@@ -41,7 +43,7 @@ def _ldmxcsr(typingctx, value):
     """Set this thread's MXCSR (``llvm.x86.sse.ldmxcsr``)."""
 
     def codegen(context, builder, signature, args):
-        _call(builder, "llvm.x86.sse.ldmxcsr", cgutils.alloca_once_value(builder, args[0]))
+        _call_mxcsr_intrinsic(builder, "llvm.x86.sse.ldmxcsr", cgutils.alloca_once_value(builder, args[0]))
         return context.get_dummy_value()
 
     return types.void(types.uint32), codegen

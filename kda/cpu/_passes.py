@@ -244,7 +244,7 @@ def local_backward(
 
 
 @jit(inner=True)
-def _step(S, q, k, v, g, b, s, o, pred):
+def _recurrence_step(S, q, k, v, g, b, s, o, pred):
     """One step on ``S: [K, V]`` in place; writes ``o: [V]``; ``pred: [V]`` scratch."""
     K, V = S.shape
     for c in range(V):
@@ -281,7 +281,7 @@ def recurrent_forward(q, k, v, g, beta, scale, state, out, final, lo, hi):
         copy2(state[bh], S)
         pred = np.empty(V, q.dtype)
         for t in range(T):
-            _step(S, q[bh, t], k[bh, t], v[bh, t], g[bh, t], beta[bh, t], s, out[bh, t], pred)
+            _recurrence_step(S, q[bh, t], k[bh, t], v[bh, t], g[bh, t], beta[bh, t], s, out[bh, t], pred)
 
 
 @jit()
@@ -304,7 +304,7 @@ def recurrent_backward(q, k, v, g, beta, scale, state, do, dfinal, dq, dk, dv, d
         for t in range(T):
             if t % stride == 0:
                 copy2(S, chk[t // stride])
-            _step(S, q[bh, t], k[bh, t], v[bh, t], g[bh, t], beta[bh, t], s, o, pred)
+            _recurrence_step(S, q[bh, t], k[bh, t], v[bh, t], g[bh, t], beta[bh, t], s, o, pred)
         dS = dfinal[bh].copy()
         Sd = np.empty((K, V), q.dtype)
         r = np.empty(V, q.dtype)
@@ -316,7 +316,9 @@ def recurrent_backward(q, k, v, g, beta, scale, state, do, dfinal, dq, dk, dv, d
             copy2(chk[c0], seg[0])
             for t in range(start, stop - 1):
                 copy2(seg[t - start], seg[t - start + 1])
-                _step(seg[t - start + 1], q[bh, t], k[bh, t], v[bh, t], g[bh, t], beta[bh, t], s, o, pred)
+                _recurrence_step(
+                    seg[t - start + 1], q[bh, t], k[bh, t], v[bh, t], g[bh, t], beta[bh, t], s, o, pred
+                )
             for t in range(stop - 1, start - 1, -1):
                 P = seg[t - start]
                 qt, k_suffix, vt, gt, dot = q[bh, t], k[bh, t], v[bh, t], g[bh, t], do[bh, t]
