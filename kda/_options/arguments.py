@@ -30,7 +30,7 @@ __all__ = [
     "check_lower_bound",
     "check_scale",
     "check_shape",
-    "dtype_name",
+    "dtype_spelling",
     "host_integers",
     "namespace_of",
     "slot_stride",
@@ -111,14 +111,14 @@ def check_shape(name: str, x: Any, expected: tuple[int, ...], letters: str) -> N
         raise InvalidInputError(msg)
 
 
-def dtype_name(dtype: Any) -> str:
+def dtype_spelling(dtype: Any) -> str:
     """``float32`` for NumPy's scalar type, the library's own spelling otherwise."""
     return getattr(dtype, "__name__", None) or str(dtype)
 
 
 def check_dtype(name: str, x: Any, expected: Any, why: str) -> None:
     if x.dtype != expected:
-        msg = f"{name} must have dtype {dtype_name(expected)} ({why}); got {dtype_name(x.dtype)}"
+        msg = f"{name} must have dtype {dtype_spelling(expected)} ({why}); got {dtype_spelling(x.dtype)}"
         raise InvalidTypeError(msg)
 
 

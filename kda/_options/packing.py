@@ -18,6 +18,7 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
+from .._dtypes import dtype_name
 from .._errors import InvalidInputError, InvalidTypeError
 from .arguments import check_array, host_integers
 
@@ -92,14 +93,6 @@ POOL_DTYPE_RULE = (
 HALF_POOLS = ("float16", "bfloat16")  # 16-bit pool dtypes: read into float32, rounded on store
 
 
-def _dtype_name(dtype: Any) -> str:
-    """``float16`` for NumPy's and torch's float16, ``bfloat16`` for ``ml_dtypes.bfloat16`` and torch's."""
-    name = getattr(dtype, "name", None)
-    if not isinstance(name, str):
-        name = getattr(dtype, "__name__", None)
-    return name if isinstance(name, str) else str(dtype).rpartition(".")[2]
-
-
 _HALF_SEEN: dict[int, tuple[Any, bool]] = {}  # id(dtype) -> (dtype, whether a 16-bit pool dtype)
 
 
@@ -108,7 +101,7 @@ def is_half_pool(dtype: Any) -> bool:
     dtype's name costs microseconds: float16's 4 us)."""
     seen = _HALF_SEEN.get(id(dtype))
     if seen is None:
-        seen = _HALF_SEEN[id(dtype)] = (dtype, _dtype_name(dtype) in HALF_POOLS)  # kept alive: ids stay
+        seen = _HALF_SEEN[id(dtype)] = (dtype, dtype_name(dtype) in HALF_POOLS)  # kept alive: ids stay
     return seen[1]
 
 
@@ -116,7 +109,7 @@ def pool_dtype_ok(dtype: Any, compute_dtype: Any) -> bool:
     """Whether a pool of ``dtype`` serves a call computing in ``compute_dtype`` (:data:`POOL_DTYPE_RULE`)."""
     if dtype == compute_dtype:
         return True
-    return _dtype_name(dtype) in HALF_POOLS and _dtype_name(compute_dtype) == "float32"
+    return dtype_name(dtype) in HALF_POOLS and dtype_name(compute_dtype) == "float32"
 
 
 def check_pool_dtype(name: str, dtype: Any, compute_dtype: Any, input_dtype: Any = None) -> None:
@@ -125,10 +118,10 @@ def check_pool_dtype(name: str, dtype: Any, compute_dtype: Any, input_dtype: Any
     dtypes (NumPy, ``ml_dtypes``, torch, JAX); ``input_dtype``: the inputs', for the message."""
     if pool_dtype_ok(dtype, compute_dtype):
         return
-    want = "float64" if _dtype_name(compute_dtype) == "float64" else "float32, float16 or bfloat16"
-    msg = f"{name} must have dtype {want} ({POOL_DTYPE_RULE}); got {_dtype_name(dtype)}"
+    want = "float64" if dtype_name(compute_dtype) == "float64" else "float32, float16 or bfloat16"
+    msg = f"{name} must have dtype {want} ({POOL_DTYPE_RULE}); got {dtype_name(dtype)}"
     if input_dtype is not None:
-        msg += f" with {_dtype_name(input_dtype)} inputs"
+        msg += f" with {dtype_name(input_dtype)} inputs"
     raise InvalidTypeError(msg)
 
 

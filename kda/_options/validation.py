@@ -28,7 +28,7 @@ from .arguments import (
     check_log_decay,
     check_scale,
     check_shape,
-    dtype_name,
+    dtype_spelling,
     namespace_of,
 )
 from .checks import is_real_floating
@@ -165,7 +165,7 @@ def validate_problem(
         raise InvalidInputError(msg)
     if not is_real_floating(xp, q.dtype):
         allowed = "float16, bfloat16, float32, float64"
-        msg = f"q must have a real floating dtype ({allowed}); got {dtype_name(q.dtype)}"
+        msg = f"q must have a real floating dtype ({allowed}); got {dtype_spelling(q.dtype)}"
         raise InvalidTypeError(msg)
     for name, x in zip(names[1:], arrays[1:]):
         check_dtype(name, x, q.dtype, "the dtype of q")
@@ -220,7 +220,7 @@ def _check_param(param: GateParam, x: Any, p: Problem) -> Any:
         raise InvalidTypeError(msg)
     check_shape(name, x, param.shape(p.HV, p.K), param.letters)
     if not is_real_floating(p.xp, x.dtype):
-        msg = f"{name} must have a real floating dtype; got {dtype_name(x.dtype)}"
+        msg = f"{name} must have a real floating dtype; got {dtype_spelling(x.dtype)}"
         raise InvalidTypeError(msg)
     return p.xp.astype(x, p.compute_dtype, copy=False)
 
