@@ -157,10 +157,16 @@ def test_transitions_go_through_the_core(monkeypatch):
 # ---------------------------------------------------------------------------- short call paths
 # kda's frames on the stack when a call reaches its first backend primitive (frames whose module
 # is kda or kda.*, the public function's own first: kda._entry.api.chunk_kda). The
-# engine's share is the frames in kda/_engine/chunked.py, from the function the core calls down
-# to the primitive call; the entry layers' share (adapter, entry, core) is everything above it.
+# engine's share is the frames in the chunked algorithm's modules, from the function the core
+# calls down to the primitive call; the entry layers' share (adapter, entry, core) is everything above it.
 
-ENGINE = "kda._engine.chunked"
+#: the chunked algorithm's modules (its entry points, the forward, the backward, what they share)
+ENGINE = (
+    "kda._engine.chunked",
+    "kda._engine.chunked_forward",
+    "kda._engine.chunked_backward",
+    "kda._engine.chunks",
+)
 PATHS = {  # name: (the entry layers' budget, the total budget)
     "kda.chunk_kda": (3, 7),
     "kda.torch.chunk_kda backward": (4, 8),
@@ -234,7 +240,7 @@ def _call_path(name: str) -> list[str]:
 
 def _shares(frames: list[str]) -> tuple[list[str], list[str]]:
     """``(the entry layers' frames, the engine's frames)``."""
-    engine = [f for f in frames if f.startswith(ENGINE + ".")]
+    engine = [f for f in frames if f.startswith(tuple(m + "." for m in ENGINE))]
     assert frames[len(frames) - len(engine) :] == engine, f"engine frames are not the innermost: {frames}"
     return frames[: len(frames) - len(engine)], engine
 
@@ -254,7 +260,7 @@ def test_entry_layers_call_path_budget(name):
 @pytest.mark.parametrize("name", sorted(PATHS))
 def test_total_call_path_budget(name):
     """The whole path: at most 7 of kda's frames for kda.chunk_kda, 8 for the torch backward; the
-    engine's share (kda/_engine/chunked.py, from the function the core calls) at most 4."""
+    engine's share (the chunked algorithm's modules, from the function the core calls) at most 4."""
     frames = _call_path(name)
     assert len(frames) <= PATHS[name][1], frames
     assert 1 <= len(_shares(frames)[1]) <= 4, frames
