@@ -87,9 +87,11 @@ def compare(row: Row, record: dict[str, Any], expected: list[Expected]) -> Row:
             if t is not None:
                 a, b = v["tokens"][t], h.tokens[t]
                 lp = h.logprobs[t]
-                margin = abs(lp[b] - lp[a]) if a in lp else math.inf
+                # a reference may know no log probability at a step (llama.cpp's: margins only)
+                margin = abs(lp[b] - lp[a]) if a in lp and b in lp else math.inf
                 tie = row.dtype == "float32" and margin < TIE_LOGPROB
-                gap = f", the reference's logprobs {lp[b]:.6f} against {lp.get(a, math.nan):.6f}"
+                known = lp.get(b, math.nan), lp.get(a, math.nan)
+                gap = f", the reference's logprobs {known[0]:.6f} against {known[1]:.6f}"
                 if tie:  # the later tokens follow different contexts: not compared
                     row.ties, compared = row.ties + 1, t
                 what = "a tie" if tie else "first differs"

@@ -13,6 +13,7 @@ REGISTRY = {
     "kimi": "kda_only",
     "kimi-linear": "kimi_linear",
     "glm": "glm",
+    "ling": "ling",
 }
 
 
