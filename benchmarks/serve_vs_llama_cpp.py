@@ -90,7 +90,7 @@ MLA = {
 #: (prompt length, greedy tokens) of the correctness prompts
 CORRECT_PROMPTS = ((16, 32), (100, 32), (300, 32))
 QUICK_PROMPTS = ((16, 16), (70, 16))
-TIE_LOGPROB = 1.5e-4  # kda.vllm.check_kimi_linear's: a near tie between float32 implementations
+TIE_LOGPROB = 1.5e-4  # kda.vllm.check's: a near tie between float32 implementations
 DECODE_PROMPT = 128
 KDA_OPS = "vllm.models.kimi_k3.nvidia.ops.third_party.kda"
 KDA_NAMES = ("chunk_kda_with_fused_gate", "fused_recurrent_kda_packed_decode", "fused_recurrent_kda")

@@ -79,10 +79,7 @@ def test_kimi_linear_f32_greedy_equals_transformers(tmp_path):
 
     from kda.transformers import apply_kda_to_kimi_linear
 
-    try:
-        from kda.vllm.families.kimi_linear import build_model
-    except ImportError:  # before the check's families
-        from kda.vllm.check_kimi_linear import build_model
+    from kda.vllm.families.kimi_linear import build_model
 
     model = build_model(str(tmp_path), moe=True, seed=0)
     apply_kda_to_kimi_linear(model)
