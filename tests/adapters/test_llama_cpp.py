@@ -78,7 +78,6 @@ def test_kimi_linear_f32_greedy_equals_transformers(tmp_path):
     import torch
 
     from kda.transformers import apply_kda_to_kimi_linear
-
     from kda.vllm.families.kimi_linear import build_model
 
     model = build_model(str(tmp_path), moe=True, seed=0)
