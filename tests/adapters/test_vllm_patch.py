@@ -369,7 +369,7 @@ CPU_CONV = "(x, conv_state, weight, bias=None, activation=None, conv_state_indic
 GENERIC_CONV = "(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None, num_accepted_tokens=None, query_start_loc=None, max_query_len=-1, null_block_id=0, out=None)"  # noqa: E501
 
 
-@pytest.mark.parametrize("signature", [CPU_CONV, GENERIC_CONV])
+@pytest.mark.parametrize("signature", [CPU_CONV, GENERIC_CONV], ids=["cpu", "generic"])
 def test_conv_dispatch_by_bound_arguments(monkeypatch, signature):
     """``causal_conv1d_update`` goes to kda's speculative update when the call's arguments, bound
     to vLLM's signature, carry ``num_accepted_tokens``, whatever their count; else to vLLM's."""
