@@ -87,10 +87,13 @@ def config() -> dict[str, Any]:
     }  # fmt: skip
 
 
-def build_model(path: str, seed: int = 0) -> dict[str, Any]:
+def build_model(path: str, seed: int = 0, mix: float = 1.0) -> dict[str, Any]:
     """Write ``config.json``, ``configuration_bailing_moe_v3.py`` and ``model.safetensors`` (random
     weights, scaled by fan-in; the output head scaled up for clear greedy margins) to ``path``;
-    returns the config."""
+    returns the config. ``mix`` scales every layer's output projection (KDA's ``o_proj``, MLA's
+    ``dense``, every MLP's ``down_proj``), the same random draws otherwise: below 1 the embedding's
+    own path through the residual stream weighs more, and greedy runs come back to earlier tokens
+    (``check --model ling``'s speculative row, :mod:`kda.vllm.families.ling`)."""
     import torch
     from safetensors.torch import save_file
 
@@ -119,7 +122,7 @@ def build_model(path: str, seed: int = 0) -> dict[str, Any]:
             for name, shape in (("q_proj", (P, HIDDEN)), ("k_proj", (P, HIDDEN)), ("v_proj", (P, HIDDEN)),
                                 ("b_proj", (HEADS, HIDDEN)), ("f_proj", (P, HIDDEN)), ("g_proj", (P, HIDDEN)),
                                 ("o_proj", (HIDDEN, P))):  # fmt: skip
-                t[a + name + ".weight"] = lin(*shape)
+                t[a + name + ".weight"] = lin(*shape, mix if name == "o_proj" else 1.0)
             for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
                 t[a + name + ".weight"] = torch.randn(P, 1, 4, generator=gen) * 0.5
             t[a + "A_log"] = torch.randn(HEADS, generator=gen) * 0.5
@@ -133,12 +136,12 @@ def build_model(path: str, seed: int = 0) -> dict[str, Any]:
             t[a + "kv_a_layernorm.weight"] = norm(KV_LORA)
             t[a + "kv_b_proj.weight"] = lin(HEADS * (NOPE + V_DIM), KV_LORA)
             t[a + "g_proj.weight"] = lin(HEADS, HIDDEN)
-            t[a + "dense.weight"] = lin(HIDDEN, HEADS * V_DIM)
+            t[a + "dense.weight"] = lin(HIDDEN, HEADS * V_DIM, mix)
         if i < cfg["first_k_dense_replace"]:
             inter = cfg["intermediate_size"]
             t[m + "mlp.gate_proj.weight"] = lin(inter, HIDDEN)
             t[m + "mlp.up_proj.weight"] = lin(inter, HIDDEN)
-            t[m + "mlp.down_proj.weight"] = lin(HIDDEN, inter)
+            t[m + "mlp.down_proj.weight"] = lin(HIDDEN, inter, mix)
         else:
             t[m + "mlp.gate.weight"] = lin(EXPERTS, HIDDEN, 2.0)
             t[m + "mlp.gate.expert_bias"] = 0.1 * torch.randn(EXPERTS, generator=gen)
@@ -146,10 +149,10 @@ def build_model(path: str, seed: int = 0) -> dict[str, Any]:
                 x = f"{m}mlp.experts.{e}."
                 t[x + "gate_proj.weight"] = lin(MOE_DIM, HIDDEN)
                 t[x + "up_proj.weight"] = lin(MOE_DIM, HIDDEN)
-                t[x + "down_proj.weight"] = lin(HIDDEN, MOE_DIM)
+                t[x + "down_proj.weight"] = lin(HIDDEN, MOE_DIM, mix)
             x = f"{m}mlp.shared_experts."
             t[x + "gate_proj.weight"], t[x + "up_proj.weight"] = lin(MOE_DIM, HIDDEN), lin(MOE_DIM, HIDDEN)
-            t[x + "down_proj.weight"] = lin(HIDDEN, MOE_DIM)
+            t[x + "down_proj.weight"] = lin(HIDDEN, MOE_DIM, mix)
         t[m + "input_layernorm.weight"], t[m + "post_attention_layernorm.weight"] = norm(HIDDEN), norm(HIDDEN)
     save_file({k: v.contiguous() for k, v in t.items()}, os.path.join(path, "model.safetensors"),
               metadata={"format": "pt"})  # fmt: skip

@@ -71,3 +71,30 @@ def test_family_spec():
     path = fam.reference.__code__.co_filename
     with open(path) as f:
         assert len(f.read().splitlines()) < 150
+
+
+def test_mix_scales_the_output_projections_only(tmp_path):
+    """``mix`` (the speculative row's ``ling-repeat``): the same draws, every layer's output
+    projection (KDA ``o_proj``, MLA ``dense``, each ``down_proj``) times ``mix``, nothing else."""
+    from safetensors.torch import load_file
+
+    lm.build_model(str(tmp_path / "a"), seed=3)
+    lm.build_model(str(tmp_path / "b"), seed=3, mix=0.3)
+    a = load_file(str(tmp_path / "a" / "model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert set(a) == set(b)
+    scaled = [k for k in a if k.endswith(("o_proj.weight", "attention.dense.weight", "down_proj.weight"))]
+    assert len(scaled) == 3 + 2 + 1 + (lm.LAYERS - 1) * (lm.EXPERTS + 1)
+    for k in a:
+        want = a[k] * 0.3 if k in scaled else a[k]
+        assert (b[k] - want).abs().max() <= 1e-6 * a[k].abs().max(), k
+
+
+def test_family_spec_speculation_on_the_repeating_model():
+    """The ``spec`` engine runs by default, on ``ling-repeat`` only (on ``ling`` no draft is right),
+    against the default engine, which runs on both models."""
+    fam = pytest.importorskip("kda.vllm.families.ling").FAMILY
+    spec, models = fam.engine("spec"), {m.name: m for m in fam.models}
+    assert spec.default and spec.against == "default" and spec.speculative
+    assert "spec" not in models["ling"].engines and "spec" in models["ling-repeat"].engines
+    assert "default" in models["ling"].engines and "default" in models["ling-repeat"].engines

@@ -23,12 +23,12 @@ _GGUF = {"float32": "f32", "bfloat16": "bf16"}
 _converted: dict[tuple[str, str], Any] = {}
 
 
-def build(path: str, seed: int) -> str:
-    """The model (:func:`kda.vllm.ling_model.build_model`) and llama.cpp's tokenizer files beside
-    it; the handle is the directory."""
+def build(path: str, seed: int, mix: float = 1.0) -> str:
+    """The model (:func:`kda.vllm.ling_model.build_model`, ``mix`` its layers' output scale) and
+    llama.cpp's tokenizer files beside it; the handle is the directory."""
     from .. import llama_cpp
 
-    build_model(path, seed)
+    build_model(path, seed, mix)
     llama_cpp.write_tokenizer(path, VOCAB)
     return path
 
@@ -73,9 +73,19 @@ CHUNKED["max_num_batched_tokens"] = 64
 # a small KV budget (32 blocks of 128 tokens, prefix caching on): five prompts decoding 64 tokens
 # each do not fit at once, vLLM preempts requests
 SMALL_KV = {**TRUST, "num_gpu_blocks_override": 32, "max_model_len": 512, "enable_prefix_caching": True}
+# ngram speculation needs a model that repeats itself: on ``ling`` the n-gram lookup's first proposal
+# is the next token at none of the concurrent phase's positions (replayed over llama.cpp's tokens).
+# ``ling-repeat`` is the same draw (seed) with every layer's output projection scaled by 0.3: the
+# embedding's path weighs more, greedy runs return to earlier tokens, and the lookup is right at
+# some positions and wrong at most (replayed: 10 of 136 drafts accepted), so vLLM's verify
+# (``fused_recurrent_kda_fwd`` with ``num_accepted_tokens``) both keeps and rolls back drafts.
+REPEAT_MIX = 0.3
 FAMILY = Family(
     name="ling",
-    models=(Model("ling", build),),
+    models=(
+        Model("ling", build, ("default", "forced", "chunked", "bf16", "tp2", "poisoned")),
+        Model("ling-repeat", lambda path, seed: build(path, seed, REPEAT_MIX), ("default", "spec")),
+    ),
     engines=(
         Engine("default", (ONE, CONCURRENT_16, JOIN), TRUST),
         # prefill against decode: the engine's teacher-forced prefill of the prompt and its tokens
@@ -90,8 +100,8 @@ FAMILY = Family(
             tag="tp2",
             env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
         ),
-        # not run by default: tokens equal, no draft accepted (none is right on these prompts: docs/vllm.md)
-        Engine("spec", (CONCURRENT_16,), SPEC, tag="spec", against="default", default=False),
+        # on ling-repeat: every token equal to llama.cpp's and to its default engine's, drafts accepted
+        Engine("spec", (CONCURRENT_16,), SPEC, tag="spec", against="default"),
         # preemption; the KDA state pools filled with NaN when allocated
         Engine(
             "poisoned",
