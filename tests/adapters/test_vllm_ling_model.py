@@ -92,9 +92,12 @@ def test_mix_scales_the_output_projections_only(tmp_path):
 
 def test_family_spec_speculation_on_the_repeating_model():
     """The ``spec`` engine runs by default, on ``ling-repeat`` only (on ``ling`` no draft is right),
-    against the default engine, which runs on both models."""
+    against the default engine, which runs on both models; so does ``bf16``."""
     fam = pytest.importorskip("kda.vllm.families.ling").FAMILY
     spec, models = fam.engine("spec"), {m.name: m for m in fam.models}
     assert spec.default and spec.against == "default" and spec.speculative
     assert "spec" not in models["ling"].engines and "spec" in models["ling-repeat"].engines
     assert "default" in models["ling"].engines and "default" in models["ling-repeat"].engines
+    # bfloat16: by default on ling-repeat; on ling (a near tie in its MoE group routing) on request
+    assert fam.engine("bf16").default and not fam.engine("bf16-tie").default
+    assert "bf16" in models["ling-repeat"].engines and "bf16-tie" in models["ling"].engines
