@@ -296,8 +296,9 @@ def vllm_child(path: str, dtype: str, spec: dict[str, Any]) -> dict[str, Any]:
 
     rounds = spec["rounds"]
     out["prefill"] = {}
-    for length in spec["prefill"]:
-        run(1, length, 1)  # warm-up at this length
+    for i, length in enumerate(spec["prefill"]):
+        if i == 0 or not spec.get("warm_first_only"):
+            run(1, length, 1)  # warm-up at this length
         t = min(run(1, length, 1) for _ in range(rounds))
         out["prefill"][str(length)] = {"tok_s": length / t, "ttft_s": t}
     out["decode"] = {}
@@ -418,6 +419,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, nargs="+", help="decode batch sizes (1 8 32)")
     p.add_argument("--decode-tokens", type=int, help="tokens decoded a request (64; quick 8)")
     p.add_argument("--rounds", type=int, help="timed rounds, the best kept (3; quick 1)")
+    p.add_argument(
+        "--decode-prompt", type=int, help=f"prompt tokens before the decode rows ({DECODE_PROMPT}; quick 32)"
+    )
+    p.add_argument(
+        "--warm-first-only", action="store_true",
+        help="vLLM: a warm-up run at the first prefill length only (the engine is warm; a long prompt's "
+        "warm-up costs as much as its timed run)",
+    )  # fmt: skip
     p.add_argument("--layers", type=int, help="cut the model to its first N layers (the MLA positions kept)")
     p.add_argument("--experts", type=int, help="routed experts (8)")
     p.add_argument("--q8", action="store_true", help="llama.cpp on a Q8_0 GGUF too (reported apart)")
@@ -492,7 +501,8 @@ def run(args: argparse.Namespace) -> int:
         "prefill": args.prefill or ([64, 256] if args.quick else [512, 4096]),
         "batches": args.batches or ([1, 4] if args.quick else [1, 8, 32]),
         "decode_tokens": args.decode_tokens or (8 if args.quick else 64),
-        "decode_prompt": 32 if args.quick else DECODE_PROMPT,
+        "decode_prompt": args.decode_prompt or (32 if args.quick else DECODE_PROMPT),
+        "warm_first_only": args.warm_first_only,
         "rounds": args.rounds or (1 if args.quick else 3), "speed": speed, "kv_gib": 1 if args.quick else 4,
     }  # fmt: skip
     # correctness: llama.cpp's F32 and vLLM's float32 tokens against transformers' float32 ones
