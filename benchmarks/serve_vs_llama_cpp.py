@@ -430,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, help="cut the model to its first N layers (the MLA positions kept)")
     p.add_argument("--experts", type=int, help="routed experts (8)")
     p.add_argument("--q8", action="store_true", help="llama.cpp on a Q8_0 GGUF too (reported apart)")
+    p.add_argument("--kv-gib", type=float, help="vLLM's KV cache space in GiB (4; quick 1)")
     p.add_argument("--eager", action="store_true", help="vLLM with enforce_eager (quick: always)")
     p.add_argument("--no-speed", action="store_true", help="correctness only")
     p.add_argument("--keep", metavar="DIR", help="write (or reuse) the model and GGUFs here")
@@ -503,7 +504,8 @@ def run(args: argparse.Namespace) -> int:
         "decode_tokens": args.decode_tokens or (8 if args.quick else 64),
         "decode_prompt": args.decode_prompt or (32 if args.quick else DECODE_PROMPT),
         "warm_first_only": args.warm_first_only,
-        "rounds": args.rounds or (1 if args.quick else 3), "speed": speed, "kv_gib": 1 if args.quick else 4,
+        "rounds": args.rounds or (1 if args.quick else 3), "speed": speed,
+        "kv_gib": args.kv_gib or (1 if args.quick else 4),
     }  # fmt: skip
     # correctness: llama.cpp's F32 and vLLM's float32 tokens against transformers' float32 ones
     say("\n## Correctness: greedy tokens against transformers' float32 tokens "
@@ -580,6 +582,8 @@ def _speed_tables(
 ) -> None:  # fmt: skip
     llama: dict[str, dict[str, Any]] = {}
     for dtype, gguf in ggufs.items():
+        if dtype not in (*args.dtypes, "q8_0"):  # the F32 GGUF is always converted: the correctness run's
+            continue
         kv = {"float32": "f32", "bfloat16": "bf16"}.get(dtype, "f16")
         try:
             llama[dtype] = llama_speed(gguf, kv, spec, threads, args.timeout)

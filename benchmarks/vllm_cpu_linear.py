@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -115,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print("# vLLM-CPU's linear layers (oneDNN) against torch.nn.functional.linear, Kimi-Linear-48B's shapes")
     print(_common.describe())
-    print(f"command: python -m benchmarks.vllm_cpu_linear {' '.join(argv or [])}".rstrip())
+    given = sys.argv[1:] if argv is None else argv
+    print(f"command: python -m benchmarks.vllm_cpu_linear {' '.join(given)}".rstrip())
     print(f"load average before: {os.getloadavg()[0]:.2f}; torch threads: {torch.get_num_threads()}")
     bw = bandwidth()
     print(f"read bandwidth (torch.sum over 2 GiB float32): {bw:.1f} GB/s\n")
