@@ -60,6 +60,27 @@ def config(vocab: int, kinds: tuple[str, ...] = ("linear_attention",) * LAYERS) 
     return {**cfg.to_dict(), "architectures": ["Glm5NextForCausalLM"], **extra}
 
 
+def _kda_shapes(P: int, K: int) -> dict[str, tuple[int, int]]:
+    """A KDA layer's projections, ``(rows, columns)`` in vLLM's checkpoint names, in the order their
+    random weights are drawn (``P = HEADS * HEAD_DIM``, ``K = HEAD_DIM``)."""
+    shapes = {f"self_attn.{n}_proj": (P, HIDDEN) for n in "qkv"}
+    shapes |= {"self_attn.b_proj": (HEADS, HIDDEN), "self_attn.f_a_proj": (K, HIDDEN)}
+    shapes |= {"self_attn.g_a_proj": (K, HIDDEN), "self_attn.f_b_proj": (P, K), "self_attn.g_b_proj": (P, K)}
+    return shapes | {"self_attn.o_proj": (HIDDEN, P)}
+
+
+def _kda_extras(m: str, P: int, W: int, gen: Any) -> dict[str, Any]:
+    """Layer ``m``'s KDA tensors besides its projections (short convolutions of width ``W``, the
+    gate's ``A_log`` and ``dt_bias``, the output norm), drawn from ``gen`` in that order."""
+    import torch
+
+    t = {m + f"self_attn.{n}_conv1d.weight": torch.randn(P, 1, W, generator=gen) * 0.5 for n in "qkv"}
+    t[m + "self_attn.A_log"] = torch.randn(HEADS, generator=gen) * 0.5
+    t[m + "self_attn.dt_bias"] = torch.randn(P, generator=gen)
+    t[m + "self_attn.o_norm.weight"] = torch.ones(HEAD_DIM)
+    return t
+
+
 def build_model(
     path: str, vocab: int, seed: int = 0, kinds: tuple[str, ...] = ("linear_attention",) * LAYERS
 ) -> None:
@@ -81,10 +102,7 @@ def build_model(
     mla |= {"self_attn.kv_a_proj_with_mqa": (c, HIDDEN), "self_attn.kv_b_proj": (HEADS * (n + v), c)}
     mla |= {"self_attn.o_proj": (HIDDEN, HEADS * v), "self_attn.indexer.wq_b": (ih * id_, r)}
     mla |= {"self_attn.indexer.wk": (id_, HIDDEN), "self_attn.indexer.weights_proj": (ih, HIDDEN)}
-    shapes = {f"self_attn.{n}_proj": (P, HIDDEN) for n in "qkv"}
-    shapes |= {"self_attn.b_proj": (HEADS, HIDDEN), "self_attn.f_a_proj": (K, HIDDEN)}
-    shapes |= {"self_attn.g_a_proj": (K, HIDDEN), "self_attn.f_b_proj": (P, K), "self_attn.g_b_proj": (P, K)}
-    shapes |= {"self_attn.o_proj": (HIDDEN, P), "mlp.gate_proj": (2 * HIDDEN, HIDDEN)}
+    shapes = _kda_shapes(P, K) | {"mlp.gate_proj": (2 * HIDDEN, HIDDEN)}
     shapes |= {"mlp.up_proj": (2 * HIDDEN, HIDDEN), "mlp.down_proj": (HIDDEN, 2 * HIDDEN)}
 
     def lin(rows: int, cols: int, s: float = 1.0) -> Any:
@@ -106,11 +124,7 @@ def build_model(
             t[ix + "index_kpool_compress_gate"] = lin(id_, HIDDEN)
         else:
             t |= {m + name + ".weight": lin(*shape) for name, shape in shapes.items()}
-            for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
-                t[m + f"self_attn.{name}.weight"] = torch.randn(P, 1, W, generator=gen) * 0.5
-            t[m + "self_attn.A_log"] = torch.randn(HEADS, generator=gen) * 0.5
-            t[m + "self_attn.dt_bias"] = torch.randn(P, generator=gen)
-            t[m + "self_attn.o_norm.weight"] = torch.ones(HEAD_DIM)
+            t |= _kda_extras(m, P, W, gen)
         t[m + "input_layernorm.weight"], t[m + "post_attention_layernorm.weight"] = torch.ones(2, HIDDEN)
         for hc in ("hc_attn", "hc_ffn"):
             t[m + f"{hc}_fn"] = lin(mix, HC * HIDDEN)
@@ -145,18 +159,7 @@ def build_plain(path: str, seed: int = 0) -> None:
         json.dump(config, f, indent=1)
     gen = torch.Generator().manual_seed(seed)
     P, W, K = HEADS * HEAD_DIM, cfg.linear_conv_kernel_dim, HEAD_DIM
-    # a KDA layer's projections and a dense MLP's, (rows, columns), in vLLM's checkpoint names
-    shapes = {
-        "self_attn.q_proj": (P, HIDDEN),
-        "self_attn.k_proj": (P, HIDDEN),
-        "self_attn.v_proj": (P, HIDDEN),
-    }
-    shapes |= {
-        "self_attn.b_proj": (HEADS, HIDDEN),
-        "self_attn.f_a_proj": (K, HIDDEN),
-        "self_attn.g_a_proj": (K, HIDDEN),
-    }
-    shapes |= {"self_attn.f_b_proj": (P, K), "self_attn.g_b_proj": (P, K), "self_attn.o_proj": (HIDDEN, P)}
+    shapes = _kda_shapes(P, K)
     mlp = {"mlp.gate_proj": (2 * HIDDEN, HIDDEN), "mlp.up_proj": (2 * HIDDEN, HIDDEN)}
     mlp |= {"mlp.down_proj": (HIDDEN, 2 * HIDDEN)}
 
@@ -168,11 +171,7 @@ def build_plain(path: str, seed: int = 0) -> None:
     for i in range(LAYERS):
         m = f"model.layers.{i}."
         t |= {m + name + ".weight": lin(*shape) for name, shape in shapes.items()}
-        for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
-            t[m + f"self_attn.{name}.weight"] = torch.randn(P, 1, W, generator=gen) * 0.5
-        t[m + "self_attn.A_log"] = torch.randn(HEADS, generator=gen) * 0.5
-        t[m + "self_attn.dt_bias"] = torch.randn(P, generator=gen)
-        t[m + "self_attn.o_norm.weight"] = torch.ones(HEAD_DIM)
+        t |= _kda_extras(m, P, W, gen)
         t |= {m + name + ".weight": lin(*shape) for name, shape in mlp.items()}
         t[m + "input_layernorm.weight"], t[m + "post_attention_layernorm.weight"] = torch.ones(2, HIDDEN)
     tensors = {k: v.contiguous() for k, v in t.items()}
