@@ -16,7 +16,8 @@ rounds:
   weight over 1 MiB on an x86 CPU without zentorch);
 - ``torch``: ``torch.nn.functional.linear(x, weight)`` on the same weight (PyTorch's CPU GEMM);
 
-and reports each as time per call, the weight bytes streamed per second (a decode step of a few
+and reports each (:func:`benchmarks._common.rounds`: 5 samples a round, the median) as time per
+call, the weight bytes streamed per second (a decode step of a few
 tokens reads every weight once: its rate is bounded by the memory's), and GFLOP/s. Beside them, the
 machine's read bandwidth (``torch.sum`` over a 2 GiB float32 tensor, every usable core) and the
 threads both use (``torch.get_num_threads()``). Nothing here is imported by :mod:`kda`.
@@ -26,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from typing import Any
 
 #: (name, N, K) of Kimi-Linear-48B-A3B's linear layers (hidden 2304)
@@ -43,40 +42,22 @@ SHAPES = (
 )
 
 
-def _time(fn: Any, seconds: float) -> float:
-    """The median time of calls of ``fn`` over samples of at least ``seconds`` / 5 each."""
-    fn()
-    t0 = time.perf_counter()
-    fn()
-    one = max(time.perf_counter() - t0, 1e-7)
-    reps = max(1, int(seconds / 5 / one))
-    samples = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        samples.append((time.perf_counter() - t0) / reps)
-    return statistics.median(samples)
-
-
 def bandwidth(gib: float = 2.0) -> float:
     """Read bandwidth in GB/s: ``torch.sum`` over a ``gib`` GiB float32 tensor, the best of 5."""
     import torch
 
+    from benchmarks import _common
+
     x = torch.ones(int(gib * 2**30 / 4), dtype=torch.float32)
-    x.sum()
-    best = min(_once(lambda: x.sum()) for _ in range(5))
+    best = _common.rounds({"sum": x.sum}, 5)["sum"].min_s
     return x.numel() * 4 / best / 1e9
 
 
-def _once(fn: Any) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def _shape_rows(ops: Any, torch: Any, dtype_name: str, name: str, n: int, k: int, args: Any) -> None:
-    """One table row a token count of the weight ``n x k``, after checking both paths agree."""
+    """One table row a token count of the weight ``n x k``, after checking both paths agree; the two
+    timed in alternating rounds by :func:`benchmarks._common.rounds`."""
+    from benchmarks import _common
+
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(0)
     w = (torch.randn(n, k) * 0.02).to(dtype)
@@ -87,14 +68,12 @@ def _shape_rows(ops: Any, torch: Any, dtype_name: str, name: str, n: int, k: int
         err = (a.float() - b.float()).abs().max().item() / max(b.float().abs().max().item(), 1e-30)
         if err > (1e-5 if dtype == torch.float32 else 2e-2):
             raise RuntimeError(f"{name} M={m} {dtype_name}: oneDNN and torch differ by {err:.1e}")
-        pair = [
-            ([], lambda x=x: ops.onednn_mm(handler, x, None)),
-            ([], lambda x=x: torch.nn.functional.linear(x, w)),
-        ]
-        for r in range(args.rounds):
-            for out, fn in pair if r % 2 == 0 else pair[::-1]:
-                out.append(_time(fn, args.seconds))
-        td, tt = statistics.median(pair[0][0]), statistics.median(pair[1][0])
+        fns = {
+            "onednn": lambda x=x: ops.onednn_mm(handler, x, None),
+            "torch": lambda x=x: torch.nn.functional.linear(x, w),
+        }
+        timing = _common.rounds(fns, args.rounds, min_sample=args.seconds / 5, repeats=5)
+        td, tt = timing["onednn"].median_s, timing["torch"].median_s
         nbytes, flops = n * k * w.element_size(), 2 * m * n * k
         print(f"| {dtype_name} | {name} | {n} x {k} | {m} | {td * 1e6:.0f} | {tt * 1e6:.0f} | "
               f"{nbytes / td / 1e9:.1f} | {nbytes / tt / 1e9:.1f} | {flops / td / 1e9:.0f} | "
